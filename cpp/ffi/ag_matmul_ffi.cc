@@ -1,0 +1,94 @@
+// FFI adapter of the fused AllGather -> GEMM: decode buffers and attributes
+// into AgMatmulParams, call the backend, turn its Status into ffi::Error.
+#include <optional>
+
+#include "ffi_common.h"
+#include "flux_jax/ag_matmul.h"
+#include "handlers.h"
+
+namespace flux_jax::ffi_adapter {
+namespace {
+
+Status MakeParams(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
+                  ffi::RemainingRets& extra, const ffi::Dictionary& attrs, const TpGroup& group,
+                  AgMatmulParams* p) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2) {
+    return Status::InvalidArgument("ag_matmul: x and w must be 2-D inside the custom call");
+  }
+  FLUX_JAX_RETURN_IF_ERROR(ToDType(x.element_type(), "ag_matmul x", &p->dtype));
+  if (w.element_type() != x.element_type() || out->element_type() != x.element_type()) {
+    return Status::InvalidArgument("ag_matmul: x, w and out must share one dtype");
+  }
+  FLUX_JAX_RETURN_IF_ERROR(GetAttr(attrs, "w_transposed", &p->w_transposed));
+  p->m_local = xd[0];
+  p->k = xd[1];
+  p->n = p->w_transposed ? wd[0] : wd[1];
+  if ((p->w_transposed ? wd[1] : wd[0]) != p->k) {
+    return Status::InvalidArgument("ag_matmul: contraction sizes of x and w differ");
+  }
+  p->x = x.untyped_data();
+  p->w = w.untyped_data();
+  p->out = out->untyped_data();
+  const int64_t rows = group.size * p->m_local;
+  FLUX_JAX_RETURN_IF_ERROR(CheckElements("ag_matmul out", out->element_count(), rows * p->n));
+  p->gathered = nullptr;
+  if (extra.size() > 0) {
+    auto gathered = extra.get<ffi::AnyBuffer>(0);
+    if (!gathered.has_value()) return Status::Internal("ag_matmul: cannot decode gathered result");
+    FLUX_JAX_RETURN_IF_ERROR(
+        CheckElements("ag_matmul gathered", (*gathered)->element_count(), rows * p->k));
+    p->gathered = (*gathered)->untyped_data();
+  }
+  return AgMatmulCanImplement(*p, group);
+}
+
+// `stream` is null on CPU. On GPU the rank operand lives in device memory, so
+// the host trusts the mesh table (the kernels cross-check it).
+ffi::Error AgMatmul(void* stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                    ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> out,
+                    ffi::RemainingRets extra, ffi::Dictionary attrs) {
+  std::optional<int32_t> host_rank;
+  if (stream == nullptr) host_rank = rank.typed_data()[0];
+  TpGroup group;
+  CommConfig cfg;
+  AgMatmulParams p;
+  Status s = DecodeCommon(attrs, device_ordinal, host_rank, &group, &cfg);
+  if (s.ok()) s = MakeParams(x, w, out, extra, attrs, group, &p);
+  if (s.ok()) s = stream ? RunAgMatmulCuda(p, group, cfg, stream) : RunAgMatmulCpu(p, group, cfg);
+  return ToFfiError(s);
+}
+
+ffi::Error AgMatmulCpu(int32_t device_ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                       ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> out,
+                       ffi::RemainingRets extra, ffi::Dictionary attrs) {
+  return AgMatmul(nullptr, device_ordinal, x, w, rank, out, extra, attrs);
+}
+
+}  // namespace
+}  // namespace flux_jax::ffi_adapter
+
+namespace ffi = xla::ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FluxJaxAgMatmulCpu, flux_jax::ffi_adapter::AgMatmulCpu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()         // x [m_local, k]
+                                  .Arg<ffi::AnyBuffer>()         // w [k, n] or [n, k]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rank = lax.axis_index
+                                  .Ret<ffi::AnyBuffer>()         // out [tp*m_local, n]
+                                  .RemainingRets()               // gathered x, optional
+                                  .Attrs());
+
+#ifdef FLUX_JAX_WITH_CUDA
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FluxJaxAgMatmulCuda, flux_jax::ffi_adapter::AgMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<void*>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()         // x [m_local, k]
+                                  .Arg<ffi::AnyBuffer>()         // w [k, n] or [n, k]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rank = lax.axis_index
+                                  .Ret<ffi::AnyBuffer>()         // out [tp*m_local, n]
+                                  .RemainingRets()               // gathered x, optional
+                                  .Attrs());
+#endif

@@ -1,0 +1,73 @@
+// Shared pieces of the FFI adapters: dtype mapping, attribute decoding into
+// TpGroup / CommConfig, and Status -> ffi::Error.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "flux_jax/params.h"
+#include "flux_jax/status.h"
+#include "flux_jax/tp_group.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace flux_jax::ffi_adapter {
+
+namespace ffi = xla::ffi;
+
+inline ffi::Error ToFfiError(const Status& s) {
+  switch (s.code()) {
+    case StatusCode::kOk: return ffi::Error::Success();
+    case StatusCode::kInvalidArgument: return ffi::Error(ffi::ErrorCode::kInvalidArgument, s.message());
+    case StatusCode::kDeadlineExceeded: return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, s.message());
+    case StatusCode::kResourceExhausted: return ffi::Error(ffi::ErrorCode::kResourceExhausted, s.message());
+    case StatusCode::kInternal: break;
+  }
+  return ffi::Error(ffi::ErrorCode::kInternal, s.message());
+}
+
+inline Status ToDType(ffi::DataType t, const char* what, DType* out) {
+  switch (t) {
+    case ffi::DataType::F32: *out = DType::kF32; return Status::Ok();
+    case ffi::DataType::BF16: *out = DType::kBF16; return Status::Ok();
+    case ffi::DataType::F16: *out = DType::kF16; return Status::Ok();
+    default: break;
+  }
+  return Status::InvalidArgument(std::string("unsupported dtype for ") + what +
+                                 " (float32, bfloat16 and float16 are supported)");
+}
+
+// Reads attribute `name` of the op, with a readable error when it is missing.
+template <typename T>
+Status GetAttr(const ffi::Dictionary& attrs, const char* name, T* out) {
+  auto value = attrs.get<T>(name);
+  if (!value.has_value()) {
+    return Status::InvalidArgument(std::string("missing or mistyped FFI attribute '") + name + "'");
+  }
+  *out = *value;
+  return Status::Ok();
+}
+
+// Decodes the attributes every fused op carries (see flux_jax/_lowering.py):
+// tp_size, tp_devices, callsite, timeout_us, jitter_us, drop_rank.
+inline Status DecodeCommon(const ffi::Dictionary& attrs, int32_t device_ordinal,
+                           std::optional<int32_t> rank_operand, TpGroup* group, CommConfig* cfg) {
+  int64_t tp_size = 0;
+  ffi::Span<const int64_t> table;
+  FLUX_JAX_RETURN_IF_ERROR(GetAttr(attrs, "tp_size", &tp_size));
+  FLUX_JAX_RETURN_IF_ERROR(GetAttr(attrs, "tp_devices", &table));
+  FLUX_JAX_RETURN_IF_ERROR(GetAttr(attrs, "callsite", &cfg->callsite));
+  FLUX_JAX_RETURN_IF_ERROR(GetAttr(attrs, "timeout_us", &cfg->timeout_us));
+  FLUX_JAX_RETURN_IF_ERROR(GetAttr(attrs, "jitter_us", &cfg->jitter_us));
+  FLUX_JAX_RETURN_IF_ERROR(GetAttr(attrs, "drop_rank", &cfg->drop_rank));
+  return ResolveTpGroup(table.begin(), table.size(), tp_size, device_ordinal, rank_operand, group);
+}
+
+// Checks that a result buffer has the element count the op will write.
+inline Status CheckElements(const char* what, size_t have, int64_t want) {
+  if (static_cast<int64_t>(have) == want) return Status::Ok();
+  return Status::InvalidArgument(std::string(what) + " has " + std::to_string(have) +
+                                 " elements, expected " + std::to_string(want));
+}
+
+}  // namespace flux_jax::ffi_adapter

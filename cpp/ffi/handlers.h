@@ -1,0 +1,11 @@
+// Every FFI handler symbol the extension module registers.
+#pragma once
+
+#include "xla/ffi/api/api.h"
+
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FluxJaxAgMatmulCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FluxJaxMatmulRsCpu);
+#ifdef FLUX_JAX_WITH_CUDA
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FluxJaxAgMatmulCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(FluxJaxMatmulRsCuda);
+#endif

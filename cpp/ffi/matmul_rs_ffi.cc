@@ -1,0 +1,81 @@
+// FFI adapter of the fused GEMM -> ReduceScatter: decode buffers and attributes
+// into MatmulRsParams, call the backend, turn its Status into ffi::Error.
+#include <optional>
+
+#include "ffi_common.h"
+#include "flux_jax/matmul_rs.h"
+#include "handlers.h"
+
+namespace flux_jax::ffi_adapter {
+namespace {
+
+Status MakeParams(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
+                  const ffi::Dictionary& attrs, const TpGroup& group, MatmulRsParams* p) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2) {
+    return Status::InvalidArgument("matmul_rs: x and w must be 2-D inside the custom call");
+  }
+  FLUX_JAX_RETURN_IF_ERROR(ToDType(x.element_type(), "matmul_rs x", &p->dtype));
+  if (w.element_type() != x.element_type() || out->element_type() != x.element_type()) {
+    return Status::InvalidArgument("matmul_rs: x, w and out must share one dtype");
+  }
+  FLUX_JAX_RETURN_IF_ERROR(GetAttr(attrs, "w_transposed", &p->w_transposed));
+  p->m = xd[0];
+  p->k = xd[1];
+  p->n = p->w_transposed ? wd[0] : wd[1];
+  if ((p->w_transposed ? wd[1] : wd[0]) != p->k) {
+    return Status::InvalidArgument("matmul_rs: contraction sizes of x and w differ");
+  }
+  p->x = x.untyped_data();
+  p->w = w.untyped_data();
+  p->out = out->untyped_data();
+  FLUX_JAX_RETURN_IF_ERROR(MatmulRsCanImplement(*p, group));
+  return CheckElements("matmul_rs out", out->element_count(), p->m / group.size * p->n);
+}
+
+// `stream` is null on CPU (see ag_matmul_ffi.cc).
+ffi::Error MatmulRs(void* stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                    ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> out,
+                    ffi::Dictionary attrs) {
+  std::optional<int32_t> host_rank;
+  if (stream == nullptr) host_rank = rank.typed_data()[0];
+  TpGroup group;
+  CommConfig cfg;
+  MatmulRsParams p;
+  Status s = DecodeCommon(attrs, device_ordinal, host_rank, &group, &cfg);
+  if (s.ok()) s = MakeParams(x, w, out, attrs, group, &p);
+  if (s.ok()) s = stream ? RunMatmulRsCuda(p, group, cfg, stream) : RunMatmulRsCpu(p, group, cfg);
+  return ToFfiError(s);
+}
+
+ffi::Error MatmulRsCpu(int32_t device_ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                       ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> out,
+                       ffi::Dictionary attrs) {
+  return MatmulRs(nullptr, device_ordinal, x, w, rank, out, attrs);
+}
+
+}  // namespace
+}  // namespace flux_jax::ffi_adapter
+
+namespace ffi = xla::ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FluxJaxMatmulRsCpu, flux_jax::ffi_adapter::MatmulRsCpu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()         // x [m, k_local]
+                                  .Arg<ffi::AnyBuffer>()         // w [k_local, n] or [n, k_local]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rank = lax.axis_index
+                                  .Ret<ffi::AnyBuffer>()         // out [m/tp, n]
+                                  .Attrs());
+
+#ifdef FLUX_JAX_WITH_CUDA
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FluxJaxMatmulRsCuda, flux_jax::ffi_adapter::MatmulRs,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<void*>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()         // x [m, k_local]
+                                  .Arg<ffi::AnyBuffer>()         // w [k_local, n] or [n, k_local]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rank = lax.axis_index
+                                  .Ret<ffi::AnyBuffer>()         // out [m/tp, n]
+                                  .Attrs());
+#endif

@@ -1,0 +1,66 @@
+// The `flux_jax._flux_jax_ffi` extension: handler capsules for jax.ffi
+// registration, build facts, and process-state controls. No kernel code.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include "flux_jax/cpu_channels.h"
+#include "handlers.h"
+#include "xla/ffi/api/c_api.h"
+
+
+namespace nb = nanobind;
+
+namespace {
+
+template <typename Fn>
+nb::capsule Capsule(Fn* fn) {
+  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, Fn, XLA_FFI_CallFrame*>,
+                "FFI handlers must have the XLA_FFI_Handler signature");
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+nb::dict Registrations() {
+  nb::dict cpu;
+  cpu["flux_jax_ag_matmul"] = Capsule(FluxJaxAgMatmulCpu);
+  cpu["flux_jax_matmul_rs"] = Capsule(FluxJaxMatmulRsCpu);
+  nb::dict all;
+  all["cpu"] = cpu;
+#ifdef FLUX_JAX_WITH_CUDA
+  nb::dict cuda;
+  cuda["flux_jax_ag_matmul"] = Capsule(FluxJaxAgMatmulCuda);
+  cuda["flux_jax_matmul_rs"] = Capsule(FluxJaxMatmulRsCuda);
+  all["CUDA"] = cuda;
+#endif
+  return all;
+}
+
+nb::dict BuildInfo() {
+  nb::dict info;
+  info["version"] = FLUX_JAX_VERSION;
+  info["ffi_api_version"] = std::to_string(XLA_FFI_API_MAJOR) + "." + std::to_string(XLA_FFI_API_MINOR);
+  info["jaxlib_headers"] = FLUX_JAX_JAXLIB_HEADERS_VERSION;
+#ifdef FLUX_JAX_WITH_CUDA
+  info["cuda"] = true;
+  info["cuda_archs"] = FLUX_JAX_CUDA_ARCHS;
+  info["cuda_version"] = FLUX_JAX_CUDA_VERSION;
+  info["cutlass_version"] = FLUX_JAX_CUTLASS_VERSION;
+#else
+  info["cuda"] = false;
+  info["cuda_archs"] = "";
+  info["cuda_version"] = "";
+  info["cutlass_version"] = "";
+#endif
+  return info;
+}
+
+}  // namespace
+
+NB_MODULE(_flux_jax_ffi, m) {
+  m.doc() = "flux_jax native extension: FFI handlers and process-wide state.";
+  m.def("registrations", &Registrations,
+        "{platform: {target name: handler capsule}} for jax.ffi.register_ffi_target.");
+  m.def("build_info", &BuildInfo, "What this extension was built with.");
+  m.def("reset_cpu_channels", &flux_jax::ResetCpuChannels,
+        "Drop all CPU-backend channels (also clears failed state).");
+  m.def("cpu_channel_count", &flux_jax::CpuChannelCount, "Number of live CPU-backend channels.");
+}

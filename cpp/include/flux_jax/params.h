@@ -1,0 +1,64 @@
+// Plain parameter structs shared by the FFI adapters and the backends.
+//
+// No XLA, nanobind or CUDA types here: the kernels include this header only.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace flux_jax {
+
+enum class DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+inline size_t DTypeBytes(DType t) { return t == DType::kF32 ? 4 : 2; }
+inline const char* DTypeName(DType t) {
+  switch (t) {
+    case DType::kF32: return "float32";
+    case DType::kBF16: return "bfloat16";
+    case DType::kF16: return "float16";
+  }
+  return "?";
+}
+
+// The tensor-parallel group this device belongs to, resolved from the device
+// table that the Python lowering passes down (see tp_group.h).
+struct TpGroup {
+  int rank = 0;                   // position of this device in the group (== lax.axis_index)
+  int size = 1;                   // TP degree
+  int64_t group_index = 0;        // which group of the mesh (0 for a 1-D mesh)
+  std::vector<int64_t> devices;   // device ordinal of each rank, in rank order
+  std::string Describe() const;   // "TP group 1 [devices 4,5,6,7]"
+};
+
+// Knobs that travel from flux_jax.Config as FFI attributes.
+struct CommConfig {
+  int64_t timeout_us = 30'000'000;  // bound on every wait
+  int64_t jitter_us = 0;            // CPU backend: random delay before each signal (tests)
+  int64_t drop_rank = -1;           // debug: this rank never signals its chunks (tests timeouts)
+  int64_t callsite = 0;             // unique id of the custom-call site (CPU channels)
+};
+
+// out[tp*m_local, n] = all_gather(x[m_local, k]) @ op(w), op(w) = w or w^T.
+struct AgMatmulParams {
+  const void* x = nullptr;   // [m_local, k]
+  const void* w = nullptr;   // [k, n], or [n, k] when w_transposed
+  void* out = nullptr;       // [tp*m_local, n]
+  void* gathered = nullptr;  // optional [tp*m_local, k]
+  int64_t m_local = 0, k = 0, n = 0;
+  DType dtype = DType::kBF16;
+  bool w_transposed = false;
+};
+
+// out[m/tp, n] = reduce_scatter(x[m, k_local] @ op(w)) over the leading axis.
+struct MatmulRsParams {
+  const void* x = nullptr;  // [m, k]
+  const void* w = nullptr;  // [k, n], or [n, k] when w_transposed
+  void* out = nullptr;      // [m/tp, n]
+  int64_t m = 0, k = 0, n = 0;
+  DType dtype = DType::kBF16;
+  bool w_transposed = false;
+};
+
+}  // namespace flux_jax

@@ -1,0 +1,31 @@
+// Shape checks shared by every backend (the Python layer checks first; these
+// guard the C++ API against direct misuse and against layout surprises).
+#include <string>
+
+#include "flux_jax/ag_matmul.h"
+#include "flux_jax/matmul_rs.h"
+
+namespace flux_jax {
+
+Status AgMatmulCanImplement(const AgMatmulParams& p, const TpGroup& group) {
+  if (p.m_local < 0 || p.k <= 0 || p.n <= 0) {
+    return Status::InvalidArgument("ag_matmul: bad shape m_local=" + std::to_string(p.m_local) +
+                                   " k=" + std::to_string(p.k) + " n=" + std::to_string(p.n));
+  }
+  if (group.size < 1) return Status::InvalidArgument("ag_matmul: empty TP group");
+  return Status::Ok();
+}
+
+Status MatmulRsCanImplement(const MatmulRsParams& p, const TpGroup& group) {
+  if (p.m < 0 || p.k <= 0 || p.n <= 0) {
+    return Status::InvalidArgument("matmul_rs: bad shape m=" + std::to_string(p.m) +
+                                   " k=" + std::to_string(p.k) + " n=" + std::to_string(p.n));
+  }
+  if (group.size < 1 || p.m % group.size != 0) {
+    return Status::InvalidArgument("matmul_rs: rows " + std::to_string(p.m) +
+                                   " not divisible by TP size " + std::to_string(group.size));
+  }
+  return Status::Ok();
+}
+
+}  // namespace flux_jax

@@ -1,0 +1,53 @@
+#include "flux_jax/tp_group.h"
+
+#include <sstream>
+
+namespace flux_jax {
+
+std::string TpGroup::Describe() const {
+  std::ostringstream os;
+  os << "TP group " << group_index << " [devices ";
+  for (size_t i = 0; i < devices.size(); ++i) os << (i ? "," : "") << devices[i];
+  os << "]";
+  return os.str();
+}
+
+Status ResolveTpGroup(const int64_t* table, size_t table_size, int64_t tp_size,
+                      int64_t device_ordinal, std::optional<int32_t> rank_operand,
+                      TpGroup* group) {
+  if (tp_size < 1 || tp_size > 64) {
+    return Status::InvalidArgument("tp_size must be in [1, 64], got " + std::to_string(tp_size));
+  }
+  if (table_size == 0 || table_size % tp_size != 0) {
+    return Status::InvalidArgument("device table of size " + std::to_string(table_size) +
+                                   " is not a multiple of tp_size " + std::to_string(tp_size));
+  }
+  int64_t found = -1;
+  for (size_t i = 0; i < table_size; ++i) {
+    if (table[i] != device_ordinal) continue;
+    if (found >= 0) {
+      return Status::InvalidArgument("device " + std::to_string(device_ordinal) +
+                                     " appears twice in the TP device table");
+    }
+    found = static_cast<int64_t>(i);
+  }
+  if (found < 0) {
+    return Status::InvalidArgument(
+        "device " + std::to_string(device_ordinal) +
+        " is not in the TP device table of this op; was the program compiled for another mesh?");
+  }
+  group->size = static_cast<int>(tp_size);
+  group->rank = static_cast<int>(found % tp_size);
+  group->group_index = found / tp_size;
+  group->devices.assign(table + group->group_index * tp_size,
+                        table + (group->group_index + 1) * tp_size);
+  if (rank_operand.has_value() && *rank_operand != group->rank) {
+    return Status::InvalidArgument(
+        "lax.axis_index says rank " + std::to_string(*rank_operand) + " but device " +
+        std::to_string(device_ordinal) + " sits at rank " + std::to_string(group->rank) + " of " +
+        group->Describe() + " in the mesh table");
+  }
+  return Status::Ok();
+}
+
+}  // namespace flux_jax

@@ -1,0 +1,70 @@
+// AllGather -> GEMM on the CPU backend.
+//
+// Schedule of rank r (TP = 4, r = 1), chunks in the order the GPU kernel's
+// tiles visit them (rotated so the local chunk goes first):
+//
+//   push x_1 -> rank 2, 3, 0        (each after that peer freed the slot)
+//   out[chunk 1] = x_1 @ w          local rows: no wait
+//   out[chunk 2] = slot[2] @ w      after arrived[2] >= epoch
+//   out[chunk 3] = slot[3] @ w      after arrived[3] >= epoch
+//   out[chunk 0] = slot[0] @ w      after arrived[0] >= epoch
+//
+// See channel.h for the flag protocol.
+#include <cstring>
+#include <vector>
+
+#include "channel.h"
+#include "flux_jax/ag_matmul.h"
+#include "host_gemm.h"
+
+namespace flux_jax {
+
+Status RunAgMatmulCpu(const AgMatmulParams& p, const TpGroup& group, const CommConfig& cfg) {
+  FLUX_JAX_RETURN_IF_ERROR(AgMatmulCanImplement(p, group));
+  const int tp = group.size, rank = group.rank;
+  const size_t elt = DTypeBytes(p.dtype);
+  const size_t chunk_bytes = static_cast<size_t>(p.m_local * p.k) * elt;
+  const int64_t chunk_out = p.m_local * p.n;  // output elements per chunk
+
+  Status status;
+  std::shared_ptr<cpu::Channel> channel = cpu::GetChannel(group, cfg.callsite, chunk_bytes, &status);
+  FLUX_JAX_RETURN_IF_ERROR(status);
+  cpu::CallScope scope(channel.get(), rank);
+  uint64_t epoch = 0;
+  FLUX_JAX_RETURN_IF_ERROR(scope.Begin(&epoch));
+  const int parity = static_cast<int>(epoch & 1);
+
+  // 1. Push the local chunk to every peer (copy-engine role on the GPU).
+  for (int i = 1; i < tp; ++i) {
+    const int peer = (rank + i) % tp;
+    FLUX_JAX_RETURN_IF_ERROR(channel->Wait(rank, cpu::FlagKind::kFreed, parity, peer,
+                                           epoch >= 2 ? epoch - 2 : 0, epoch, cfg,
+                                           {"ag_matmul", peer, rank}));
+    if (chunk_bytes) std::memcpy(channel->Slot(peer, parity, rank), p.x, chunk_bytes);
+    if (rank != cfg.drop_rank) {
+      channel->Signal(peer, cpu::FlagKind::kArrived, parity, rank, epoch, cfg);
+    }
+  }
+
+  // 2. GEMM chunk by chunk, local first, each remote chunk once it arrived.
+  const std::vector<float> w = cpu::WeightAsFloat(p.w, p.dtype, p.k, p.n, p.w_transposed);
+  std::vector<float> acc(static_cast<size_t>(chunk_out));
+  for (int i = 0; i < tp; ++i) {
+    const int src = (rank + i) % tp;
+    const void* rows = p.x;
+    if (src != rank) {
+      FLUX_JAX_RETURN_IF_ERROR(channel->Wait(rank, cpu::FlagKind::kArrived, parity, src, epoch,
+                                             epoch, cfg, {"ag_matmul", src, src}));
+      rows = channel->Slot(rank, parity, src);
+    }
+    cpu::GemmRows(rows, p.dtype, p.m_local, p.k, w.data(), p.n, acc.data());
+    cpu::FromFloat(acc.data(), chunk_out, p.dtype, static_cast<char*>(p.out) + src * chunk_out * elt);
+    if (p.gathered && chunk_bytes) {
+      std::memcpy(static_cast<char*>(p.gathered) + src * chunk_bytes, rows, chunk_bytes);
+    }
+    if (src != rank) channel->Signal(src, cpu::FlagKind::kFreed, parity, rank, epoch, cfg);
+  }
+  return Status::Ok();
+}
+
+}  // namespace flux_jax

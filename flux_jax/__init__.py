@@ -1,0 +1,41 @@
+"""flux_jax: tensor-parallel communication fused into GEMMs, for JAX.
+
+FLUX (arXiv 2406.06858) as XLA FFI custom calls: AllGather -> GEMM and
+GEMM -> ReduceScatter kernels whose tiles wait only for the rows they need.
+
+Per-shard ops (inside jax.shard_map):
+  flux_jax.ag_matmul(x, w, axis_name=..., impl="auto", return_gathered=False)
+  flux_jax.matmul_rs(x, w, axis_name=..., impl="auto")
+Global-view helpers: flux_jax.ag_matmul_sharded / flux_jax.matmul_rs_sharded.
+"""
+
+from flux_jax import _native
+
+_native.register()
+
+from flux_jax._config import Config, config, get_config, set_config  # noqa: E402
+from flux_jax._errors import FusedUnavailableError  # noqa: E402
+from flux_jax._native import build_info  # noqa: E402
+from flux_jax._state import reset  # noqa: E402
+from flux_jax.ag_matmul import ag_matmul  # noqa: E402
+from flux_jax.matmul_rs import matmul_rs  # noqa: E402
+from flux_jax.sharding import ag_matmul_sharded, matmul_rs_sharded  # noqa: E402
+from flux_jax.twins import ag_matmul_xla, matmul_rs_xla  # noqa: E402
+
+__version__ = build_info()["version"]
+
+__all__ = [
+    "Config",
+    "FusedUnavailableError",
+    "ag_matmul",
+    "ag_matmul_sharded",
+    "ag_matmul_xla",
+    "build_info",
+    "config",
+    "get_config",
+    "matmul_rs",
+    "matmul_rs_sharded",
+    "matmul_rs_xla",
+    "reset",
+    "set_config",
+]

@@ -1,0 +1,80 @@
+"""Runtime configuration of the fused ops.
+
+Configuration is a frozen dataclass that travels to the kernels as FFI
+attributes; nothing is read from environment variables inside the kernels.
+It is read when an op is *traced*: a function that is already compiled keeps
+the configuration it was traced with (re-jit to change it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from typing import Iterator
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Knobs of the fused ops.
+
+    Attributes:
+      timeout_s: bound on every wait of the fused protocol (a peer that never
+        arrives becomes an error naming rank, peer, chunk and epoch, never a hang).
+      debug_jitter_us: CPU backend only: sleep a random 0..N microseconds before
+        every signal, to shake out ordering bugs in tests.
+      debug_drop_rank: testing only: this rank never signals its chunks, so its
+        peers hit the timeout path. -1 disables it.
+    """
+
+    timeout_s: float = 60.0
+    debug_jitter_us: int = 0
+    debug_drop_rank: int = -1
+
+    def __post_init__(self):
+        if not (isinstance(self.timeout_s, (int, float)) and 0 < self.timeout_s <= 24 * 3600):
+            raise ValueError(f"Config.timeout_s must be in (0, 86400] seconds, got {self.timeout_s!r}")
+        if not (isinstance(self.debug_jitter_us, int) and self.debug_jitter_us >= 0):
+            raise ValueError(f"Config.debug_jitter_us must be an int >= 0, got {self.debug_jitter_us!r}")
+        if not (isinstance(self.debug_drop_rank, int) and self.debug_drop_rank >= -1):
+            raise ValueError(f"Config.debug_drop_rank must be an int >= -1, got {self.debug_drop_rank!r}")
+
+    @property
+    def timeout_us(self) -> int:
+        return int(round(self.timeout_s * 1e6))
+
+
+_lock = threading.Lock()
+_current = Config()
+
+
+def get_config() -> Config:
+    """The configuration new traces of the fused ops will use."""
+    return _current
+
+
+def set_config(cfg: Config) -> None:
+    """Replace the process-wide configuration."""
+    global _current
+    if not isinstance(cfg, Config):
+        raise TypeError(f"set_config expects a flux_jax.Config, got {type(cfg).__name__}")
+    with _lock:
+        _current = cfg
+
+
+@contextlib.contextmanager
+def config(**overrides) -> Iterator[Config]:
+    """Temporarily override fields of the configuration (for tracing inside the block).
+
+    Example:
+      with flux_jax.config(timeout_s=5.0):
+          f = jax.jit(step)   # traced below with the 5 s timeout
+          f(x)
+    """
+    previous = get_config()
+    updated = dataclasses.replace(previous, **overrides)
+    set_config(updated)
+    try:
+        yield updated
+    finally:
+        set_config(previous)

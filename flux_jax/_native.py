@@ -1,0 +1,70 @@
+"""Loads the native extension and registers its FFI targets with JAX."""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+
+import jax
+
+try:
+    from flux_jax import _flux_jax_ffi as _ext
+except ImportError as e:  # pragma: no cover - only on a broken install
+    raise ImportError(
+        "flux_jax's native extension (_flux_jax_ffi) is missing. Install the package with "
+        "`pip install .` (or `pip install -e . --no-build-isolation` for development); running "
+        "from a source checkout without building it does not work."
+    ) from e
+
+AG_MATMUL_TARGET = "flux_jax_ag_matmul"
+MATMUL_RS_TARGET = "flux_jax_matmul_rs"
+
+# Ops whose CUDA kernels are real (not the build placeholder).
+_CUDA_KERNELS: tuple[str, ...] = tuple(getattr(_ext, "cuda_kernels", lambda: ())())
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    out = []
+    for part in v.split(".")[:3]:
+        digits = "".join(ch for ch in part if ch.isdigit())
+        out.append(int(digits or 0))
+    return tuple(out)
+
+
+@functools.cache
+def register() -> None:
+    """Registers every handler the extension provides (idempotent)."""
+    headers = _ext.build_info()["jaxlib_headers"]
+    runtime = importlib.metadata.version("jaxlib")
+    if _version_tuple(runtime) < _version_tuple(headers):
+        raise ImportError(
+            f"flux_jax was built against the FFI headers of jaxlib {headers} but jaxlib {runtime} "
+            "is installed; a handler built with newer headers breaks an older runtime. Upgrade "
+            f"jaxlib to >= {headers} or rebuild flux_jax against this jaxlib."
+        )
+    for platform, targets in _ext.registrations().items():
+        for name, capsule in targets.items():
+            jax.ffi.register_ffi_target(name, capsule, platform=platform)
+
+
+def build_info() -> dict:
+    """What this flux_jax build contains.
+
+    Keys: version, cuda (bool), cuda_archs, cuda_version, cutlass_version,
+    cuda_kernels (ops with real CUDA kernels), ffi_api_version, jaxlib_headers
+    (the jaxlib whose FFI headers the extension was compiled against), jax and
+    jaxlib (the runtime versions).
+    """
+    info = dict(_ext.build_info())
+    info["cuda_kernels"] = _CUDA_KERNELS
+    info["jax"] = jax.__version__
+    info["jaxlib"] = importlib.metadata.version("jaxlib")
+    return info
+
+
+def has_cuda_kernel(op: str) -> bool:
+    return bool(_ext.build_info()["cuda"]) and op in _CUDA_KERNELS
+
+
+def extension():
+    return _ext

@@ -1,0 +1,100 @@
+"""Argument checks that run before anything is traced into the program.
+
+Every error names the op, the argument and the shapes involved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+IMPLS = ("auto", "fused", "xla")
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisInfo:
+    """Where the op runs: the TP axis inside the enclosing shard_map."""
+
+    axis_name: str
+    tp_size: int
+    platform: str  # "cpu", "cuda", ... (lowercase, as in the abstract mesh)
+    fully_manual: bool  # every mesh axis of size > 1 is manual
+
+
+def _describe(a) -> str:
+    return f"{jnp.dtype(a.dtype).name}{list(a.shape)}"
+
+
+def check_impl(op: str, impl) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"flux_jax.{op}: impl must be one of {IMPLS}, got {impl!r}")
+
+
+def check_axis(op: str, axis_name) -> AxisInfo:
+    """The op must run inside jax.shard_map with `axis_name` manual."""
+    if not isinstance(axis_name, str):
+        raise ValueError(
+            f"flux_jax.{op}: axis_name must be the name (str) of one mesh axis, got {axis_name!r}"
+        )
+    mesh = jax.sharding.get_abstract_mesh()
+    names = tuple(mesh.axis_names)
+    manual = frozenset(getattr(mesh, "manual_axes", ()))
+    if axis_name not in names or axis_name not in manual:
+        where = (
+            f"the current mesh has axes {names} (manual: {tuple(sorted(manual))})"
+            if names
+            else "no mesh is active"
+        )
+        raise ValueError(
+            f"flux_jax.{op} is a per-shard op: call it inside jax.shard_map over a mesh whose axis "
+            f"{axis_name!r} is mapped (in_specs / out_specs mention it); {where}. For a global-view "
+            f"call use flux_jax.{op}_sharded(x, w, mesh=..., axis_name=...)."
+        )
+    sizes = dict(zip(names, mesh.axis_sizes))
+    device = getattr(mesh, "abstract_device", None)
+    platform = getattr(device, "platform", None) or jax.default_backend()
+    fully_manual = all(sizes[a] == 1 or a in manual for a in names)
+    return AxisInfo(axis_name, int(sizes[axis_name]), str(platform).lower(), fully_manual)
+
+
+def check_operands(op: str, x, w) -> None:
+    """Ranks, dtypes and the contraction dimension (shared by both ops)."""
+    for name, a in (("x", x), ("w", w)):
+        if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+            raise TypeError(f"flux_jax.{op}: {name} must be an array, got {type(a).__name__}")
+    if len(x.shape) < 2:
+        raise ValueError(
+            f"flux_jax.{op}: x must have rank >= 2 ([rows, ..., K]), got x {_describe(x)}"
+        )
+    if len(w.shape) != 2:
+        raise ValueError(f"flux_jax.{op}: w must have rank 2 ([K, N]), got w {_describe(w)}")
+    if jnp.dtype(x.dtype) != jnp.dtype(w.dtype):
+        raise TypeError(
+            f"flux_jax.{op}: x and w must have the same dtype (no silent promotion), got "
+            f"x {_describe(x)} and w {_describe(w)}; cast one of them explicitly"
+        )
+    if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
+        names = ", ".join(d.name for d in SUPPORTED_DTYPES)
+        raise TypeError(f"flux_jax.{op}: unsupported dtype {jnp.dtype(x.dtype).name}; supported: {names}")
+    if x.shape[-1] != w.shape[0]:
+        raise ValueError(
+            f"flux_jax.{op}: contraction mismatch: x {_describe(x)} has K={x.shape[-1]} but w "
+            f"{_describe(w)} has K={w.shape[0]} (w must be [K, N])"
+        )
+
+
+def check_rows_divisible(op: str, x, tp_size: int, axis_name: str) -> None:
+    if x.shape[0] % tp_size:
+        raise ValueError(
+            f"flux_jax.{op}: the leading dimension of x {_describe(x)} ({x.shape[0]} rows) must be "
+            f"divisible by the size of axis {axis_name!r} ({tp_size}) to be scattered over it"
+        )
+
+
+def rows_of(x) -> int:
+    """Rows of x once its middle dimensions are folded into the leading one."""
+    return int(np.prod(x.shape[:-1], dtype=np.int64))

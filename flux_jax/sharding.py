@@ -1,0 +1,69 @@
+"""Global-view helpers: build the jax.shard_map around the per-shard ops.
+
+For users who do not write their own shard_map. Inputs are global arrays; the
+helpers place them as the sharding contract requires (resharding explicitly on
+Explicit mesh axes; Auto axes are resharded by shard_map itself). Mesh axes
+other than `axis_name` replicate the computation.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from flux_jax.ag_matmul import ag_matmul
+from flux_jax.matmul_rs import matmul_rs
+
+
+def _place(x, mesh, spec):
+    if any(t == AxisType.Explicit for t in mesh.axis_types):
+        return jax.sharding.reshard(x, NamedSharding(mesh, spec))
+    return x
+
+
+def ag_matmul_sharded(x, w, *, mesh, axis_name: str, impl: str = "auto", return_gathered: bool = False):
+    """Global-view AllGather -> GEMM (column-parallel linear over sequence-sharded rows).
+
+    Args:
+      x: global [M, ..., K], placed row-sharded over `axis_name`: P(axis_name, None, ...).
+      w: global [K, N], placed column-sharded over `axis_name`: P(None, axis_name).
+      mesh: a jax.sharding.Mesh containing `axis_name`.
+
+    Returns:
+      x @ w, global [M, ..., N], column-sharded over `axis_name`: P(None, ..., axis_name);
+      with `return_gathered`, also x itself replicated over `axis_name`.
+    M must be divisible by the axis size.
+    """
+    x_spec = P(axis_name, *([None] * (x.ndim - 1)))
+    w_spec = P(None, axis_name)
+    out_spec = P(*([None] * (x.ndim - 1)), axis_name)
+    body = functools.partial(ag_matmul, axis_name=axis_name, impl=impl, return_gathered=return_gathered)
+    out_specs = (out_spec, P()) if return_gathered else out_spec
+    # The gathered copy is identical on every rank but typed as varying, so the
+    # replicated out_spec needs check_vma off.
+    f = jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=out_specs,
+                      check_vma=not return_gathered)
+    return f(_place(x, mesh, x_spec), _place(w, mesh, w_spec))
+
+
+def matmul_rs_sharded(x, w, *, mesh, axis_name: str, impl: str = "auto"):
+    """Global-view GEMM -> ReduceScatter (row-parallel linear, sequence-sharded output).
+
+    Args:
+      x: global [M, ..., K], placed sharded on its last (contraction) dim: P(None, ..., axis_name).
+      w: global [K, N], placed row-sharded over `axis_name`: P(axis_name, None).
+      mesh: a jax.sharding.Mesh containing `axis_name`.
+
+    Returns:
+      x @ w, global [M, ..., N], row-sharded over `axis_name`: P(axis_name, None, ...).
+    M must be divisible by the axis size.
+    """
+    x_spec = P(*([None] * (x.ndim - 1)), axis_name)
+    w_spec = P(axis_name, None)
+    out_spec = P(axis_name, *([None] * (x.ndim - 1)))
+    body = functools.partial(matmul_rs, axis_name=axis_name, impl=impl)
+    f = jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=out_spec)
+    return f(_place(x, mesh, x_spec), _place(w, mesh, w_spec))
