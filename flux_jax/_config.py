@@ -25,11 +25,14 @@ class Config:
         every signal, to shake out ordering bugs in tests.
       debug_drop_rank: testing only: this rank never signals its chunks, so its
         peers hit the timeout path. -1 disables it.
+      debug_poison_outputs: testing only: the kernels fill their outputs with NaN
+        before computing, so an element they fail to write cannot pass a test.
     """
 
     timeout_s: float = 60.0
     debug_jitter_us: int = 0
     debug_drop_rank: int = -1
+    debug_poison_outputs: bool = False
 
     def __post_init__(self):
         if not (isinstance(self.timeout_s, (int, float)) and 0 < self.timeout_s <= 24 * 3600):
@@ -38,6 +41,8 @@ class Config:
             raise ValueError(f"Config.debug_jitter_us must be an int >= 0, got {self.debug_jitter_us!r}")
         if not (isinstance(self.debug_drop_rank, int) and self.debug_drop_rank >= -1):
             raise ValueError(f"Config.debug_drop_rank must be an int >= -1, got {self.debug_drop_rank!r}")
+        if not isinstance(self.debug_poison_outputs, bool):
+            raise ValueError(f"Config.debug_poison_outputs must be a bool, got {self.debug_poison_outputs!r}")
 
     @property
     def timeout_us(self) -> int:

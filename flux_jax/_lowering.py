@@ -69,6 +69,7 @@ def register_fused_lowering(prim, target: str, cuda_available) -> None:
             timeout_us=np.int64(config.timeout_us),
             jitter_us=np.int64(config.debug_jitter_us),
             drop_rank=np.int64(config.debug_drop_rank),
+            poison=bool(config.debug_poison_outputs),
         )
 
     def cuda_rule(ctx, *operands, **params):

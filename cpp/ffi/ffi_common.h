@@ -49,7 +49,7 @@ Status GetAttr(const ffi::Dictionary& attrs, const char* name, T* out) {
 }
 
 // Decodes the attributes every fused op carries (see flux_jax/_lowering.py):
-// tp_size, tp_devices, callsite, timeout_us, jitter_us, drop_rank.
+// tp_size, tp_devices, callsite, timeout_us, jitter_us, drop_rank, poison.
 inline Status DecodeCommon(const ffi::Dictionary& attrs, int32_t device_ordinal,
                            std::optional<int32_t> rank_operand, TpGroup* group, CommConfig* cfg) {
   int64_t tp_size = 0;
@@ -60,6 +60,7 @@ inline Status DecodeCommon(const ffi::Dictionary& attrs, int32_t device_ordinal,
   FLUX_JAX_RETURN_IF_ERROR(GetAttr(attrs, "timeout_us", &cfg->timeout_us));
   FLUX_JAX_RETURN_IF_ERROR(GetAttr(attrs, "jitter_us", &cfg->jitter_us));
   FLUX_JAX_RETURN_IF_ERROR(GetAttr(attrs, "drop_rank", &cfg->drop_rank));
+  FLUX_JAX_RETURN_IF_ERROR(GetAttr(attrs, "poison", &cfg->poison_outputs));
   return ResolveTpGroup(table.begin(), table.size(), tp_size, device_ordinal, rank_operand, group);
 }
 

@@ -38,6 +38,8 @@ struct CommConfig {
   int64_t jitter_us = 0;            // CPU backend: random delay before each signal (tests)
   int64_t drop_rank = -1;           // debug: this rank never signals its chunks (tests timeouts)
   int64_t callsite = 0;             // unique id of the custom-call site (CPU channels)
+  bool poison_outputs = false;      // debug: fill outputs with NaN first, so unwritten
+                                    // elements cannot pass a test
 };
 
 // out[tp*m_local, n] = all_gather(x[m_local, k]) @ op(w), op(w) = w or w^T.

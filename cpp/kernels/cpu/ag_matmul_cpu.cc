@@ -33,6 +33,10 @@ Status RunAgMatmulCpu(const AgMatmulParams& p, const TpGroup& group, const CommC
   uint64_t epoch = 0;
   FLUX_JAX_RETURN_IF_ERROR(scope.Begin(&epoch));
   const int parity = static_cast<int>(epoch & 1);
+  if (cfg.poison_outputs) {  // 0xFF.. is NaN in float32, bfloat16 and float16
+    std::memset(p.out, 0xFF, static_cast<size_t>(tp * chunk_out) * elt);
+    if (p.gathered) std::memset(p.gathered, 0xFF, tp * chunk_bytes);
+  }
 
   // 1. Push the local chunk to every peer (copy-engine role on the GPU).
   for (int i = 1; i < tp; ++i) {

@@ -36,6 +36,7 @@ Status RunMatmulRsCpu(const MatmulRsParams& p, const TpGroup& group, const CommC
   uint64_t epoch = 0;
   FLUX_JAX_RETURN_IF_ERROR(scope.Begin(&epoch));
   const int parity = static_cast<int>(epoch & 1);
+  if (cfg.poison_outputs) std::memset(p.out, 0xFF, static_cast<size_t>(chunk_out) * elt);
 
   const std::vector<float> w = cpu::WeightAsFloat(p.w, p.dtype, p.k, p.n, p.w_transposed);
   auto x_chunk = [&](int c) { return static_cast<const char*>(p.x) + c * m_out * p.k * elt; };

@@ -1,0 +1,31 @@
+"""Test setup: 8 CPU devices (set before jax is imported) and shared helpers.
+
+CPU tests build their meshes from jax.devices("cpu"), so they also run on a
+GPU host. GPU tests live in tests/gpu and skip without GPUs, unless
+FLUX_JAX_REQUIRE_GPU=1 turns the skip into a failure.
+"""
+
+import os
+
+_flags = os.environ.get("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in _flags:
+    os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+import flux_jax  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _poisoned_outputs():
+    """Every fused kernel poisons its outputs with NaN first (unwritten => test fails)."""
+    previous = flux_jax.get_config()
+    flux_jax.set_config(flux_jax.Config(timeout_s=120.0, debug_poison_outputs=True))
+    yield
+    flux_jax.set_config(previous)
+
+
+def pytest_report_header(config):
+    info = flux_jax.build_info()
+    return [f"flux_jax {info['version']}: cuda={info['cuda']} jax={info['jax']} cpu devices={len(jax.devices('cpu'))}"]

@@ -1,0 +1,92 @@
+"""Meshes, random data and the float64 oracle with XLA-derived tolerances."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import flux_jax
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# Error floors (relative, max-norm) for when XLA's own error is ~0.
+_FLOOR = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 2e-3}
+
+
+def cpu_mesh(shape, names, axis_type=AxisType.Explicit, device_order=None):
+    devices = np.array(jax.devices("cpu")[: int(np.prod(shape))])
+    if device_order is not None:
+        devices = devices[list(device_order)]
+    return jax.sharding.Mesh(devices.reshape(shape), names, axis_types=(axis_type,) * len(shape))
+
+
+def random_array(rng: np.random.Generator, shape, dtype):
+    """Fresh normal data with a nonzero mean (never zeros), cast to `dtype`."""
+    a = rng.standard_normal(shape).astype(np.float32) + 0.25
+    return jnp.asarray(a, dtype=dtype)
+
+
+def to64(a):
+    return np.asarray(jnp.asarray(a, jnp.float32), dtype=np.float64)
+
+
+def rel_max_err(out, ref) -> float:
+    out = to64(out)
+    assert np.all(np.isfinite(out)), "output has NaN/inf: an element was not written (poisoned) or overflowed"
+    return float(np.max(np.abs(out - ref)) / max(np.max(np.abs(ref)), 1e-30))
+
+
+def assert_matches(out, ref64, xla_out, dtype_name: str, what: str = "", factor: float = 4.0):
+    """|out - ref| within `factor` x XLA's own error on the same inputs (or a floor)."""
+    assert out.shape == ref64.shape, f"{what}: shape {out.shape} != {ref64.shape}"
+    err = rel_max_err(out, ref64)
+    xla_err = rel_max_err(xla_out, ref64)
+    bound = max(factor * xla_err, _FLOOR[dtype_name])
+    assert err <= bound, f"{what}: relative error {err:.3e} > bound {bound:.3e} (XLA's own error {xla_err:.3e})"
+
+
+def shard_mapped(fn, mesh, in_specs, out_specs, **kw):
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **kw))
+
+
+def place(mesh, a, spec):
+    return jax.device_put(a, jax.NamedSharding(mesh, spec))
+
+
+def ag_specs(mesh, tp_axis, ndim):
+    """x rows over tp (and batch rows over the other axes), w columns over tp."""
+    others = tuple(a for a in mesh.axis_names if a != tp_axis)
+    x_spec = P(tp_axis, *([None] * (ndim - 2)), None)
+    w_spec = P(None, tp_axis)
+    out_spec = P(None, *([None] * (ndim - 2)), tp_axis)
+    if others and ndim >= 3:  # shard a middle (batch) dim over the other axes
+        x_spec = P(tp_axis, others, *([None] * (ndim - 2)))
+        out_spec = P(None, others, *([None] * (ndim - 3)), tp_axis)
+    return x_spec, w_spec, out_spec
+
+
+def rs_specs(mesh, tp_axis, ndim):
+    others = tuple(a for a in mesh.axis_names if a != tp_axis)
+    x_spec = P(None, *([None] * (ndim - 2)), tp_axis)
+    w_spec = P(tp_axis, None)
+    out_spec = P(tp_axis, *([None] * (ndim - 1)))
+    if others and ndim >= 3:
+        x_spec = P(None, others, *([None] * (ndim - 3)), tp_axis)
+        out_spec = P(tp_axis, others, *([None] * (ndim - 2)))
+    return x_spec, w_spec, out_spec
+
+
+@functools.cache
+def fused_fn(op: str, mesh, tp_axis: str, ndim: int, impl: str):
+    """jit(shard_map(op)) for the mesh and spec layout above."""
+    if op == "ag":
+        x_spec, w_spec, out_spec = ag_specs(mesh, tp_axis, ndim)
+        body = functools.partial(flux_jax.ag_matmul, axis_name=tp_axis, impl=impl)
+    else:
+        x_spec, w_spec, out_spec = rs_specs(mesh, tp_axis, ndim)
+        body = functools.partial(flux_jax.matmul_rs, axis_name=tp_axis, impl=impl)
+    return shard_mapped(body, mesh, (x_spec, w_spec), out_spec), (x_spec, w_spec)
