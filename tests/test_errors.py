@@ -1,0 +1,140 @@
+"""Bad input fails in Python, before anything is traced or launched, with a
+message that names the argument and the shapes."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import flux_jax
+from helpers import cpu_mesh
+
+MESH = None
+
+
+def _run(fn, x, w, in_specs=(P("tp"), P(None, "tp")), out_specs=P(None, "tp"), mesh=None, **kw):
+    mesh = mesh or cpu_mesh((8,), ("tp",), AxisType.Auto)
+    f = jax.shard_map(functools.partial(fn, **kw), mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    return jax.jit(f)(x, w)
+
+
+def _zeros(shape, dtype=jnp.float32):
+    return jnp.ones(shape, dtype)
+
+
+OPS = [flux_jax.ag_matmul, flux_jax.matmul_rs]
+
+
+@pytest.mark.parametrize("fn", OPS)
+def test_contraction_mismatch(fn):
+    with pytest.raises(ValueError, match=r"contraction mismatch: x float32\[\d+, 16\] has K=16 but w float32\[12, \d+\]"):
+        _run(fn, _zeros((16, 16)), _zeros((12, 16)), in_specs=(P(), P()), out_specs=P(), axis_name="tp")
+
+
+@pytest.mark.parametrize("fn", OPS)
+def test_rank_below_two(fn):
+    with pytest.raises(ValueError, match=r"x must have rank >= 2.*got x float32\[16\]"):
+        _run(fn, _zeros((16,)), _zeros((16, 8)), in_specs=(P(), P()), out_specs=P(), axis_name="tp")
+    with pytest.raises(ValueError, match=r"w must have rank 2.*got w float32\[16, 8, 2\]"):
+        _run(fn, _zeros((16, 16)), _zeros((16, 8, 2)), in_specs=(P(), P()), out_specs=P(), axis_name="tp")
+
+
+@pytest.mark.parametrize("fn", OPS)
+def test_mixed_dtypes_are_not_promoted(fn):
+    with pytest.raises(TypeError, match=r"same dtype \(no silent promotion\), got x bfloat16\[16, 16\] and w float32\[16, 8\]"):
+        _run(fn, _zeros((16, 16), jnp.bfloat16), _zeros((16, 8)), in_specs=(P(), P()), out_specs=P(), axis_name="tp")
+
+
+@pytest.mark.parametrize("fn", OPS)
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.float8_e4m3fn])
+def test_unsupported_dtype(fn, dtype):
+    with pytest.raises(TypeError, match=r"unsupported dtype .*supported: float32, bfloat16, float16"):
+        _run(fn, _zeros((16, 16), dtype), _zeros((16, 8), dtype), in_specs=(P(), P()), out_specs=P(), axis_name="tp")
+
+
+def test_matmul_rs_rows_not_divisible():
+    with pytest.raises(ValueError, match=r"leading dimension of x float32\[12, 16\] \(12 rows\) must be divisible by the size of axis 'tp' \(8\)"):
+        _run(flux_jax.matmul_rs, _zeros((12, 16)), _zeros((16, 8)), in_specs=(P(), P()), out_specs=P(), axis_name="tp")
+
+
+@pytest.mark.parametrize("fn", OPS)
+def test_unknown_impl(fn):
+    with pytest.raises(ValueError, match=r"impl must be one of \('auto', 'fused', 'xla'\), got 'cuda'"):
+        _run(fn, _zeros((16, 16)), _zeros((16, 8)), axis_name="tp", impl="cuda")
+
+
+@pytest.mark.parametrize("fn", OPS)
+def test_outside_shard_map(fn):
+    with pytest.raises(ValueError, match=r"per-shard op: call it inside jax.shard_map.*no mesh is active"):
+        fn(_zeros((16, 16)), _zeros((16, 8)), axis_name="tp")
+    with pytest.raises(ValueError, match=r"per-shard op"):
+        jax.jit(functools.partial(fn, axis_name="tp"))(_zeros((16, 16)), _zeros((16, 8)))
+
+
+@pytest.mark.parametrize("fn", OPS)
+def test_unknown_axis(fn):
+    with pytest.raises(ValueError, match=r"axis 'model' is mapped.*the current mesh has axes \('tp',\)"):
+        _run(fn, _zeros((16, 16)), _zeros((16, 8)), in_specs=(P(), P()), out_specs=P(), axis_name="model")
+    with pytest.raises(ValueError, match=r"axis_name must be the name \(str\) of one mesh axis"):
+        _run(fn, _zeros((16, 16)), _zeros((16, 8)), in_specs=(P(), P()), out_specs=P(), axis_name=("tp",))
+
+
+@pytest.mark.parametrize("fn", OPS)
+def test_fused_where_it_cannot_run_partial_manual(fn):
+    """shard_map manual over tp only, dp left to the partitioner: fused refuses, auto falls back."""
+    mesh = cpu_mesh((2, 4), ("dp", "tp"), AxisType.Auto)
+    specs = (P("tp"), P(None, "tp")) if fn is flux_jax.ag_matmul else (P(None, "tp"), P("tp"))
+    out = P(None, "tp") if fn is flux_jax.ag_matmul else P("tp")
+
+    def call(impl):
+        f = jax.shard_map(functools.partial(fn, axis_name="tp", impl=impl), mesh=mesh, in_specs=specs,
+                          out_specs=out, axis_names={"tp"})
+        return jax.jit(f)(_zeros((16, 16)), _zeros((16, 16)))
+
+    with pytest.raises(flux_jax.FusedUnavailableError, match=r'impl="fused"\) cannot run here: .*automatic partitioner'):
+        call("fused")
+    np.testing.assert_allclose(np.asarray(call("auto")), 16.0)  # falls back to the twin
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="timeout_s"):
+        flux_jax.Config(timeout_s=0)
+    with pytest.raises(ValueError, match="debug_jitter_us"):
+        flux_jax.Config(debug_jitter_us=-1)
+    with pytest.raises(TypeError, match="flux_jax.Config"):
+        flux_jax.set_config({"timeout_s": 1})
+
+
+def test_build_info_reports_the_build():
+    info = flux_jax.build_info()
+    assert info["jaxlib_headers"] == "0.11.2"
+    assert info["ffi_api_version"] == "0.4"
+    assert isinstance(info["cuda"], bool)
+    assert info["cuda"] == bool(info["cuda_archs"])
+    if info["cuda"]:
+        assert "sm_90a" in info["cuda_archs"]
+
+
+def test_fused_without_a_kernel_for_the_platform_is_a_clear_error():
+    from flux_jax import _dispatch, _validation
+
+    gpu = _validation.AxisInfo("tp", 2, "cuda", True)
+    if "ag_matmul" not in flux_jax.build_info()["cuda_kernels"]:
+        with pytest.raises(flux_jax.FusedUnavailableError, match=r"cannot run here: this flux_jax build was compiled"):
+            _dispatch.resolve("ag_matmul", "fused", gpu, 64, 64, 64, jnp.bfloat16)
+        assert _dispatch.resolve("ag_matmul", "auto", gpu, 64, 64, 64, jnp.bfloat16) == "xla"
+    tpu = _validation.AxisInfo("tp", 2, "tpu", True)
+    with pytest.raises(flux_jax.FusedUnavailableError, match="no fused kernel for platform 'tpu'"):
+        _dispatch.resolve("matmul_rs", "fused", tpu, 64, 64, 64, jnp.bfloat16)
+
+
+def test_auto_uses_the_twin_on_cpu():
+    from flux_jax import _dispatch, _validation
+
+    cpu = _validation.AxisInfo("tp", 8, "cpu", True)
+    assert _dispatch.resolve("ag_matmul", "auto", cpu, 4096, 4096, 4096, jnp.bfloat16) == "xla"
+    assert _dispatch.resolve("ag_matmul", "fused", cpu, 4096, 4096, 4096, jnp.bfloat16) == "fused"

@@ -1,0 +1,57 @@
+"""The compiled fused program holds our custom calls and no XLA all-gather /
+reduce-scatter, forward and backward; the twin's holds the XLA collectives."""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import flux_jax
+from helpers import cpu_mesh, place, random_array
+import numpy as np
+
+
+def _compiled_text(op, impl, grad):
+    mesh = cpu_mesh((8,), ("tp",))
+    rng = np.random.default_rng()
+    if op == "ag":
+        specs, out_spec, fn = (P("tp", None), P(None, "tp")), P(None, "tp"), flux_jax.ag_matmul
+    else:
+        specs, out_spec, fn = (P(None, "tp"), P("tp", None)), P("tp", None), flux_jax.matmul_rs
+    f = jax.shard_map(functools.partial(fn, axis_name="tp", impl=impl), mesh=mesh,
+                      in_specs=specs, out_specs=out_spec)
+    if grad:
+        g = jax.grad(lambda x, w: jnp.sum(f(x, w) ** 2), argnums=(0, 1))
+    else:
+        g = f
+    x = place(mesh, random_array(rng, (16, 32), "bfloat16"), specs[0])
+    w = place(mesh, random_array(rng, (32, 16), "bfloat16"), specs[1])
+    return jax.jit(g).lower(x, w).compile().as_text()
+
+
+def _count(text, pattern):
+    return len(re.findall(pattern, text))
+
+
+@pytest.mark.parametrize("op", ["ag", "rs"])
+@pytest.mark.parametrize("grad", [False, True], ids=["fwd", "fwd+bwd"])
+def test_fused_hlo_has_custom_calls_and_no_xla_collectives(op, grad):
+    text = _compiled_text(op, "fused", grad)
+    assert _count(text, r"all-gather(-start)?\(") == 0, "fused program still has an XLA all-gather"
+    assert _count(text, r"reduce-scatter(-start)?\(") == 0, "fused program still has an XLA reduce-scatter"
+    own = "flux_jax_ag_matmul" if op == "ag" else "flux_jax_matmul_rs"
+    other = "flux_jax_matmul_rs" if op == "ag" else "flux_jax_ag_matmul"
+    assert _count(text, f'custom_call_target="{own}"') == 1
+    # The backward of each op is the other fused op.
+    assert _count(text, f'custom_call_target="{other}"') == (1 if grad else 0)
+
+
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_twin_hlo_has_xla_collective(op):
+    text = _compiled_text(op, "xla", grad=False)
+    assert "flux_jax_" not in text
+    pattern = r"all-gather(-start)?\(" if op == "ag" else r"reduce-scatter(-start)?\("
+    assert _count(text, pattern) >= 1

@@ -1,0 +1,130 @@
+"""The chunk / flag / epoch protocol under load: many interleaved calls in one
+program, injected jitter, independent calls XLA may run concurrently,
+bitwise determinism, and bounded waits that fail clearly instead of hanging."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import flux_jax
+from helpers import assert_matches, cpu_mesh, place, random_array
+
+
+def _scan_program(mesh, impl, steps):
+    """`steps` iterations of h -> rs(tanh(ag(h, w1)), w2): 2 * steps fused calls."""
+
+    def body(h, w1, w2):
+        def step(h, _):
+            y = flux_jax.ag_matmul(h, w1, axis_name="tp", impl=impl)
+            h = flux_jax.matmul_rs(jnp.tanh(y), w2, axis_name="tp", impl=impl)
+            return jnp.tanh(h), None
+
+        return jax.lax.scan(step, h, None, length=steps)[0]
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(None, "tp"), P("tp")),
+                                 out_specs=P("tp")))
+
+
+def _scan_inputs(mesh, rng):
+    x = random_array(rng, (16, 32), "float32")
+    w1 = random_array(rng, (32, 64), "float32") / 8
+    w2 = random_array(rng, (64, 32), "float32") / 8
+    return place(mesh, x, P("tp")), place(mesh, w1, P(None, "tp")), place(mesh, w2, P("tp"))
+
+
+def test_120_interleaved_calls_in_scan_match_twin_and_are_bitwise_deterministic():
+    mesh = cpu_mesh((8,), ("tp",))
+    args = _scan_inputs(mesh, np.random.default_rng())
+    fused = _scan_program(mesh, "fused", 60)
+    a, b = fused(*args), fused(*args)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # same program, same bits
+    twin = _scan_program(mesh, "xla", 60)(*args)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(twin), rtol=2e-4, atol=2e-5)
+
+
+def test_jitter_at_every_signal_keeps_results_exact():
+    mesh = cpu_mesh((2, 4), ("dp", "tp"))
+    rng = np.random.default_rng()
+    x = place(mesh, random_array(rng, (8, 2, 24), "bfloat16"), P("tp", "dp"))
+    w = place(mesh, random_array(rng, (24, 32), "bfloat16"), P(None, "tp"))
+    body = functools.partial(flux_jax.ag_matmul, axis_name="tp", impl="fused")
+    reference = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp", "dp"), P(None, "tp")),
+                                      out_specs=P(None, "dp", "tp")))(x, w)
+    with flux_jax.config(debug_jitter_us=300):
+        f = jax.jit(jax.shard_map(lambda x, w: body(x, w) + 0, mesh=mesh,
+                                  in_specs=(P("tp", "dp"), P(None, "tp")), out_specs=P(None, "dp", "tp")))
+        for _ in range(5):
+            np.testing.assert_array_equal(np.asarray(f(x, w)), np.asarray(reference))
+
+
+def test_independent_calls_that_xla_may_run_concurrently():
+    """q/k/v-style projections of one input: no data dependency between the calls."""
+    mesh = cpu_mesh((8,), ("tp",))
+    rng = np.random.default_rng()
+    x = random_array(rng, (64, 128), "float32")
+    ws = [random_array(rng, (128, 256), "float32") / 16 for _ in range(4)]
+
+    def body(x, *ws):
+        outs = [flux_jax.ag_matmul(x, w, axis_name="tp", impl=impl) for w in ws]
+        back = [flux_jax.matmul_rs(o, w.T, axis_name="tp", impl=impl) for o, w in zip(outs, ws)]
+        return sum(outs), sum(back)
+
+    results = {}
+    for impl in ("fused", "xla"):
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"),) + (P(None, "tp"),) * 4,
+                                  out_specs=(P(None, "tp"), P("tp"))))
+        xs = place(mesh, x, P("tp"))
+        wss = [place(mesh, w, P(None, "tp")) for w in ws]
+        results[impl] = [f(xs, *wss) for _ in range(3)]
+    for got in results["fused"]:
+        for a, b in zip(got, results["xla"][0]):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_bitwise_deterministic_across_runs(op):
+    mesh = cpu_mesh((8,), ("tp",))
+    rng = np.random.default_rng()
+    if op == "ag":
+        fn, specs, out = flux_jax.ag_matmul, (P("tp"), P(None, "tp")), P(None, "tp")
+        x, w = random_array(rng, (32, 64), "bfloat16"), random_array(rng, (64, 64), "bfloat16")
+    else:
+        fn, specs, out = flux_jax.matmul_rs, (P(None, "tp"), P("tp")), P("tp")
+        x, w = random_array(rng, (32, 64), "bfloat16"), random_array(rng, (64, 64), "bfloat16")
+    f = jax.jit(jax.shard_map(functools.partial(fn, axis_name="tp", impl="fused"), mesh=mesh,
+                              in_specs=specs, out_specs=out))
+    xs, ws = place(mesh, x, specs[0]), place(mesh, w, specs[1])
+    first = np.asarray(f(xs, ws))
+    for _ in range(3):
+        np.testing.assert_array_equal(np.asarray(f(xs, ws)), first)
+
+
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_missing_peer_times_out_with_diagnostic_then_reset_recovers(op):
+    mesh = cpu_mesh((8,), ("tp",))
+    rng = np.random.default_rng()
+    if op == "ag":
+        fn, specs, out = flux_jax.ag_matmul, (P("tp"), P(None, "tp")), P(None, "tp")
+    else:
+        fn, specs, out = flux_jax.matmul_rs, (P(None, "tp"), P("tp")), P("tp")
+    x = place(mesh, random_array(rng, (16, 16), "float32"), specs[0])
+    w = place(mesh, random_array(rng, (16, 16), "float32"), specs[1])
+    with flux_jax.config(timeout_s=0.3, debug_drop_rank=3):
+        f = jax.jit(jax.shard_map(functools.partial(fn, axis_name="tp", impl="fused"), mesh=mesh,
+                                  in_specs=specs, out_specs=out))
+        with pytest.raises(Exception, match=r"timed out after 0.3 s waiting for chunk \d+ from rank 3 \(epoch 1") as err:
+            np.asarray(f(x, w))
+        assert "TP group 0 [devices 0,1,2,3,4,5,6,7]" in str(err.value)
+        # The channel is now failed: the same program fails fast, without waiting again.
+        with pytest.raises(Exception, match="failed earlier"):
+            np.asarray(f(x, w))
+    flux_jax.reset()
+    good = jax.jit(jax.shard_map(functools.partial(fn, axis_name="tp", impl="fused"), mesh=mesh,
+                                 in_specs=specs, out_specs=out))
+    twin = jax.jit(jax.shard_map(functools.partial(fn, axis_name="tp", impl="xla"), mesh=mesh,
+                                 in_specs=specs, out_specs=out))
+    np.testing.assert_allclose(np.asarray(good(x, w)), np.asarray(twin(x, w)), rtol=1e-5, atol=1e-5)
