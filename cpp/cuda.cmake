@@ -2,11 +2,11 @@
 enable_language(CUDA)
 find_package(CUDAToolkit REQUIRED)
 
-set(FLUX_JAX_CUTLASS_DIR "" CACHE PATH "CUTLASS include dir (default: from the nvidia-cutlass wheel)")
+set(FLUX_JAX_CUTLASS_DIR "" CACHE PATH "CUTLASS source root holding include/ and tools/util/include/ (default: the nvidia-cutlass wheel)")
 if(NOT FLUX_JAX_CUTLASS_DIR)
   execute_process(
     COMMAND "${Python_EXECUTABLE}" -c
-      "import importlib.util, importlib.metadata, os; s = importlib.util.find_spec('cutlass_library'); print(os.path.join(s.submodule_search_locations[0], 'source', 'include') + ';' + importlib.metadata.version('nvidia-cutlass'))"
+      "import importlib.util, importlib.metadata, os; s = importlib.util.find_spec('cutlass_library'); print(os.path.join(s.submodule_search_locations[0], 'source') + ';' + importlib.metadata.version('nvidia-cutlass'))"
     OUTPUT_VARIABLE _cutlass_out OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE _cutlass_rc)
   if(NOT _cutlass_rc EQUAL 0)
     message(FATAL_ERROR "CUTLASS headers not found: pip install nvidia-cutlass==4.2.0.0, "
@@ -35,5 +35,6 @@ if(FLUX_JAX_PTXAS_VERBOSE)
   list(APPEND _cuda_flags -Xptxas=-v)
 endif()
 target_compile_options(flux_jax_cuda PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:${_cuda_flags}>)
-target_include_directories(flux_jax_cuda PRIVATE ${FLUX_JAX_CUTLASS_DIR} ${CMAKE_CURRENT_SOURCE_DIR}/kernels/cuda)
+target_include_directories(flux_jax_cuda PRIVATE
+  ${FLUX_JAX_CUTLASS_DIR}/include ${FLUX_JAX_CUTLASS_DIR}/tools/util/include ${CMAKE_CURRENT_SOURCE_DIR}/kernels/cuda)
 target_link_libraries(flux_jax_cuda PUBLIC flux_jax_kernels CUDA::cudart_static)

@@ -16,7 +16,7 @@ _native.register()
 from flux_jax._config import Config, config, get_config, set_config  # noqa: E402
 from flux_jax._errors import FusedUnavailableError  # noqa: E402
 from flux_jax._native import build_info  # noqa: E402
-from flux_jax._state import reset  # noqa: E402
+from flux_jax._state import device_errors, reset, workspace_bytes  # noqa: E402
 from flux_jax.ag_matmul import ag_matmul  # noqa: E402
 from flux_jax.matmul_rs import matmul_rs  # noqa: E402
 from flux_jax.sharding import ag_matmul_sharded, matmul_rs_sharded  # noqa: E402
@@ -32,10 +32,12 @@ __all__ = [
     "ag_matmul_xla",
     "build_info",
     "config",
+    "device_errors",
     "get_config",
     "matmul_rs",
     "matmul_rs_sharded",
     "matmul_rs_xla",
     "reset",
     "set_config",
+    "workspace_bytes",
 ]

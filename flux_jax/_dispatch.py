@@ -23,7 +23,16 @@ class FusedSpec:
     config: Config
 
 
-def fused_unavailable_reason(op: str, info: AxisInfo, k: int, n: int) -> str | None:
+def _non_hopper_gpus() -> list[str]:
+    """Local GPUs that are not sm_90 (the CUDA kernels are built for sm_90a)."""
+    bad = []
+    for d in jax.local_devices():
+        if d.platform == "gpu" and str(getattr(d, "compute_capability", "9.0")) != "9.0":
+            bad.append(f"{d.device_kind} (sm {d.compute_capability})")
+    return bad
+
+
+def fused_unavailable_reason(op: str, info: AxisInfo, k: int, n: int, dtype) -> str | None:
     """Why the fused kernel cannot run here, or None if it can."""
     if not info.fully_manual:
         return (
@@ -37,8 +46,13 @@ def fused_unavailable_reason(op: str, info: AxisInfo, k: int, n: int) -> str | N
             built = _native.build_info()
             what = "without CUDA" if not built["cuda"] else "without this CUDA kernel yet"
             return f"this flux_jax build was compiled {what} (flux_jax.build_info(): {built})"
+        if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+            return f"the CUDA kernels take bfloat16 or float16 inputs, not {jnp.dtype(dtype).name}"
         if k % 8 or n % 8:
             return f"the CUDA kernels need K and N to be multiples of 8 (got K={k}, N={n})"
+        bad = _non_hopper_gpus()
+        if bad:
+            return f"the CUDA kernels need Hopper (sm_90) GPUs; found {bad}"
         return None
     return f"no fused kernel for platform {info.platform!r} (cpu and cuda are supported)"
 
@@ -57,7 +71,7 @@ def resolve(op: str, impl: str, info: AxisInfo, rows: int, k: int, n: int, dtype
     """Returns "fused" or "xla"; raises FusedUnavailableError for an impossible "fused"."""
     if impl == "xla":
         return "xla"
-    reason = fused_unavailable_reason(op, info, k, n)
+    reason = fused_unavailable_reason(op, info, k, n, dtype)
     if impl == "fused":
         if reason is not None:
             raise FusedUnavailableError(f'flux_jax.{op}(impl="fused") cannot run here: {reason}')

@@ -21,7 +21,7 @@ import flux_jax  # noqa: E402
 def _poisoned_outputs():
     """Every fused kernel poisons its outputs with NaN first (unwritten => test fails)."""
     previous = flux_jax.get_config()
-    flux_jax.set_config(flux_jax.Config(timeout_s=120.0, debug_poison_outputs=True))
+    flux_jax.set_config(flux_jax.Config(timeout_s=30.0, debug_poison_outputs=True))
     yield
     flux_jax.set_config(previous)
 

@@ -7,6 +7,12 @@
 #include "handlers.h"
 #include "xla/ffi/api/c_api.h"
 
+#ifdef FLUX_JAX_WITH_CUDA
+#include <nanobind/stl/tuple.h>
+
+#include "flux_jax/cuda_runtime.h"
+#endif
+
 
 namespace nb = nanobind;
 
@@ -63,4 +69,14 @@ NB_MODULE(_flux_jax_ffi, m) {
   m.def("reset_cpu_channels", &flux_jax::ResetCpuChannels,
         "Drop all CPU-backend channels (also clears failed state).");
   m.def("cpu_channel_count", &flux_jax::CpuChannelCount, "Number of live CPU-backend channels.");
+#ifdef FLUX_JAX_WITH_CUDA
+  m.def("cuda_kernels", [] { return std::make_tuple(std::string("ag_matmul"), std::string("matmul_rs")); },
+        "Ops with CUDA kernels in this build.");
+  m.def("reset_cuda_workspaces", &flux_jax::ResetCudaWorkspaces,
+        "Free all GPU workspaces and clear device error records.");
+  m.def("cuda_workspace_bytes", &flux_jax::CudaWorkspaceBytes, nb::arg("device"),
+        "Workspace bytes held on a GPU outside XLA's pool.");
+  m.def("cuda_device_error", &flux_jax::CudaDeviceError, nb::arg("device"),
+        "Diagnostic of a timed-out device-side wait on a GPU, or ''.");
+#endif
 }

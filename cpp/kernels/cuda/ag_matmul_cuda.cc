@@ -1,0 +1,112 @@
+// AllGather -> GEMM on Hopper: one persistent CUTLASS GEMM whose producer warp
+// waits for each remote row piece, fed by copy-engine pushes.
+//
+// Schedule (TP = 2, rank r; chunk = m_local rows; pieces P0..Pn of a chunk):
+//
+//   compute stream S (XLA's)             comm stream C (ours, high priority)
+//   present handshake (wait for peers)
+//                                        push x_r pieces -> peer gather buffer,
+//   GEMM, tile rows rotated by rank:     each followed by peer.arrived[piece] = e
+//     tiles of chunk r  (read x_r directly, no wait)
+//     tiles of chunk r+1 (producer waits arrived[piece] >= e, then TMA-loads A)
+//   [gathered copy if requested]
+//   wait C (x_r must outlive the pushes)
+//
+// Pushes start as soon as the peer is present and overlap the local tiles;
+// for TP > 2 rank r pushes to r-1 first (the rank that needs chunk r soonest).
+#include "flux_jax/ag_matmul.h"
+#include "op_common.h"
+
+namespace flux_jax {
+
+Status RunAgMatmulCuda(const AgMatmulParams& p, const TpGroup& group, const CommConfig& cfg,
+                       void* stream_ptr) {
+  using namespace cuda;
+  FLUX_JAX_RETURN_IF_ERROR(AgMatmulCanImplement(p, group));
+  auto S = static_cast<cudaStream_t>(stream_ptr);
+  const int tp = group.size, r = group.rank;
+  const int device = static_cast<int>(group.devices[r]);
+  DeviceGuard guard(device);
+  const size_t elt = DTypeBytes(p.dtype);
+  const int64_t rows = tp * p.m_local;
+  const size_t row_bytes = static_cast<size_t>(p.k) * elt;
+  const size_t chunk_bytes = static_cast<size_t>(p.m_local) * row_bytes;
+  if (cfg.poison_outputs) FLUX_CUDA_TRY(cudaMemsetAsync(p.out, 0xFF, rows * p.n * elt, S));
+
+  GemmPlan plan;
+  plan.m = rows;
+  plan.n = p.n;
+  plan.k = p.k;
+  plan.b = p.w;
+  plan.b_kmajor = p.w_transposed;
+  plan.d = p.out;
+
+  if (tp == 1) {
+    GroupWorkspace* ws = nullptr;  // no communication; the workspace only holds alpha
+    FLUX_JAX_RETURN_IF_ERROR(AcquireWorkspace(group, 0, cfg, S, &ws));
+    plan.a = p.x;
+    plan.alpha_ptr = ws->alpha;
+    FLUX_JAX_RETURN_IF_ERROR(RunGemm(plan, p.dtype, S, device, ws->sm_count));
+    if (p.gathered) FLUX_CUDA_TRY(cudaMemcpyAsync(p.gathered, p.x, chunk_bytes, cudaMemcpyDeviceToDevice, S));
+    return Status::Ok();
+  }
+
+  GroupWorkspace* ws = nullptr;
+  FLUX_JAX_RETURN_IF_ERROR(AcquireWorkspace(group, rows * row_bytes, cfg, S, &ws));
+  ws->epoch += 1;
+  const uint64_t epoch = ws->epoch;
+  const int32_t piece_rows = PieceRows(p.m_local, row_bytes);
+  const int32_t pieces = NumPieces(p.m_local, piece_rows);
+  auto x = static_cast<const char*>(p.x);
+
+  FLUX_JAX_RETURN_IF_ERROR(PresenceHandshake(*ws, S, cfg));
+  FLUX_CUDA_TRY(cudaEventRecord(ws->ev_start, S));
+
+  // Comm stream: push my chunk, piece by piece, to every peer.
+  FLUX_CUDA_TRY(cudaStreamWaitEvent(ws->comm, ws->ev_start, 0));
+  FLUX_JAX_RETURN_IF_ERROR(StreamWriteValue64(ws->comm, ws->cells + 1, epoch));
+  for (int i = 1; i < tp; ++i) {
+    const int peer = (r - i + tp) % tp;
+    for (int j = 0; j < pieces; ++j) {
+      const int64_t row0 = static_cast<int64_t>(j) * piece_rows;
+      const size_t bytes = static_cast<size_t>(std::min<int64_t>(piece_rows, p.m_local - row0)) * row_bytes;
+      uint64_t* flag = cfg.drop_rank == r ? nullptr  // tests: never signal the peer
+                                          : ws->peers[peer].arrived + r * pieces + j;
+      FLUX_JAX_RETURN_IF_ERROR(PushPiece(*ws, ws->peers[peer].data + (r * p.m_local + row0) * row_bytes,
+                                         x + row0 * row_bytes, bytes, flag));
+    }
+  }
+  FLUX_CUDA_TRY(cudaEventRecord(ws->ev_comm_done, ws->comm));
+
+  // Compute stream: the GEMM over all rows, local rows first.
+  const bool aligned = p.m_local % kGemmBlockM == 0;
+  if (!aligned) {  // a tile would straddle chunks: gather local rows too
+    FLUX_CUDA_TRY(cudaMemcpyAsync(ws->data + r * chunk_bytes, x, chunk_bytes, cudaMemcpyDeviceToDevice, S));
+  } else {
+    plan.a_local = p.x;
+    plan.local_rows = static_cast<int32_t>(p.m_local);
+    plan.local_first_tile = static_cast<int32_t>(r * p.m_local / kGemmBlockM);
+  }
+  plan.a = ws->data;
+  plan.alpha_ptr = ws->alpha;
+  plan.rotate_m_tiles = static_cast<int32_t>((r * p.m_local + kGemmBlockM - 1) / kGemmBlockM);
+  plan.gate_a = MakeGate(*ws, cfg, ws->arrived, static_cast<int32_t>(p.m_local), piece_rows,
+                         static_cast<int32_t>(rows), r, 0, kSiteGemmA);
+  FLUX_JAX_RETURN_IF_ERROR(RunGemm(plan, p.dtype, S, device, ws->sm_count));
+
+  if (p.gathered) {
+    auto gathered = static_cast<char*>(p.gathered);
+    if (aligned) {
+      if (r > 0) FLUX_CUDA_TRY(cudaMemcpyAsync(gathered, ws->data, r * chunk_bytes, cudaMemcpyDeviceToDevice, S));
+      FLUX_CUDA_TRY(cudaMemcpyAsync(gathered + r * chunk_bytes, x, chunk_bytes, cudaMemcpyDeviceToDevice, S));
+      const size_t tail = (tp - r - 1) * chunk_bytes;
+      if (tail) FLUX_CUDA_TRY(cudaMemcpyAsync(gathered + (r + 1) * chunk_bytes, ws->data + (r + 1) * chunk_bytes, tail, cudaMemcpyDeviceToDevice, S));
+    } else {
+      FLUX_CUDA_TRY(cudaMemcpyAsync(gathered, ws->data, tp * chunk_bytes, cudaMemcpyDeviceToDevice, S));
+    }
+  }
+  FLUX_CUDA_TRY(cudaStreamWaitEvent(S, ws->ev_comm_done, 0));
+  return Status::Ok();
+}
+
+}  // namespace flux_jax

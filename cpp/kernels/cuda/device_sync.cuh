@@ -1,0 +1,127 @@
+// Device-side flag waits with deadlines, and the error record they fill.
+//
+// Every wait on the GPU is bounded: a flag that does not reach its epoch
+// within the timeout records who waited for what in a DeviceError (mapped host
+// memory, read by the next host call) and poisons the GEMM's alpha with NaN so
+// the tiles it could not compute correctly come out as NaN, never as a silent
+// wrong answer. After that, other waits on the device give up at once.
+#pragma once
+
+#include <cstdint>
+
+namespace flux_jax::cuda {
+
+enum WaitSite : int32_t { kSitePresent = 1, kSiteGemmA = 2, kSiteEpilogueC = 3 };
+
+// Host-visible error record, one per device (cudaHostAllocMapped).
+struct DeviceError {
+  int32_t code;  // 0: none, 1: wait timed out
+  int32_t site;  // WaitSite
+  int32_t device;
+  int32_t rank;
+  int32_t peer;   // rank expected to write the flag (-1 unknown)
+  int32_t chunk;  // chunk / step of rows the flag guards (-1 none)
+  int32_t piece;
+  int32_t pad;
+  uint64_t epoch;
+  uint64_t seen;  // flag value when the wait gave up
+};
+
+// Everything a device-side wait needs besides the flag.
+struct WaitContext {
+  DeviceError* error = nullptr;  // device pointer of this device's record
+  float* alpha = nullptr;        // GEMM alpha in device memory (1.0f; NaN once poisoned)
+  int64_t timeout_ns = 0;
+  int32_t device = 0;
+  int32_t rank = 0;
+  uint64_t epoch = 0;
+};
+
+// Rows of a matrix that arrive in pieces, each guarded by a flag that reaches
+// `ctx.epoch` once the piece is in place: flag index = chunk * pieces + piece.
+struct RowGate {
+  const uint64_t* flags = nullptr;  // null: nothing to wait for
+  int32_t rows_per_chunk = 0;
+  int32_t rows_per_piece = 0;
+  int32_t pieces_per_chunk = 0;
+  int32_t total_rows = 0;
+  int32_t skip_chunk = -1;          // rows already present (the local chunk)
+  int32_t peer_of_chunk0 = 0;       // for diagnostics: rank that sends chunk c = c + this (mod tp)
+  int32_t tp = 1;
+  int32_t site = kSiteGemmA;
+  WaitContext ctx;
+};
+
+#if defined(__CUDACC__)
+
+__device__ __forceinline__ uint64_t GlobalTimerNs() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ uint64_t LoadAcquireSys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// Spins until *flag >= ctx.epoch. Returns false (after recording) on timeout,
+// or at once if another wait on this device already failed.
+static __device__ __noinline__ bool WaitFlag(const uint64_t* flag, const WaitContext& ctx, int32_t site,
+                                      int32_t peer, int32_t chunk, int32_t piece) {
+  uint64_t start = 0;
+  for (uint32_t i = 0;; ++i) {
+    const uint64_t seen = LoadAcquireSys(flag);
+    if (seen >= ctx.epoch) return true;
+    if ((i & 255u) != 255u) continue;
+    if (*reinterpret_cast<volatile int32_t*>(&ctx.error->code) != 0) return false;
+    const uint64_t now = GlobalTimerNs();
+    if (start == 0) {
+      start = now;
+    } else if (static_cast<int64_t>(now - start) > ctx.timeout_ns) {
+      if (atomicCAS(&ctx.error->code, 0, -1) == 0) {  // first failure on this device fills the record
+        ctx.error->site = site;
+        ctx.error->device = ctx.device;
+        ctx.error->rank = ctx.rank;
+        ctx.error->peer = peer;
+        ctx.error->chunk = chunk;
+        ctx.error->piece = piece;
+        ctx.error->epoch = ctx.epoch;
+        ctx.error->seen = seen;
+        __threadfence_system();
+        atomicExch(&ctx.error->code, 1);
+      }
+      *reinterpret_cast<volatile float*>(ctx.alpha) = __int_as_float(0x7fc00000);
+      __threadfence();
+      return false;
+    }
+  }
+}
+
+// Waits for every piece that covers rows [row0, row0 + rows) (clamped).
+__device__ __forceinline__ void WaitRows(const RowGate& g, int32_t row0, int32_t rows) {
+  if (g.flags == nullptr) return;
+  const int32_t last = min(row0 + rows, g.total_rows) - 1;
+  int32_t row = row0;
+  while (row <= last) {
+    const int32_t chunk = row / g.rows_per_chunk;
+    const int32_t in_chunk = row - chunk * g.rows_per_chunk;
+    const int32_t piece = in_chunk / g.rows_per_piece;
+    if (chunk != g.skip_chunk) {
+      const int32_t peer = (chunk + g.peer_of_chunk0) % g.tp;
+      if (!WaitFlag(g.flags + chunk * g.pieces_per_chunk + piece, g.ctx, g.site, peer, chunk,
+                    piece)) {
+        return;
+      }
+    }
+    const int32_t next_piece_row = chunk * g.rows_per_chunk + (piece + 1) * g.rows_per_piece;
+    row = min(next_piece_row, (chunk + 1) * g.rows_per_chunk);
+  }
+  // TMA (async proxy) reads of data another agent wrote follow this wait.
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+#endif  // __CUDACC__
+
+}  // namespace flux_jax::cuda

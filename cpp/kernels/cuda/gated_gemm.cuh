@@ -1,0 +1,260 @@
+// CUTLASS sm90 extensions that turn the warp-specialized persistent GEMM into
+// the FLUX kernels, without forking CUTLASS: three small derived types plug into
+// the hooks `GemmUniversal<Problem, Mainloop, Epilogue, SchedulerTag>` exposes.
+//
+//  RotatedScheduler  PersistentTileSchedulerSm90 whose M tile index is rotated
+//                    by a per-launch offset, so rank r starts on its own rows.
+//  GatedMainloop     the TMA producer warp waits on the row-piece flags of a
+//                    tile's A rows before loading them; tiles inside the local
+//                    chunk read A straight from the caller's buffer through a
+//                    second TMA descriptor (no local copy).
+//  GatedEpilogue     the epilogue producer waits on the flags of a tile's C rows
+//                    (received partial sums) before loading C.
+//
+// Consumers (the MMA warpgroups) never poll. Only cluster 1x1 is supported.
+#pragma once
+
+#include "cute/tensor.hpp"
+#include "cutlass/gemm/kernel/sm90_tile_scheduler.hpp"
+#include "cutlass/gemm/kernel/tile_scheduler.hpp"
+#include "device_sync.cuh"
+
+namespace flux_jax::cuda {
+
+// ---------------------------------------------------------------------------
+// Tile order: M index rotated by a per-launch offset (raster along N, so the
+// tiles in flight share few row blocks).
+// ---------------------------------------------------------------------------
+struct RotatedSchedulerTag {};
+
+class RotatedScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
+  using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
+
+ public:
+  struct Arguments : Base::Arguments {
+    int32_t rotate_m_tiles = 0;
+  };
+  struct Params : Base::Params {
+    int32_t rotate_m_tiles = 0;
+    int32_t tiles_m = 1;
+  };
+
+  template <class ProblemShapeMNKL, class TileShape, class ClusterShape>
+  static Params to_underlying_arguments(ProblemShapeMNKL problem_shape_mnkl, TileShape tile_shape,
+                                        ClusterShape cluster_shape,
+                                        cutlass::KernelHardwareInfo const& hw_info,
+                                        Arguments const& args, void* workspace = nullptr,
+                                        const uint32_t epilogue_subtile = 1,
+                                        uint32_t ktile_start_alignment_count = 1u) {
+    Params params;
+    static_cast<Base::Params&>(params) = Base::to_underlying_arguments(
+        problem_shape_mnkl, tile_shape, cluster_shape, hw_info, args, workspace, epilogue_subtile,
+        ktile_start_alignment_count);
+    const int m = static_cast<int>(cute::get<0>(problem_shape_mnkl));
+    params.tiles_m = (m + cute::size<0>(tile_shape) - 1) / cute::size<0>(tile_shape);
+    params.rotate_m_tiles = params.tiles_m > 0 ? args.rotate_m_tiles % params.tiles_m : 0;
+    return params;
+  }
+
+  CUTLASS_HOST_DEVICE RotatedScheduler() {}
+  CUTLASS_DEVICE explicit RotatedScheduler(Params const& params)
+      : Base(params), rotate_(params.rotate_m_tiles), tiles_m_(params.tiles_m) {}
+
+  template <class ClusterShape>
+  CUTLASS_DEVICE WorkTileInfo initial_work_tile_info(ClusterShape) {
+    return Rotate(Base::get_current_work());
+  }
+
+  // Both overloads the kernel uses: advance one grid stride, rotate.
+  template <class... Unused>
+  CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo, Unused&&...) {
+    Base::advance_to_next_work();
+    return cute::make_tuple(Rotate(Base::get_current_work()), true);
+  }
+
+ private:
+  CUTLASS_DEVICE WorkTileInfo Rotate(WorkTileInfo w) const {
+    if (w.is_valid()) {
+      int m = w.M_idx + rotate_;
+      w.M_idx = m >= tiles_m_ ? m - tiles_m_ : m;
+    }
+    return w;
+  }
+
+  int32_t rotate_ = 0;
+  int32_t tiles_m_ = 1;
+};
+
+// ---------------------------------------------------------------------------
+// Mainloop: gate A loads on row-piece flags; local tiles from a 2nd descriptor.
+// ---------------------------------------------------------------------------
+template <class Base>
+struct GatedMainloop : Base {
+  using ClusterShape = typename Base::DispatchPolicy::ClusterShape;
+  using typename Base::MainloopPipeline;
+  using typename Base::PipelineState;
+  using typename Base::SmemLayoutA;
+  using typename Base::SmemLayoutB;
+  using typename Base::TensorStorage;
+  using typename Base::TileShape;
+  static_assert(cute::size(ClusterShape{}) == 1, "GatedMainloop supports cluster 1x1 only");
+  static constexpr int kBlockM = cute::size<0>(TileShape{});
+
+  struct Arguments : Base::Arguments {
+    // Optional: rows [local_first_tile * kBlockM, + local_rows) of A are read
+    // from ptr_A_local (same strides) instead of ptr_A.
+    typename Base::ElementA const* ptr_A_local = nullptr;
+    int32_t local_rows = 0;
+    int32_t local_first_tile = 0;
+    RowGate gate;
+  };
+
+  struct Params : Base::Params {
+    typename Base::Params::TMA_A tma_load_a_local;
+    int32_t local_rows = 0;
+    int32_t local_first_tile = 0;
+    int32_t local_tiles = 0;
+    int32_t k = 0;
+    RowGate gate;
+  };
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args,
+                                        void* workspace) {
+    using namespace cute;
+    Params params;
+    static_cast<typename Base::Params&>(params) =
+        Base::to_underlying_arguments(problem_shape, args, workspace);
+    auto [M, N, K, L] = append<4>(problem_shape, 1);
+    params.k = static_cast<int32_t>(K);
+    params.gate = args.gate;
+    params.tma_load_a_local = params.tma_load_a;
+    if (args.ptr_A_local != nullptr && args.local_rows > 0) {
+      auto ptr = reinterpret_cast<typename Base::InternalElementA const*>(args.ptr_A_local);
+      Tensor tensor = make_tensor(ptr, make_layout(make_shape(args.local_rows, K, L), args.dA));
+      params.tma_load_a_local = make_tma_copy_A_sm90(typename Base::GmemTiledCopyA{}, tensor,
+                                                     SmemLayoutA{}(_, _, Int<0>{}), TileShape{},
+                                                     ClusterShape{});
+      params.local_rows = args.local_rows;
+      params.local_first_tile = args.local_first_tile;
+      params.local_tiles = (args.local_rows + kBlockM - 1) / kBlockM;
+    }
+    return params;
+  }
+
+  CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& params) {
+    Base::prefetch_tma_descriptors(params);
+    if (params.local_tiles > 0) cute::prefetch_tma_descriptor(params.tma_load_a_local.get_tma_descriptor());
+  }
+
+  // Producer warp, once per work tile (the whole warp enters).
+  template <class TensorA, class TensorB, class KTileIterator, class BlockCoord>
+  CUTLASS_DEVICE void load(Params const& params, MainloopPipeline pipeline,
+                           PipelineState smem_pipe_write,
+                           cute::tuple<TensorA, TensorB> const& load_inputs,
+                           BlockCoord const& blk_coord, KTileIterator k_tile_iter, int k_tile_count,
+                           int /*thread_idx*/, uint32_t /*block_rank_in_cluster*/,
+                           TensorStorage& shared_tensors) {
+    using namespace cute;
+    using X = Underscore;
+    auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
+    const int tile_m = static_cast<int>(m_coord);
+    const int local_tile_m = tile_m - params.local_first_tile;
+    const bool local = params.local_tiles > 0 && local_tile_m >= 0 && local_tile_m < params.local_tiles;
+    if (!local) {
+      if (cute::elect_one_sync()) WaitRows(params.gate, tile_m * kBlockM, kBlockM);
+      __syncwarp();
+    }
+
+    if (cute::elect_one_sync()) {
+      Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
+      Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
+      Tensor gB = get<1>(load_inputs)(_, _, n_coord, _, l_coord);  // (BLK_N,BLK_K,k)
+      auto block_tma_b = params.tma_load_b.get_slice(0);
+      Tensor tBgB = block_tma_b.partition_S(gB);
+      Tensor tBsB = block_tma_b.partition_D(sB);
+
+      auto issue = [&](auto const& tma_a, auto const& gA) {
+        auto block_tma_a = tma_a.get_slice(0);
+        Tensor tAgA = block_tma_a.partition_S(gA);
+        Tensor tAsA = block_tma_a.partition_D(sA);
+        CUTLASS_PRAGMA_NO_UNROLL
+        for (; k_tile_count > 0; --k_tile_count) {
+          pipeline.producer_acquire(smem_pipe_write);
+          auto* barrier = pipeline.producer_get_barrier(smem_pipe_write);
+          const int stage = smem_pipe_write.index();
+          copy(tma_a.with(*barrier, 0), tAgA(_, _, _, *k_tile_iter), tAsA(_, _, _, stage));
+          copy(params.tma_load_b.with(*barrier, 0), tBgB(_, _, _, *k_tile_iter), tBsB(_, _, _, stage));
+          ++k_tile_iter;
+          ++smem_pipe_write;
+        }
+      };
+
+      if (local) {
+        Tensor mA = params.tma_load_a_local.get_tma_tensor(make_shape(params.local_rows, params.k, 1));
+        Tensor gA_mkl = local_tile(mA, TileShape{}, make_coord(_, _, _), Step<_1, X, _1>{});
+        issue(params.tma_load_a_local, gA_mkl(_, _, local_tile_m, _, 0));
+      } else {
+        issue(params.tma_load_a, get<0>(load_inputs)(_, _, m_coord, _, l_coord));
+      }
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------
+// Epilogue: gate the C (source) loads of a tile on its row-piece flags.
+// ---------------------------------------------------------------------------
+template <class Base>
+struct GatedEpilogue : Base {
+  using typename Base::TensorStorage;
+
+  struct Arguments : Base::Arguments {
+    RowGate gate;
+  };
+  struct Params : Base::Params {
+    RowGate gate;
+  };
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const& problem_shape,
+                                                  Arguments const& args, void* workspace) {
+    Params params;
+    static_cast<typename Base::Params&>(params) =
+        Base::to_underlying_arguments(problem_shape, args, workspace);
+    params.gate = args.gate;
+    return params;
+  }
+
+  CUTLASS_HOST_DEVICE GatedEpilogue(Params const& params, TensorStorage& shared_tensors)
+      : Base(params, shared_tensors), gate_(&params.gate) {}
+
+  template <class ProblemShapeMNKL, class TileShapeMNK, class TileCoordMNKL, class TiledMma,
+            class... Rest>
+  CUTLASS_DEVICE auto load(typename Base::LoadPipeline load_pipeline,
+                           typename Base::LoadPipelineState load_pipe_producer_state,
+                           ProblemShapeMNKL problem_shape_mnkl, TileShapeMNK tile_shape_MNK,
+                           TileCoordMNKL tile_coord_mnkl, TiledMma tiled_mma, int thread_idx,
+                           TensorStorage& shared_tensors, Rest... rest) {
+    const int block_m = cute::size<0>(tile_shape_MNK);
+    if (cute::elect_one_sync()) {
+      WaitRows(*gate_, static_cast<int>(cute::get<0>(tile_coord_mnkl)) * block_m, block_m);
+    }
+    __syncwarp();
+    return Base::load(load_pipeline, load_pipe_producer_state, problem_shape_mnkl, tile_shape_MNK,
+                      tile_coord_mnkl, tiled_mma, thread_idx, shared_tensors, rest...);
+  }
+
+ private:
+  RowGate const* gate_;
+};
+
+}  // namespace flux_jax::cuda
+
+// Route our scheduler tag to RotatedScheduler inside GemmUniversal.
+namespace cutlass::gemm::kernel::detail {
+template <class ArchTag, class TileShape, class ClusterShape, uint32_t Stages>
+struct TileSchedulerSelector<flux_jax::cuda::RotatedSchedulerTag, ArchTag, TileShape, ClusterShape,
+                             Stages> {
+  using Scheduler = flux_jax::cuda::RotatedScheduler;
+};
+}  // namespace cutlass::gemm::kernel::detail

@@ -1,0 +1,26 @@
+// Picks the GEMM instance for a dtype and weight layout.
+#include "gemm_plan.h"
+
+namespace flux_jax::cuda {
+
+Status RunGemm_bf16_nmajor(const GemmPlan&, cudaStream_t, int, int);
+Status RunGemm_bf16_kmajor(const GemmPlan&, cudaStream_t, int, int);
+Status RunGemm_f16_nmajor(const GemmPlan&, cudaStream_t, int, int);
+Status RunGemm_f16_kmajor(const GemmPlan&, cudaStream_t, int, int);
+
+Status RunGemm(const GemmPlan& plan, DType dtype, cudaStream_t stream, int device, int sm_count) {
+  switch (dtype) {
+    case DType::kBF16:
+      return plan.b_kmajor ? RunGemm_bf16_kmajor(plan, stream, device, sm_count)
+                           : RunGemm_bf16_nmajor(plan, stream, device, sm_count);
+    case DType::kF16:
+      return plan.b_kmajor ? RunGemm_f16_kmajor(plan, stream, device, sm_count)
+                           : RunGemm_f16_nmajor(plan, stream, device, sm_count);
+    case DType::kF32:
+      break;
+  }
+  return Status::InvalidArgument(
+      "flux_jax: the CUDA kernels take bfloat16 or float16 inputs (float32: use impl='xla')");
+}
+
+}  // namespace flux_jax::cuda

@@ -1,0 +1,110 @@
+// The one GEMM configuration every fused op instantiates (per dtype and B
+// layout): CUTLASS sm90 TMA warp-specialized cooperative persistent kernel,
+// 128x256x64 tiles, cluster 1x1, f32 accumulation, with the gated mainloop,
+// gated epilogue and rotated scheduler of gated_gemm.cuh. Included only by the
+// instantiation units (each costs ~1 minute of nvcc on 2 cores).
+#pragma once
+
+#include <type_traits>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/util/packed_stride.hpp"
+#include "gated_gemm.cuh"
+#include "gemm_plan.h"
+
+namespace flux_jax::cuda {
+
+template <class Element, bool kBKMajor>
+struct GemmInstance {
+  using LayoutA = cutlass::layout::RowMajor;
+  using LayoutB = std::conditional_t<kBKMajor, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
+  using LayoutC = cutlass::layout::RowMajor;
+  static constexpr int kAlignment = 8;  // 16 bytes: K and N multiples of 8
+  using TileShape = cute::Shape<cute::Int<kGemmBlockM>, cute::Int<kGemmBlockN>, cute::_64>;
+  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
+
+  using BaseEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, Element, LayoutC, kAlignment,
+      Element, LayoutC, kAlignment, cutlass::epilogue::TmaWarpSpecializedCooperative>::CollectiveOp;
+
+  using BaseMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, kAlignment, Element,
+      LayoutB, kAlignment, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename BaseEpilogue::SharedStorage))>,
+      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>,
+                                                      GatedMainloop<BaseMainloop>,
+                                                      GatedEpilogue<BaseEpilogue>, RotatedSchedulerTag>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+};
+
+template <class Instance>
+Status RunGemmInstance(const GemmPlan& p, cudaStream_t stream, int device, int sm_count) {
+  using Kernel = typename Instance::Kernel;
+  using Element = typename Kernel::ElementA;
+  const int m = static_cast<int>(p.m), n = static_cast<int>(p.n), k = static_cast<int>(p.k);
+
+  typename Kernel::Arguments args{};
+  args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
+  args.problem_shape = {m, n, k, 1};
+
+  auto& ml = args.mainloop;
+  ml.ptr_A = static_cast<Element const*>(p.a);
+  ml.dA = cutlass::make_cute_packed_stride(typename Kernel::StrideA{}, cute::make_shape(m, k, 1));
+  ml.ptr_B = static_cast<Element const*>(p.b);
+  ml.dB = cutlass::make_cute_packed_stride(typename Kernel::StrideB{}, cute::make_shape(n, k, 1));
+  ml.ptr_A_local = static_cast<Element const*>(p.a_local);
+  ml.local_rows = p.local_rows;
+  ml.local_first_tile = p.local_first_tile;
+  ml.gate = p.gate_a;
+
+  auto& ep = args.epilogue;
+  ep.thread.alpha = 1.0f;
+  ep.thread.alpha_ptr = p.alpha_ptr;
+  ep.thread.beta = p.beta;
+  ep.ptr_C = static_cast<Element const*>(p.c != nullptr ? p.c : p.d);
+  ep.dC = cutlass::make_cute_packed_stride(typename Kernel::StrideC{}, cute::make_shape(m, n, 1));
+  ep.ptr_D = static_cast<Element*>(p.d);
+  ep.dD = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, cute::make_shape(m, n, 1));
+  ep.gate = p.gate_c;
+
+  args.hw_info.device_id = device;
+  args.hw_info.sm_count = sm_count;
+  args.scheduler.raster_order =
+      cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90::RasterOrderOptions::AlongN;
+  args.scheduler.max_swizzle_size = p.swizzle;
+  args.scheduler.rotate_m_tiles = p.rotate_m_tiles;
+
+  typename Instance::Gemm gemm;
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
+    return Status::InvalidArgument("flux_jax: CUTLASS cannot implement GEMM m=" + std::to_string(m) +
+                                   " n=" + std::to_string(n) + " k=" + std::to_string(k) +
+                                   " (K and N must be multiples of 8)");
+  }
+  cutlass::Status st = gemm.initialize(args, nullptr, stream);
+  if (st == cutlass::Status::kSuccess) st = gemm.run(stream);
+  if (st != cutlass::Status::kSuccess) {
+    return Status::Internal(std::string("flux_jax: CUTLASS GEMM launch failed: ") +
+                            cutlass::cutlassGetStatusString(st) + " / " +
+                            cudaGetErrorString(cudaGetLastError()));
+  }
+  return Status::Ok();
+}
+
+}  // namespace flux_jax::cuda
+
+// Defines the entry point of one instance: Status <name>(plan, stream, device, sms).
+#define FLUX_JAX_DEFINE_GEMM_INSTANCE(name, Element, kBKMajor)                                 \
+  namespace flux_jax::cuda {                                                                   \
+  Status name(const GemmPlan& plan, cudaStream_t stream, int device, int sm_count) {           \
+    return RunGemmInstance<GemmInstance<Element, kBKMajor>>(plan, stream, device, sm_count);  \
+  }                                                                                            \
+  }

@@ -1,0 +1,43 @@
+// One launch of the gated GEMM, described without CUTLASS types.
+//
+// D[m, n] = alpha * A[m, k] @ op(B) + beta * C[m, n]   (row-major A, C, D)
+// op(B): B is w[k, n] row-major ("N-major"), or w[n, k] row-major when b_kmajor
+// (the transposed weight of a backward pass, never materialized).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "device_sync.cuh"
+#include "flux_jax/params.h"
+#include "flux_jax/status.h"
+
+namespace flux_jax::cuda {
+
+inline constexpr int kGemmBlockM = 128;  // tile rows of every shipped instance
+inline constexpr int kGemmBlockN = 256;
+
+struct GemmPlan {
+  int64_t m = 0, n = 0, k = 0;
+  const void* a = nullptr;
+  // Optional second source for rows [local_first_tile * kGemmBlockM, + local_rows).
+  const void* a_local = nullptr;
+  int32_t local_rows = 0;
+  int32_t local_first_tile = 0;
+  const void* b = nullptr;
+  bool b_kmajor = false;
+  const void* c = nullptr;  // read only when beta != 0
+  float beta = 0.0f;
+  void* d = nullptr;
+  const float* alpha_ptr = nullptr;  // device scalar (1.0f, NaN once poisoned)
+  RowGate gate_a;                    // waits before A loads (AllGather)
+  RowGate gate_c;                    // waits before C loads (ReduceScatter)
+  int32_t rotate_m_tiles = 0;
+  int32_t swizzle = 1;
+};
+
+// Launches on `stream`; `sm_count` sizes the persistent grid.
+Status RunGemm(const GemmPlan& plan, DType dtype, cudaStream_t stream, int device, int sm_count);
+
+}  // namespace flux_jax::cuda

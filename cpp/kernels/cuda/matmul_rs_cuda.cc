@@ -1,0 +1,96 @@
+// GEMM -> ReduceScatter on Hopper: a ring of GEMM launches in which every
+// partial sum is computed, pushed by the copy engine, and added by the next
+// rank's GEMM epilogue (C load gated on arrival flags). No reduction kernel.
+//
+// Schedule of rank r, step j = 0 .. tp-1 (chunk c_j = r - j - 1 mod tp; m/tp rows):
+//
+//   j = 0      : S: stage[0] = x[c_0] @ w                 C: push stage[0] -> rank r+1
+//   0 < j < tp-1: S: stage[j] = x[c_j] @ w + recv[j-1]     C: push stage[j] -> rank r+1
+//   j = tp-1   : S: out      = x[r]   @ w + recv[tp-2]    (own rows: c = r)
+//
+// recv[j-1] is rank r-1's stage[j-1]; the epilogue waits per piece of rows.
+// TP = 2: rank r computes the peer's rows, pushes them, then its own rows plus
+// the peer's partial. Chunk c is summed in the fixed order c+1, c+2, ..., c:
+// bitwise reproducible.
+#include "flux_jax/matmul_rs.h"
+#include "op_common.h"
+
+namespace flux_jax {
+
+Status RunMatmulRsCuda(const MatmulRsParams& p, const TpGroup& group, const CommConfig& cfg,
+                       void* stream_ptr) {
+  using namespace cuda;
+  FLUX_JAX_RETURN_IF_ERROR(MatmulRsCanImplement(p, group));
+  auto S = static_cast<cudaStream_t>(stream_ptr);
+  const int tp = group.size, r = group.rank;
+  const int device = static_cast<int>(group.devices[r]);
+  DeviceGuard guard(device);
+  const size_t elt = DTypeBytes(p.dtype);
+  const int64_t m_out = p.m / tp;
+  const size_t out_row_bytes = static_cast<size_t>(p.n) * elt;
+  const size_t slot_bytes = static_cast<size_t>(m_out) * out_row_bytes;
+  const size_t x_chunk_bytes = static_cast<size_t>(m_out) * p.k * elt;
+  if (cfg.poison_outputs) FLUX_CUDA_TRY(cudaMemsetAsync(p.out, 0xFF, slot_bytes, S));
+
+  GemmPlan plan;
+  plan.m = m_out;
+  plan.n = p.n;
+  plan.k = p.k;
+  plan.b = p.w;
+  plan.b_kmajor = p.w_transposed;
+
+  GroupWorkspace* ws = nullptr;
+  // recv[0 .. tp-2] then stage[0 .. tp-2]
+  FLUX_JAX_RETURN_IF_ERROR(AcquireWorkspace(group, 2 * (tp - 1) * slot_bytes, cfg, S, &ws));
+  plan.alpha_ptr = ws->alpha;
+  auto x = static_cast<const char*>(p.x);
+  if (tp == 1) {
+    plan.a = x;
+    plan.d = p.out;
+    return RunGemm(plan, p.dtype, S, device, ws->sm_count);
+  }
+
+  ws->epoch += 1;
+  const uint64_t epoch = ws->epoch;
+  const int32_t piece_rows = PieceRows(m_out, out_row_bytes);
+  const int32_t pieces = NumPieces(m_out, piece_rows);
+  char* recv = ws->data;
+  char* stage = ws->data + (tp - 1) * slot_bytes;
+  const int next = (r + 1) % tp, prev = (r - 1 + tp) % tp;
+
+  FLUX_JAX_RETURN_IF_ERROR(PresenceHandshake(*ws, S, cfg));
+  for (int j = 0; j < tp; ++j) {
+    const int chunk = (r - j - 1 + 2 * tp) % tp;
+    plan.a = x + chunk * x_chunk_bytes;
+    plan.d = j == tp - 1 ? p.out : stage + j * slot_bytes;
+    if (j == 0) {
+      plan.c = nullptr;
+      plan.beta = 0.0f;
+      plan.gate_c = RowGate{};
+    } else {
+      plan.c = recv + (j - 1) * slot_bytes;
+      plan.beta = 1.0f;
+      plan.gate_c = MakeGate(*ws, cfg, ws->arrived + (j - 1) * pieces, static_cast<int32_t>(m_out),
+                             piece_rows, static_cast<int32_t>(m_out), -1, prev, kSiteEpilogueC);
+    }
+    FLUX_JAX_RETURN_IF_ERROR(RunGemm(plan, p.dtype, S, device, ws->sm_count));
+    if (j == tp - 1) break;
+
+    // Hand the finished partial to rank r+1, piece by piece.
+    FLUX_CUDA_TRY(cudaEventRecord(ws->ev_step[j], S));
+    FLUX_CUDA_TRY(cudaStreamWaitEvent(ws->comm, ws->ev_step[j], 0));
+    if (j == 0) FLUX_JAX_RETURN_IF_ERROR(StreamWriteValue64(ws->comm, ws->cells + 1, epoch));
+    for (int q = 0; q < pieces; ++q) {
+      const int64_t row0 = static_cast<int64_t>(q) * piece_rows;
+      const size_t bytes = static_cast<size_t>(std::min<int64_t>(piece_rows, m_out - row0)) * out_row_bytes;
+      uint64_t* flag = cfg.drop_rank == r ? nullptr : ws->peers[next].arrived + j * pieces + q;
+      FLUX_JAX_RETURN_IF_ERROR(PushPiece(*ws, ws->peers[next].data + j * slot_bytes + row0 * out_row_bytes,
+                                         stage + j * slot_bytes + row0 * out_row_bytes, bytes, flag));
+    }
+  }
+  FLUX_CUDA_TRY(cudaEventRecord(ws->ev_comm_done, ws->comm));
+  FLUX_CUDA_TRY(cudaStreamWaitEvent(S, ws->ev_comm_done, 0));
+  return Status::Ok();
+}
+
+}  // namespace flux_jax

@@ -1,0 +1,80 @@
+// Pieces shared by the two CUDA ops: the presence handshake, piece sizing,
+// and flag writes through the copy engine.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "cuda_util.h"
+#include "flux_jax/params.h"
+#include "gemm_plan.h"
+#include "stream_ops.h"
+#include "workspace.h"
+
+namespace flux_jax::cuda {
+
+// Rows per piece of a chunk: pieces of ~1/8 chunk (>= 2 MiB), a multiple of the
+// GEMM tile height, at most kMaxPieces per chunk. Finer pieces start the
+// consumer earlier; each costs two copy-engine operations.
+inline int32_t PieceRows(int64_t rows, int64_t row_bytes) {
+  if (rows <= 0) return 1;
+  const int64_t target_bytes = std::max<int64_t>(int64_t{2} << 20, rows * row_bytes / 8);
+  int64_t piece = std::max<int64_t>(1, (target_bytes + row_bytes - 1) / row_bytes);
+  piece = (piece + kGemmBlockM - 1) / kGemmBlockM * kGemmBlockM;
+  piece = std::max<int64_t>(piece, (rows + kMaxPieces - 1) / kMaxPieces);
+  return static_cast<int32_t>(std::min(piece, rows));
+}
+
+inline int32_t NumPieces(int64_t rows, int32_t piece_rows) {
+  return static_cast<int32_t>((rows + piece_rows - 1) / piece_rows);
+}
+
+// Compute stream, start of every fused call of the group:
+//   cells[0] = epoch; present[rank] = epoch on every peer (copy engine);
+//   then wait (one warp, bounded) until every peer's present reaches epoch.
+// After this no persistent GEMM of ours can hold the SMs while a peer is still
+// stuck behind other work (e.g. an XLA collective that needs our SMs), and the
+// peer has finished every earlier call, so its receive buffers are free.
+inline Status PresenceHandshake(GroupWorkspace& ws, cudaStream_t stream, const CommConfig& cfg) {
+  FLUX_JAX_RETURN_IF_ERROR(StreamWriteValue64(stream, ws.cells, ws.epoch));
+  if (cfg.drop_rank != ws.rank) {  // drop_rank: tests make a rank never show up
+    for (int p = 0; p < ws.tp; ++p) {
+      if (p == ws.rank) continue;
+      FLUX_CUDA_TRY(cudaMemcpyAsync(ws.peers[p].present + ws.rank, ws.cells, sizeof(uint64_t),
+                                    cudaMemcpyDeviceToDevice, stream));
+    }
+  }
+  return LaunchWaitPeersPresent(stream, ws.present, ws.tp, ws.Wait(cfg.timeout_us));
+}
+
+// Copy-engine push of `bytes` to a peer, then its flag = epoch (cells[1] holds
+// the epoch on the comm stream). Same stream: the flag lands after the data.
+// A null flag sends the data without signalling (debug_drop_rank).
+inline Status PushPiece(GroupWorkspace& ws, void* dst, const void* src, size_t bytes,
+                        uint64_t* peer_flag) {
+  if (bytes) FLUX_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, ws.comm));
+  if (peer_flag == nullptr) return Status::Ok();
+  FLUX_CUDA_TRY(cudaMemcpyAsync(peer_flag, ws.cells + 1, sizeof(uint64_t), cudaMemcpyDeviceToDevice, ws.comm));
+  return Status::Ok();
+}
+
+inline RowGate MakeGate(const GroupWorkspace& ws, const CommConfig& cfg, const uint64_t* flags,
+                        int32_t rows_per_chunk, int32_t rows_per_piece, int32_t total_rows,
+                        int32_t skip_chunk, int32_t peer_of_chunk0, int32_t site) {
+  RowGate g;
+  g.flags = flags;
+  g.rows_per_chunk = rows_per_chunk;
+  g.rows_per_piece = rows_per_piece;
+  g.pieces_per_chunk = NumPieces(rows_per_chunk, rows_per_piece);
+  g.total_rows = total_rows;
+  g.skip_chunk = skip_chunk;
+  g.peer_of_chunk0 = peer_of_chunk0;
+  g.tp = ws.tp;
+  g.site = site;
+  g.ctx = ws.Wait(cfg.timeout_us);
+  return g;
+}
+
+}  // namespace flux_jax::cuda

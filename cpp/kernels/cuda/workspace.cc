@@ -1,0 +1,288 @@
+#include "workspace.h"
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <map>
+#include <sstream>
+#include <string>
+
+#include "cuda_util.h"
+
+namespace flux_jax::cuda {
+namespace {
+
+constexpr int kMaxDevices = 64;
+constexpr size_t kCtrlWords = kMaxTp + kMaxFlags + 2;
+constexpr size_t kGrowGranule = size_t{64} << 20;  // grow in 64 MiB steps
+
+// Host-side rendezvous of the group's handler threads (one per device; XLA
+// runs each device's program on its own thread). Bounded by the op timeout.
+class HostBarrier {
+ public:
+  explicit HostBarrier(int size) : size_(size) {}
+  Status Arrive(int64_t timeout_us, const std::string& what) {
+    std::unique_lock<std::mutex> lock(mu_);
+    const uint64_t generation = generation_;
+    if (++count_ == size_) {
+      count_ = 0;
+      ++generation_;
+      cv_.notify_all();
+      return Status::Ok();
+    }
+    if (!cv_.wait_for(lock, std::chrono::microseconds(timeout_us),
+                      [&] { return generation_ != generation; })) {
+      --count_;
+      return Status::DeadlineExceeded("flux_jax: timed out after " +
+                                      std::to_string(timeout_us / 1e6) + " s at " + what);
+    }
+    return Status::Ok();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int size_;
+  int count_ = 0;
+  uint64_t generation_ = 0;
+};
+
+struct Group {
+  explicit Group(const TpGroup& g) : devices(g.devices), barrier(g.size), members(g.size) {}
+  std::vector<int64_t> devices;
+  HostBarrier barrier;
+  std::vector<std::unique_ptr<GroupWorkspace>> members;  // by rank; each owned by its device's thread
+};
+
+std::mutex& RegistryMutex() {
+  static std::mutex mu;
+  return mu;
+}
+std::map<std::vector<int64_t>, std::shared_ptr<Group>>& Registry() {
+  static auto* registry = new std::map<std::vector<int64_t>, std::shared_ptr<Group>>();
+  return *registry;
+}
+
+DeviceError* ErrorRecords(Status* status) {
+  static DeviceError* records = nullptr;
+  static std::once_flag once;
+  static cudaError_t err = cudaSuccess;
+  std::call_once(once, [] {
+    err = cudaHostAlloc(reinterpret_cast<void**>(&records), sizeof(DeviceError) * kMaxDevices,
+                        cudaHostAllocMapped | cudaHostAllocPortable);
+    if (err == cudaSuccess) std::memset(records, 0, sizeof(DeviceError) * kMaxDevices);
+  });
+  *status = CudaStatus(err, "cudaHostAlloc(error records)", __FILE__, __LINE__);
+  return records;
+}
+
+std::string Describe(const TpGroup& g) { return g.Describe(); }
+
+Status AllocationError(int device, size_t bytes, cudaError_t err) {
+  size_t free_bytes = 0, total = 0;
+  cudaMemGetInfo(&free_bytes, &total);
+  cudaGetLastError();
+  std::ostringstream os;
+  os << "flux_jax: cannot allocate the fused-op workspace on GPU " << device << ": asked for "
+     << (bytes >> 20) << " MiB, " << (free_bytes >> 20) << " MiB free of " << (total >> 20)
+     << " MiB (" << cudaGetErrorString(err) << "). XLA preallocates 75% of GPU memory; leave room "
+     << "with XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 (or lower) or XLA_PYTHON_CLIENT_PREALLOCATE=false.";
+  return Status::ResourceExhausted(os.str());
+}
+
+Status InitMember(const TpGroup& g, GroupWorkspace* w) {
+  const int device = static_cast<int>(g.devices[g.rank]);
+  DeviceGuard guard(device);
+  w->device = device;
+  w->rank = g.rank;
+  w->tp = g.size;
+  for (int64_t peer : g.devices) {
+    if (peer == device) continue;
+    int can = 0;
+    FLUX_CUDA_TRY(cudaDeviceCanAccessPeer(&can, device, static_cast<int>(peer)));
+    if (!can) {
+      return Status::InvalidArgument("flux_jax: GPU " + std::to_string(device) + " cannot access GPU " +
+                                     std::to_string(peer) +
+                                     " directly (no peer access); the fused ops need NVLink/P2P "
+                                     "between the GPUs of a TP group. Use impl='xla'.");
+    }
+    cudaError_t err = cudaDeviceEnablePeerAccess(static_cast<int>(peer), 0);
+    if (err == cudaErrorPeerAccessAlreadyEnabled) {
+      cudaGetLastError();
+    } else {
+      FLUX_CUDA_TRY(err);
+    }
+  }
+  void* ctrl = nullptr;
+  cudaError_t err = cudaMalloc(&ctrl, kCtrlWords * sizeof(uint64_t) + 64);
+  if (err != cudaSuccess) return AllocationError(device, kCtrlWords * 8, err);
+  FLUX_CUDA_TRY(cudaMemset(ctrl, 0, kCtrlWords * sizeof(uint64_t) + 64));
+  w->present = static_cast<uint64_t*>(ctrl);
+  w->arrived = w->present + kMaxTp;
+  w->cells = w->arrived + kMaxFlags;
+  w->alpha = reinterpret_cast<float*>(w->cells + 2);
+  const float one = 1.0f;
+  FLUX_CUDA_TRY(cudaMemcpy(w->alpha, &one, sizeof(one), cudaMemcpyHostToDevice));
+  int least = 0, greatest = 0;
+  FLUX_CUDA_TRY(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  FLUX_CUDA_TRY(cudaStreamCreateWithPriority(&w->comm, cudaStreamNonBlocking, greatest));
+  FLUX_CUDA_TRY(cudaEventCreateWithFlags(&w->ev_start, cudaEventDisableTiming));
+  FLUX_CUDA_TRY(cudaEventCreateWithFlags(&w->ev_comm_done, cudaEventDisableTiming));
+  for (auto& ev : w->ev_step) FLUX_CUDA_TRY(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  FLUX_CUDA_TRY(cudaDeviceGetAttribute(&w->sm_count, cudaDevAttrMultiProcessorCount, device));
+  Status st;
+  DeviceError* records = ErrorRecords(&st);
+  FLUX_JAX_RETURN_IF_ERROR(st);
+  FLUX_CUDA_TRY(cudaHostGetDevicePointer(reinterpret_cast<void**>(&w->error), records + device, 0));
+  return Status::Ok();
+}
+
+void RefreshPeers(Group& group, GroupWorkspace* w) {
+  w->peers.resize(group.members.size());
+  for (size_t r = 0; r < group.members.size(); ++r) {
+    const GroupWorkspace& m = *group.members[r];
+    w->peers[r] = PeerView{m.present, m.arrived, m.data};
+  }
+}
+
+void FreeMember(GroupWorkspace* w) {
+  DeviceGuard guard(w->device);
+  cudaDeviceSynchronize();
+  if (w->data) cudaFree(w->data);
+  if (w->present) cudaFree(w->present);
+  if (w->comm) cudaStreamDestroy(w->comm);
+  for (cudaEvent_t ev : {w->ev_start, w->ev_comm_done}) {
+    if (ev) cudaEventDestroy(ev);
+  }
+  for (cudaEvent_t ev : w->ev_step) {
+    if (ev) cudaEventDestroy(ev);
+  }
+  cudaGetLastError();
+}
+
+// Copies `device`'s error into the records of the other devices of its group,
+// so their pending device-side waits give up at once instead of timing out.
+void PropagateError(const std::vector<int64_t>& devices, int device) {
+  Status st;
+  DeviceError* records = ErrorRecords(&st);
+  if (!st.ok()) return;
+  for (int64_t d : devices) {
+    if (d == device || d < 0 || d >= kMaxDevices) continue;
+    volatile int32_t* code = &records[d].code;
+    if (*code != 0) continue;
+    DeviceError copy = records[device];
+    copy.code = 0;
+    std::memcpy(&records[d], &copy, sizeof(copy));
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    *code = 1;
+  }
+}
+
+}  // namespace
+
+Status AcquireWorkspace(const TpGroup& g, size_t data_bytes, const CommConfig& cfg,
+                        cudaStream_t compute_stream, GroupWorkspace** out) {
+  const int device = static_cast<int>(g.devices[g.rank]);
+  if (device < 0 || device >= kMaxDevices) return Status::InvalidArgument("device ordinal out of range");
+  if (Status err = CheckDeviceError(device); !err.ok()) {
+    PropagateError(g.devices, device);
+    return err;
+  }
+  std::shared_ptr<Group> group;
+  {
+    std::lock_guard<std::mutex> lock(RegistryMutex());
+    auto& slot = Registry()[g.devices];
+    if (!slot) slot = std::make_shared<Group>(g);
+    group = slot;
+  }
+  const std::string who = "rank " + std::to_string(g.rank) + " of " + Describe(g);
+  std::unique_ptr<GroupWorkspace>& member = group->members[g.rank];
+  if (!member) {
+    auto fresh = std::make_unique<GroupWorkspace>();
+    FLUX_JAX_RETURN_IF_ERROR(InitMember(g, fresh.get()));
+    member = std::move(fresh);
+    FLUX_JAX_RETURN_IF_ERROR(group->barrier.Arrive(
+        cfg.timeout_us, "workspace setup (" + who + " waited for its peers to reach the first fused op)"));
+    RefreshPeers(*group, member.get());
+  }
+  GroupWorkspace* w = member.get();
+  if (data_bytes > w->capacity) {
+    DeviceGuard guard(device);
+    // Every member reaches this call, drains what it enqueued (its pushes into
+    // peers' old buffers included), and only then may anyone free a buffer.
+    FLUX_JAX_RETURN_IF_ERROR(group->barrier.Arrive(cfg.timeout_us, "workspace growth (" + who + ")"));
+    FLUX_CUDA_TRY(cudaStreamSynchronize(compute_stream));
+    FLUX_CUDA_TRY(cudaStreamSynchronize(w->comm));
+    FLUX_JAX_RETURN_IF_ERROR(group->barrier.Arrive(cfg.timeout_us, "workspace drain (" + who + ")"));
+    if (w->data) FLUX_CUDA_TRY(cudaFree(w->data));
+    w->data = nullptr;
+    w->capacity = 0;
+    const size_t bytes = (data_bytes + kGrowGranule - 1) / kGrowGranule * kGrowGranule;
+    cudaError_t err = cudaMalloc(reinterpret_cast<void**>(&w->data), bytes);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      Status st = AllocationError(device, bytes, err);
+      group->barrier.Arrive(cfg.timeout_us, "workspace reallocation");  // keep peers in step
+      return st;
+    }
+    w->capacity = bytes;
+    FLUX_JAX_RETURN_IF_ERROR(group->barrier.Arrive(cfg.timeout_us, "workspace reallocation (" + who + ")"));
+    RefreshPeers(*group, w);
+    for (const PeerView& peer : w->peers) {
+      if (peer.data == nullptr) return Status::ResourceExhausted("flux_jax: a peer failed to allocate its workspace");
+    }
+  }
+  *out = w;
+  return Status::Ok();
+}
+
+Status CheckDeviceError(int device) {
+  Status st;
+  DeviceError* records = ErrorRecords(&st);
+  FLUX_JAX_RETURN_IF_ERROR(st);
+  const DeviceError& e = records[device];
+  if (*reinterpret_cast<const volatile int32_t*>(&e.code) != 1) return Status::Ok();
+  std::ostringstream os;
+  os << "flux_jax: a fused op on GPU " << e.device << " timed out (rank " << e.rank;
+  switch (e.site) {
+    case kSitePresent: os << " waited for rank " << e.peer << " to reach the op"; break;
+    case kSiteGemmA: os << " waited for rows of chunk " << e.chunk << ", piece " << e.piece << " from rank " << e.peer; break;
+    case kSiteEpilogueC: os << " waited for partial sums, piece " << e.piece << ", from rank " << e.peer; break;
+    default: os << " waited on an unknown site"; break;
+  }
+  os << "; epoch " << e.epoch << ", flag value seen " << e.seen
+     << "). The outputs of that call and of later fused calls on this GPU are NaN. Every device of "
+        "a TP group must run the same fused ops in the same order. Call flux_jax.reset() to clear.";
+  return Status::DeadlineExceeded(os.str());
+}
+
+void ResetWorkspaces() {
+  std::lock_guard<std::mutex> lock(RegistryMutex());
+  Status st;
+  DeviceError* records = ErrorRecords(&st);
+  if (st.ok()) {  // make every pending device-side wait give up before we drain the GPUs
+    for (int d = 0; d < kMaxDevices; ++d) *reinterpret_cast<volatile int32_t*>(&records[d].code) = 2;
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+  }
+  for (auto& [devices, group] : Registry()) {
+    for (auto& member : group->members) {
+      if (member) FreeMember(member.get());
+    }
+  }
+  Registry().clear();
+  if (st.ok()) std::memset(records, 0, sizeof(DeviceError) * kMaxDevices);
+}
+
+size_t WorkspaceBytes(int device) {
+  std::lock_guard<std::mutex> lock(RegistryMutex());
+  size_t total = 0;
+  for (auto& [devices, group] : Registry()) {
+    for (auto& member : group->members) {
+      if (member && member->device == device) total += member->capacity + kCtrlWords * 8;
+    }
+  }
+  return total;
+}
+
+}  // namespace flux_jax::cuda

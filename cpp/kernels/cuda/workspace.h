@@ -1,0 +1,91 @@
+// Symmetric workspace of a TP group on the GPUs of one process.
+//
+// One GroupWorkspace per (device, TP group), allocated with cudaMalloc outside
+// XLA's pool on the first call, peer access enabled between the group's GPUs,
+// every member's pointers visible to the others. Layout of each member:
+//
+//   ctrl (device, fixed): present[kMaxTp] | arrived[kMaxFlags] | cells[2]
+//   alpha (device float): 1.0, NaN once a wait timed out (poisons results)
+//   data (device, grows): per-op receive / staging buffers
+//
+// Flags hold epochs (one per fused call of the group, increasing) and are only
+// compared with >=, so they are never reset. The data area grows when a call
+// needs more: all members meet on a host barrier, drain their streams (so no
+// push into an old buffer is still pending), reallocate, and meet again.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "device_sync.cuh"
+#include "flux_jax/params.h"
+#include "flux_jax/status.h"
+
+namespace flux_jax::cuda {
+
+inline constexpr int kMaxTp = 16;
+inline constexpr int kMaxPieces = 16;
+inline constexpr int kMaxFlags = kMaxTp * kMaxPieces;
+
+// What one member can see of another (device pointers valid in its own space
+// through peer access).
+struct PeerView {
+  uint64_t* present = nullptr;
+  uint64_t* arrived = nullptr;
+  char* data = nullptr;
+};
+
+struct GroupWorkspace {
+  int device = 0;
+  int rank = 0;
+  int tp = 1;
+  int sm_count = 0;
+  uint64_t epoch = 0;  // calls of this group so far (host side)
+
+  uint64_t* present = nullptr;  // [kMaxTp]: present[p] = last epoch rank p reached
+  uint64_t* arrived = nullptr;  // [kMaxFlags]: row pieces of the current call
+  uint64_t* cells = nullptr;    // [2]: epoch value sources for copy-engine flag writes
+  float* alpha = nullptr;
+  char* data = nullptr;
+  size_t capacity = 0;
+
+  cudaStream_t comm = nullptr;  // high-priority copy stream
+  cudaEvent_t ev_start = nullptr, ev_comm_done = nullptr;
+  cudaEvent_t ev_step[kMaxTp] = {};
+
+  std::vector<PeerView> peers;  // by rank, own included
+  DeviceError* error = nullptr;  // this device's record (mapped host memory)
+
+  WaitContext Wait(int64_t timeout_us) const {
+    WaitContext ctx;
+    ctx.error = error;
+    ctx.alpha = alpha;
+    ctx.timeout_ns = timeout_us * 1000;
+    ctx.device = device;
+    ctx.rank = rank;
+    ctx.epoch = epoch;
+    return ctx;
+  }
+};
+
+// Returns this device's workspace of `group`, set up (first call) and grown to
+// at least `data_bytes`. Every member of the group must call it for the same
+// calls in the same order (the same program runs on every device).
+// `compute_stream` is drained (synchronized) only when the workspace grows.
+Status AcquireWorkspace(const TpGroup& group, size_t data_bytes, const CommConfig& cfg,
+                        cudaStream_t compute_stream, GroupWorkspace** out);
+
+// The sticky error of `device`, if a device-side wait timed out.
+Status CheckDeviceError(int device);
+
+// Frees every workspace and clears the error records (no op may be running).
+void ResetWorkspaces();
+
+// Bytes held by workspaces on `device`.
+size_t WorkspaceBytes(int device);
+
+}  // namespace flux_jax::cuda

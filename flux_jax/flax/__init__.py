@@ -1,0 +1,36 @@
+"""Tensor- and sequence-parallel Flax (nnx) layers built on flux_jax's fused ops.
+
+Layers (per shard: call them inside one jax.shard_map over every mesh axis,
+e.g. through `sharded_call`):
+  ColumnParallelLinear   AllGather(sequence) -> GEMM          (flux_jax.ag_matmul)
+  RowParallelLinear      GEMM -> ReduceScatter(sequence)      (flux_jax.matmul_rs)
+  GroupedQueryAttention  fused QKV column layer, rotary, causal attention, out row layer
+  SwiGLUMLP              fused gate+up column layer, down row layer
+  RMSNorm, DecoderBlock
+Model (global view): GPT(GPTConfig(...), mesh=mesh, rngs=...)(tokens) -> logits.
+
+See docs/flax.md for the sharding picture and the design.
+"""
+
+from flux_jax.flax.attention import GroupedQueryAttention, rotary_embedding
+from flux_jax.flax.block import DecoderBlock, RMSNorm, SwiGLUMLP
+from flux_jax.flax.linear import ColumnParallelLinear, RowParallelLinear
+from flux_jax.flax.model import GPT, GPTConfig, check_config, check_tokens_shape
+from flux_jax.flax.sharding import batch_axis_entry, data_axes, sharded_call
+
+__all__ = [
+    "ColumnParallelLinear",
+    "DecoderBlock",
+    "GPT",
+    "GPTConfig",
+    "GroupedQueryAttention",
+    "RMSNorm",
+    "RowParallelLinear",
+    "SwiGLUMLP",
+    "batch_axis_entry",
+    "check_config",
+    "check_tokens_shape",
+    "data_axes",
+    "rotary_embedding",
+    "sharded_call",
+]

@@ -1,0 +1,149 @@
+"""Megatron-style tensor-parallel linear layers over sequence-parallel activations.
+
+Both layers are *per-shard*: their `__call__` runs inside a `jax.shard_map`
+whose mesh maps every axis (see `flux_jax.flax.sharded_call`), and sees the
+local shard of each parameter. The parameters themselves are created with
+their global shapes and a sharding annotation, so `nnx` state is placed on the
+mesh as the layer expects.
+
+  ColumnParallelLinear   x [S/tp, ..., K] --AllGather(S)+GEMM--> [S, ..., N/tp]
+  RowParallelLinear      x [S, ..., K/tp] --GEMM+ReduceScatter(S)--> [S/tp, ..., N]
+
+A column layer followed by a row layer is one Megatron block: the sequence is
+gathered inside the first GEMM and scattered again inside the second
+(flux_jax.ag_matmul / flux_jax.matmul_rs), with no other communication.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import flux_jax
+
+IMPLS = ("auto", "fused", "xla")
+
+
+def axis_size(mesh: jax.sharding.Mesh, axis_name: str) -> int:
+    """Size of `axis_name` in `mesh`, with an error naming the mesh's axes if it is missing."""
+    if axis_name not in mesh.axis_names:
+        raise ValueError(f"mesh axes are {tuple(mesh.axis_names)}; the tensor-parallel axis "
+                         f"{axis_name!r} is not one of them")
+    return int(mesh.shape[axis_name])
+
+
+def check_divisible(what: str, value: int, axis_name: str, size: int, why: str) -> None:
+    """ValueError naming the numbers when `value` cannot be split evenly over a mesh axis."""
+    if value % size:
+        raise ValueError(f"{what}={value} is not divisible by {axis_name}={size} (mesh axis "
+                         f"{axis_name!r}): {why}")
+
+
+def check_impl(impl: str) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+
+
+def _fan_in_init(ndim: int) -> Callable:
+    """LeCun-normal init for a kernel [in, *out]: fan-in is the first axis, fan-out the rest."""
+    return nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=0,
+                                             out_axis=tuple(range(1, ndim)))
+
+
+class ColumnParallelLinear(nnx.Module):
+    """AllGather -> GEMM: gathers the sequence and computes this rank's output columns.
+
+    Per shard: x [S/tp, ..., in_features] (this rank's rows of the sequence)
+    -> y [S, ..., *out_local], every row, where out_local is `out_features`
+    with its first entry divided by tp.
+
+    `out_features` may be a tuple: the kernel is [in_features, *out_features]
+    and tensor parallelism splits the first output axis. Fused projections use
+    this to keep each rank's slice self-contained, e.g. QKV as
+    (kv_heads, q_per_kv + 2, head_dim) gives each rank whole groups of heads,
+    and SwiGLU's gate+up as (ffn, 2) gives each rank matching gate and up
+    columns. The output keeps that trailing shape.
+
+    Parameters (global shape, annotation):
+      kernel [in_features, *out_features]  (None, tp, None, ...)
+      bias   [*out_features]               (tp, None, ...)   if use_bias
+    The bias is sharded like the columns it is added to.
+    """
+
+    def __init__(self, in_features: int, out_features: int | Sequence[int], *, mesh: jax.sharding.Mesh,
+                 tp_axis: str = "tp", use_bias: bool = False, impl: str = "auto", dtype=None,
+                 param_dtype=jnp.float32, kernel_init: Callable | None = None,
+                 bias_init: Callable = nnx.initializers.zeros, rngs: nnx.Rngs):
+        check_impl(impl)
+        out_shape = (out_features,) if isinstance(out_features, int) else tuple(out_features)
+        tp = axis_size(mesh, tp_axis)
+        check_divisible("out_features" if len(out_shape) == 1 else "out_features[0]", out_shape[0],
+                        tp_axis, tp, "a column-parallel layer splits its output columns over TP")
+        self.in_features, self.out_shape = in_features, out_shape
+        self.tp_axis, self.impl, self.dtype = tp_axis, impl, dtype
+        kernel_shape = (in_features, *out_shape)
+        kernel_init = kernel_init or _fan_in_init(len(kernel_shape))
+        tail = (None,) * (len(out_shape) - 1)
+        init = nnx.with_partitioning(kernel_init, (None, tp_axis, *tail), mesh=mesh)
+        self.kernel = nnx.Param(init(rngs.params(), kernel_shape, param_dtype))
+        bias = None
+        if use_bias:
+            init = nnx.with_partitioning(bias_init, (tp_axis, *tail), mesh=mesh)
+            bias = nnx.Param(init(rngs.params(), out_shape, param_dtype))
+        self.bias = nnx.data(bias)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """Per shard: [S/tp, ..., in_features] -> [S, ..., *out_local]."""
+        dtype = self.dtype or x.dtype
+        kernel = self.kernel[...]  # local shard [in, out0/tp, *rest]
+        w = kernel.reshape(kernel.shape[0], -1).astype(dtype)
+        y = flux_jax.ag_matmul(x.astype(dtype), w, axis_name=self.tp_axis, impl=self.impl)
+        y = y.reshape(*y.shape[:-1], *kernel.shape[1:])
+        if self.bias is not None:
+            y = y + self.bias[...].astype(dtype)
+        return y
+
+
+class RowParallelLinear(nnx.Module):
+    """GEMM -> ReduceScatter: sums the ranks' partial products and scatters the sequence.
+
+    Per shard: x [S, ..., in_features/tp] (every row, this rank's input
+    features) -> y [S/tp, ..., out_features] (this rank's rows, all features).
+
+    Parameters (global shape, annotation):
+      kernel [in_features, out_features]  (tp, None)
+      bias   [out_features]               (None,)   if use_bias
+    The bias is replicated and added once, after the reduce-scatter (adding it
+    before would count it tp times).
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, mesh: jax.sharding.Mesh,
+                 tp_axis: str = "tp", use_bias: bool = False, impl: str = "auto", dtype=None,
+                 param_dtype=jnp.float32, kernel_init: Callable | None = None,
+                 bias_init: Callable = nnx.initializers.zeros, rngs: nnx.Rngs):
+        check_impl(impl)
+        tp = axis_size(mesh, tp_axis)
+        check_divisible("in_features", in_features, tp_axis, tp,
+                        "a row-parallel layer splits its input features over TP")
+        self.in_features, self.out_features = in_features, out_features
+        self.tp_axis, self.impl, self.dtype = tp_axis, impl, dtype
+        kernel_init = kernel_init or _fan_in_init(2)
+        init = nnx.with_partitioning(kernel_init, (tp_axis, None), mesh=mesh)
+        self.kernel = nnx.Param(init(rngs.params(), (in_features, out_features), param_dtype))
+        bias = None
+        if use_bias:
+            init = nnx.with_partitioning(bias_init, (None,), mesh=mesh)
+            bias = nnx.Param(init(rngs.params(), (out_features,), param_dtype))
+        self.bias = nnx.data(bias)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """Per shard: [S, ..., in_features/tp] -> [S/tp, ..., out_features]."""
+        dtype = self.dtype or x.dtype
+        w = self.kernel[...].astype(dtype)
+        y = flux_jax.matmul_rs(x.astype(dtype), w, axis_name=self.tp_axis, impl=self.impl)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(dtype)
+        return y

@@ -1,0 +1,159 @@
+"""A small GPT-style decoder on a dp x tp mesh: embedding, N decoder blocks, final norm, LM head.
+
+`GPT.__call__` takes global token ids [B, S] and returns global logits
+[B, S, vocab]. Inside, the whole forward runs in one jax.shard_map over every
+mesh axis (the fused kernels need a fully manual shard_map): the batch is split
+over the data-parallel axes (all axes except `tp_axis`) and the sequence over
+`tp_axis` (Megatron sequence parallelism).
+
+The LM head is a replicated [hidden, vocab] matmul on each rank's own tokens:
+the vocabularies this model targets are small (characters, bytes), so a
+vocab-parallel head would cost an all-gather of the sequence and a sharded
+softmax to save a few kB of weights. Its gradient, like those of the embedding
+and the norms, is summed over all ranks automatically.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from flux_jax.flax.block import DecoderBlock, RMSNorm
+from flux_jax.flax.linear import axis_size, check_divisible, check_impl
+from flux_jax.flax.sharding import batch_axis_entry, data_axes, data_parallel_size, sharded_call
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """Shape and numerics of a GPT model (hashable: it is static in the nnx graph).
+
+    Attributes:
+      vocab_size: number of token ids.
+      hidden, layers, heads, kv_heads, ffn: model width, depth, query heads,
+        key/value heads (grouped-query attention), MLP hidden units.
+      head_dim: per-head width; None means hidden // heads.
+      impl: flux_jax implementation of the four projections: "fused", "xla", "auto".
+      dtype: compute dtype of the matmuls and activations; param_dtype: storage.
+      attention_implementation: jax.nn.dot_product_attention backend (None, "xla", "cudnn").
+      remat: recompute each block's activations in the backward pass (saves memory).
+      tp_axis: name of the tensor-parallel mesh axis; every other mesh axis is data parallel.
+    """
+
+    vocab_size: int
+    hidden: int = 256
+    layers: int = 4
+    heads: int = 8
+    kv_heads: int = 4
+    ffn: int = 1024
+    head_dim: int | None = None
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    impl: str = "auto"
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    attention_implementation: str | None = None
+    remat: bool = False
+    tp_axis: str = "tp"
+
+
+def check_config(config: GPTConfig, mesh: jax.sharding.Mesh) -> None:
+    """Raises ValueError, naming the numbers, for a config that cannot shard on `mesh`."""
+    check_impl(config.impl)
+    tp = axis_size(mesh, config.tp_axis)
+    name = config.tp_axis
+    for field in ("vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn"):
+        if getattr(config, field) < 1:
+            raise ValueError(f"{field} must be >= 1, got {getattr(config, field)}")
+    if config.heads % config.kv_heads:
+        raise ValueError(f"heads={config.heads} is not a multiple of kv_heads={config.kv_heads} "
+                         "(grouped-query attention shares each kv head among heads/kv_heads query heads)")
+    check_divisible("heads", config.heads, name, tp, "query heads are sharded over TP")
+    check_divisible("kv_heads", config.kv_heads, name, tp, "key/value heads are sharded over TP")
+    if config.head_dim is None:
+        check_divisible("hidden", config.hidden, name, tp,
+                        "each rank holds hidden/tp of the attention width")
+        if config.hidden % config.heads:
+            raise ValueError(f"hidden={config.hidden} is not divisible by heads={config.heads} "
+                             "(head_dim = hidden / heads); pass head_dim explicitly")
+    check_divisible("ffn", config.ffn, name, tp, "the MLP's hidden units are sharded over TP")
+    for field in ("dtype", "param_dtype"):
+        jnp.dtype(getattr(config, field))  # raises TypeError for an unknown dtype name
+
+
+def check_tokens_shape(shape, mesh: jax.sharding.Mesh, tp_axis: str = "tp") -> None:
+    """Raises ValueError, naming the numbers, for a [batch, seq] that cannot shard on `mesh`."""
+    if len(shape) != 2:
+        raise ValueError(f"tokens must be [batch, seq], got shape {tuple(shape)}")
+    batch, seq = shape
+    tp, dp = axis_size(mesh, tp_axis), data_parallel_size(mesh, tp_axis)
+    check_divisible("seq", seq, tp_axis, tp, "the sequence is sharded over TP (sequence parallelism)")
+    if batch % dp:
+        axes = " x ".join(f"{a}={mesh.shape[a]}" for a in data_axes(mesh, tp_axis))
+        raise ValueError(f"batch={batch} is not divisible by the data-parallel size {dp} ({axes}): "
+                         "the batch is sharded over every mesh axis except the TP axis")
+
+
+class GPT(nnx.Module):
+    """Decoder-only transformer whose blocks run tensor- and sequence-parallel with flux_jax.
+
+    Build it with the mesh it will run on; parameters are created sharded as
+    annotated (nnx.with_partitioning): the projections over `tp_axis`,
+    everything else replicated.
+
+      model = GPT(GPTConfig(vocab_size=96, impl="fused"), mesh=mesh, rngs=nnx.Rngs(0))
+      logits = model(tokens)        # global [B, S] -> [B, S, vocab] float32
+    """
+
+    def __init__(self, config: GPTConfig, *, mesh: jax.sharding.Mesh, rngs: nnx.Rngs):
+        check_config(config, mesh)
+        self.config, self.mesh = config, mesh
+        param_dtype, dtype = jnp.dtype(config.param_dtype), jnp.dtype(config.dtype)
+        replicated = lambda init, ndim: nnx.with_partitioning(init, (None,) * ndim, mesh=mesh)
+        embed_init = nnx.initializers.normal(1.0 / config.hidden ** 0.5)
+        self.embedding = nnx.Param(replicated(embed_init, 2)(
+            rngs.params(), (config.vocab_size, config.hidden), param_dtype))
+        # GPT-2 style: residual branches start small so the stack starts near identity.
+        out_init = nnx.initializers.variance_scaling(1.0 / (2 * config.layers), "fan_in",
+                                                     "truncated_normal")
+        self.blocks = nnx.List([
+            DecoderBlock(config.hidden, config.heads, config.kv_heads, config.ffn, mesh=mesh,
+                         tp_axis=config.tp_axis, head_dim=config.head_dim,
+                         rope_theta=config.rope_theta, norm_eps=config.norm_eps, impl=config.impl,
+                         dtype=dtype, param_dtype=param_dtype,
+                         attention_implementation=config.attention_implementation,
+                         out_init=out_init, rngs=rngs)
+            for _ in range(config.layers)
+        ])
+        self.final_norm = RMSNorm(config.hidden, mesh=mesh, eps=config.norm_eps, param_dtype=param_dtype)
+        # Small logits at init: the first loss is about ln(vocab_size), a uniform guess.
+        head_init = nnx.initializers.variance_scaling(0.01, "fan_in", "truncated_normal")
+        self.lm_head = nnx.Param(replicated(head_init, 2)(
+            rngs.params(), (config.hidden, config.vocab_size), param_dtype))
+
+    def token_spec(self) -> P:
+        """PartitionSpec of tokens [B, S]: batch over the data axes, sequence over TP."""
+        return P(batch_axis_entry(self.mesh, self.config.tp_axis), self.config.tp_axis)
+
+    def forward_shard(self, tokens: jax.Array) -> jax.Array:
+        """Per shard: tokens [B/dp, S/tp] -> float32 logits [B/dp, S/tp, vocab]."""
+        dtype = jnp.dtype(self.config.dtype)
+        x = jnp.take(self.embedding[...], tokens.T, axis=0).astype(dtype)  # [S/tp, B/dp, D]
+        for block in self.blocks:
+            if self.config.remat:
+                x = nnx.remat(DecoderBlock.__call__)(block, x)
+            else:
+                x = block(x)
+        x = self.final_norm(x)
+        return jnp.einsum("sbd,dv->bsv", x, self.lm_head[...].astype(dtype),
+                          preferred_element_type=jnp.float32)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """Global tokens [B, S] (int) -> logits [B, S, vocab] (float32), sharded like the tokens."""
+        check_tokens_shape(tokens.shape, self.mesh, self.config.tp_axis)
+        spec = self.token_spec()
+        return sharded_call(self, GPT.forward_shard, tokens, mesh=self.mesh, in_specs=(spec,),
+                            out_specs=P(*spec, None))

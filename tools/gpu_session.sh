@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# One call on the lent GPU host: install flux_jax, record build facts, run the
+# GPU tests and the benchmarks, leave everything under $OUT.
+#
+#   run(command="bash tools/gpu_session.sh [tests|bench|probe|all] [harness args...]", carry=[".whl"])
+#
+# .whl/ holds the wheel built here (pip wheel . -w .whl) and, as a fallback,
+# cutlass_headers.tgz to build from source there.
+set -uo pipefail
+what=${1:-all}; shift || true
+OUT=${OUT:-/tmp/flux_out}; mkdir -p "$OUT"
+REPO=$(pwd)
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+log="$OUT/session.log"
+exec > >(tee -a "$log") 2>&1
+
+echo "== host"; date -u; nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv; nvidia-smi topo -m | head -5
+python3 -c "import jax, sys; print(sys.version.split()[0], jax.__version__, jax.devices())"
+
+echo "== install"
+rm -rf /tmp/site
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/flux_jax-*.whl
+export PYTHONPATH=/tmp/site
+if ! (cd /tmp && python3 -c "import flux_jax; print(flux_jax.build_info())"); then
+  echo "prebuilt wheel does not import here; building from source"
+  mkdir -p /tmp/cutlass && tar xzf .whl/cutlass_headers.tgz -C /tmp/cutlass
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site \
+    -Ccmake.define.FLUX_JAX_CUTLASS_DIR=/tmp/cutlass -Cbuild-dir=/tmp/build . || exit 1
+  (cd /tmp && python3 -c "import flux_jax; print(flux_jax.build_info())") || exit 1
+fi
+so=$(ls /tmp/site/flux_jax/_flux_jax_ffi*.so)
+echo "HGMMA instructions in SASS: $(cuobjdump --dump-sass "$so" 2>/dev/null | grep -c HGMMA)"
+cuobjdump --dump-resource-usage "$so" 2>/dev/null | grep -E "REG|STACK" | sort | uniq -c | head -20
+
+if [[ $what == tests || $what == all ]]; then
+  echo "== GPU tests"
+  FLUX_JAX_REQUIRE_GPU=1 timeout 420 pytest -q -x -p no:cacheprovider tests/test_gpu_fused.py 2>&1 | tail -40
+fi
+if [[ $what == probe || $what == all ]]; then
+  echo "== perf probe"
+  (cd /tmp && timeout 300 python3 "$REPO/tools/perf_probe.py" --out "$OUT/probe.json" "$@")
+fi
+if [[ $what == bench ]]; then
+  echo "== harness"
+  (cd /tmp && PYTHONPATH=/tmp/site:$REPO timeout 540 python3 -m benchmarks.run --out "$OUT/results" "$@")
+  (cd "$OUT" && tar czf results.tgz results && rm -rf results)
+fi
+echo "== done"; date -u

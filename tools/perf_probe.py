@@ -1,0 +1,104 @@
+"""Quick on-device timing of fused vs twin for a few TP=2 shapes (dev tool).
+
+Per-call device time from a serialized loop inside one jit, measured at two
+loop lengths and differenced, so dispatch and fixed costs cancel. The full
+harness is `python -m benchmarks.run`; this is the smoke version for a kernel
+change.
+
+    python tools/perf_probe.py --shapes 4096x8192x8192,8192x8192x28672
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+import flux_jax
+
+
+def _loop(fn, n):
+    def run(x, w):
+        def body(i, carry):
+            x, acc = carry
+            y = fn(x, w)
+            # Carry a dependency: x picks up one element of the previous output.
+            x = x.at[0, 0].add((y[0, 0] * 0).astype(x.dtype))
+            return x, acc + y[0, 0].astype(jnp.float32)
+
+        return jax.lax.fori_loop(0, n, body, (x, jnp.float32(0)))[1]
+
+    return jax.jit(run)
+
+
+def time_per_call(fn, x, w, n1=10, n2=40, repeats=5):
+    f1, f2 = _loop(fn, n1), _loop(fn, n2)
+    f1(x, w).block_until_ready()
+    f2(x, w).block_until_ready()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter(); f1(x, w).block_until_ready(); t1 = time.perf_counter()
+        f2(x, w).block_until_ready(); t2 = time.perf_counter()
+        samples.append(((t2 - t1) - (t1 - t0)) / (n2 - n1))
+    return float(np.median(samples)) * 1e3, float(np.min(samples)) * 1e3, float(np.max(samples)) * 1e3
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="4096x8192x8192,8192x8192x28672,16384x8192x8192,2048x8192x8192,512x8192x8192")
+    ap.add_argument("--ops", default="ag,rs")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    gpus = [d for d in jax.devices() if d.platform == "gpu"][:2]
+    mesh = jax.sharding.Mesh(np.array(gpus), ("tp",), axis_types=(jax.sharding.AxisType.Explicit,))
+    rows = []
+    rng = np.random.default_rng(0)
+    for shape in args.shapes.split(","):
+        M, K, N = map(int, shape.split("x"))
+        x = jnp.asarray(rng.standard_normal((M, K), np.float32), jnp.bfloat16)
+        w = jnp.asarray(rng.standard_normal((K, N), np.float32) / np.sqrt(K), jnp.bfloat16)
+        for op in args.ops.split(","):
+            if op == "ag":
+                specs, out, fn = (P("tp", None), P(None, "tp")), P(None, "tp"), flux_jax.ag_matmul
+                local = lambda x, w: jnp.dot(x, w)
+                lshape = ((M, K), (K, N // 2))
+            else:
+                specs, out, fn = (P(None, "tp"), P("tp", None)), P("tp", None), flux_jax.matmul_rs
+                local = lambda x, w: jnp.dot(x, w)
+                lshape = ((M, K // 2), (K // 2, N))
+            xs = jax.device_put(x, jax.NamedSharding(mesh, specs[0]))
+            ws = jax.device_put(w, jax.NamedSharding(mesh, specs[1]))
+            res = {}
+            for impl in ("fused", "xla"):
+                f = jax.shard_map(functools.partial(fn, axis_name="tp", impl=impl), mesh=mesh,
+                                  in_specs=specs, out_specs=out)
+                res[impl] = time_per_call(f, xs, ws)
+                got = f(xs, ws)
+                res[impl + "_out"] = got
+            err = float(jnp.max(jnp.abs(res["fused_out"].astype(jnp.float32) - res["xla_out"].astype(jnp.float32)))
+                        / jnp.max(jnp.abs(res["xla_out"].astype(jnp.float32))))
+            g = jax.device_put(jnp.asarray(rng.standard_normal(lshape[0]), jnp.bfloat16), gpus[0])
+            gw = jax.device_put(jnp.asarray(rng.standard_normal(lshape[1]) / 64, jnp.bfloat16), gpus[0])
+            gemm = time_per_call(local, g, gw)
+            row = dict(op=op, M=M, K=K, N=N, fused_ms=res["fused"][0], xla_ms=res["xla"][0],
+                       gemm_ms=gemm[0], speedup=res["xla"][0] / res["fused"][0], max_rel_err=err,
+                       fused_spread=res["fused"][1:], xla_spread=res["xla"][1:])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print(f"{'op':3} {'M':>6} {'K':>6} {'N':>6} {'fused':>8} {'xla':>8} {'gemm':>8} {'x':>6} {'err':>8}")
+    for r in rows:
+        print(f"{r['op']:3} {r['M']:6d} {r['K']:6d} {r['N']:6d} {r['fused_ms']:8.3f} {r['xla_ms']:8.3f} "
+              f"{r['gemm_ms']:8.3f} {r['speedup']:6.2f} {r['max_rel_err']:8.1e}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
