@@ -34,11 +34,11 @@ cuobjdump --dump-resource-usage "$so" 2>/dev/null | grep -E "REG|STACK" | sort |
 
 if [[ $what == tests || $what == all ]]; then
   echo "== GPU tests"
-  FLUX_JAX_REQUIRE_GPU=1 timeout 420 pytest -q -x -p no:cacheprovider tests/test_gpu_fused.py 2>&1 | tail -40
+  FLUX_JAX_REQUIRE_GPU=1 timeout 300 pytest -q -x -p no:cacheprovider tests/test_gpu_fused.py 2>&1 | tail -40
 fi
 if [[ $what == probe || $what == all ]]; then
   echo "== perf probe"
-  (cd /tmp && timeout 300 python3 "$REPO/tools/perf_probe.py" --out "$OUT/probe.json" "$@")
+  (cd /tmp && timeout 240 python3 "$REPO/tools/perf_probe.py" --out "$OUT/probe.json" "$@")
 fi
 if [[ $what == bench ]]; then
   echo "== harness"
