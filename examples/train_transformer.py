@@ -1,0 +1,314 @@
+"""Train a small GPT whose transformer blocks run tensor-parallel through flux_jax.
+
+    python examples/train_transformer.py              # no GPU: 8 CPU devices, dp=2 x tp=4, ~2 min
+    python examples/train_transformer.py --compare    # impl="fused" and impl="xla" from one seed
+    python examples/train_transformer.py --ckpt-dir /tmp/ckpt          # stop it (Ctrl-C) ...
+    python examples/train_transformer.py --ckpt-dir /tmp/ckpt --resume # ... and continue
+
+Each block's four projections (QKV, attention out, gate+up, down) are
+flux_jax.ag_matmul / flux_jax.matmul_rs calls inside one shard_map over the
+dp x tp mesh (Megatron sequence parallelism, see docs/flax.md). The text is a
+character corpus generated from a small grammar (examples/training/text.py),
+so nothing is downloaded. Optimizer: AdamW, linear warm-up then cosine decay,
+gradient clipping. On a GPU host the defaults switch to all local GPUs as TP
+(dp=1) and a larger bf16 model.
+
+Outputs in --out: summary.json (settings, losses, tokens/s, step time) and
+loss.png. Errors for shapes that cannot shard name the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import flux_jax
+from flux_jax.flax import GPT, GPTConfig, check_config, check_tokens_shape
+from training.checkpoint import TrainCheckpoints
+from training.progress import ProgressBar
+from training.report import plot_losses, write_summary
+from training.text import CharVocab, batch_at, generate_corpus
+
+# Defaults per platform; every one can be overridden by its flag.
+CPU_DEFAULTS = dict(dp=2, tp=4, layers=4, hidden=128, heads=8, kv_heads=4, ffn=384, seq=64,
+                    batch=16, steps=400, lr=3e-3, dtype="float32", impl="fused")
+GPU_DEFAULTS = dict(dp=1, tp=None, layers=8, hidden=2048, heads=16, kv_heads=8, ffn=5632, seq=2048,
+                    batch=8, steps=300, lr=1e-3, dtype="bfloat16", impl="fused")
+EVAL_BATCHES = 4
+SAMPLE_PROMPT = "the "
+
+
+def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("mesh (default CPU: dp=2 tp=4; GPU: dp=1, tp=all GPUs)")
+    g.add_argument("--dp", type=int, help="data-parallel size (batch sharding)")
+    g.add_argument("--tp", type=int, help="tensor-parallel size (heads, ffn and sequence sharding)")
+    g = p.add_argument_group("model")
+    for flag in ("--layers", "--hidden", "--heads", "--kv-heads", "--ffn"):
+        g.add_argument(flag, type=int)
+    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="compute dtype")
+    g.add_argument("--impl", choices=["fused", "xla", "auto"],
+                   help="flux_jax implementation of the projections (default fused)")
+    g.add_argument("--remat", action="store_true", help="recompute block activations in the backward pass")
+    g = p.add_argument_group("training")
+    g.add_argument("--seq", type=int, help="sequence length (characters)")
+    g.add_argument("--batch", type=int, help="global batch size (sequences)")
+    g.add_argument("--steps", type=int, help="optimizer steps")
+    g.add_argument("--lr", type=float, help="peak learning rate")
+    g.add_argument("--warmup", type=int, help="warm-up steps (default: 5%% of --steps)")
+    g.add_argument("--seed", type=int, default=0, help="parameter init and batch order")
+    g = p.add_argument_group("outputs")
+    g.add_argument("--compare", action="store_true",
+                   help="train with impl=fused and impl=xla from the same seed and compare")
+    g.add_argument("--out", default="out/train_transformer", help="directory for summary.json and loss.png")
+    g.add_argument("--ckpt-dir", help="save orbax checkpoints here")
+    g.add_argument("--ckpt-every", type=int, default=50, help="checkpoint interval in steps")
+    g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir")
+    g.add_argument("--stop-after", type=int, help="stop after this step as if interrupted (tests resume)")
+    g.add_argument("--sample-chars", type=int, default=40, help="characters to generate at the end (0: none)")
+    args = p.parse_args(argv)
+
+    on_gpu = jax.default_backend() != "cpu"
+    defaults = GPU_DEFAULTS if on_gpu else CPU_DEFAULTS
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    n_devices = len(jax.devices())
+    if args.tp is None:
+        args.tp = n_devices // args.dp
+    if args.warmup is None:
+        args.warmup = max(1, args.steps // 20)
+    if args.compare and args.ckpt_dir:
+        p.error("--compare trains twice from scratch; it does not take --ckpt-dir")
+    if args.resume and not args.ckpt_dir:
+        p.error("--resume needs --ckpt-dir")
+    if min(args.dp, args.tp, args.steps, args.seq, args.batch) < 1:
+        p.error("--dp, --tp, --steps, --seq and --batch must be >= 1")
+    if args.dp * args.tp > n_devices:
+        p.error(f"--dp {args.dp} x --tp {args.tp} = {args.dp * args.tp} devices, but only {n_devices} "
+                f"{jax.default_backend()} devices are visible")
+    return args, p
+
+
+def make_mesh(args) -> jax.sharding.Mesh:
+    devices = np.array(jax.devices()[: args.dp * args.tp]).reshape(args.dp, args.tp)
+    return jax.sharding.Mesh(devices, ("dp", "tp"), axis_types=(AxisType.Explicit,) * 2)
+
+
+def model_config(args, vocab_size: int, impl: str) -> GPTConfig:
+    return GPTConfig(vocab_size=vocab_size, hidden=args.hidden, layers=args.layers, heads=args.heads,
+                     kv_heads=args.kv_heads, ffn=args.ffn, impl=impl, dtype=args.dtype, remat=args.remat)
+
+
+def make_optimizer(args) -> optax.GradientTransformation:
+    """AdamW with linear warm-up and cosine decay to 10%, after clipping the global grad norm to 1."""
+    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, args.warmup, max(args.steps, args.warmup + 1),
+                                                  end_value=args.lr * 0.1)
+    decay_matrices_only = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+    return optax.chain(optax.clip_by_global_norm(1.0),
+                       optax.adamw(schedule, b2=0.98, weight_decay=0.1, mask=decay_matrices_only))
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean next-token loss. A one-hot product, not a gather: it keeps the batch/sequence
+    sharding of the logits (vocabularies here are small)."""
+    one_hot = jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype)
+    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - jnp.sum(logits * one_hot, axis=-1))
+
+
+def make_step_functions(graphdef, tx):
+    """jit-compiled train step (params and optimizer state donated) and loss/logits functions."""
+
+    def loss_fn(params, inputs, targets):
+        return cross_entropy(nnx.merge(graphdef, params)(inputs), targets)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def train_step(params, opt_state, inputs, targets):
+        loss, grads = jax.value_and_grad(loss_fn)(params, inputs, targets)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    logits_fn = jax.jit(lambda params, tokens: nnx.merge(graphdef, params)(tokens))
+    return train_step, jax.jit(loss_fn), logits_fn
+
+
+def on_mesh(tree, mesh):
+    """Replicate every leaf that is not already placed on `mesh` (e.g. optax's step counter),
+    so the train step sees the same shardings on every call and compiles once."""
+    replicated = NamedSharding(mesh, P())
+    return jax.tree.map(lambda x: x if isinstance(getattr(x, "sharding", None), NamedSharding)
+                        else jax.device_put(x, replicated), tree)
+
+
+def trajectory_settings(args, config: GPTConfig) -> dict:
+    """What must match for a checkpoint to continue this run."""
+    model = dataclasses.asdict(config)
+    model.pop("impl")  # fused and xla compute the same function
+    return dict(model=model, seed=args.seed, seq=args.seq, batch=args.batch, steps=args.steps,
+                lr=args.lr, warmup=args.warmup)
+
+
+def open_checkpoints(args, settings: dict, state: dict):
+    """(checkpoints or None, steps done, state, losses so far): a fresh start, or the latest checkpoint."""
+    if not args.ckpt_dir:
+        return None, 0, state, []
+    checkpoints = TrainCheckpoints(args.ckpt_dir, args.ckpt_every)
+    latest = checkpoints.latest_step()
+    if latest is None:
+        if args.resume:
+            print(f"no checkpoint in {args.ckpt_dir} yet: starting at step 0")
+        return checkpoints, 0, state, []
+    if not args.resume:
+        raise SystemExit(f"error: {args.ckpt_dir} already holds checkpoints (latest step {latest}); "
+                         "pass --resume to continue that run or use an empty --ckpt-dir")
+    step, state, meta = checkpoints.restore(state)
+    if meta["settings"] != settings:
+        raise SystemExit(f"error: the checkpoint in {args.ckpt_dir} was made with other settings:\n"
+                         f"  checkpoint: {meta['settings']}\n  this run:   {settings}")
+    print(f"resuming from step {step} ({args.ckpt_dir})")
+    return checkpoints, step, state, list(meta["losses"])
+
+
+def sample(logits_fn, params, vocab: CharVocab, args) -> str:
+    """Greedy continuation of SAMPLE_PROMPT, one forward pass over the whole window per character."""
+    length = min(args.sample_chars, args.seq - len(SAMPLE_PROMPT))
+    window = np.zeros((args.dp, args.seq), np.int32)
+    window[:, : len(SAMPLE_PROMPT)] = vocab.encode(SAMPLE_PROMPT)
+    for pos in range(len(SAMPLE_PROMPT), len(SAMPLE_PROMPT) + length):
+        logits = logits_fn(params, window)
+        window[:, pos] = int(np.argmax(np.asarray(logits)[0, pos - 1]))
+    return vocab.decode(window[0, : len(SAMPLE_PROMPT) + length])
+
+
+def train(args, mesh, vocab: CharVocab, train_data, eval_data, impl: str) -> dict:
+    """One training run; returns its losses, timings and evaluation."""
+    config = model_config(args, len(vocab), impl)
+    model = GPT(config, mesh=mesh, rngs=nnx.Rngs(args.seed))
+    graphdef, params = nnx.split(model, nnx.Param)
+    tx = make_optimizer(args)
+    state = on_mesh({"params": params, "opt_state": tx.init(params)}, mesh)
+    train_step, loss_fn, logits_fn = make_step_functions(graphdef, tx)
+    token_sharding = NamedSharding(mesh, model.token_spec())
+    place = lambda a: jax.device_put(a, token_sharding)
+
+    settings = trajectory_settings(args, config)
+    checkpoints, start, state, losses = open_checkpoints(args, settings, state)
+    last = min(args.steps, args.stop_after or args.steps)
+    tokens_per_step = args.batch * args.seq
+    step_times, compile_s = [], None
+    bar = ProgressBar(args.steps, start=start, desc=f"{impl:>5} ")
+    try:
+        for step in range(start + 1, last + 1):
+            inputs, targets = batch_at(train_data, step, args.batch, args.seq, args.seed)
+            t0 = time.perf_counter()
+            params, opt_state, loss = train_step(state["params"], state["opt_state"], place(inputs),
+                                                 place(targets))
+            loss = float(loss)  # waits for the step
+            dt = time.perf_counter() - t0
+            state = {"params": params, "opt_state": opt_state}
+            if compile_s is None:
+                compile_s = dt  # the first call compiles
+            else:
+                step_times.append(dt)
+            losses.append(loss)
+            bar.update(step, loss, tokens_per_step / dt)
+            if checkpoints and checkpoints.due(step, last):
+                checkpoints.save(step, state, {"settings": settings, "losses": losses})
+    except KeyboardInterrupt:
+        bar.close()
+        saved = checkpoints and checkpoints.latest_step()
+        print("interrupted" + (f"; --resume continues from step {saved}" if saved else ""))
+        raise SystemExit(130)
+    bar.close()
+    if checkpoints:
+        checkpoints.close()
+
+    eval_loss = statistics.fmean(
+        float(loss_fn(state["params"], *map(place, batch_at(eval_data, i, args.batch, args.seq, args.seed))))
+        for i in range(EVAL_BATCHES))
+    median = statistics.median(step_times) if step_times else None
+    result = dict(impl=impl, first_step=start + 1, completed_steps=last, losses=losses,
+                  first_loss=losses[0] if losses else None, final_loss=losses[-1] if losses else None,
+                  eval_loss=eval_loss, compile_s=compile_s, step_time_ms=median and median * 1e3,
+                  tokens_per_s=median and tokens_per_step / median)
+    if args.sample_chars > 0:
+        result["sample"] = sample(logits_fn, state["params"], vocab, args)
+    return result
+
+
+def describe(args, vocab_size: int) -> str:
+    devices = jax.devices()
+    return (f"flux_jax {flux_jax.__version__} | {len(devices)} x {devices[0].platform} | mesh dp={args.dp} x "
+            f"tp={args.tp} | GPT {args.layers} layers, hidden {args.hidden}, heads {args.heads}/"
+            f"{args.kv_heads} kv, ffn {args.ffn}, vocab {vocab_size} | seq {args.seq} x batch {args.batch}, "
+            f"{args.steps} steps, {args.dtype}")
+
+
+def main(argv=None) -> dict:
+    """Runs the example; returns the summary it writes to --out/summary.json."""
+    args, parser = parse_args(argv)
+    corpus = generate_corpus()
+    vocab = CharVocab(corpus)
+    data = vocab.encode(corpus)
+    split = int(len(data) * 0.9)  # the last 10% is held out for the evaluation loss
+    impls = ("fused", "xla") if args.compare else (args.impl,)
+    mesh = make_mesh(args)
+    try:  # shapes that cannot shard: a usage error naming the numbers, before anything runs
+        check_config(model_config(args, len(vocab), impls[0]), mesh)
+        check_tokens_shape((args.batch, args.seq), mesh)
+    except ValueError as e:
+        parser.error(str(e))
+    print(describe(args, len(vocab)))
+
+    runs = {}
+    for impl in impls:
+        try:
+            runs[impl] = train(args, mesh, vocab, data[:split], data[split:], impl)
+        except flux_jax.FusedUnavailableError as e:
+            raise SystemExit(f"error: {e}\n(use --impl auto to fall back to the XLA twin)")
+        r = runs[impl]
+        print(f"impl={impl}: loss {r['first_loss']:.3f} -> {r['final_loss']:.3f} (eval {r['eval_loss']:.3f})"
+              + (f", {r['step_time_ms']:.1f} ms/step, {r['tokens_per_s']:,.0f} tokens/s" if r["step_time_ms"]
+                 else "") + f", compile {r['compile_s']:.1f} s")
+        if "sample" in r:
+            print(f"  sample: {r['sample']!r}")
+
+    main_run = runs[impls[0]]
+    summary = dict(config=vars(args) | {"vocab_size": len(vocab), "platform": jax.default_backend(),
+                                         "devices": len(jax.devices()), "flux_jax": flux_jax.__version__},
+                   final_loss=main_run["final_loss"], tokens_per_s=main_run["tokens_per_s"],
+                   step_time_ms=main_run["step_time_ms"], runs=runs)
+    if args.compare:
+        fused, xla = runs["fused"], runs["xla"]
+        summary["compare"] = dict(
+            step_time_ratio_xla_over_fused=xla["step_time_ms"] / fused["step_time_ms"],
+            max_abs_loss_diff=max(abs(a - b) for a, b in zip(fused["losses"], xla["losses"])))
+        print(f"compare: fused is {summary['compare']['step_time_ratio_xla_over_fused']:.3f}x the speed "
+              f"of xla; largest loss difference {summary['compare']['max_abs_loss_diff']:.2e}")
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_summary(out / "summary.json", summary)
+    plot_losses(out / "loss.png", {impl: r["losses"] for impl, r in runs.items()}, describe(args, len(vocab)))
+    print(f"wrote {out / 'summary.json'} and {out / 'loss.png'}")
+    return summary
+
+
+if __name__ == "__main__":
+    # Without accelerators, emulate 8 CPU devices (must precede any JAX computation;
+    # it changes nothing on a GPU host, where the GPUs are the devices).
+    jax.config.update("jax_num_cpu_devices", 8)
+    main()

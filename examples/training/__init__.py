@@ -1,0 +1,1 @@
+"""Helpers of examples/train_transformer.py: corpus, progress bar, checkpoints, report."""

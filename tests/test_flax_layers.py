@@ -1,0 +1,303 @@
+"""flux_jax.flax layers against an unsharded reference written independently in plain jnp.
+
+Every layer runs sharded (one shard_map over a (2, 4) dp x tp mesh and an
+(8,) tp mesh, impl "fused" and "xla"); its output, parameter gradients and
+input gradient must equal those of the reference below, which sees global
+arrays on one device and shares no code with the layers.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+from flux_jax.flax import (GPT, ColumnParallelLinear, DecoderBlock, GPTConfig, GroupedQueryAttention,
+                           RMSNorm, RowParallelLinear, SwiGLUMLP, batch_axis_entry, sharded_call)
+from helpers import cpu_mesh
+
+SEQ, BATCH, HIDDEN, HEADS, KV_HEADS, FFN, VOCAB = 16, 4, 64, 16, 8, 32, 24
+HEAD_DIM = HIDDEN // HEADS
+RTOL = 2e-4  # float32, relative to the largest magnitude of each compared array
+
+MESHES = {"dp2xtp4": ((2, 4), ("dp", "tp")), "tp8": ((8,), ("tp",))}
+
+
+@functools.cache
+def mesh_of(name: str, axis_type=AxisType.Explicit):
+    shape, names = MESHES[name]
+    return cpu_mesh(shape, names, axis_type)
+
+
+# ---- the independent reference (global arrays, [S, B, D] activations) ----------
+
+
+def ref_dense(x, kernel):
+    return jnp.tensordot(x, kernel, axes=([x.ndim - 1], [0]))
+
+
+def ref_rms_norm(x, scale, eps=1e-6):
+    return x / jnp.sqrt(jnp.mean(x**2, axis=-1, keepdims=True) + eps) * scale
+
+
+def ref_rope(x, theta=10000.0):
+    """Rotate pairs (i, i + d/2) by position * theta^(-2i/d), as complex numbers. x [S, ..., d]."""
+    half = x.shape[-1] // 2
+    angle = jnp.arange(x.shape[0])[:, None] * theta ** (-2.0 * jnp.arange(half) / x.shape[-1])
+    rot = jnp.exp(1j * angle).reshape(x.shape[0], *([1] * (x.ndim - 2)), half)
+    z = (x[..., :half] + 1j * x[..., half:]) * rot
+    return jnp.concatenate([z.real, z.imag], axis=-1).astype(x.dtype)
+
+
+def ref_attention(x, p, q_per_kv):
+    """GQA; qkv kernel [D, kv, q_per_kv + 2, Dh]; query head h uses kv head h // q_per_kv."""
+    qkv = ref_dense(x, p["qkv"]["kernel"])
+    s, b, kv, _, dh = qkv.shape
+    q = ref_rope(qkv[:, :, :, :q_per_kv].reshape(s, b, kv * q_per_kv, dh))
+    k = jnp.repeat(ref_rope(qkv[:, :, :, q_per_kv]), q_per_kv, axis=2)
+    v = jnp.repeat(qkv[:, :, :, q_per_kv + 1], q_per_kv, axis=2)
+    scores = jnp.einsum("sbhd,tbhd->bhst", q, k) / np.sqrt(dh)
+    scores = jnp.where(jnp.tril(jnp.ones((s, s), bool)), scores, -jnp.inf)
+    out = jnp.einsum("bhst,tbhd->sbhd", jax.nn.softmax(scores, axis=-1), v)
+    return ref_dense(out.reshape(s, b, -1), p["out"]["kernel"])
+
+
+def ref_mlp(x, p):
+    h = ref_dense(x, p["gate_up"]["kernel"])
+    return ref_dense(jax.nn.silu(h[..., 0]) * h[..., 1], p["down"]["kernel"])
+
+
+def ref_block(x, p, q_per_kv):
+    x = x + ref_attention(ref_rms_norm(x, p["attn_norm"]["scale"]), p["attn"], q_per_kv)
+    return x + ref_mlp(ref_rms_norm(x, p["mlp_norm"]["scale"]), p["mlp"])
+
+
+def ref_gpt(tokens, p, q_per_kv):
+    """tokens [B, S] -> logits [B, S, V]."""
+    x = p["embedding"][tokens.T]
+    for i in sorted(p["blocks"]):
+        x = ref_block(x, p["blocks"][i], q_per_kv)
+    return jnp.einsum("sbd,dv->bsv", ref_rms_norm(x, p["final_norm"]["scale"]), p["lm_head"])
+
+
+# ---- layers under test: constructor, reference, specs of input and output ---------
+
+
+def _act(mesh, seq_axis):
+    """Spec of [S, B, D]: sequence over tp (or replicated), batch over the data axes."""
+    return (seq_axis, batch_axis_entry(mesh, "tp"))
+
+
+LAYERS = {
+    "column": dict(
+        make=lambda mesh, impl, rngs: ColumnParallelLinear(HIDDEN, FFN, mesh=mesh, impl=impl, rngs=rngs),
+        ref=lambda x, p: ref_dense(x, p["kernel"]),
+        x_spec=lambda m: P(*_act(m, "tp"), None), out_spec=lambda m: P(*_act(m, None), "tp")),
+    "column_fused_bias": dict(
+        make=lambda mesh, impl, rngs: ColumnParallelLinear(
+            HIDDEN, (16, 2), use_bias=True, bias_init=nnx.initializers.normal(1.0), mesh=mesh,
+            impl=impl, rngs=rngs),
+        ref=lambda x, p: ref_dense(x, p["kernel"]) + p["bias"],
+        x_spec=lambda m: P(*_act(m, "tp"), None), out_spec=lambda m: P(*_act(m, None), "tp", None)),
+    "row_bias": dict(
+        make=lambda mesh, impl, rngs: RowParallelLinear(
+            FFN, HIDDEN, use_bias=True, bias_init=nnx.initializers.normal(1.0), mesh=mesh,
+            impl=impl, rngs=rngs),
+        ref=lambda x, p: ref_dense(x, p["kernel"]) + p["bias"],
+        x_spec=lambda m: P(*_act(m, None), "tp"), out_spec=lambda m: P(*_act(m, "tp"), None),
+        in_features=FFN),
+    "rms_norm": dict(
+        make=lambda mesh, impl, rngs: RMSNorm(HIDDEN, mesh=mesh),
+        ref=lambda x, p: ref_rms_norm(x, p["scale"]),
+        x_spec=lambda m: P(*_act(m, "tp"), None), out_spec=lambda m: P(*_act(m, "tp"), None)),
+    "attention": dict(
+        make=lambda mesh, impl, rngs: GroupedQueryAttention(HIDDEN, HEADS, KV_HEADS, mesh=mesh, impl=impl,
+                                                            rngs=rngs),
+        ref=lambda x, p: ref_attention(x, p, HEADS // KV_HEADS),
+        x_spec=lambda m: P(*_act(m, "tp"), None), out_spec=lambda m: P(*_act(m, "tp"), None)),
+    "swiglu_mlp": dict(
+        make=lambda mesh, impl, rngs: SwiGLUMLP(HIDDEN, FFN, mesh=mesh, impl=impl, rngs=rngs),
+        ref=ref_mlp,
+        x_spec=lambda m: P(*_act(m, "tp"), None), out_spec=lambda m: P(*_act(m, "tp"), None)),
+    "decoder_block": dict(
+        make=lambda mesh, impl, rngs: DecoderBlock(HIDDEN, HEADS, KV_HEADS, FFN, mesh=mesh, impl=impl,
+                                                   rngs=rngs),
+        ref=lambda x, p: ref_block(x, p, HEADS // KV_HEADS),
+        x_spec=lambda m: P(*_act(m, "tp"), None), out_spec=lambda m: P(*_act(m, "tp"), None)),
+}
+
+
+def _randomize(module, seed):
+    """Replace every parameter by non-trivial random values (norm scales and biases included)."""
+    rng = np.random.default_rng(seed)
+    for _, var in nnx.iter_graph(module):
+        if isinstance(var, nnx.Param):
+            value = var[...]
+            scale = 1.0 if value.ndim < 2 else 1.0 / np.sqrt(value.shape[0])
+            fresh = (rng.standard_normal(value.shape) * scale + (1.0 if value.ndim == 1 else 0.0))
+            var[...] = jax.device_put(jnp.asarray(fresh, value.dtype), value.sharding)
+
+
+def _host(tree):
+    return jax.tree.map(lambda a: np.asarray(a), tree)
+
+
+def assert_close(actual, expected, what):
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    assert np.all(np.isfinite(actual)), f"{what}: NaN/inf (an unwritten, poisoned element?)"
+    err = np.max(np.abs(actual - expected)) / max(np.max(np.abs(expected)), 1e-30)
+    assert err <= RTOL, f"{what}: relative error {err:.2e} > {RTOL:.0e}"
+
+
+def assert_trees_close(actual, expected, what):
+    flat_expected = dict(jax.tree_util.tree_leaves_with_path(expected))
+    flat_actual = jax.tree_util.tree_leaves_with_path(actual)
+    assert len(flat_actual) == len(flat_expected), f"{what}: different parameter sets"
+    for path, leaf in flat_actual:
+        assert_close(leaf, flat_expected[path], f"{what}{jax.tree_util.keystr(path)}")
+
+
+@pytest.mark.parametrize("impl", ["fused", "xla"])
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+@pytest.mark.parametrize("layer_name", list(LAYERS))
+def test_layer_forward_backward_matches_reference(layer_name, mesh_name, impl):
+    spec = LAYERS[layer_name]
+    mesh = mesh_of(mesh_name)
+    layer = spec["make"](mesh, impl, nnx.Rngs(0))
+    _randomize(layer, seed=1)
+    graphdef, params = nnx.split(layer)
+    rng = np.random.default_rng(2)
+    x = (rng.standard_normal((SEQ, BATCH, spec.get("in_features", HIDDEN))) + 0.25).astype(np.float32)
+    x_spec, out_spec = spec["x_spec"](mesh), spec["out_spec"](mesh)
+
+    def sharded_loss(params, x, cotangent):
+        y = sharded_call(nnx.merge(graphdef, params), lambda m, x: m(x), x, mesh=mesh,
+                         in_specs=(x_spec,), out_specs=out_spec)
+        return jnp.sum(y * cotangent), y
+
+    def ref_loss(params, x, cotangent):
+        y = spec["ref"](x, params)
+        return jnp.sum(y * cotangent), y
+
+    pure = _host(nnx.to_pure_dict(params))
+    y_ref = spec["ref"](x, pure)
+    cotangent = (rng.standard_normal(y_ref.shape) + 0.1).astype(np.float32)
+    (_, y), (dparams, dx) = jax.jit(jax.value_and_grad(sharded_loss, argnums=(0, 1), has_aux=True))(
+        params, jax.device_put(x, jax.NamedSharding(mesh, x_spec)),
+        jax.device_put(cotangent, jax.NamedSharding(mesh, out_spec)))
+    (_, _), (dparams_ref, dx_ref) = jax.jit(jax.value_and_grad(ref_loss, argnums=(0, 1), has_aux=True))(
+        pure, x, cotangent)
+
+    assert_close(y, y_ref, f"{layer_name} output")
+    assert_close(dx, dx_ref, f"{layer_name} d(input)")
+    assert_trees_close(_host(nnx.to_pure_dict(dparams)), dparams_ref, f"{layer_name} d")
+
+
+def _gpt_config(impl, **overrides):
+    config = dict(vocab_size=VOCAB, hidden=HIDDEN, layers=2, heads=HEADS, kv_heads=KV_HEADS, ffn=FFN)
+    return GPTConfig(**(config | overrides), impl=impl)
+
+
+@pytest.mark.parametrize(
+    "mesh_name, impl, axis_type, remat",
+    [("dp2xtp4", "fused", AxisType.Explicit, False), ("dp2xtp4", "xla", AxisType.Explicit, False),
+     ("tp8", "fused", AxisType.Explicit, False), ("tp8", "xla", AxisType.Explicit, False),
+     ("dp2xtp4", "fused", AxisType.Auto, True)])
+def test_gpt_forward_backward_matches_reference(mesh_name, impl, axis_type, remat):
+    mesh = mesh_of(mesh_name, axis_type)
+    model = GPT(_gpt_config(impl, remat=remat), mesh=mesh, rngs=nnx.Rngs(0))
+    _randomize(model, seed=3)
+    graphdef, params = nnx.split(model, nnx.Param)
+    rng = np.random.default_rng(4)
+    tokens = rng.integers(0, VOCAB, (BATCH, SEQ)).astype(np.int32)
+    cotangent = rng.standard_normal((BATCH, SEQ, VOCAB)).astype(np.float32)
+    token_spec = model.token_spec()
+    logits_spec = P(*token_spec, None)
+
+    def loss(params, tokens, cotangent):
+        logits = nnx.merge(graphdef, params)(tokens)
+        return jnp.sum(logits * cotangent), logits
+
+    def ref_loss(params, tokens, cotangent):
+        logits = ref_gpt(tokens, params, HEADS // KV_HEADS)
+        return jnp.sum(logits * cotangent), logits
+
+    (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(
+        params, jax.device_put(tokens, jax.NamedSharding(mesh, token_spec)),
+        jax.device_put(cotangent, jax.NamedSharding(mesh, logits_spec)))
+    pure = _host(nnx.to_pure_dict(params))
+    (_, logits_ref), grads_ref = jax.jit(jax.value_and_grad(ref_loss, has_aux=True))(pure, tokens, cotangent)
+    assert logits.sharding.is_equivalent_to(jax.NamedSharding(mesh, logits_spec), logits.ndim)
+    assert_close(logits, logits_ref, "logits")
+    assert_trees_close(_host(nnx.to_pure_dict(grads)), grads_ref, "d")
+
+
+def test_params_are_sharded_as_annotated():
+    mesh = mesh_of("dp2xtp4")
+    model = GPT(_gpt_config("fused"), mesh=mesh, rngs=nnx.Rngs(0))
+    block = model.blocks[0]
+    tp, q_per_kv = 4, HEADS // KV_HEADS
+    expected = [  # (parameter, global spec, local shard shape on every device)
+        (block.attn.qkv.kernel, P(None, "tp", None, None), (HIDDEN, KV_HEADS // tp, q_per_kv + 2, HEAD_DIM)),
+        (block.attn.out.kernel, P("tp", None), (HEADS * HEAD_DIM // tp, HIDDEN)),
+        (block.mlp.gate_up.kernel, P(None, "tp", None), (HIDDEN, FFN // tp, 2)),
+        (block.mlp.down.kernel, P("tp", None), (FFN // tp, HIDDEN)),
+        (block.attn_norm.scale, P(None), (HIDDEN,)),
+        (model.embedding, P(None, None), (VOCAB, HIDDEN)),
+        (model.lm_head, P(None, None), (HIDDEN, VOCAB)),
+    ]
+    for var, spec, local_shape in expected:
+        value = var[...]
+        assert value.sharding.mesh == mesh and value.sharding.spec == spec
+        assert {s.data.shape for s in value.addressable_shards} == {local_shape}
+    # Every parameter's placement agrees with its annotation (nnx.get_partition_spec).
+    state = nnx.state(model, nnx.Param)
+    specs = nnx.get_partition_spec(state)
+    for (path, value), (_, spec) in zip(jax.tree_util.tree_leaves_with_path(state),
+                                        jax.tree_util.tree_leaves_with_path(specs)):
+        assert value.sharding.spec == spec, jax.tree_util.keystr(path)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(heads=6, kv_heads=2), "heads=6 is not divisible by tp=4"),
+    (dict(heads=8, kv_heads=2), "kv_heads=2 is not divisible by tp=4"),
+    (dict(heads=8, kv_heads=3), "heads=8 is not a multiple of kv_heads=3"),
+    (dict(hidden=66), "hidden=66 is not divisible by tp=4"),
+    (dict(hidden=72, heads=16, kv_heads=8, ffn=32), "hidden=72 is not divisible by heads=16"),
+    (dict(ffn=30), "ffn=30 is not divisible by tp=4"),
+    (dict(impl="cuda"), "impl must be one of"),
+])
+def test_config_that_cannot_shard_raises(overrides, message):
+    config = dict(vocab_size=VOCAB, hidden=HIDDEN, layers=1, heads=HEADS, kv_heads=KV_HEADS, ffn=FFN)
+    with pytest.raises(ValueError, match=message):
+        GPT(GPTConfig(**(config | overrides)), mesh=mesh_of("dp2xtp4"), rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("shape, message", [
+    ((BATCH, 10), "seq=10 is not divisible by tp=4"),
+    ((3, SEQ), r"batch=3 is not divisible by the data-parallel size 2 \(dp=2\)"),
+    ((BATCH * SEQ,), r"tokens must be \[batch, seq\]"),
+])
+def test_tokens_that_cannot_shard_raise(shape, message):
+    model = GPT(_gpt_config("xla", layers=1), mesh=mesh_of("dp2xtp4"), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=message):
+        model(jnp.zeros(shape, jnp.int32))
+
+
+def test_layer_shapes_that_cannot_shard_raise():
+    mesh = mesh_of("dp2xtp4")
+    with pytest.raises(ValueError, match="out_features=30 is not divisible by tp=4"):
+        ColumnParallelLinear(HIDDEN, 30, mesh=mesh, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"out_features\[0\]=6 is not divisible by tp=4"):
+        ColumnParallelLinear(HIDDEN, (6, 2), mesh=mesh, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="in_features=30 is not divisible by tp=4"):
+        RowParallelLinear(30, HIDDEN, mesh=mesh, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="axis 'model' is not one of them"):
+        ColumnParallelLinear(HIDDEN, FFN, mesh=mesh, tp_axis="model", rngs=nnx.Rngs(0))

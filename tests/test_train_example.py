@@ -1,0 +1,90 @@
+"""examples/train_transformer.py: fused == xla training, the CPU default end to end, resume.
+
+Reduced sizes keep this fast on a 2-core machine. The in-process runs import
+the example's `main(argv)`; one run goes through the real command line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "train_transformer.py"
+TINY = ["--layers", "1", "--hidden", "32", "--heads", "4", "--kv-heads", "4", "--ffn", "64",
+        "--seq", "16", "--batch", "4", "--sample-chars", "0"]
+
+
+@pytest.fixture(scope="module")
+def example():
+    sys.path.insert(0, str(EXAMPLE.parent))
+    try:
+        import train_transformer
+        yield train_transformer
+    finally:
+        sys.path.remove(str(EXAMPLE.parent))
+
+
+def test_fused_and_xla_give_the_same_losses(example, tmp_path):
+    summary = example.main([*TINY, "--layers", "2", "--steps", "20", "--compare", "--out", str(tmp_path)])
+    fused, xla = summary["runs"]["fused"]["losses"], summary["runs"]["xla"]["losses"]
+    assert len(fused) == len(xla) == 20
+    for step, (a, b) in enumerate(zip(fused, xla), start=1):
+        assert abs(a - b) <= 1e-4 * max(abs(b), 1.0), f"step {step}: fused {a} vs xla {b}"
+    assert summary["compare"]["max_abs_loss_diff"] <= 1e-4 * max(xla)
+    assert summary["compare"]["step_time_ratio_xla_over_fused"] > 0
+    assert fused[-1] < fused[0]
+
+
+def test_cpu_default_command_runs_end_to_end(tmp_path):
+    """The README's main command with its CPU defaults (mesh, impl), reduced in size."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the example sets up 8 devices itself
+    env["JAX_PLATFORMS"] = "cpu"
+    out = subprocess.run([sys.executable, str(EXAMPLE), *TINY, "--steps", "8", "--out", str(tmp_path)],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "8/8" in out.stderr  # the progress bar
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert (tmp_path / "loss.png").stat().st_size > 1000
+    config = summary["config"]
+    assert (config["dp"], config["tp"], config["impl"], config["devices"]) == (2, 4, "fused", 8)
+    losses = summary["runs"]["fused"]["losses"]
+    assert len(losses) == 8 and summary["final_loss"] == losses[-1] < losses[0]
+    assert summary["tokens_per_s"] > 0 and summary["step_time_ms"] > 0
+
+
+def test_stopped_run_resumes_with_identical_losses(example, tmp_path):
+    common = [*TINY, "--steps", "6", "--ckpt-every", "3"]
+    ckpt = str(tmp_path / "ckpt")
+    uninterrupted = example.main([*common, "--out", str(tmp_path / "a")])
+    stopped = example.main([*common, "--ckpt-dir", ckpt, "--stop-after", "3", "--out", str(tmp_path / "b")])
+    assert stopped["runs"]["fused"]["completed_steps"] == 3
+    resumed = example.main([*common, "--ckpt-dir", ckpt, "--resume", "--out", str(tmp_path / "c")])
+    run = resumed["runs"]["fused"]
+    assert run["first_step"] == 4 and run["completed_steps"] == 6
+    assert run["losses"][:3] == stopped["runs"]["fused"]["losses"]
+    assert run["losses"] == pytest.approx(uninterrupted["runs"]["fused"]["losses"], rel=1e-6, abs=0)
+
+    with pytest.raises(SystemExit, match="made with other settings"):
+        example.main([*common, "--lr", "1e-2", "--ckpt-dir", ckpt, "--resume", "--out", str(tmp_path / "d")])
+    with pytest.raises(SystemExit, match="already holds checkpoints"):
+        example.main([*common, "--ckpt-dir", ckpt, "--out", str(tmp_path / "e")])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--heads", "6", "--kv-heads", "2"], "heads=6 is not divisible by tp=4"),
+    (["--hidden", "30"], "hidden=30 is not divisible by tp=4"),
+    (["--seq", "18"], "seq=18 is not divisible by tp=4"),
+    (["--batch", "3"], "batch=3 is not divisible by the data-parallel size 2"),
+    (["--dp", "4"], "only 8 cpu devices"),
+])
+def test_shapes_that_cannot_shard_are_usage_errors(example, capsys, flags, message):
+    with pytest.raises(SystemExit) as exit_info:
+        example.main([*TINY, *flags, "--steps", "1"])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
