@@ -23,7 +23,6 @@ import argparse
 import dataclasses
 import functools
 import statistics
-import sys
 import time
 from pathlib import Path
 
