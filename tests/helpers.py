@@ -24,9 +24,9 @@ def cpu_mesh(shape, names, axis_type=AxisType.Explicit, device_order=None):
     return jax.sharding.Mesh(devices.reshape(shape), names, axis_types=(axis_type,) * len(shape))
 
 
-def random_array(rng: np.random.Generator, shape, dtype):
-    """Fresh normal data with a nonzero mean (never zeros), cast to `dtype`."""
-    a = rng.standard_normal(shape).astype(np.float32) + 0.25
+def random_array(rng: np.random.Generator, shape, dtype, scale: float = 1.0):
+    """Fresh normal data with a nonzero mean (never zeros), times `scale`, cast to `dtype`."""
+    a = (rng.standard_normal(shape).astype(np.float32) + 0.25) * np.float32(scale)
     return jnp.asarray(a, dtype=dtype)
 
 

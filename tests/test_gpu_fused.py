@@ -69,7 +69,7 @@ def test_fused_matches_oracle(gpus, op, dtype, shape):
     M, K, N = shape
     mesh = _mesh(gpus)
     rng = np.random.default_rng()
-    x, w = random_array(rng, (M, K), dtype), random_array(rng, (K, N), dtype) / np.sqrt(K)
+    x, w = random_array(rng, (M, K), dtype), random_array(rng, (K, N), dtype, scale=1 / np.sqrt(K))
     fused, specs = _op_fn(op, mesh, "fused")
     twin, _ = _op_fn(op, mesh, "xla")
     xs, ws = place(mesh, x, specs[0]), place(mesh, w, specs[1])
@@ -83,7 +83,7 @@ def test_gradients_match_twin(gpus, op):
     mesh = _mesh(gpus)
     rng = np.random.default_rng()
     M, K, N = 2048, 1024, 1536
-    x, w = random_array(rng, (M, K), "bfloat16"), random_array(rng, (K, N), "bfloat16") / 32
+    x, w = random_array(rng, (M, K), "bfloat16"), random_array(rng, (K, N), 'bfloat16', scale=1 / 32)
     ct = jnp.asarray(rng.standard_normal((M, N)), jnp.float32)
 
     def grads(impl):
@@ -102,8 +102,8 @@ def test_1000_back_to_back_calls_with_xla_collectives_in_between(gpus):
     mesh = _mesh(gpus)
     rng = np.random.default_rng()
     x = random_array(rng, (1024, 512), "bfloat16")
-    w1 = random_array(rng, (512, 1024), "bfloat16") / 24
-    w2 = random_array(rng, (1024, 512), "bfloat16") / 32
+    w1 = random_array(rng, (512, 1024), 'bfloat16', scale=1 / 24)
+    w2 = random_array(rng, (1024, 512), 'bfloat16', scale=1 / 32)
 
     def program(impl):
         def body(h, w1, w2):
@@ -130,7 +130,7 @@ def test_1000_back_to_back_calls_with_xla_collectives_in_between(gpus):
 def test_rs_is_bitwise_deterministic(gpus):
     mesh = _mesh(gpus)
     rng = np.random.default_rng()
-    x, w = random_array(rng, (4096, 4096), "bfloat16"), random_array(rng, (4096, 2048), "bfloat16") / 64
+    x, w = random_array(rng, (4096, 4096), "bfloat16"), random_array(rng, (4096, 2048), 'bfloat16', scale=1 / 64)
     f, specs = _op_fn("rs", mesh, "fused")
     xs, ws = place(mesh, x, specs[0]), place(mesh, w, specs[1])
     first = np.asarray(f(xs, ws))
@@ -141,7 +141,7 @@ def test_rs_is_bitwise_deterministic(gpus):
 def test_2d_mesh_and_auto_axes(gpus):
     mesh = _mesh(gpus, (1, 2), ("dp", "tp"), AxisType.Auto)
     rng = np.random.default_rng()
-    x, w = random_array(rng, (512, 256), "bfloat16"), random_array(rng, (256, 512), "bfloat16") / 16
+    x, w = random_array(rng, (512, 256), "bfloat16"), random_array(rng, (256, 512), 'bfloat16', scale=1 / 16)
     for op in ("ag", "rs"):
         f, specs = _op_fn(op, mesh, "fused")
         t, _ = _op_fn(op, mesh, "xla")
@@ -152,7 +152,7 @@ def test_recompilation_and_workspace_growth(gpus):
     mesh = _mesh(gpus)
     rng = np.random.default_rng()
     for M in (256, 4096, 512, 8192):  # grows twice, then reuses
-        x, w = random_array(rng, (M, 1024), "bfloat16"), random_array(rng, (1024, 1024), "bfloat16") / 32
+        x, w = random_array(rng, (M, 1024), "bfloat16"), random_array(rng, (1024, 1024), 'bfloat16', scale=1 / 32)
         for op in ("ag", "rs"):
             f, specs = _op_fn(op, mesh, "fused")
             t, _ = _op_fn(op, mesh, "xla")

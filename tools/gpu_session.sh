@@ -34,7 +34,7 @@ cuobjdump --dump-resource-usage "$so" 2>/dev/null | grep -E "REG|STACK" | sort |
 
 if [[ $what == tests || $what == all ]]; then
   echo "== GPU tests"
-  FLUX_JAX_REQUIRE_GPU=1 timeout 300 pytest -q -x -p no:cacheprovider tests/test_gpu_fused.py 2>&1 | tail -40
+  FLUX_JAX_REQUIRE_GPU=1 timeout 300 pytest -q -o timeout=90 -p no:cacheprovider tests/test_gpu_fused.py 2>&1 | tail -40
 fi
 if [[ $what == probe || $what == all ]]; then
   echo "== perf probe"

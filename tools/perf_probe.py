@@ -56,7 +56,7 @@ def main():
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     gpus = [d for d in jax.devices() if d.platform == "gpu"][:2]
-    mesh = jax.sharding.Mesh(np.array(gpus), ("tp",), axis_types=(jax.sharding.AxisType.Explicit,))
+    mesh = jax.sharding.Mesh(np.array(gpus), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
     rows = []
     rng = np.random.default_rng(0)
     for shape in args.shapes.split(","):
