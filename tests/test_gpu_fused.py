@@ -55,7 +55,7 @@ def _op_fn(op, mesh, impl, tp_axis="tp", transpose_w=False):
 
 SHAPES = [  # global (M, K, N): aligned, unaligned m_local, K/N not multiples of 64, tiny
     (4096, 2048, 4096),
-    (1000, 520, 776),
+    (1000, 528, 784),  # m_local = 500: tiles straddle chunks; K/N per rank multiples of 8 only
     (256, 8192, 1024),
     (2, 64, 16),
     (8192, 1024, 2048),
@@ -76,6 +76,18 @@ def test_fused_matches_oracle(gpus, op, dtype, shape):
     ref = to64(x) @ to64(w)
     assert_matches(fused(xs, ws), ref, twin(xs, ws), dtype, f"{op} {shape} {dtype}")
     assert not flux_jax.device_errors()
+
+
+def test_fused_refuses_shapes_the_kernels_cannot_take(gpus):
+    mesh = _mesh(gpus)
+    rng = np.random.default_rng()
+    x, w = random_array(rng, (256, 520), "bfloat16"), random_array(rng, (520, 776), "bfloat16")
+    f, specs = _op_fn("ag", mesh, "fused")  # n_local = 388: not a multiple of 8
+    with pytest.raises(flux_jax.FusedUnavailableError, match="multiples of 8"):
+        f(place(mesh, x, specs[0]), place(mesh, w, specs[1]))
+    auto, _ = _op_fn("ag", mesh, "auto")
+    assert_matches(auto(place(mesh, x, specs[0]), place(mesh, w, specs[1])), to64(x) @ to64(w),
+                   auto(place(mesh, x, specs[0]), place(mesh, w, specs[1])), "bfloat16", "auto fallback")
 
 
 @pytest.mark.parametrize("op", ["ag", "rs"])

@@ -34,7 +34,11 @@ cuobjdump --dump-resource-usage "$so" 2>/dev/null | grep -E "REG|STACK" | sort |
 
 if [[ $what == tests || $what == all ]]; then
   echo "== GPU tests"
-  FLUX_JAX_REQUIRE_GPU=1 timeout 300 pytest -q -o timeout=90 -p no:cacheprovider tests/test_gpu_fused.py 2>&1 | tail -40
+  FLUX_JAX_REQUIRE_GPU=1 timeout 300 pytest -q -o timeout=90 -p no:cacheprovider tests/test_gpu_fused.py > "$OUT/gpu_tests.log" 2>&1
+  grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests.log" | head -40
+fi
+if [[ $what == debug ]]; then
+  (cd /tmp && timeout 500 python3 "$REPO/tools/gpu_debug.py")
 fi
 if [[ $what == probe || $what == all ]]; then
   echo "== perf probe"

@@ -1,0 +1,77 @@
+"""CPU smoke run of the benchmark harness (benchmarks/): end to end, in seconds.
+
+Runs `python -m benchmarks.run` in-process on the cpu-smoke preset (its M=64 shapes) with a
+few variants (two of them GPU-only, so they must show up as unavailable rows) and short loops,
+and checks the JSON, the markdown table, the plots and the RESULTS.md writer; then checks
+the ring collective matmuls against the twin at tp=8.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import run
+from benchmarks.harness import run_case
+from benchmarks.presets import Case
+from benchmarks.report import ROW_KEYS
+from benchmarks.results_page import write_results_page
+from benchmarks.timing import TimingParams
+from benchmarks.windowed import WindowedEinsum
+
+SHORT_LOOPS = ["--repeats", "3", "--n1", "2", "--target-ms", "20", "--max-calls", "2000"]
+VARIANTS = ["flux_fused", "xla_shard_map", "xla_jit", "xla_windowed_einsum", "pallas_mgpu", "gemm_only", "comm_only"]
+META_KEYS = ("preset", "tp", "command", "git_commit", "date_utc", "hardware", "versions", "flux_jax_build_info", "timing")
+
+
+def test_cpu_smoke_run_writes_complete_results(tmp_path):
+    argv = ["--preset", "cpu-smoke", "--op", "all", "--m", "64", "--variants", ",".join(VARIANTS), "--out", str(tmp_path)]
+    run.main(argv + SHORT_LOOPS)
+
+    data = json.loads((tmp_path / "cpu-smoke_m64.json").read_text())
+    meta, rows = data["metadata"], data["rows"]
+    assert all(meta[key] is not None for key in META_KEYS)
+    assert meta["hardware"]["platform"] == "cpu" and meta["tp"] == 8
+    assert len(rows) == 2 * len(VARIANTS)  # M=64 for ag and rs, one row per variant
+    for row in rows:
+        assert set(ROW_KEYS) <= set(row), f"missing keys {set(ROW_KEYS) - set(row)}"
+        assert row["status"] == "ok" or row["status"].startswith("unavailable: "), row
+    by = {(r["op"], r["M"], r["variant"]): r for r in rows}
+    for op in ("ag", "rs"):
+        assert by[op, 64, "pallas_mgpu"]["status"].startswith("unavailable: ")
+        assert by[op, 64, "xla_windowed_einsum"]["status"].startswith("unavailable: GPU only")
+        assert by[op, 64, "flux_fused"]["status"] == "ok"
+        assert by[op, 64, "xla_shard_map"]["speedup_vs_xla_shard_map"] == pytest.approx(1.0)
+        assert by[op, 64, "flux_fused"]["overlap_efficiency"] is not None
+    for row in rows:
+        if row["status"] == "ok":
+            assert row["ms"] > 0 and row["ms_min"] <= row["ms"] <= row["ms_max"]
+            assert row["max_rel_err"] < 2e-2
+            assert row["n2"] > row["n1"] >= 2
+
+    table = (tmp_path / "cpu-smoke_m64.md").read_text()
+    assert "| op | layer | M | K | N |" in table and "flux_fused speedup" in table
+    for name in ("cpu-smoke_m64_speedup.png", "cpu-smoke_m64_time_split.png"):
+        assert (tmp_path / name).stat().st_size > 10_000
+
+    page = write_results_page(
+        [tmp_path / "cpu-smoke_m64.json"], page=tmp_path / "RESULTS.md", figures=tmp_path / "figures", allow_non_gpu=True
+    )
+    text = page.read_text()
+    assert meta["git_commit"] in text and "](figures/cpu-smoke_m64_speedup.png)" in text
+    assert (tmp_path / "figures" / "cpu-smoke_m64_time_split.png").exists()
+
+
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_ring_variants_match_the_twin(op):
+    case = Case(op, 32, 48, 96, 8, "bfloat16", "ring test")
+    rows = run_case(
+        case,
+        ["xla_shard_map", "jax_ring", "jax_ring_bidi"],
+        seed=1,
+        params=TimingParams(n1=1, target_ms=0.1, max_calls=2, repeats=1),
+        windowed=WindowedEinsum(),
+    )
+    for row in rows:
+        assert row["max_rel_err"] is not None and row["max_rel_err"] < 2e-2, row
