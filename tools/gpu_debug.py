@@ -31,9 +31,9 @@ elif name == "rs_transposed":
         info = _validation.AxisInfo("tp", 2, "cuda", True)
         spec = _dispatch.FusedSpec("tp", 2, True, flux_jax.get_config())
         return _autodiff.rs_core(x, wt, spec)
-    wt = w.T  # [N, K]: rs of x[M, N] @ wt.T
+    # out = RS(y @ w.T): the weight is stored [n_out=K, k=N], sharded on its k dim.
     y = jnp.asarray(rng.standard_normal((M, N)), jnp.bfloat16)
-    out = run(body, (P(None, "tp"), P(None, "tp")), P("tp"), y, wt)
+    out = run(body, (P(None, "tp"), P(None, "tp")), P("tp"), y, w)
     ref = jnp.dot(y, w.T, preferred_element_type=jnp.float32)
     print("max rel err", float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref))))
 elif name == "ag_transposed":
