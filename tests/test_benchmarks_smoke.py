@@ -22,11 +22,14 @@ from benchmarks.windowed import WindowedEinsum
 
 SHORT_LOOPS = ["--repeats", "3", "--n1", "2", "--target-ms", "20", "--max-calls", "2000"]
 VARIANTS = ["flux_fused", "xla_shard_map", "xla_jit", "xla_windowed_einsum", "pallas_mgpu", "gemm_only", "comm_only"]
-META_KEYS = ("preset", "tp", "command", "git_commit", "date_utc", "hardware", "versions", "flux_jax_build_info", "timing")
+META_KEYS = (
+    "preset", "tp", "command", "git_commit", "date_utc", "hardware", "versions", "flux_jax_build_info", "timing"
+)
 
 
 def test_cpu_smoke_run_writes_complete_results(tmp_path):
-    argv = ["--preset", "cpu-smoke", "--op", "all", "--m", "64", "--variants", ",".join(VARIANTS), "--out", str(tmp_path)]
+    argv = ["--preset", "cpu-smoke", "--op", "all", "--m", "64", "--variants", ",".join(VARIANTS)]
+    argv += ["--out", str(tmp_path)]
     run.main(argv + SHORT_LOOPS)
 
     data = json.loads((tmp_path / "cpu-smoke_m64.json").read_text())
@@ -56,7 +59,10 @@ def test_cpu_smoke_run_writes_complete_results(tmp_path):
         assert (tmp_path / name).stat().st_size > 10_000
 
     page = write_results_page(
-        [tmp_path / "cpu-smoke_m64.json"], page=tmp_path / "RESULTS.md", figures=tmp_path / "figures", allow_non_gpu=True
+        [tmp_path / "cpu-smoke_m64.json"],
+        page=tmp_path / "RESULTS.md",
+        figures=tmp_path / "figures",
+        allow_non_gpu=True,
     )
     text = page.read_text()
     assert meta["git_commit"] in text and "](figures/cpu-smoke_m64_speedup.png)" in text

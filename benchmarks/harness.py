@@ -1,0 +1,170 @@
+"""One case end to end: build every variant, check it against the twin, time them round-robin.
+
+Per case: the twin (xla_shard_map) runs first and its output is the reference; every other
+variant is built, its loops compiled (LoopTimer), its output checked; then `repeats` rounds
+sample every variant once per round (round-robin, the starting variant rotating), so clock
+and power drift hit all variants alike. Any exception of a variant becomes its status
+"unavailable: <reason>"; the run goes on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+
+import jax
+
+from benchmarks import timing, variants
+from benchmarks.data import TOLERANCE, make_xw
+from benchmarks.metrics import REFERENCE, add_metrics
+from benchmarks.presets import Case
+from benchmarks.timing import LoopTimer, TimingParams
+from benchmarks.variants import CaseContext, Unavailable, error_summary
+from benchmarks.windowed import WindowedEinsum
+
+
+@dataclasses.dataclass
+class Candidate:
+    """One runnable form of a variant (pallas_mgpu has one per tile config)."""
+
+    timer: object  # LoopTimer or windowed.RemoteTimer
+    max_rel_err: float
+    note: str
+    built: timing.Built | None  # None when it runs in a subprocess
+    samples: list = dataclasses.field(default_factory=list)
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.samples) if self.samples else math.inf
+
+
+@dataclasses.dataclass
+class Entry:
+    """One variant of one case: its candidates, or why it has none."""
+
+    variant: str
+    candidates: list
+    status: str = "ok"
+    failed_forms: list = dataclasses.field(default_factory=list)  # "<config>: <reason>"
+
+
+def _prepare_built(built: timing.Built, params: TimingParams) -> Candidate:
+    timer = LoopTimer(built, params)
+    return Candidate(timer, built.check(timer.take_output()), built.note, built)
+
+
+def _prepare(name: str, ctx: CaseContext, params: TimingParams, windowed: WindowedEinsum) -> Entry:
+    """Build and check one variant; failures become an unavailable entry."""
+    try:
+        if name == "xla_windowed_einsum":
+            ctx.require_gpu("XLA:GPU windowed-einsum flags")
+            timer, err, note = windowed.prepare(ctx.case, ctx.seed, params)
+            return Entry(name, [Candidate(timer, err, note, None)])
+        built = variants.BUILDERS[name](ctx)
+        if not isinstance(built, list):
+            return Entry(name, [_prepare_built(built, params)])
+        candidates, failures = [], []
+        for form in built:  # keep the forms that compile and run
+            try:
+                candidates.append(_prepare_built(form, params))
+            except Exception as err:
+                failures.append(f"{form.note}: {error_summary(err, 200)}")
+        if not candidates:
+            raise Unavailable("; ".join(failures))
+        return Entry(name, candidates, failed_forms=failures)
+    except Exception as err:
+        return Entry(name, [], f"unavailable: {error_summary(err)}")
+
+
+def _sample_round(entries: list[Entry], start: int) -> None:
+    """One sample of every variant, starting at entries[start] (rotated each round, so no
+    variant always follows the same neighbour, e.g. a hot GEMM)."""
+    for entry in entries[start:] + entries[:start]:
+        if entry.status != "ok":
+            continue
+        try:
+            for candidate in entry.candidates:
+                candidate.samples.append(candidate.timer.sample())
+        except Exception as err:
+            entry.status = f"unavailable: timing failed: {error_summary(err)}"
+
+
+def _best(entry: Entry, tolerance: float) -> Candidate:
+    """The fastest correct candidate (else the fastest); its note lists the others."""
+    correct = [c for c in entry.candidates if c.max_rel_err <= tolerance]
+    best = min(correct or entry.candidates, key=lambda c: c.median_s)
+    if len(entry.candidates) > 1:
+        others = ", ".join(
+            f"[{c.note}] {c.median_s * 1e3:.4f} ms" for c in entry.candidates if c is not best
+        )
+        best.note = f"best of {len(entry.candidates)}: [{best.note}]; others: {others}"
+    return best
+
+
+def _row(case: Case, entry: Entry, tolerance: float, profile: bool) -> dict:
+    row = {
+        "op": case.op, "layer": case.layer, "M": case.M, "K": case.K, "N": case.N, "tp": case.tp,
+        "dtype": case.dtype, "variant": entry.variant, "status": entry.status,
+        "ms": None, "ms_min": None, "ms_max": None, "ms_spread": None, "samples_ms": [],
+        "n1": None, "n2": None, "max_rel_err": None, "profiler_ms": None, "note": "",
+    }
+    if entry.status != "ok":
+        return row
+    best = _best(entry, tolerance)
+    row.update(timing.summarize(best.samples), **best.timer.describe())
+    row.update(max_rel_err=best.max_rel_err, note=best.note)
+    if entry.failed_forms:
+        row["note"] += "; failed: " + "; ".join(f"[{failure}]" for failure in entry.failed_forms)
+    if not best.max_rel_err <= tolerance:  # also catches NaN
+        row["status"] = "WRONG"
+    elif row["ms"] <= 0:
+        row["status"] = "unavailable: not resolved (median T(n2) - T(n1) <= 0: noise); raise --target-ms"
+    if profile and best.built is not None:
+        try:
+            row["profiler_ms"] = timing.profiler_ms(best.built, case.tp)
+        except Exception as err:
+            row["note"] = f"{row['note']}; profiler: {error_summary(err, 150)}".lstrip("; ")
+    return row
+
+
+def run_case(
+    case: Case,
+    names: list[str],
+    *,
+    seed: int,
+    params: TimingParams,
+    windowed: WindowedEinsum,
+    profile: bool = False,
+) -> list[dict]:
+    """All rows of one case (one per requested variant, in `names` order)."""
+    platform = "gpu" if jax.devices()[0].platform in ("gpu", "cuda") else jax.devices()[0].platform
+    mesh, auto_mesh = variants.make_meshes(case.tp)
+    x, w = make_xw(case, seed)
+    ctx = CaseContext(case, platform, mesh, auto_mesh, x, w, seed)
+    tolerance = TOLERANCE[case.dtype]
+
+    try:
+        twin = variants.xla_shard_map(ctx)
+        twin_timer = LoopTimer(twin, params)
+        ctx.twin_out = twin_timer.take_output()
+    except Exception as err:  # no reference: nothing of this case can be checked
+        status = f"unavailable: the reference {REFERENCE} failed: {error_summary(err)}"
+        rows = [_row(case, Entry(name, [], status), tolerance, profile) for name in names]
+        add_metrics(case, rows)
+        return rows
+    entries = []
+    for name in names:
+        if name == REFERENCE:
+            entry = Entry(name, [Candidate(twin_timer, twin.check(ctx.twin_out), "", twin)])
+        else:
+            entry = _prepare(name, ctx, params, windowed)
+        detail = entry.status if entry.status != "ok" else f"max_rel_err {entry.candidates[0].max_rel_err:.2e}"
+        print(f"  prepared {name}: {detail}", flush=True)
+        entries.append(entry)
+
+    for round_index in range(params.repeats):
+        _sample_round(entries, round_index % len(entries))
+    rows = [_row(case, entry, tolerance, profile) for entry in entries]
+    add_metrics(case, rows)
+    return rows

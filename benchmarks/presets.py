@@ -1,0 +1,147 @@
+"""Benchmark shapes: named presets of (op, M, K, N) cases at a tensor-parallel degree.
+
+Shapes are global GEMM shapes. For op "ag" (AllGather -> GEMM) x [M, K] is row-sharded over
+tp and w [K, N] column-sharded; for op "rs" (GEMM -> ReduceScatter) x [M, K] is sharded on K,
+w [K, N] row-sharded, and the output [M, N] row-sharded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+OPS = ("ag", "rs")
+M_SWEEP = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+M_DECODE = (1, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One global GEMM shape of one op at one TP degree."""
+
+    op: str
+    M: int
+    K: int
+    N: int
+    tp: int
+    dtype: str
+    layer: str  # what the shape is, e.g. "70B qkv"
+
+    @property
+    def flops_per_gpu(self) -> float:
+        return 2.0 * self.M * self.K * self.N / self.tp
+
+    @property
+    def key(self) -> tuple:
+        return (self.op, self.M, self.K, self.N)
+
+    def invalid_reason(self) -> str | None:
+        """Why this shape cannot be sharded at its tp, or None."""
+        if self.M % self.tp:
+            return f"M={self.M} is not divisible by tp={self.tp} (rows are sharded)"
+        sharded = ("N", self.N) if self.op == "ag" else ("K", self.K)
+        if sharded[1] % self.tp:
+            return f"{sharded[0]}={sharded[1]} is not divisible by tp={self.tp}"
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """A named list of shapes; `tp=None` means "all devices, up to 8" (cpu-smoke)."""
+
+    name: str
+    tp: int | None
+    dtype: str
+    layers: tuple  # (op, K, N, label) per layer
+    ms: tuple  # M values swept for every layer
+    fixed: tuple = ()  # (op, M, K, N, label): exact shapes, not swept
+
+
+def _llama_layers(model: str) -> tuple:
+    """LLaMA-3 TP layer GEMMs: QKV (ag), out-proj (rs), gate+up (ag), down (rs)."""
+    hidden, ffn, q_heads, kv_heads, head_dim = {
+        "70B": (8192, 28672, 64, 8, 128),
+        "8B": (4096, 14336, 32, 8, 128),
+    }[model]
+    qkv = (q_heads + 2 * kv_heads) * head_dim
+    return (
+        ("ag", hidden, qkv, f"{model} qkv"),
+        ("rs", q_heads * head_dim, hidden, f"{model} out-proj"),
+        ("ag", hidden, 2 * ffn, f"{model} gate+up"),
+        ("rs", ffn, hidden, f"{model} down"),
+    )
+
+
+_BASELINES = (
+    ("ag", 8192, 8192, 28672),
+    ("ag", 4096, 8192, 8192),
+    ("ag", 16384, 8192, 8192),
+    ("ag", 256, 8192, 28672),
+    ("ag", 64, 8192, 8192),
+    ("rs", 8192, 28672, 8192),
+    ("rs", 4096, 8192, 8192),
+    ("rs", 16384, 8192, 8192),
+    ("rs", 256, 28672, 8192),
+    ("rs", 64, 8192, 8192),
+)
+
+
+def _build_presets() -> dict[str, Preset]:
+    presets = {
+        "baselines-tp2": Preset(
+            "baselines-tp2", 2, "bfloat16", (), (),
+            tuple((op, m, k, n, "baselines.md") for op, m, k, n in _BASELINES),
+        ),
+        "decode-tp2": Preset(
+            "decode-tp2", 2, "bfloat16", _llama_layers("8B") + _llama_layers("70B"), M_DECODE
+        ),
+        "cpu-smoke": Preset(
+            "cpu-smoke", None, "bfloat16", (), (),
+            tuple(
+                (op, m, k, n, "smoke")
+                for op in OPS
+                for m, k, n in ((64, 64, 64), (32, 48, 96))
+            ),
+        ),
+    }
+    for model in ("70B", "8B"):
+        for tp in (2, 4, 8):
+            name = f"llama{model.lower()}-tp{tp}"
+            presets[name] = Preset(name, tp, "bfloat16", _llama_layers(model), M_SWEEP)
+    return presets
+
+
+PRESETS = _build_presets()
+
+
+def preset_tp(preset: Preset, device_count: int) -> int:
+    """The TP degree a preset runs at on this machine (errors if devices are missing)."""
+    if preset.tp is None:
+        return min(device_count, 8)
+    if device_count < preset.tp:
+        raise SystemExit(
+            f"preset {preset.name!r} needs tp={preset.tp} devices, but only {device_count} are "
+            "visible (use cpu-smoke on a machine with fewer devices)"
+        )
+    return preset.tp
+
+
+def select_cases(
+    preset: Preset, tp: int, ops: tuple[str, ...], ms: tuple[int, ...] | None, dtype: str | None
+) -> tuple[list[Case], list[dict]]:
+    """The preset's cases for `ops` (and the --m subset), plus the skipped shapes with reasons."""
+    dtype = dtype or preset.dtype
+    shapes = [(op, m, k, n, label) for op, k, n, label in preset.layers for m in preset.ms]
+    shapes += list(preset.fixed)
+    cases, skipped = [], []
+    for op, m, k, n, label in shapes:
+        if op not in ops or (ms is not None and m not in ms):
+            continue
+        case = Case(op, m, k, n, tp, dtype, label)
+        reason = case.invalid_reason()
+        if reason:
+            skipped.append({"op": op, "M": m, "K": k, "N": n, "layer": label, "reason": reason})
+        else:
+            cases.append(case)
+    if not cases:
+        raise SystemExit(f"preset {preset.name!r} has no valid case for ops={ops} and M={ms}")
+    return cases, skipped

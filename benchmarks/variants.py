@@ -1,0 +1,265 @@
+"""One builder per benchmarked variant: global shape + mesh + inputs -> a runnable `Built`.
+
+Every builder takes a CaseContext (the case, its meshes, the host inputs and the twin's output)
+and returns a Built (or a list of candidate Builts, of which the fastest correct one is
+reported), or raises Unavailable(reason). Variants on the Explicit mesh share the same placed
+x and w. xla_windowed_einsum has no builder here: it runs in a subprocess (benchmarks/windowed.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import flux_jax
+from benchmarks import rings
+from benchmarks.data import case_rng, random_normal, rel_max_err
+from benchmarks.presets import Case
+from benchmarks.timing import Built
+
+AXIS = "tp"
+# (x, w, out) shardings of the op in the global view.
+SPECS = {
+    "ag": (P(AXIS, None), P(None, AXIS), P(None, AXIS)),
+    "rs": (P(None, AXIS), P(AXIS, None), P(AXIS, None)),
+}
+# Variants that give the limit max(T_gemm, T_comm), not the op itself.
+LIMIT_VARIANTS = ("gemm_only", "comm_only")
+
+
+class Unavailable(Exception):
+    """The variant cannot run on this platform / shape (the message says why)."""
+
+
+def error_summary(err: BaseException, limit: int = 300) -> str:
+    """A one-line reason from an exception, for a status string."""
+    text = str(err) if isinstance(err, Unavailable) else f"{type(err).__name__}: {err}"
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    text = " | ".join(lines)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+@dataclasses.dataclass
+class CaseContext:
+    """What every builder of one case shares."""
+
+    case: Case
+    platform: str  # "cpu" or "gpu"
+    mesh: jax.sharding.Mesh  # Explicit axis type
+    auto_mesh: jax.sharding.Mesh  # Auto axis type (for the auto-partitioned jit)
+    x: np.ndarray  # global host operands
+    w: np.ndarray
+    seed: int
+    twin_out: np.ndarray | None = None  # host output of xla_shard_map (the reference)
+    _placed: dict = dataclasses.field(default_factory=dict)
+
+    def place(self, name: str, host: np.ndarray, spec: P, mesh=None) -> jax.Array:
+        """device_put once per (array, spec, mesh)."""
+        mesh = mesh or self.mesh
+        key = (name, spec, mesh.axis_types)
+        if key not in self._placed:
+            self._placed[key] = jax.device_put(host, NamedSharding(mesh, spec))
+        return self._placed[key]
+
+    def op_args(self, mesh=None) -> tuple[jax.Array, jax.Array]:
+        x_spec, w_spec, _ = SPECS[self.case.op]
+        return self.place("x", self.x, x_spec, mesh), self.place("w", self.w, w_spec, mesh)
+
+    def against_twin(self, out: np.ndarray) -> float:
+        return rel_max_err(out, self.twin_out)
+
+    def require_gpu(self, what: str):
+        if self.platform != "gpu":
+            raise Unavailable(f"GPU only ({what}); platform is {self.platform}")
+
+
+def make_meshes(tp: int) -> tuple[jax.sharding.Mesh, jax.sharding.Mesh]:
+    """The Explicit and Auto 1-D meshes ("tp",) over the first tp devices."""
+    devices = jax.devices()[:tp]
+    explicit = jax.make_mesh((tp,), (AXIS,), axis_types=(AxisType.Explicit,), devices=devices)
+    auto = jax.make_mesh((tp,), (AXIS,), axis_types=(AxisType.Auto,), devices=devices)
+    return explicit, auto
+
+
+def _op_shard_map(ctx: CaseContext, per_shard, check_vma: bool = True, note: str = "") -> Built:
+    """The op's per-shard function in a shard_map over the shared x, w."""
+    x_spec, w_spec, out_spec = SPECS[ctx.case.op]
+    step = jax.shard_map(
+        per_shard, mesh=ctx.mesh, in_specs=(x_spec, w_spec), out_specs=out_spec, check_vma=check_vma
+    )
+    return Built(step, ctx.op_args(), ctx.mesh, x_spec, out_spec, ctx.against_twin, note)
+
+
+def xla_shard_map(ctx: CaseContext) -> Built:
+    """The XLA twin: all_gather + dot / dot + psum_scatter inside shard_map (the reference)."""
+    if ctx.case.op == "ag":
+        per_shard = lambda x, w: jnp.dot(lax.all_gather(x, AXIS, axis=0, tiled=True), w)  # noqa: E731
+    else:
+        per_shard = lambda x, w: lax.psum_scatter(jnp.dot(x, w), AXIS, scatter_dimension=0, tiled=True)  # noqa: E731
+    return _op_shard_map(ctx, per_shard)
+
+
+def _flux(ctx: CaseContext, impl: str) -> Built:
+    op = flux_jax.ag_matmul if ctx.case.op == "ag" else flux_jax.matmul_rs
+    built = _op_shard_map(ctx, functools.partial(op, axis_name=AXIS, impl=impl))
+    try:
+        hlo = jax.jit(built.step).lower(*built.args).as_text()
+    except flux_jax.FusedUnavailableError as err:
+        raise Unavailable(str(err)) from err
+    if impl == "auto":
+        fused = "custom_call @flux_jax_" in hlo
+        built.note = "auto chose the fused kernel" if fused else "auto chose the XLA twin"
+    return built
+
+
+def flux_fused(ctx: CaseContext) -> Built:
+    return _flux(ctx, "fused")
+
+
+def flux_auto(ctx: CaseContext) -> Built:
+    return _flux(ctx, "auto")
+
+
+def xla_jit(ctx: CaseContext) -> Built:
+    """Plain jit on the Auto mesh: XLA's partitioner inserts the collective itself."""
+    x_spec, _, out_spec = SPECS[ctx.case.op]
+    out_sharding = NamedSharding(ctx.auto_mesh, out_spec)
+    step = lambda x, w: lax.with_sharding_constraint(jnp.dot(x, w), out_sharding)  # noqa: E731
+    args = ctx.op_args(ctx.auto_mesh)
+    return Built(step, args, ctx.auto_mesh, x_spec, out_spec, ctx.against_twin)
+
+
+def _ring(ctx: CaseContext, bidi: bool) -> Built:
+    case = ctx.case
+    rows = case.M // case.tp  # rows per block: x rows per shard (ag) or output rows per shard (rs)
+    if bidi and rows % 2:
+        raise Unavailable(f"the bidirectional ring splits blocks in halves: M/tp={rows} is odd")
+    if case.op == "ag":
+        fn = rings.ag_ring_bidi if bidi else rings.ag_ring
+    else:
+        fn = rings.rs_ring_bidi if bidi else rings.rs_ring
+    return _op_shard_map(ctx, functools.partial(fn, axis_name=AXIS, tp=case.tp))
+
+
+def jax_ring(ctx: CaseContext) -> Built:
+    return _ring(ctx, bidi=False)
+
+
+def jax_ring_bidi(ctx: CaseContext) -> Built:
+    return _ring(ctx, bidi=True)
+
+
+def _pallas_configs():
+    from jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu import MatmulDimension, TuningConfig
+
+    def cfg(tm, tn, steps, wg, minor, width):
+        return TuningConfig(
+            tile_m=tm, tile_n=tn, tile_k=64, max_concurrent_steps=steps, wg_dimension=wg,
+            grid_minor_dim=minor, grid_tile_width=width,
+        )
+
+    return [
+        cfg(128, 128, 4, MatmulDimension.N, MatmulDimension.N, 1),  # CTA 128 x 256
+        cfg(128, 128, 4, MatmulDimension.M, MatmulDimension.M, 4),  # CTA 256 x 128
+        cfg(64, 128, 6, MatmulDimension.N, MatmulDimension.N, 1),  # CTA 64 x 256: small M
+        cfg(128, 64, 6, MatmulDimension.N, MatmulDimension.M, 8),  # CTA 128 x 128
+    ]
+
+
+def _cta_tile(config) -> tuple[int, int]:
+    from jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu import MatmulDimension
+
+    m = config.tile_m * (2 if config.wg_dimension == MatmulDimension.M else 1)
+    n = config.tile_n * (2 if config.wg_dimension == MatmulDimension.N else 1)
+    return m, n
+
+
+def pallas_mgpu(ctx: CaseContext) -> list[Built]:
+    """Mosaic GPU all_gather_lhs_matmul, one candidate per tile config that fits the shape."""
+    case = ctx.case
+    if case.op != "ag":
+        raise Unavailable("AG only (collective_matmul_mgpu has no GEMM -> reduce-scatter kernel)")
+    ctx.require_gpu("Mosaic GPU kernel")
+    if case.tp != jax.device_count():
+        raise Unavailable(f"the kernel needs axis size == all devices ({jax.device_count()}), tp={case.tp}")
+    from jax.experimental.pallas.ops.gpu.collective_matmul_mgpu import all_gather_lhs_matmul
+
+    m_shard, n_shard = case.M // case.tp, case.N // case.tp
+    candidates = []
+    for config in _pallas_configs():
+        cta_m, cta_n = _cta_tile(config)
+        if m_shard % cta_m or n_shard % cta_n or case.K % config.tile_k:
+            continue
+        per_shard = functools.partial(
+            all_gather_lhs_matmul, axis_name=AXIS, config=config, dtype=jnp.dtype(case.dtype)
+        )
+        note = (
+            f"tile_m={config.tile_m} tile_n={config.tile_n} tile_k={config.tile_k} "
+            f"steps={config.max_concurrent_steps} wg={config.wg_dimension.name} "
+            f"minor={config.grid_minor_dim.name} width={config.grid_tile_width}"
+        )
+        candidates.append(_op_shard_map(ctx, per_shard, check_vma=False, note=note))
+    if not candidates:
+        raise Unavailable(f"no tile config fits M/tp={m_shard}, N/tp={n_shard}")
+    return candidates
+
+
+def gemm_only(ctx: CaseContext) -> Built:
+    """The per-GPU GEMM of the op without communication (ag: [M,K]x[K,N/tp]; rs: [M,K/tp]x[K/tp,N])."""
+    case = ctx.case
+    x_spec, w_spec, out_spec = SPECS[case.op]
+    w = ctx.place("w", ctx.w, w_spec)
+    if case.op == "ag":  # every shard holds all of x: the gathered operand
+        x = ctx.place("x_tiled", np.tile(ctx.x, (case.tp, 1)), P(AXIS, None))
+        x_spec = P(AXIS, None)
+        check = ctx.against_twin
+    else:  # every shard's partial [M, N], stacked; their sum is the twin's output
+        x = ctx.place("x", ctx.x, x_spec)
+        out_spec = P(AXIS, None)
+        check = lambda out: ctx.against_twin(  # noqa: E731
+            out.reshape(case.tp, case.M, case.N).astype(np.float32).sum(0)
+        )
+    step = jax.shard_map(jnp.dot, mesh=ctx.mesh, in_specs=(x_spec, w_spec), out_specs=out_spec)
+    return Built(step, (x, w), ctx.mesh, x_spec, out_spec, check)
+
+
+def comm_only(ctx: CaseContext) -> Built:
+    """The collective alone: all_gather of x (ag) / psum_scatter of an [M, N] array (rs)."""
+    case = ctx.case
+    spec = P(AXIS, None)
+    if case.op == "ag":
+        host = ctx.x
+        step = lambda x: lax.all_gather(x, AXIS, axis=0, tiled=True)  # noqa: E731
+        expected = np.tile(ctx.x, (case.tp, 1))
+    else:  # each shard its own [M, N] partial
+        host = random_normal(case_rng(case, ctx.seed, "partials"), (case.tp * case.M, case.N), case.dtype)
+        step = lambda y: lax.psum_scatter(y, AXIS, scatter_dimension=0, tiled=True)  # noqa: E731
+        expected = host.reshape(case.tp, case.M, case.N).astype(np.float32).sum(0)
+    arg = ctx.place(f"comm_{case.op}", host, spec)
+    sharded = jax.shard_map(step, mesh=ctx.mesh, in_specs=(spec,), out_specs=spec)
+    return Built(sharded, (arg,), ctx.mesh, spec, spec, lambda out: rel_max_err(out, expected))
+
+
+BUILDERS = {
+    "flux_fused": flux_fused,
+    "flux_auto": flux_auto,
+    "xla_shard_map": xla_shard_map,
+    "xla_jit": xla_jit,
+    "jax_ring": jax_ring,
+    "jax_ring_bidi": jax_ring_bidi,
+    "pallas_mgpu": pallas_mgpu,
+    "gemm_only": gemm_only,
+    "comm_only": comm_only,
+}
+# All variants in report order; xla_windowed_einsum runs in a subprocess (benchmarks/windowed.py).
+VARIANTS = (
+    "flux_fused", "flux_auto", "xla_shard_map", "xla_jit", "xla_windowed_einsum",
+    "jax_ring", "jax_ring_bidi", "pallas_mgpu", "gemm_only", "comm_only",
+)
