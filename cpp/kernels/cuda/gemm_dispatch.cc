@@ -7,6 +7,17 @@ Status RunGemm_bf16_nmajor(const GemmPlan&, cudaStream_t, int, int);
 Status RunGemm_bf16_kmajor(const GemmPlan&, cudaStream_t, int, int);
 Status RunGemm_f16_nmajor(const GemmPlan&, cudaStream_t, int, int);
 Status RunGemm_f16_kmajor(const GemmPlan&, cudaStream_t, int, int);
+Status Preload_RunGemm_bf16_nmajor();
+Status Preload_RunGemm_bf16_kmajor();
+Status Preload_RunGemm_f16_nmajor();
+Status Preload_RunGemm_f16_kmajor();
+
+Status PreloadGemmKernels() {
+  FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_bf16_nmajor());
+  FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_bf16_kmajor());
+  FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_f16_nmajor());
+  return Preload_RunGemm_f16_kmajor();
+}
 
 Status RunGemm(const GemmPlan& plan, DType dtype, cudaStream_t stream, int device, int sm_count) {
   switch (dtype) {

@@ -99,12 +99,31 @@ Status RunGemmInstance(const GemmPlan& p, cudaStream_t stream, int device, int s
   return Status::Ok();
 }
 
+// Loads the kernel into the current device's context now. With CUDA's lazy
+// module loading the first launch of a kernel waits for the device to go idle;
+// if that first launch happens while one of our flag-waiting kernels spins
+// (waiting for a peer whose host thread is blocked on the same loader lock),
+// both sides stall until the timeout. So every kernel is loaded up front.
+template <class Instance>
+Status PreloadGemmInstance() {
+  using Kernel = typename Instance::Kernel;
+  cudaError_t err = cudaFuncSetAttribute(cutlass::device_kernel<Kernel>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(Kernel::SharedStorageSize));
+  if (err != cudaSuccess) {
+    return Status::Internal(std::string("flux_jax: loading a GEMM kernel failed: ") + cudaGetErrorString(err));
+  }
+  return Status::Ok();
+}
+
 }  // namespace flux_jax::cuda
 
-// Defines the entry point of one instance: Status <name>(plan, stream, device, sms).
+// Defines the entry points of one instance: Status <name>(plan, stream, device,
+// sms) and Status Preload_<name>().
 #define FLUX_JAX_DEFINE_GEMM_INSTANCE(name, Element, kBKMajor)                                 \
   namespace flux_jax::cuda {                                                                   \
   Status name(const GemmPlan& plan, cudaStream_t stream, int device, int sm_count) {           \
     return RunGemmInstance<GemmInstance<Element, kBKMajor>>(plan, stream, device, sm_count);  \
   }                                                                                            \
+  Status Preload_##name() { return PreloadGemmInstance<GemmInstance<Element, kBKMajor>>(); }  \
   }

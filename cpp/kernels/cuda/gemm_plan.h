@@ -40,4 +40,7 @@ struct GemmPlan {
 // Launches on `stream`; `sm_count` sizes the persistent grid.
 Status RunGemm(const GemmPlan& plan, DType dtype, cudaStream_t stream, int device, int sm_count);
 
+// Loads every GEMM instance into the current device's context (see gemm_instance.cuh).
+Status PreloadGemmKernels();
+
 }  // namespace flux_jax::cuda

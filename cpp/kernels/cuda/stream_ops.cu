@@ -43,6 +43,13 @@ Status StreamWriteValue64(cudaStream_t stream, uint64_t* addr, uint64_t value) {
   return Status::Ok();
 }
 
+Status PreloadStreamOps() {
+  cudaFuncAttributes attrs;
+  FLUX_CUDA_TRY(cudaFuncGetAttributes(&attrs, WaitPeersPresentKernel));
+  WriteValue64Fn fn = nullptr;
+  return ResolveWriteValue64(&fn);
+}
+
 Status LaunchWaitPeersPresent(cudaStream_t stream, const uint64_t* present, int tp,
                               const WaitContext& ctx) {
   WaitPeersPresentKernel<<<1, 32, 0, stream>>>(present, tp, ctx);

@@ -21,4 +21,7 @@ Status StreamWriteValue64(cudaStream_t stream, uint64_t* addr, uint64_t value);
 Status LaunchWaitPeersPresent(cudaStream_t stream, const uint64_t* present, int tp,
                               const WaitContext& ctx);
 
+// Loads the wait kernel into the current device's context (see PreloadGemmKernels).
+Status PreloadStreamOps();
+
 }  // namespace flux_jax::cuda

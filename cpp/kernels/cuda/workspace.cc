@@ -9,6 +9,8 @@
 #include <string>
 
 #include "cuda_util.h"
+#include "gemm_plan.h"
+#include "stream_ops.h"
 
 namespace flux_jax::cuda {
 namespace {
@@ -131,6 +133,9 @@ Status InitMember(const TpGroup& g, GroupWorkspace* w) {
   FLUX_CUDA_TRY(cudaEventCreateWithFlags(&w->ev_comm_done, cudaEventDisableTiming));
   for (auto& ev : w->ev_step) FLUX_CUDA_TRY(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
   FLUX_CUDA_TRY(cudaDeviceGetAttribute(&w->sm_count, cudaDevAttrMultiProcessorCount, device));
+  // Load every kernel now, while nothing of ours spins on this device.
+  FLUX_JAX_RETURN_IF_ERROR(PreloadGemmKernels());
+  FLUX_JAX_RETURN_IF_ERROR(PreloadStreamOps());
   Status st;
   DeviceError* records = ErrorRecords(&st);
   FLUX_JAX_RETURN_IF_ERROR(st);
@@ -205,6 +210,16 @@ Status AcquireWorkspace(const TpGroup& g, size_t data_bytes, const CommConfig& c
     FLUX_JAX_RETURN_IF_ERROR(group->barrier.Arrive(
         cfg.timeout_us, "workspace setup (" + who + " waited for its peers to reach the first fused op)"));
     RefreshPeers(*group, member.get());
+    // Warm up every copy path (local and peer) once while the device is idle:
+    // the runtime may load internal kernels for them lazily (see InitMember).
+    GroupWorkspace* m = member.get();
+    DeviceGuard guard(device);
+    FLUX_CUDA_TRY(cudaMemcpy(m->cells + 1, m->cells, sizeof(uint64_t), cudaMemcpyDeviceToDevice));
+    for (int p = 0; p < g.size; ++p) {
+      if (p == g.rank) continue;  // writes 0 into our own present slot on the peer: a no-op
+      FLUX_CUDA_TRY(cudaMemcpy(m->peers[p].present + g.rank, m->cells, sizeof(uint64_t),
+                               cudaMemcpyDeviceToDevice));
+    }
   }
   GroupWorkspace* w = member.get();
   if (data_bytes > w->capacity) {
