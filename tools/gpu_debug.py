@@ -54,9 +54,19 @@ else:
 print("device errors", flux_jax.device_errors())
 '''
 
-for name in SCENARIOS:
-    r = subprocess.run([sys.executable, "-c", BODY, name], capture_output=True, text=True, timeout=120)
-    tail = (r.stdout + r.stderr).strip().splitlines()
-    print(f"--- {name}: rc={r.returncode}")
-    for line in tail[-6:]:
-        print("   ", line[:400])
+import os
+
+names = sys.argv[1].split(",") if len(sys.argv) > 1 else SCENARIOS
+envs = sys.argv[2].split(",") if len(sys.argv) > 2 else ["default"]
+for env_name in envs:
+    env = dict(os.environ)
+    if env_name != "default":
+        key, value = env_name.split("=")
+        env[key] = value
+    for name in names:
+        r = subprocess.run([sys.executable, "-c", BODY, name], capture_output=True, text=True,
+                           timeout=120, env=env)
+        tail = (r.stdout + r.stderr).strip().splitlines()
+        print(f"--- {name} [{env_name}]: rc={r.returncode}")
+        for line in tail[-3:]:
+            print("   ", line[:300])

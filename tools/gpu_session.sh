@@ -38,7 +38,7 @@ if [[ $what == tests || $what == all ]]; then
   grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests.log" | head -40
 fi
 if [[ $what == debug ]]; then
-  (cd /tmp && timeout 500 python3 "$REPO/tools/gpu_debug.py")
+  (cd /tmp && timeout 500 python3 "$REPO/tools/gpu_debug.py" "$@")
 fi
 if [[ $what == probe || $what == all ]]; then
   echo "== perf probe"
