@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import os
+import warnings
 
 import jax
 
@@ -31,9 +33,43 @@ def _version_tuple(v: str) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _require_eager_module_loading() -> None:
+    """Make CUDA load every kernel when a module loads, not at its first launch.
+
+    With lazy loading (CUDA's default) the first launch of any kernel (ours,
+    XLA's, cuBLAS's) waits for the device to go idle. A fused op's waits depend
+    on the peer GPU's host thread making progress; if that thread is stuck in a
+    lazy load behind our waiting kernels, both sides stall until the timeout.
+    Measured on 2x H200: the GPU test suite failed this way with lazy loading
+    and passed (28/28) with CUDA_MODULE_LOADING=EAGER. The variable must be set
+    before CUDA initializes, so we set it on import unless the user chose.
+    """
+    if os.environ.get("CUDA_MODULE_LOADING", "").upper() == "EAGER":
+        return
+    if "CUDA_MODULE_LOADING" in os.environ:
+        warnings.warn(
+            f"CUDA_MODULE_LOADING={os.environ['CUDA_MODULE_LOADING']}: flux_jax's fused GPU ops can "
+            "stall until their timeout on the first launch of a kernel; use CUDA_MODULE_LOADING=EAGER.",
+            RuntimeWarning, stacklevel=3)
+        return
+    from jax._src import xla_bridge  # private: the only way to know if backends exist yet
+
+    if getattr(xla_bridge, "_backends", None):
+        if any(getattr(b, "platform", "") == "gpu" for b in xla_bridge._backends.values()):
+            warnings.warn(
+                "flux_jax was imported after JAX initialized the GPU, so CUDA_MODULE_LOADING=EAGER "
+                "could not take effect; fused GPU ops may stall on a kernel's first launch. Import "
+                "flux_jax before using the GPU, or export CUDA_MODULE_LOADING=EAGER.",
+                RuntimeWarning, stacklevel=3)
+        return
+    os.environ["CUDA_MODULE_LOADING"] = "EAGER"
+
+
 @functools.cache
 def register() -> None:
     """Registers every handler the extension provides (idempotent)."""
+    if _ext.build_info()["cuda"]:
+        _require_eager_module_loading()
     headers = _ext.build_info()["jaxlib_headers"]
     runtime = importlib.metadata.version("jaxlib")
     if _version_tuple(runtime) < _version_tuple(headers):
