@@ -138,3 +138,17 @@ def test_auto_uses_the_twin_on_cpu():
     cpu = _validation.AxisInfo("tp", 8, "cpu", True)
     assert _dispatch.resolve("ag_matmul", "auto", cpu, 4096, 4096, 4096, jnp.bfloat16) == "xla"
     assert _dispatch.resolve("ag_matmul", "fused", cpu, 4096, 4096, 4096, jnp.bfloat16) == "fused"
+
+
+def test_auto_gpu_policy_follows_the_measured_region():
+    import numpy as np
+
+    from flux_jax import _heuristics
+
+    bf16 = np.dtype(jnp.bfloat16)
+    assert _heuristics.fused_is_faster("ag_matmul", 2, 4096, 8192, 4096, bf16)
+    assert _heuristics.fused_is_faster("matmul_rs", 2, 2048, 4096, 8192, bf16)
+    assert not _heuristics.fused_is_faster("ag_matmul", 2, 512, 8192, 4096, bf16)  # measured 0.70x
+    assert not _heuristics.fused_is_faster("ag_matmul", 2, 8192, 8192, 14336, bf16)  # measured 0.91x
+    assert not _heuristics.fused_is_faster("ag_matmul", 4, 8192, 8192, 2048, bf16)  # never measured
+    assert not _heuristics.fused_is_faster("ag_matmul", 2, 8192, 8192, 4096, np.dtype(np.float32))
