@@ -230,6 +230,35 @@ def gemm_only(ctx: CaseContext) -> Built:
     return Built(step, (x, w), ctx.mesh, x_spec, out_spec, check)
 
 
+def flux_gemm_only(ctx: CaseContext) -> Built:
+    """flux_jax's own GEMM kernel on gemm_only's per-GPU shape, without communication.
+
+    ag_matmul(impl="fused") over a mesh axis of size 1 runs the fused kernel's GEMM alone, so
+    `flux_gemm_only` vs `gemm_only` separates "our GEMM is slower than XLA's" from "overlap costs".
+    """
+    ctx.require_gpu("the CPU backend is a reference, not a fast GEMM")
+    case = ctx.case
+    devices = np.asarray(ctx.mesh.devices).reshape(case.tp, 1)
+    mesh = jax.sharding.Mesh(devices, (AXIS, "one"), axis_types=(AxisType.Explicit,) * 2)
+    w_spec = P(None, AXIS) if case.op == "ag" else P(AXIS, None)
+    w = ctx.place("w", ctx.w, w_spec, mesh)
+    if case.op == "ag":  # every shard holds all of x; shard r computes columns r
+        x_spec, out_spec, check = P(AXIS, None), P(None, AXIS), ctx.against_twin
+        x = ctx.place("x_tiled", np.tile(ctx.x, (case.tp, 1)), x_spec, mesh)
+    else:
+        x_spec, out_spec = P(None, AXIS), P(AXIS, None)
+        x = ctx.place("x", ctx.x, x_spec, mesh)
+        check = lambda out: ctx.against_twin(  # noqa: E731
+            out.reshape(case.tp, case.M, case.N).astype(np.float32).sum(0))
+    body = functools.partial(flux_jax.ag_matmul, axis_name="one", impl="fused")
+    step = jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=out_spec)
+    try:
+        jax.jit(step).lower(x, w)
+    except flux_jax.FusedUnavailableError as err:
+        raise Unavailable(str(err)) from err
+    return Built(step, (x, w), mesh, x_spec, out_spec, check)
+
+
 def comm_only(ctx: CaseContext) -> Built:
     """The collective alone: all_gather of x (ag) / psum_scatter of an [M, N] array (rs)."""
     case = ctx.case
@@ -256,10 +285,11 @@ BUILDERS = {
     "jax_ring_bidi": jax_ring_bidi,
     "pallas_mgpu": pallas_mgpu,
     "gemm_only": gemm_only,
+    "flux_gemm_only": flux_gemm_only,
     "comm_only": comm_only,
 }
 # All variants in report order; xla_windowed_einsum runs in a subprocess (benchmarks/windowed.py).
 VARIANTS = (
     "flux_fused", "flux_auto", "xla_shard_map", "xla_jit", "xla_windowed_einsum",
-    "jax_ring", "jax_ring_bidi", "pallas_mgpu", "gemm_only", "comm_only",
+    "jax_ring", "jax_ring_bidi", "pallas_mgpu", "gemm_only", "flux_gemm_only", "comm_only",
 )

@@ -4,19 +4,46 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import importlib.util
 import os
+import sys
 import warnings
 
 import jax
 
+def _load_installed_extension():
+    """The extension of an installed flux_jax, when this package is the source checkout.
+
+    Running a script from the repository root (`python -m benchmarks.run`) puts the source
+    directory first on sys.path; it has no compiled extension, so look for the one that
+    `pip install .` put in site-packages and load it under our name.
+    """
+    here = os.path.dirname(os.path.abspath(__file__))
+    for entry in sys.path:
+        candidate_dir = os.path.join(os.path.abspath(entry or "."), "flux_jax")
+        if candidate_dir == here or not os.path.isdir(candidate_dir):
+            continue
+        for name in sorted(os.listdir(candidate_dir)):
+            if name.startswith("_flux_jax_ffi.") and name.endswith((".so", ".pyd")):
+                spec = importlib.util.spec_from_file_location(
+                    "flux_jax._flux_jax_ffi", os.path.join(candidate_dir, name))
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
+                sys.modules["flux_jax._flux_jax_ffi"] = module
+                return module
+    return None
+
+
 try:
     from flux_jax import _flux_jax_ffi as _ext
-except ImportError as e:  # pragma: no cover - only on a broken install
-    raise ImportError(
-        "flux_jax's native extension (_flux_jax_ffi) is missing. Install the package with "
-        "`pip install .` (or `pip install -e . --no-build-isolation` for development); running "
-        "from a source checkout without building it does not work."
-    ) from e
+except ImportError as e:
+    _ext = _load_installed_extension()
+    if _ext is None:
+        raise ImportError(
+            "flux_jax's native extension (_flux_jax_ffi) is missing. Install the package with "
+            "`pip install .` (or `pip install -e . --no-build-isolation` for development); a "
+            "source checkout without a built or installed extension does not work."
+        ) from e
 
 AG_MATMUL_TARGET = "flux_jax_ag_matmul"
 MATMUL_RS_TARGET = "flux_jax_matmul_rs"

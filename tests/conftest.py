@@ -11,6 +11,13 @@ _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+# The repository root, last on sys.path: `benchmarks` becomes importable while
+# `flux_jax` still resolves to the installed package first.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
