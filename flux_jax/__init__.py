@@ -14,6 +14,7 @@ from flux_jax import _native
 _native.register()
 
 from flux_jax._config import Config, config, get_config, set_config  # noqa: E402
+from flux_jax._distributed import initialize as initialize_distributed  # noqa: E402
 from flux_jax._errors import FusedUnavailableError  # noqa: E402
 from flux_jax._native import build_info  # noqa: E402
 from flux_jax._state import device_errors, reset, workspace_bytes  # noqa: E402
@@ -33,6 +34,7 @@ __all__ = [
     "build_info",
     "config",
     "device_errors",
+    "initialize_distributed",
     "get_config",
     "matmul_rs",
     "matmul_rs_sharded",

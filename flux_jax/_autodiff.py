@@ -23,7 +23,7 @@ _bind = {}
 
 
 def _flip(spec: FusedSpec) -> FusedSpec:
-    return FusedSpec(spec.axis_name, spec.tp_size, not spec.transpose_w, spec.config)
+    return FusedSpec(spec.axis_name, spec.tp_size, not spec.transpose_w, spec.config, spec.forced)
 
 
 def _weight_grad(a, dy, transpose_w: bool):

@@ -21,6 +21,7 @@ class FusedSpec:
     tp_size: int
     transpose_w: bool
     config: Config
+    forced: bool  # impl="fused": an error, not the twin, where the mesh rules fusion out
 
 
 def _non_hopper_gpus() -> list[str]:
@@ -81,8 +82,8 @@ def resolve(op: str, impl: str, info: AxisInfo, rows: int, k: int, n: int, dtype
     return "fused" if _auto_prefers_fused(op, info, rows, k, n, dtype) else "xla"
 
 
-def make_spec(info: AxisInfo, transpose_w: bool) -> FusedSpec:
-    return FusedSpec(info.axis_name, info.tp_size, transpose_w, get_config())
+def make_spec(info: AxisInfo, transpose_w: bool, forced: bool) -> FusedSpec:
+    return FusedSpec(info.axis_name, info.tp_size, transpose_w, get_config(), forced)
 
 
 def _varying(x) -> frozenset:

@@ -2,34 +2,39 @@
 
 The same HLO runs on every device, so per-device facts cannot be attributes.
 What *is* the same everywhere is the mesh: at lowering time the shard_map's
-concrete mesh is known, so we pass the table of device ordinals of every TP
-group (`tp_devices[g * tp + r]`); each device finds itself in it at run time and
+concrete mesh is known, so we pass the global device ids of every TP group
+(`tp_devices[g * tp + r]`) and their processes; each device finds itself in it
+at run time (its local ordinal mapped to a global id, registered here) and
 cross-checks its rank against lax.axis_index, passed as an operand.
+
+Lowering is also where the mesh's topology is known: a TP group the fused
+kernels cannot serve (spanning hosts; spanning processes on GPU) lowers to the
+XLA twin instead, with one log line, or an error for impl="fused".
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import mlir
 
+from flux_jax import _distributed
 from flux_jax._config import Config
 from flux_jax._errors import FusedUnavailableError
+
+logger = logging.getLogger("flux_jax")
+_logged: set[str] = set()
 
 # Unique per emitted custom call; the CPU backend pairs calls across devices by
 # it (XLA:CPU may run independent calls concurrently, in any order).
 _callsite_ids = itertools.count(1)
 
 
-def _device_ordinal(device) -> int:
-    local_id = getattr(device, "local_hardware_id", None)
-    return int(device.id if local_id is None else local_id)
-
-
-def tp_device_table(ctx, axis_name: str, tp_size: int) -> np.ndarray:
-    """int64 [num_groups * tp] table of device ordinals, rank-major within a group."""
+def _mesh_of(ctx):
     axis_context = ctx.module_context.axis_context
     mesh = getattr(axis_context, "mesh", None)
     devices = getattr(mesh, "devices", None)
@@ -47,23 +52,68 @@ def tp_device_table(ctx, axis_name: str, tp_size: int) -> np.ndarray:
             "the automatic partitioner (shard_map axis_names=...). Map every mesh axis, or use "
             'impl="xla".'
         )
+    return mesh
+
+
+def tp_groups(mesh, axis_name: str, tp_size: int) -> np.ndarray:
+    """[num_groups, tp] array of the devices of every TP group, rank order."""
+    devices = mesh.devices
     axis = list(mesh.axis_names).index(axis_name)
     if devices.shape[axis] != tp_size:
         raise FusedUnavailableError(f"mesh axis {axis_name!r} has size {devices.shape[axis]}, not {tp_size}")
-    groups = np.moveaxis(devices, axis, -1).reshape(-1, tp_size)
-    return np.array([[_device_ordinal(d) for d in row] for row in groups], dtype=np.int64).ravel()
+    return np.moveaxis(devices, axis, -1).reshape(-1, tp_size)
+
+
+def _why_not_fused(groups: np.ndarray, platform: str) -> str | None:
+    """None if every TP group can run fused; else the reason (groups across hosts, ...)."""
+    info = _distributed.process_info()
+    for row in groups:
+        procs = sorted({d.process_index for d in row})
+        hosts = sorted({info.hosts[p] for p in procs})
+        if len(hosts) > 1:
+            return (f"TP group of devices {[d.id for d in row]} spans hosts {hosts}; fused ops run "
+                    "within one host")
+        if len(procs) > 1 and platform != "cpu":
+            return (f"TP group of devices {[d.id for d in row]} spans processes {procs}; the CUDA "
+                    "kernels do not span processes yet")
+    return None
+
+
+def _twin_lowering(prim_name, transpose_w, axis_name, outs):
+    """The XLA twin of the primitive, for groups the fused kernels cannot serve."""
+
+    def twin(x, w, rank):
+        del rank
+        w = w.T if transpose_w else w
+        if prim_name == "flux_jax_ag_matmul":
+            x_full = jax.lax.all_gather(x, axis_name, axis=0, tiled=True)
+            return [jnp.dot(x_full, w), x_full][:outs]
+        return [jax.lax.psum_scatter(jnp.dot(x, w), axis_name, scatter_dimension=0, tiled=True)]
+
+    return mlir.lower_fun(twin, multiple_results=True)
 
 
 def register_fused_lowering(prim, target: str, cuda_available) -> None:
     """Registers CPU and CUDA lowerings of `prim` to the FFI target `target`."""
 
-    def rule(ctx, *operands, axis_name, tp_size, transpose_w, config: Config, **op_attrs):
-        table = tp_device_table(ctx, axis_name, tp_size)
+    def rule(ctx, *operands, axis_name, tp_size, transpose_w, config: Config, forced: bool, **op_attrs):
+        platform = ctx.module_context.platforms[0]
+        groups = tp_groups(_mesh_of(ctx), axis_name, tp_size)
+        _distributed.register_local_devices(platform, groups.ravel())
+        reason = _why_not_fused(groups, platform)
+        if reason is not None:
+            if forced:
+                raise FusedUnavailableError(f'{prim.name}(impl="fused") cannot run here: {reason}')
+            if reason not in _logged:
+                _logged.add(reason)
+                logger.warning("flux_jax: using the XLA twin: %s", reason)
+            return _twin_lowering(prim.name, transpose_w, axis_name, len(ctx.avals_out))(ctx, *operands)
         return jax.ffi.ffi_lowering(target)(
             ctx,
             *operands,
             tp_size=np.int64(tp_size),
-            tp_devices=table,
+            tp_devices=np.array([d.id for d in groups.ravel()], dtype=np.int64),
+            tp_processes=np.array([d.process_index for d in groups.ravel()], dtype=np.int64),
             w_transposed=bool(transpose_w),
             callsite=np.int64(next(_callsite_ids)),
             timeout_us=np.int64(config.timeout_us),

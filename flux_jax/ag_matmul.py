@@ -13,8 +13,8 @@ ag_matmul_p = Primitive("flux_jax_ag_matmul")
 ag_matmul_p.multiple_results = True
 
 
-def _abstract_eval(x, w, rank, *, axis_name, tp_size, transpose_w, config, return_gathered):
-    del rank, axis_name, config
+def _abstract_eval(x, w, rank, *, axis_name, tp_size, transpose_w, config, forced, return_gathered):
+    del rank, axis_name, config, forced
     n = w.shape[0] if transpose_w else w.shape[1]
     outs = [x.update(shape=(tp_size * x.shape[0], n))]
     if return_gathered:
@@ -38,6 +38,7 @@ def _bind(x, w, spec, return_gathered):
         tp_size=spec.tp_size,
         transpose_w=spec.transpose_w,
         config=spec.config,
+        forced=spec.forced,
         return_gathered=return_gathered,
     )
     return (outs[0], outs[1]) if return_gathered else (outs[0], None)
@@ -76,7 +77,7 @@ def ag_matmul(x, w, *, axis_name: str, impl: str = "auto", return_gathered: bool
         return twins.ag_matmul_xla(x, w, axis_name=axis_name, return_gathered=return_gathered)
 
     x2, w = _dispatch.unify_varying(axis_name, x.reshape(rows, k), w)
-    out, x_full = _autodiff.ag_core(x2, w, _dispatch.make_spec(info, False), return_gathered)
+    out, x_full = _autodiff.ag_core(x2, w, _dispatch.make_spec(info, False, impl == "fused"), return_gathered)
     lead = (info.tp_size * x.shape[0], *x.shape[1:-1])
     out = out.reshape(*lead, n)
     return (out, x_full.reshape(*lead, k)) if return_gathered else out

@@ -13,8 +13,8 @@ matmul_rs_p = Primitive("flux_jax_matmul_rs")
 matmul_rs_p.multiple_results = True
 
 
-def _abstract_eval(x, w, rank, *, axis_name, tp_size, transpose_w, config):
-    del rank, axis_name, config
+def _abstract_eval(x, w, rank, *, axis_name, tp_size, transpose_w, config, forced):
+    del rank, axis_name, config, forced
     n = w.shape[0] if transpose_w else w.shape[1]
     return [x.update(shape=(x.shape[0] // tp_size, n))]
 
@@ -35,6 +35,7 @@ def _bind(x, w, spec):
         tp_size=spec.tp_size,
         transpose_w=spec.transpose_w,
         config=spec.config,
+        forced=spec.forced,
     )
     return out
 
@@ -71,5 +72,5 @@ def matmul_rs(x, w, *, axis_name: str, impl: str = "auto"):
         return twins.matmul_rs_xla(x, w, axis_name=axis_name)
 
     x2, w = _dispatch.unify_varying(axis_name, x.reshape(rows, k), w)
-    out = _autodiff.rs_core(x2, w, _dispatch.make_spec(info, False))
+    out = _autodiff.rs_core(x2, w, _dispatch.make_spec(info, False, impl == "fused"))
     return out.reshape(x.shape[0] // info.tp_size, *x.shape[1:-1], n)

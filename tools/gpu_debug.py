@@ -29,7 +29,7 @@ elif name == "rs_transposed":
     from flux_jax import _autodiff, _dispatch, _validation
     def body(x, wt):
         info = _validation.AxisInfo("tp", 2, "cuda", True)
-        spec = _dispatch.FusedSpec("tp", 2, True, flux_jax.get_config())
+        spec = _dispatch.FusedSpec("tp", 2, True, flux_jax.get_config(), True)
         return _autodiff.rs_core(x, wt, spec)
     # out = RS(y @ w.T): the weight is stored [n_out=K, k=N], sharded on its k dim.
     y = jnp.asarray(rng.standard_normal((M, N)), jnp.bfloat16)
@@ -39,7 +39,7 @@ elif name == "rs_transposed":
 elif name == "ag_transposed":
     from flux_jax import _autodiff, _dispatch
     def body(x, wt):
-        spec = _dispatch.FusedSpec("tp", 2, True, flux_jax.get_config())
+        spec = _dispatch.FusedSpec("tp", 2, True, flux_jax.get_config(), True)
         return _autodiff.ag_core(x, wt, spec, False)[0]
     out = run(body, (P("tp"), P("tp")), P(None, "tp"), x, w.T)
     ref = jnp.dot(x, w, preferred_element_type=jnp.float32)

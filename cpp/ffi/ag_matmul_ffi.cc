@@ -53,7 +53,8 @@ ffi::Error AgMatmul(void* stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi:
   TpGroup group;
   CommConfig cfg;
   AgMatmulParams p;
-  Status s = DecodeCommon(attrs, device_ordinal, host_rank, &group, &cfg);
+  const Platform platform = stream ? Platform::kCuda : Platform::kCpu;
+  Status s = DecodeCommon(attrs, platform, device_ordinal, host_rank, &group, &cfg);
   if (s.ok()) s = MakeParams(x, w, out, extra, attrs, group, &p);
   if (s.ok()) s = stream ? RunAgMatmulCuda(p, group, cfg, stream) : RunAgMatmulCpu(p, group, cfg);
   return ToFfiError(s);

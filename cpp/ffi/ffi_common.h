@@ -49,19 +49,24 @@ Status GetAttr(const ffi::Dictionary& attrs, const char* name, T* out) {
 }
 
 // Decodes the attributes every fused op carries (see flux_jax/_lowering.py):
-// tp_size, tp_devices, callsite, timeout_us, jitter_us, drop_rank, poison.
-inline Status DecodeCommon(const ffi::Dictionary& attrs, int32_t device_ordinal,
+// tp_size, tp_devices, tp_processes, callsite, timeout_us, jitter_us, drop_rank, poison.
+inline Status DecodeCommon(const ffi::Dictionary& attrs, Platform platform, int32_t device_ordinal,
                            std::optional<int32_t> rank_operand, TpGroup* group, CommConfig* cfg) {
   int64_t tp_size = 0;
-  ffi::Span<const int64_t> table;
+  ffi::Span<const int64_t> table, processes;
   FLUX_JAX_RETURN_IF_ERROR(GetAttr(attrs, "tp_size", &tp_size));
   FLUX_JAX_RETURN_IF_ERROR(GetAttr(attrs, "tp_devices", &table));
+  FLUX_JAX_RETURN_IF_ERROR(GetAttr(attrs, "tp_processes", &processes));
+  if (processes.size() != table.size()) {
+    return Status::InvalidArgument("tp_processes and tp_devices differ in length");
+  }
   FLUX_JAX_RETURN_IF_ERROR(GetAttr(attrs, "callsite", &cfg->callsite));
   FLUX_JAX_RETURN_IF_ERROR(GetAttr(attrs, "timeout_us", &cfg->timeout_us));
   FLUX_JAX_RETURN_IF_ERROR(GetAttr(attrs, "jitter_us", &cfg->jitter_us));
   FLUX_JAX_RETURN_IF_ERROR(GetAttr(attrs, "drop_rank", &cfg->drop_rank));
   FLUX_JAX_RETURN_IF_ERROR(GetAttr(attrs, "poison", &cfg->poison_outputs));
-  return ResolveTpGroup(table.begin(), table.size(), tp_size, device_ordinal, rank_operand, group);
+  return ResolveTpGroup(table.begin(), processes.begin(), table.size(), tp_size, platform,
+                        device_ordinal, rank_operand, group);
 }
 
 // Checks that a result buffer has the element count the op will write.

@@ -42,7 +42,8 @@ ffi::Error MatmulRs(void* stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi:
   TpGroup group;
   CommConfig cfg;
   MatmulRsParams p;
-  Status s = DecodeCommon(attrs, device_ordinal, host_rank, &group, &cfg);
+  const Platform platform = stream ? Platform::kCuda : Platform::kCpu;
+  Status s = DecodeCommon(attrs, platform, device_ordinal, host_rank, &group, &cfg);
   if (s.ok()) s = MakeParams(x, w, out, attrs, group, &p);
   if (s.ok()) s = stream ? RunMatmulRsCuda(p, group, cfg, stream) : RunMatmulRsCpu(p, group, cfg);
   return ToFfiError(s);

@@ -1,9 +1,12 @@
 // The `flux_jax._flux_jax_ffi` extension: handler capsules for jax.ffi
 // registration, build facts, and process-state controls. No kernel code.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include "flux_jax/cpu_channels.h"
+#include "flux_jax/process.h"
 #include "handlers.h"
 #include "xla/ffi/api/c_api.h"
 
@@ -69,6 +72,16 @@ NB_MODULE(_flux_jax_ffi, m) {
   m.def("reset_cpu_channels", &flux_jax::ResetCpuChannels,
         "Drop all CPU-backend channels (also clears failed state).");
   m.def("cpu_channel_count", &flux_jax::CpuChannelCount, "Number of live CPU-backend channels.");
+  m.def("set_process_identity", &flux_jax::SetProcessIdentity, nb::arg("process_index"),
+        nb::arg("session"), "This process's index and the job's session token ('' if single).");
+  m.def(
+      "register_local_devices",
+      [](const std::string& platform, const std::vector<std::pair<int32_t, int64_t>>& pairs) {
+        flux_jax::RegisterLocalDevices(
+            platform == "cpu" ? flux_jax::Platform::kCpu : flux_jax::Platform::kCuda, pairs);
+      },
+      nb::arg("platform"), nb::arg("ordinal_to_id"),
+      "Map local device ordinals (what handlers see) to global device ids (the mesh table).");
 #ifdef FLUX_JAX_WITH_CUDA
   m.def("cuda_kernels", [] { return std::make_tuple(std::string("ag_matmul"), std::string("matmul_rs")); },
         "Ops with CUDA kernels in this build.");

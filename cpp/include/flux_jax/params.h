@@ -28,7 +28,10 @@ struct TpGroup {
   int rank = 0;                   // position of this device in the group (== lax.axis_index)
   int size = 1;                   // TP degree
   int64_t group_index = 0;        // which group of the mesh (0 for a 1-D mesh)
-  std::vector<int64_t> devices;   // device ordinal of each rank, in rank order
+  std::vector<int64_t> devices;   // global device id of each rank, in rank order
+  std::vector<int64_t> processes; // process index of each rank
+  std::vector<int32_t> ordinals;  // local device ordinal of each rank in this process, or -1
+  bool cross_process = false;     // some rank lives in another process
   std::string Describe() const;   // "TP group 1 [devices 4,5,6,7]"
 };
 

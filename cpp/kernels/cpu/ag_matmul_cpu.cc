@@ -27,7 +27,9 @@ Status RunAgMatmulCpu(const AgMatmulParams& p, const TpGroup& group, const CommC
   const int64_t chunk_out = p.m_local * p.n;  // output elements per chunk
 
   Status status;
-  std::shared_ptr<cpu::Channel> channel = cpu::GetChannel(group, cfg.callsite, chunk_bytes, &status);
+  const uint64_t signature = cpu::HashInts({1, p.m_local, p.k, p.n, static_cast<int64_t>(p.dtype), p.w_transposed});
+  std::shared_ptr<cpu::Channel> channel =
+      cpu::GetChannel(group, cfg.callsite, chunk_bytes, signature, cfg, &status);
   FLUX_JAX_RETURN_IF_ERROR(status);
   cpu::CallScope scope(channel.get(), rank);
   uint64_t epoch = 0;

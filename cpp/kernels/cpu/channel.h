@@ -1,7 +1,7 @@
 // CPU backend transport: one channel per (fused call site, TP group).
 //
-// The CPU backend runs the same push protocol the GPU kernels use, over
-// process-global memory instead of peer-mapped HBM:
+// The CPU backend runs the same push protocol the GPU kernels use, over host
+// memory instead of peer-mapped HBM:
 //
 //   rank s (sender)                               rank r (receiver), epoch e, parity b = e & 1
 //   wait  mailbox[s].freed[b][r] >= e-2  (local)
@@ -14,6 +14,13 @@
 // reset. Double buffering by parity lets a sender run one call ahead of a slow
 // receiver; the freed flag stops it from running two ahead.
 //
+// A channel is one contiguous region with a fixed layout and process-shared
+// pthread primitives: private heap memory when the whole group lives in this
+// process, a POSIX shared-memory segment when it spans processes (jax.distributed
+// on one host). The segment's name comes from the job's session token (shared
+// through jax.distributed's key-value store), the call site and the group, so
+// every process of the group opens the same one; whoever comes first creates it.
+//
 // Why one channel per call site and not one per device: XLA:CPU runs
 // independent thunks concurrently, so two fused calls with no data dependency
 // may run in different orders on different devices. Pairing calls by call site
@@ -21,14 +28,10 @@
 // workspace is shared per device.)
 #pragma once
 
-#include <atomic>
-#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
-#include <vector>
 
 #include "flux_jax/params.h"
 #include "flux_jax/status.h"
@@ -44,14 +47,14 @@ struct WaitInfo {
   int chunk;       // which chunk of rows the flag guards
 };
 
+struct ChannelLayout;  // the shared region's header (channel.cc)
+
 class Channel {
  public:
-  Channel(const TpGroup& group, int64_t callsite, size_t slot_bytes);
+  ~Channel();
 
   int size() const { return size_; }
   size_t slot_bytes() const { return slot_bytes_; }
-  int64_t callsite() const { return callsite_; }
-  const std::vector<int64_t>& devices() const { return devices_; }
 
   // Receive slot `slot` (= sender rank) of parity `parity` in `owner`'s mailbox.
   std::byte* Slot(int owner, int parity, int slot);
@@ -65,7 +68,8 @@ class Channel {
   Status Wait(int me, FlagKind kind, int parity, int slot, uint64_t value, uint64_t epoch,
               const CommConfig& cfg, const WaitInfo& info);
 
-  // Marks the channel failed and wakes every waiter; later calls fail fast.
+  // Marks the channel failed (in every process of the group) and wakes every
+  // waiter; later calls fail fast.
   void Fail(const std::string& message);
   Status Health() const;
 
@@ -74,30 +78,29 @@ class Channel {
   void EndCall(int rank);
 
  private:
-  struct Mailbox {
-    std::mutex mu;
-    std::condition_variable cv;
-    std::vector<uint64_t> flags;  // [kind][parity][slot]
-    std::vector<std::byte> data;  // [parity][slot][slot_bytes]
-  };
-  size_t FlagIndex(FlagKind kind, int parity, int slot) const;
+  friend std::shared_ptr<Channel> GetChannel(const TpGroup&, int64_t, size_t, uint64_t,
+                                             const CommConfig&, Status*);
+  Channel() = default;
 
-  const int size_;
-  const int64_t callsite_;
-  const int64_t group_index_;
-  const std::vector<int64_t> devices_;
-  const size_t slot_bytes_;
-  std::vector<std::unique_ptr<Mailbox>> mailboxes_;
-  std::vector<uint64_t> epochs_;               // epochs_[r] touched only by rank r's thread
-  std::unique_ptr<std::atomic<int>[]> in_flight_;
-  std::atomic<bool> failed_{false};
-  mutable std::mutex failure_mu_;
-  std::string failure_;
+  int size_ = 0;
+  size_t slot_bytes_ = 0;
+  int64_t callsite_ = 0;
+  TpGroup group_;
+  ChannelLayout* layout_ = nullptr;  // start of the region
+  std::byte* data_ = nullptr;
+  size_t region_bytes_ = 0;
+  bool shared_ = false;              // mmap'ed segment (else heap)
+  std::string shm_name_;             // set when this process created the segment
 };
 
-// Returns the channel of (call site, TP group), creating it on first use.
+// Returns the channel of (call site, TP group), creating or opening it on first
+// use. `signature` identifies the op and its shapes; processes that disagree
+// on it for one call site get an error instead of pairing different ops.
 std::shared_ptr<Channel> GetChannel(const TpGroup& group, int64_t callsite, size_t slot_bytes,
-                                    Status* status);
+                                    uint64_t signature, const CommConfig& cfg, Status* status);
+
+// A stable 64-bit hash of a few integers (op signatures, segment names).
+uint64_t HashInts(std::initializer_list<int64_t> values);
 
 // RAII: BeginCall/EndCall around one op invocation on one rank.
 class CallScope {

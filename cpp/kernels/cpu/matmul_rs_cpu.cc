@@ -29,8 +29,9 @@ Status RunMatmulRsCpu(const MatmulRsParams& p, const TpGroup& group, const CommC
   const size_t partial_bytes = static_cast<size_t>(chunk_out) * sizeof(float);
 
   Status status;
+  const uint64_t signature = cpu::HashInts({2, p.m, p.k, p.n, static_cast<int64_t>(p.dtype), p.w_transposed});
   std::shared_ptr<cpu::Channel> channel =
-      cpu::GetChannel(group, cfg.callsite, partial_bytes, &status);
+      cpu::GetChannel(group, cfg.callsite, partial_bytes, signature, cfg, &status);
   FLUX_JAX_RETURN_IF_ERROR(status);
   cpu::CallScope scope(channel.get(), rank);
   uint64_t epoch = 0;

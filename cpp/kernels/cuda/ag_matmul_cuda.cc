@@ -25,7 +25,7 @@ Status RunAgMatmulCuda(const AgMatmulParams& p, const TpGroup& group, const Comm
   FLUX_JAX_RETURN_IF_ERROR(AgMatmulCanImplement(p, group));
   auto S = static_cast<cudaStream_t>(stream_ptr);
   const int tp = group.size, r = group.rank;
-  const int device = static_cast<int>(group.devices[r]);
+  const int device = group.ordinals[r];
   DeviceGuard guard(device);
   const size_t elt = DTypeBytes(p.dtype);
   const int64_t rows = tp * p.m_local;

@@ -94,12 +94,12 @@ Status AllocationError(int device, size_t bytes, cudaError_t err) {
 }
 
 Status InitMember(const TpGroup& g, GroupWorkspace* w) {
-  const int device = static_cast<int>(g.devices[g.rank]);
+  const int device = g.ordinals[g.rank];
   DeviceGuard guard(device);
   w->device = device;
   w->rank = g.rank;
   w->tp = g.size;
-  for (int64_t peer : g.devices) {
+  for (int32_t peer : g.ordinals) {
     if (peer == device) continue;
     int can = 0;
     FLUX_CUDA_TRY(cudaDeviceCanAccessPeer(&can, device, static_cast<int>(peer)));
@@ -168,11 +168,11 @@ void FreeMember(GroupWorkspace* w) {
 
 // Copies `device`'s error into the records of the other devices of its group,
 // so their pending device-side waits give up at once instead of timing out.
-void PropagateError(const std::vector<int64_t>& devices, int device) {
+void PropagateError(const std::vector<int32_t>& devices, int device) {
   Status st;
   DeviceError* records = ErrorRecords(&st);
   if (!st.ok()) return;
-  for (int64_t d : devices) {
+  for (int32_t d : devices) {
     if (d == device || d < 0 || d >= kMaxDevices) continue;
     volatile int32_t* code = &records[d].code;
     if (*code != 0) continue;
@@ -188,10 +188,15 @@ void PropagateError(const std::vector<int64_t>& devices, int device) {
 
 Status AcquireWorkspace(const TpGroup& g, size_t data_bytes, const CommConfig& cfg,
                         cudaStream_t compute_stream, GroupWorkspace** out) {
-  const int device = static_cast<int>(g.devices[g.rank]);
+  if (g.cross_process) {
+    return Status::InvalidArgument(
+        "flux_jax: the CUDA kernels do not yet span processes (" + g.Describe() +
+        "); one process must drive every GPU of a TP group, or use impl='xla'");
+  }
+  const int device = g.ordinals[g.rank];
   if (device < 0 || device >= kMaxDevices) return Status::InvalidArgument("device ordinal out of range");
   if (Status err = CheckDeviceError(device); !err.ok()) {
-    PropagateError(g.devices, device);
+    PropagateError(g.ordinals, device);
     return err;
   }
   std::shared_ptr<Group> group;

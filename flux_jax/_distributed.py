@@ -1,0 +1,89 @@
+"""Process identity for fused ops in multi-process jobs (jax.distributed).
+
+Every process of a job needs the same session token (it names the shared-memory
+channels of TP groups that span processes on one host) and the host of every
+process (a TP group that spans hosts cannot use the fused kernels). Both travel
+through jax.distributed's key-value store: no files, no sockets of our own. The
+store has no public wrapper in jax 0.11.2, so this is the only module that
+touches it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import secrets
+import socket
+
+import jax
+
+from flux_jax import _native
+from flux_jax._errors import FusedUnavailableError
+
+_SESSION_KEY = "flux_jax/v1/session"
+_HOST_KEY = "flux_jax/v1/host/{}"
+_TIMEOUT_MS = 120_000
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessInfo:
+    index: int
+    count: int
+    session: str  # "" for a single-process job
+    hosts: tuple[str, ...]  # host id of every process
+
+
+_host_override: str | None = None
+
+
+def initialize(host_id: str | None = None) -> ProcessInfo:
+    """Set up flux_jax for a multi-process job (call after jax.distributed.initialize).
+
+    Optional: the first fused op does it with the defaults. `host_id` names this
+    process's host (default: socket.gethostname()); processes with equal host ids
+    may share fused TP groups, others fall back to the XLA twin.
+    """
+    global _host_override
+    if host_id is not None:
+        if process_info.cache_info().currsize:
+            raise RuntimeError("flux_jax.initialize_distributed(host_id=...) must come before the first fused op")
+        _host_override = host_id
+    return process_info()
+
+
+def _client():
+    from jax._src import distributed  # private: the key-value store's only handle in 0.11.2
+
+    client = distributed.global_state.client
+    if client is None:
+        raise FusedUnavailableError(
+            "flux_jax: this job has several JAX processes but jax.distributed is not initialized; "
+            "call jax.distributed.initialize(...) first"
+        )
+    return client
+
+
+@functools.cache
+def process_info() -> ProcessInfo:
+    index, count = jax.process_index(), jax.process_count()
+    host = _host_override or socket.gethostname()
+    if count == 1:
+        info = ProcessInfo(index, count, "", (host,))
+    else:
+        client = _client()
+        if index == 0:
+            client.key_value_set(_SESSION_KEY, secrets.token_hex(6))
+        session = client.blocking_key_value_get(_SESSION_KEY, _TIMEOUT_MS)
+        client.key_value_set(_HOST_KEY.format(index), host)
+        hosts = tuple(client.blocking_key_value_get(_HOST_KEY.format(p), _TIMEOUT_MS) for p in range(count))
+        info = ProcessInfo(index, count, session, hosts)
+    _native.extension().set_process_identity(info.index, info.session)
+    return info
+
+
+def register_local_devices(platform: str, devices) -> None:
+    """Tell the extension which global device id each local ordinal has."""
+    me = jax.process_index()
+    pairs = [(int(d.local_hardware_id), int(d.id)) for d in devices
+             if d.process_index == me and d.local_hardware_id is not None]
+    _native.extension().register_local_devices(platform, pairs)
