@@ -27,12 +27,17 @@ class Config:
         peers hit the timeout path. -1 disables it.
       debug_poison_outputs: testing only: the kernels fill their outputs with NaN
         before computing, so an element they fail to write cannot pass a test.
+      gpu_piece_bytes: GPU tuning: target size of the pieces a chunk travels in
+        (each piece has its own flag); 0 = automatic (~1/8 chunk, >= 2 MiB).
+      gpu_swizzle: GPU tuning: tile-scheduler swizzle (1, 2, 4 or 8).
     """
 
     timeout_s: float = 60.0
     debug_jitter_us: int = 0
     debug_drop_rank: int = -1
     debug_poison_outputs: bool = False
+    gpu_piece_bytes: int = 0
+    gpu_swizzle: int = 1
 
     def __post_init__(self):
         if not (isinstance(self.timeout_s, (int, float)) and 0 < self.timeout_s <= 24 * 3600):
@@ -41,6 +46,10 @@ class Config:
             raise ValueError(f"Config.debug_jitter_us must be an int >= 0, got {self.debug_jitter_us!r}")
         if not (isinstance(self.debug_drop_rank, int) and self.debug_drop_rank >= -1):
             raise ValueError(f"Config.debug_drop_rank must be an int >= -1, got {self.debug_drop_rank!r}")
+        if not (isinstance(self.gpu_piece_bytes, int) and self.gpu_piece_bytes >= 0):
+            raise ValueError(f"Config.gpu_piece_bytes must be an int >= 0, got {self.gpu_piece_bytes!r}")
+        if self.gpu_swizzle not in (1, 2, 4, 8):
+            raise ValueError(f"Config.gpu_swizzle must be 1, 2, 4 or 8, got {self.gpu_swizzle!r}")
         if not isinstance(self.debug_poison_outputs, bool):
             raise ValueError(f"Config.debug_poison_outputs must be a bool, got {self.debug_poison_outputs!r}")
 

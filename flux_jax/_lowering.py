@@ -120,6 +120,8 @@ def register_fused_lowering(prim, target: str, cuda_available) -> None:
             jitter_us=np.int64(config.debug_jitter_us),
             drop_rank=np.int64(config.debug_drop_rank),
             poison=bool(config.debug_poison_outputs),
+            piece_bytes=np.int64(config.gpu_piece_bytes),
+            swizzle=np.int64(config.gpu_swizzle),
         )
 
     def cuda_rule(ctx, *operands, **params):

@@ -54,6 +54,8 @@ def main():
     ap.add_argument("--shapes", default="4096x8192x8192,8192x8192x28672,16384x8192x8192,2048x8192x8192,512x8192x8192")
     ap.add_argument("--ops", default="ag,rs")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--configs", default="",
+                    help="extra fused variants, e.g. 'gpu_swizzle=4;gpu_piece_bytes=8388608'")
     args = ap.parse_args()
     gpus = [d for d in jax.devices() if d.platform == "gpu"][:2]
     mesh = jax.sharding.Mesh(np.array(gpus), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
@@ -75,12 +77,16 @@ def main():
             xs = jax.device_put(x, jax.NamedSharding(mesh, specs[0]))
             ws = jax.device_put(w, jax.NamedSharding(mesh, specs[1]))
             res = {}
-            for impl in ("fused", "xla"):
-                f = jax.shard_map(functools.partial(fn, axis_name="tp", impl=impl), mesh=mesh,
-                                  in_specs=specs, out_specs=out)
-                res[impl] = time_per_call(f, xs, ws)
-                got = f(xs, ws)
-                res[impl + "_out"] = got
+            variants = [("fused", "fused", {}), ("xla", "xla", {})]
+            for spec_text in filter(None, args.configs.split(";")):
+                kw = {k: int(v) for k, v in (item.split("=") for item in spec_text.split(","))}
+                variants.append((f"fused[{spec_text}]", "fused", kw))
+            for name, impl, kw in variants:
+                with flux_jax.config(**kw):
+                    f = jax.shard_map(functools.partial(fn, axis_name="tp", impl=impl), mesh=mesh,
+                                      in_specs=specs, out_specs=out)
+                    res[name] = time_per_call(f, xs, ws)
+                    res[name + "_out"] = f(xs, ws)
             err = float(jnp.max(jnp.abs(res["fused_out"].astype(jnp.float32) - res["xla_out"].astype(jnp.float32)))
                         / jnp.max(jnp.abs(res["xla_out"].astype(jnp.float32))))
             g = jax.device_put(jnp.asarray(rng.standard_normal(lshape[0]), jnp.bfloat16), gpus[0])
@@ -88,7 +94,8 @@ def main():
             gemm = time_per_call(local, g, gw)
             row = dict(op=op, M=M, K=K, N=N, fused_ms=res["fused"][0], xla_ms=res["xla"][0],
                        gemm_ms=gemm[0], speedup=res["xla"][0] / res["fused"][0], max_rel_err=err,
-                       fused_spread=res["fused"][1:], xla_spread=res["xla"][1:])
+                       fused_spread=res["fused"][1:], xla_spread=res["xla"][1:],
+                       variants={k: v[0] for k, v in res.items() if not k.endswith("_out")})
             rows.append(row)
             print(json.dumps(row), flush=True)
     print(f"{'op':3} {'M':>6} {'K':>6} {'N':>6} {'fused':>8} {'xla':>8} {'gemm':>8} {'x':>6} {'err':>8}")

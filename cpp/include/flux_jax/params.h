@@ -43,6 +43,8 @@ struct CommConfig {
   int64_t callsite = 0;             // unique id of the custom-call site (CPU channels)
   bool poison_outputs = false;      // debug: fill outputs with NaN first, so unwritten
                                     // elements cannot pass a test
+  int64_t piece_bytes = 0;          // GPU: target bytes per flagged piece (0: automatic)
+  int64_t swizzle = 1;              // GPU: tile scheduler swizzle
 };
 
 // out[tp*m_local, n] = all_gather(x[m_local, k]) @ op(w), op(w) = w or w^T.

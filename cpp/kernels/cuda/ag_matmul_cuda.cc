@@ -55,7 +55,7 @@ Status RunAgMatmulCuda(const AgMatmulParams& p, const TpGroup& group, const Comm
   FLUX_JAX_RETURN_IF_ERROR(AcquireWorkspace(group, rows * row_bytes, cfg, S, &ws));
   ws->epoch += 1;
   const uint64_t epoch = ws->epoch;
-  const int32_t piece_rows = PieceRows(p.m_local, row_bytes);
+  const int32_t piece_rows = PieceRows(p.m_local, row_bytes, cfg.piece_bytes);
   const int32_t pieces = NumPieces(p.m_local, piece_rows);
   auto x = static_cast<const char*>(p.x);
 
@@ -89,6 +89,7 @@ Status RunAgMatmulCuda(const AgMatmulParams& p, const TpGroup& group, const Comm
   }
   plan.a = ws->data;
   plan.alpha_ptr = ws->alpha;
+  plan.swizzle = static_cast<int32_t>(cfg.swizzle);
   plan.rotate_m_tiles = static_cast<int32_t>((r * p.m_local + kGemmBlockM - 1) / kGemmBlockM);
   plan.gate_a = MakeGate(*ws, cfg, ws->arrived, static_cast<int32_t>(p.m_local), piece_rows,
                          static_cast<int32_t>(rows), r, 0, kSiteGemmA);

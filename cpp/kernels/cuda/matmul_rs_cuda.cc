@@ -52,7 +52,8 @@ Status RunMatmulRsCuda(const MatmulRsParams& p, const TpGroup& group, const Comm
 
   ws->epoch += 1;
   const uint64_t epoch = ws->epoch;
-  const int32_t piece_rows = PieceRows(m_out, out_row_bytes);
+  const int32_t piece_rows = PieceRows(m_out, out_row_bytes, cfg.piece_bytes);
+  plan.swizzle = static_cast<int32_t>(cfg.swizzle);
   const int32_t pieces = NumPieces(m_out, piece_rows);
   char* recv = ws->data;
   char* stage = ws->data + (tp - 1) * slot_bytes;

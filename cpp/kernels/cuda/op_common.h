@@ -18,9 +18,11 @@ namespace flux_jax::cuda {
 // Rows per piece of a chunk: pieces of ~1/8 chunk (>= 2 MiB), a multiple of the
 // GEMM tile height, at most kMaxPieces per chunk. Finer pieces start the
 // consumer earlier; each costs two copy-engine operations.
-inline int32_t PieceRows(int64_t rows, int64_t row_bytes) {
+inline int32_t PieceRows(int64_t rows, int64_t row_bytes, int64_t requested_bytes) {
   if (rows <= 0) return 1;
-  const int64_t target_bytes = std::max<int64_t>(int64_t{2} << 20, rows * row_bytes / 8);
+  const int64_t target_bytes = requested_bytes > 0
+                                   ? requested_bytes
+                                   : std::max<int64_t>(int64_t{2} << 20, rows * row_bytes / 8);
   int64_t piece = std::max<int64_t>(1, (target_bytes + row_bytes - 1) / row_bytes);
   piece = (piece + kGemmBlockM - 1) / kGemmBlockM * kGemmBlockM;
   piece = std::max<int64_t>(piece, (rows + kMaxPieces - 1) / kMaxPieces);
