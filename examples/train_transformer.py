@@ -46,6 +46,13 @@ CPU_DEFAULTS = dict(dp=2, tp=4, layers=4, hidden=128, heads=8, kv_heads=4, ffn=3
                     batch=16, steps=400, lr=3e-3, dtype="float32", impl="fused")
 GPU_DEFAULTS = dict(dp=1, tp=None, layers=8, hidden=2048, heads=16, kv_heads=8, ffn=5632, seq=2048,
                     batch=8, steps=300, lr=1e-3, dtype="bfloat16", impl="fused")
+# Named model/run sizes (--preset); explicit flags still win.
+PRESETS = {
+    # The issue-6 GPU benchmark: LLaMA-3-8B-like layers (hidden 4096, FFN 14336, 32 query / 8 KV
+    # heads, sequence 4096), a few of them, bf16; run with --compare for fused vs xla step time.
+    "llama3-8b-layers": dict(layers=4, hidden=4096, heads=32, kv_heads=8, ffn=14336, seq=4096,
+                             batch=2, steps=30, lr=3e-4, dtype="bfloat16", remat=True),
+}
 EVAL_BATCHES = 4
 SAMPLE_PROMPT = "the "
 
@@ -56,6 +63,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
     g.add_argument("--dp", type=int, help="data-parallel size (batch sharding)")
     g.add_argument("--tp", type=int, help="tensor-parallel size (heads, ffn and sequence sharding)")
     g = p.add_argument_group("model")
+    g.add_argument("--preset", choices=sorted(PRESETS), help="named sizes (flags given explicitly win)")
     for flag in ("--layers", "--hidden", "--heads", "--kv-heads", "--ffn"):
         g.add_argument(flag, type=int)
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="compute dtype")
@@ -81,7 +89,12 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
     args = p.parse_args(argv)
 
     on_gpu = jax.default_backend() != "cpu"
-    defaults = GPU_DEFAULTS if on_gpu else CPU_DEFAULTS
+    defaults = dict(GPU_DEFAULTS if on_gpu else CPU_DEFAULTS)
+    if args.preset:
+        preset = dict(PRESETS[args.preset])
+        if preset.pop("remat", False):
+            args.remat = True
+        defaults.update(preset)
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
