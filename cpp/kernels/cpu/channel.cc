@@ -157,10 +157,14 @@ void UnlinkCreatedSegments() {
   CreatedSegments().clear();
 }
 
-std::string SegmentName(const std::string& session, const TpGroup& group, int64_t callsite) {
-  std::vector<int64_t> ids(group.devices.begin(), group.devices.end());
+uint64_t HashRange(const std::vector<int64_t>& values) {  // FNV-1a over 64-bit words
   uint64_t h = 1469598103934665603ull;
-  for (int64_t v : ids) h = (h ^ static_cast<uint64_t>(v)) * 1099511628211ull;
+  for (int64_t v : values) h = (h ^ static_cast<uint64_t>(v)) * 1099511628211ull;
+  return h;
+}
+
+std::string SegmentName(const std::string& session, const TpGroup& group, int64_t callsite) {
+  const uint64_t h = HashRange(group.devices);
   char buf[128];
   std::snprintf(buf, sizeof(buf), "/fluxjax-%s-%lld-%016llx", session.c_str(),
                 static_cast<long long>(callsite), static_cast<unsigned long long>(h));
@@ -217,11 +221,7 @@ Status MapSegment(const std::string& name, size_t bytes, int64_t timeout_us, voi
 
 }  // namespace
 
-uint64_t HashInts(std::initializer_list<int64_t> values) {
-  uint64_t h = 1469598103934665603ull;
-  for (int64_t v : values) h = (h ^ static_cast<uint64_t>(v)) * 1099511628211ull;
-  return h;
-}
+uint64_t HashInts(std::initializer_list<int64_t> values) { return HashRange(std::vector<int64_t>(values)); }
 
 // ---- Channel ----------------------------------------------------------------
 
