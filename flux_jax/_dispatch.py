@@ -86,6 +86,26 @@ def make_spec(info: AxisInfo, transpose_w: bool, forced: bool) -> FusedSpec:
     return FusedSpec(info.axis_name, info.tp_size, transpose_w, get_config(), forced)
 
 
+def batch_rows(prim, args, dims, **params):
+    """vmap rule shared by the fused primitives: the batch axis becomes a middle dimension.
+
+    Gather/scatter run over the leading (row) axis and rows are contiguous per rank, so
+    x[B, rows, K] is computed as x[rows, B, K] flattened to [rows*B, K]; every output
+    [rows', ...] comes back as [rows'/B... ] with the batch on axis 1. Only x may be batched.
+    """
+    x, w, rank = args
+    x_dim, w_dim, rank_dim = dims  # None: not batched
+    if w_dim is not None or rank_dim is not None:
+        raise NotImplementedError(
+            f"flux_jax: vmap of {prim.name} over the weight is not supported (vmap over x only; "
+            "for a batch of weights use the XLA twin, impl='xla')")
+    x = jnp.moveaxis(x, x_dim, 1)
+    rows, batch, k = x.shape
+    outs = prim.bind(x.reshape(rows * batch, k), w, rank, **params)
+    outs = [o.reshape(o.shape[0] // batch, batch, o.shape[1]) for o in outs]
+    return outs, [1] * len(outs)
+
+
 def _varying(x) -> frozenset:
     t = jax.typeof(x)
     mat = getattr(t, "manual_axis_type", None)

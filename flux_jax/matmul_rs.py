@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 from jax.extend.core import Primitive
+from jax.interpreters import batching
 
 from flux_jax import _autodiff, _dispatch, _lowering, _native, _validation, twins
 
@@ -20,6 +23,7 @@ def _abstract_eval(x, w, rank, *, axis_name, tp_size, transpose_w, config, force
 
 
 matmul_rs_p.def_abstract_eval(_abstract_eval)
+batching.primitive_batchers[matmul_rs_p] = functools.partial(_dispatch.batch_rows, matmul_rs_p)
 _lowering.register_fused_lowering(
     matmul_rs_p, _native.MATMUL_RS_TARGET, lambda: _native.has_cuda_kernel(OP)
 )

@@ -112,3 +112,55 @@ def test_global_view_helpers(op):
         f = jax.jit(lambda x, w, impl: helper(x, w, mesh=mesh, axis_name="tp", impl=impl), static_argnums=2)
         ref = np.tensordot(to64(x), to64(w), axes=1)
         assert_matches(f(x, w, "fused"), ref, f(x, w, "xla"), "float32", f"{op} helper {axis_type}")
+
+
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_vmap_over_x_and_its_gradient(op):
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    import flux_jax
+
+    rng = np.random.default_rng()
+    mesh = cpu_mesh((8,), ("tp",), AxisType.Auto)
+    fn = flux_jax.ag_matmul if op == "ag" else flux_jax.matmul_rs
+    if op == "ag":  # batch of 3 sequences, each [16 rows (2 per rank), 24]
+        x, w = random_array(rng, (3, 16, 24), "float32"), random_array(rng, (24, 32), "float32")
+        specs, out = (P(None, "tp"), P(None, "tp")), P(None, None, "tp")
+    else:
+        x, w = random_array(rng, (3, 16, 32), "float32"), random_array(rng, (32, 24), "float32")
+        specs, out = (P(None, None, "tp"), P("tp")), P(None, "tp")
+
+    def run(impl):
+        per_example = functools.partial(fn, axis_name="tp", impl=impl)
+        f = jax.shard_map(lambda x, w: jax.vmap(per_example, in_axes=(0, None))(x, w), mesh=mesh,
+                          in_specs=specs, out_specs=out)
+        value = jax.jit(f)(x, w)
+        grads = jax.jit(jax.grad(lambda x, w: jnp.sum(f(x, w) ** 2), argnums=(0, 1)))(x, w)
+        return value, grads
+
+    (v, (dx, dw)), (tv, (tdx, tdw)) = run("fused"), run("xla")
+    ref = np.einsum("bmk,kn->bmn", to64(x), to64(w))
+    assert_matches(v, ref, tv, "float32", f"vmap {op}")
+    np.testing.assert_allclose(np.asarray(dx), np.asarray(tdx), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(dw), np.asarray(tdw), rtol=1e-4, atol=1e-4)
+
+
+def test_vmap_over_the_weight_is_a_clear_error():
+    import functools
+
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    import flux_jax
+
+    mesh = cpu_mesh((8,), ("tp",), AxisType.Auto)
+    x, w = np.ones((3, 16, 8), np.float32), np.ones((3, 8, 16), np.float32)
+    per_example = functools.partial(flux_jax.ag_matmul, axis_name="tp", impl="fused")
+    f = jax.shard_map(lambda x, w: jax.vmap(per_example)(x, w), mesh=mesh,
+                      in_specs=(P(None, "tp"), P(None, None, "tp")), out_specs=P(None, None, "tp"))
+    with pytest.raises(NotImplementedError, match="vmap of flux_jax_ag_matmul over the weight"):
+        jax.jit(f)(x, w)
