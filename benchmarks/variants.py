@@ -106,9 +106,15 @@ def xla_shard_map(ctx: CaseContext) -> Built:
     return _op_shard_map(ctx, per_shard)
 
 
-def _flux(ctx: CaseContext, impl: str) -> Built:
+def _flux(ctx: CaseContext, impl: str, path: str = "auto") -> Built:
     op = flux_jax.ag_matmul if ctx.case.op == "ag" else flux_jax.matmul_rs
-    built = _op_shard_map(ctx, functools.partial(op, axis_name=AXIS, impl=impl))
+    body = functools.partial(op, axis_name=AXIS, impl=impl)
+
+    def traced_with_path(*args):  # the configuration is read while tracing
+        with flux_jax.config(fused_path=path):
+            return body(*args)
+
+    built = _op_shard_map(ctx, traced_with_path)
     try:
         hlo = jax.jit(built.step).lower(*built.args).as_text()
     except flux_jax.FusedUnavailableError as err:
@@ -125,6 +131,16 @@ def flux_fused(ctx: CaseContext) -> Built:
 
 def flux_auto(ctx: CaseContext) -> Built:
     return _flux(ctx, "auto")
+
+
+def flux_overlap(ctx: CaseContext) -> Built:
+    """The overlap kernel (GEMM consumes rows as they arrive), whatever the shape."""
+    return _flux(ctx, "fused", "overlap")
+
+
+def flux_latency(ctx: CaseContext) -> Built:
+    """The latency path (our NVLink collective + XLA's GEMM), whatever the shape."""
+    return _flux(ctx, "fused", "latency")
 
 
 def xla_jit(ctx: CaseContext) -> Built:
@@ -243,10 +259,11 @@ def flux_gemm_only(ctx: CaseContext) -> Built:
     w_spec = P(None, AXIS) if case.op == "ag" else P(AXIS, None)
     w = ctx.place("w", ctx.w, w_spec, mesh)
     if case.op == "ag":  # every shard holds all of x; shard r computes columns r
-        x_spec, out_spec, check = P(AXIS, None), P(None, AXIS), ctx.against_twin
+        # out_specs name "one" (size 1): the output varies over it as far as shard_map knows.
+        x_spec, out_spec, check = P(AXIS, None), P("one", AXIS), ctx.against_twin
         x = ctx.place("x_tiled", np.tile(ctx.x, (case.tp, 1)), x_spec, mesh)
     else:
-        x_spec, out_spec = P(None, AXIS), P(AXIS, None)
+        x_spec, out_spec = P(None, AXIS), P((AXIS, "one"), None)
         x = ctx.place("x", ctx.x, x_spec, mesh)
         check = lambda out: ctx.against_twin(  # noqa: E731
             out.reshape(case.tp, case.M, case.N).astype(np.float32).sum(0))
@@ -286,10 +303,12 @@ BUILDERS = {
     "pallas_mgpu": pallas_mgpu,
     "gemm_only": gemm_only,
     "flux_gemm_only": flux_gemm_only,
+    "flux_overlap": flux_overlap,
+    "flux_latency": flux_latency,
     "comm_only": comm_only,
 }
 # All variants in report order; xla_windowed_einsum runs in a subprocess (benchmarks/windowed.py).
 VARIANTS = (
-    "flux_fused", "flux_auto", "xla_shard_map", "xla_jit", "xla_windowed_einsum",
+    "flux_fused", "flux_auto", "flux_overlap", "flux_latency", "xla_shard_map", "xla_jit", "xla_windowed_einsum",
     "jax_ring", "jax_ring_bidi", "pallas_mgpu", "gemm_only", "flux_gemm_only", "comm_only",
 )

@@ -30,6 +30,12 @@ class Config:
       gpu_piece_bytes: GPU tuning: target size of the pieces a chunk travels in
         (each piece has its own flag); 0 = automatic (~1/8 chunk, >= 2 MiB).
       gpu_swizzle: GPU tuning: tile-scheduler swizzle (1, 2, 4 or 8).
+      fused_path: which fused implementation runs: "overlap" (one kernel in
+        which the GEMM consumes rows as they arrive -- the bandwidth path for
+        large M), "latency" (our one-kernel NVLink collective next to XLA's own
+        GEMM -- the small-M path, where the collective's latency is the cost),
+        or "auto" (on GPU the faster of the two for the shape, from
+        measurements in flux_jax/_heuristics.py; on CPU "overlap").
     """
 
     timeout_s: float = 60.0
@@ -38,6 +44,7 @@ class Config:
     debug_poison_outputs: bool = False
     gpu_piece_bytes: int = 0
     gpu_swizzle: int = 1
+    fused_path: str = "auto"
 
     def __post_init__(self):
         if not (isinstance(self.timeout_s, (int, float)) and 0 < self.timeout_s <= 24 * 3600):
@@ -50,6 +57,8 @@ class Config:
             raise ValueError(f"Config.gpu_piece_bytes must be an int >= 0, got {self.gpu_piece_bytes!r}")
         if self.gpu_swizzle not in (1, 2, 4, 8):
             raise ValueError(f"Config.gpu_swizzle must be 1, 2, 4 or 8, got {self.gpu_swizzle!r}")
+        if self.fused_path not in ("auto", "overlap", "latency"):
+            raise ValueError(f'Config.fused_path must be "auto", "overlap" or "latency", got {self.fused_path!r}')
         if not isinstance(self.debug_poison_outputs, bool):
             raise ValueError(f"Config.debug_poison_outputs must be a bool, got {self.debug_poison_outputs!r}")
 

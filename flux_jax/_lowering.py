@@ -10,6 +10,10 @@ cross-checks its rank against lax.axis_index, passed as an operand.
 Lowering is also where the mesh's topology is known: a TP group the fused
 kernels cannot serve (spanning hosts; spanning processes on GPU) lowers to the
 XLA twin instead, with one log line, or an error for impl="fused".
+
+And it is where the fused *path* is picked (Config.fused_path): "overlap", the
+one custom call whose GEMM consumes rows as they arrive, or "latency", our
+one-kernel NVLink collective custom call next to XLA's own GEMM (small M).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import mlir
 
-from flux_jax import _distributed
+from flux_jax import _distributed, _heuristics, _native
 from flux_jax._config import Config
 from flux_jax._errors import FusedUnavailableError
 
@@ -93,6 +97,39 @@ def _twin_lowering(prim_name, transpose_w, axis_name, outs):
     return mlir.lower_fun(twin, multiple_results=True)
 
 
+def _latency_lowering(prim_name, transpose_w, axis_name, tp_size, outs, attrs):
+    """The latency path: our NVLink collective (one custom call) and XLA's GEMM."""
+
+    def collective(target, x, rank, shape):
+        result = jax.typeof(x).update(shape=shape)  # keeps the manual-axis type of x
+        return jax.ffi.ffi_call(target, result)(x, rank, **attrs)
+
+    def latency(x, w, rank):
+        w = w.T if transpose_w else w
+        if prim_name == "flux_jax_ag_matmul":
+            x_full = collective(_native.ALL_GATHER_TARGET, x, rank, (tp_size * x.shape[0], x.shape[1]))
+            return [jnp.dot(x_full, w), x_full][:outs]
+        partial = jnp.dot(x, w)
+        shape = (x.shape[0] // tp_size, partial.shape[1])
+        return [collective(_native.REDUCE_SCATTER_TARGET, partial, rank, shape)]
+
+    del axis_name
+    return mlir.lower_fun(latency, multiple_results=True)
+
+
+def choose_path(prim_name: str, platform: str, config: Config, x_shape, w_shape, tp_size: int,
+                transpose_w: bool, dtype) -> str:
+    """"overlap" or "latency" for one fused call (Config.fused_path, else measurements)."""
+    if config.fused_path != "auto":
+        return config.fused_path
+    if platform == "cpu":
+        return "overlap"
+    op = "ag_matmul" if prim_name == "flux_jax_ag_matmul" else "matmul_rs"
+    rows = tp_size * x_shape[0] if op == "ag_matmul" else x_shape[0]
+    n = w_shape[0] if transpose_w else w_shape[1]
+    return _heuristics.best_fused_path(op, tp_size, rows, x_shape[1], n, np.dtype(dtype))
+
+
 def register_fused_lowering(prim, target: str, cuda_available) -> None:
     """Registers CPU and CUDA lowerings of `prim` to the FFI target `target`."""
 
@@ -108,9 +145,7 @@ def register_fused_lowering(prim, target: str, cuda_available) -> None:
                 _logged.add(reason)
                 logger.warning("flux_jax: using the XLA twin: %s", reason)
             return _twin_lowering(prim.name, transpose_w, axis_name, len(ctx.avals_out))(ctx, *operands)
-        return jax.ffi.ffi_lowering(target)(
-            ctx,
-            *operands,
+        attrs = dict(
             tp_size=np.int64(tp_size),
             tp_devices=np.array([d.id for d in groups.ravel()], dtype=np.int64),
             tp_processes=np.array([d.process_index for d in groups.ravel()], dtype=np.int64),
@@ -123,6 +158,13 @@ def register_fused_lowering(prim, target: str, cuda_available) -> None:
             piece_bytes=np.int64(config.gpu_piece_bytes),
             swizzle=np.int64(config.gpu_swizzle),
         )
+        x_aval, w_aval = ctx.avals_in[0], ctx.avals_in[1]
+        path = choose_path(prim.name, platform, config, x_aval.shape, w_aval.shape, tp_size,
+                           transpose_w, x_aval.dtype)
+        if path == "latency":
+            lower = _latency_lowering(prim.name, transpose_w, axis_name, tp_size, len(ctx.avals_out), attrs)
+            return lower(ctx, *operands)
+        return jax.ffi.ffi_lowering(target)(ctx, *operands, **attrs)
 
     def cuda_rule(ctx, *operands, **params):
         if not cuda_available():

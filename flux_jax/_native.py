@@ -47,6 +47,8 @@ except ImportError as e:
 
 AG_MATMUL_TARGET = "flux_jax_ag_matmul"
 MATMUL_RS_TARGET = "flux_jax_matmul_rs"
+ALL_GATHER_TARGET = "flux_jax_all_gather"  # latency path (see flux_jax/collectives.h)
+REDUCE_SCATTER_TARGET = "flux_jax_reduce_scatter"
 
 # Ops whose CUDA kernels are real (not the build placeholder).
 _CUDA_KERNELS: tuple[str, ...] = tuple(getattr(_ext, "cuda_kernels", lambda: ())())

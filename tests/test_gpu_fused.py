@@ -62,15 +62,17 @@ SHAPES = [  # global (M, K, N): aligned, unaligned m_local, K/N not multiples of
 ]
 
 
+@pytest.mark.parametrize("path", ["overlap", "latency"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("op", ["ag", "rs"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_fused_matches_oracle(gpus, op, dtype, shape):
+def test_fused_matches_oracle(gpus, op, dtype, shape, path):
     M, K, N = shape
     mesh = _mesh(gpus)
     rng = np.random.default_rng()
     x, w = random_array(rng, (M, K), dtype), random_array(rng, (K, N), dtype, scale=1 / np.sqrt(K))
-    fused, specs = _op_fn(op, mesh, "fused")
+    with flux_jax.config(fused_path=path):
+        fused, specs = _op_fn(op, mesh, "fused")
     twin, _ = _op_fn(op, mesh, "xla")
     xs, ws = place(mesh, x, specs[0]), place(mesh, w, specs[1])
     ref = to64(x) @ to64(w)
@@ -109,8 +111,11 @@ def test_gradients_match_twin(gpus, op):
     assert_matches(dw, to64(x).T @ np.asarray(ct, np.float64), tdw, "bfloat16", "dw")
 
 
-def test_1000_back_to_back_calls_with_xla_collectives_in_between(gpus):
-    """ag -> psum (XLA collective on its own stream) -> rs, 500 times in one scan."""
+@pytest.mark.parametrize("paths", [("overlap", "overlap"), ("latency", "latency"), ("overlap", "latency"),
+                                   ("latency", "overlap")], ids="-".join)
+def test_1000_back_to_back_calls_with_xla_collectives_in_between(gpus, paths):
+    """ag -> psum (XLA collective on its own stream) -> rs, 500 times in one scan; each op on
+    either path (mixed paths share one workspace and one epoch counter)."""
     mesh = _mesh(gpus)
     rng = np.random.default_rng()
     x = random_array(rng, (1024, 512), "bfloat16")
@@ -120,9 +125,11 @@ def test_1000_back_to_back_calls_with_xla_collectives_in_between(gpus):
     def program(impl):
         def body(h, w1, w2):
             def step(h, _):
-                y = flux_jax.ag_matmul(h, w1, axis_name="tp", impl=impl)
+                with flux_jax.config(fused_path=paths[0]):
+                    y = flux_jax.ag_matmul(h, w1, axis_name="tp", impl=impl)
                 y = y + jax.lax.psum(jnp.mean(y), "tp").astype(y.dtype)
-                h = flux_jax.matmul_rs(jnp.tanh(y), w2, axis_name="tp", impl=impl)
+                with flux_jax.config(fused_path=paths[1]):
+                    h = flux_jax.matmul_rs(jnp.tanh(y), w2, axis_name="tp", impl=impl)
                 return jnp.tanh(h), None
 
             return jax.lax.scan(step, h, None, length=500)[0]
@@ -139,11 +146,13 @@ def test_1000_back_to_back_calls_with_xla_collectives_in_between(gpus):
     assert not flux_jax.device_errors()
 
 
-def test_rs_is_bitwise_deterministic(gpus):
+@pytest.mark.parametrize("path", ["overlap", "latency"])
+def test_rs_is_bitwise_deterministic(gpus, path):
     mesh = _mesh(gpus)
     rng = np.random.default_rng()
     x, w = random_array(rng, (4096, 4096), "bfloat16"), random_array(rng, (4096, 2048), 'bfloat16', scale=1 / 64)
-    f, specs = _op_fn("rs", mesh, "fused")
+    with flux_jax.config(fused_path=path):
+        f, specs = _op_fn("rs", mesh, "fused")
     xs, ws = place(mesh, x, specs[0]), place(mesh, w, specs[1])
     first = np.asarray(f(xs, ws))
     for _ in range(3):
@@ -177,17 +186,57 @@ def test_missing_peer_times_out_then_reset(gpus):
     mesh = _mesh(gpus)
     rng = np.random.default_rng()
     x, w = random_array(rng, (512, 256), "bfloat16"), random_array(rng, (256, 256), "bfloat16")
-    with flux_jax.config(timeout_s=0.5, debug_drop_rank=1):
+    with flux_jax.config(timeout_s=0.5, debug_drop_rank=1, fused_path="overlap"):
         f, specs = _op_fn("ag", mesh, "fused")
         xs, ws = place(mesh, x, specs[0]), place(mesh, w, specs[1])
         out = np.asarray(f(xs, ws), np.float32)
     assert np.isnan(out).any(), "a timed-out call must not return plausible numbers"
     errors = flux_jax.device_errors()
     assert errors and "timed out" in next(iter(errors.values()))
-    good, _ = _op_fn("ag", mesh, "fused")
+    with flux_jax.config(fused_path="overlap"):
+        good, _ = _op_fn("ag", mesh, "fused")
     with pytest.raises(Exception, match=r"timed out \(rank \d waited for rank 1 to reach the op; epoch \d+"):
         np.asarray(good(xs, ws))
     flux_jax.reset()
     assert not flux_jax.device_errors()
     twin, _ = _op_fn("ag", mesh, "xla")
+    assert_matches(good(xs, ws), to64(x) @ to64(w), twin(xs, ws), "bfloat16", "after reset")
+
+
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_latency_path_small_m(gpus, op):
+    """Decode / chunked-prefill sizes on the latency path, random K and N (multiples of 8 per rank)."""
+    mesh = _mesh(gpus)
+    rng = np.random.default_rng()
+    for M in (2, 8, 16, 64, 128, 256, 512, 1024):
+        K, N = (int(v) * 16 for v in rng.integers(1, 160, size=2))
+        x, w = random_array(rng, (M, K), "bfloat16"), random_array(rng, (K, N), "bfloat16", scale=1 / np.sqrt(K))
+        with flux_jax.config(fused_path="latency", debug_poison_outputs=True):
+            f, specs = _op_fn(op, mesh, "fused")
+        t, _ = _op_fn(op, mesh, "xla")
+        xs, ws = place(mesh, x, specs[0]), place(mesh, w, specs[1])
+        hlo = f.lower(xs, ws).as_text()
+        assert "flux_jax_all_gather" in hlo or "flux_jax_reduce_scatter" in hlo
+        assert_matches(f(xs, ws), to64(x) @ to64(w), t(xs, ws), "bfloat16", f"{op} M={M} K={K} N={N}")
+    assert not flux_jax.device_errors()
+
+
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_latency_path_missing_peer_times_out_then_reset(gpus, op):
+    mesh = _mesh(gpus)
+    rng = np.random.default_rng()
+    x, w = random_array(rng, (128, 256), "bfloat16"), random_array(rng, (256, 256), "bfloat16")
+    with flux_jax.config(timeout_s=0.5, debug_drop_rank=1, fused_path="latency"):
+        f, specs = _op_fn(op, mesh, "fused")
+        xs, ws = place(mesh, x, specs[0]), place(mesh, w, specs[1])
+        out = np.asarray(f(xs, ws), np.float32)
+    assert np.isnan(out).any(), "a timed-out call must not return plausible numbers"
+    name = "all_gather" if op == "ag" else "reduce_scatter"
+    errors = flux_jax.device_errors()
+    assert errors and any(f"waited in {name} for block" in e for e in errors.values()), errors
+    flux_jax.reset()
+    assert not flux_jax.device_errors()
+    with flux_jax.config(fused_path="latency"):
+        good, _ = _op_fn(op, mesh, "fused")
+    twin, _ = _op_fn(op, mesh, "xla")
     assert_matches(good(xs, ws), to64(x) @ to64(w), twin(xs, ws), "bfloat16", "after reset")

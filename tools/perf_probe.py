@@ -55,7 +55,7 @@ def main():
     ap.add_argument("--ops", default="ag,rs")
     ap.add_argument("--out", default=None)
     ap.add_argument("--configs", default="",
-                    help="extra fused variants, e.g. 'gpu_swizzle=4;gpu_piece_bytes=8388608'")
+                    help="extra fused variants, e.g. 'gpu_swizzle=4;fused_path=latency'")
     args = ap.parse_args()
     gpus = [d for d in jax.devices() if d.platform == "gpu"][:2]
     mesh = jax.sharding.Mesh(np.array(gpus), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
@@ -79,7 +79,8 @@ def main():
             res = {}
             variants = [("fused", "fused", {}), ("xla", "xla", {})]
             for spec_text in filter(None, args.configs.split(";")):
-                kw = {k: int(v) for k, v in (item.split("=") for item in spec_text.split(","))}
+                kw = {k: int(v) if v.lstrip("-").isdigit() else v
+                      for k, v in (item.split("=") for item in spec_text.split(","))}
                 variants.append((f"fused[{spec_text}]", "fused", kw))
             for name, impl, kw in variants:
                 with flux_jax.config(**kw):

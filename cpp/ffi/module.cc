@@ -32,12 +32,16 @@ nb::dict Registrations() {
   nb::dict cpu;
   cpu["flux_jax_ag_matmul"] = Capsule(FluxJaxAgMatmulCpu);
   cpu["flux_jax_matmul_rs"] = Capsule(FluxJaxMatmulRsCpu);
+  cpu["flux_jax_all_gather"] = Capsule(FluxJaxAllGatherCpu);
+  cpu["flux_jax_reduce_scatter"] = Capsule(FluxJaxReduceScatterCpu);
   nb::dict all;
   all["cpu"] = cpu;
 #ifdef FLUX_JAX_WITH_CUDA
   nb::dict cuda;
   cuda["flux_jax_ag_matmul"] = Capsule(FluxJaxAgMatmulCuda);
   cuda["flux_jax_matmul_rs"] = Capsule(FluxJaxMatmulRsCuda);
+  cuda["flux_jax_all_gather"] = Capsule(FluxJaxAllGatherCuda);
+  cuda["flux_jax_reduce_scatter"] = Capsule(FluxJaxReduceScatterCuda);
   all["CUDA"] = cuda;
 #endif
   return all;
@@ -83,7 +87,7 @@ NB_MODULE(_flux_jax_ffi, m) {
       nb::arg("platform"), nb::arg("ordinal_to_id"),
       "Map local device ordinals (what handlers see) to global device ids (the mesh table).");
 #ifdef FLUX_JAX_WITH_CUDA
-  m.def("cuda_kernels", [] { return std::make_tuple(std::string("ag_matmul"), std::string("matmul_rs")); },
+  m.def("cuda_kernels", [] { return std::make_tuple(std::string("ag_matmul"), std::string("matmul_rs"), std::string("all_gather"), std::string("reduce_scatter")); },
         "Ops with CUDA kernels in this build.");
   m.def("reset_cuda_workspaces", &flux_jax::ResetCudaWorkspaces,
         "Free all GPU workspaces and clear device error records.");

@@ -3,6 +3,7 @@
 #include <string>
 
 #include "flux_jax/ag_matmul.h"
+#include "flux_jax/collectives.h"
 #include "flux_jax/matmul_rs.h"
 
 namespace flux_jax {
@@ -23,6 +24,27 @@ Status MatmulRsCanImplement(const MatmulRsParams& p, const TpGroup& group) {
   }
   if (group.size < 1 || p.m % group.size != 0) {
     return Status::InvalidArgument("matmul_rs: rows " + std::to_string(p.m) +
+                                   " not divisible by TP size " + std::to_string(group.size));
+  }
+  return Status::Ok();
+}
+
+Status AllGatherCanImplement(const CollectiveParams& p, const TpGroup& group) {
+  if (p.rows < 0 || p.cols <= 0) {
+    return Status::InvalidArgument("all_gather: bad shape rows=" + std::to_string(p.rows) +
+                                   " cols=" + std::to_string(p.cols));
+  }
+  if (group.size < 1) return Status::InvalidArgument("all_gather: empty TP group");
+  return Status::Ok();
+}
+
+Status ReduceScatterCanImplement(const CollectiveParams& p, const TpGroup& group) {
+  if (p.rows < 0 || p.cols <= 0) {
+    return Status::InvalidArgument("reduce_scatter: bad shape rows=" + std::to_string(p.rows) +
+                                   " cols=" + std::to_string(p.cols));
+  }
+  if (group.size < 1 || p.rows % group.size != 0) {
+    return Status::InvalidArgument("reduce_scatter: rows " + std::to_string(p.rows) +
                                    " not divisible by TP size " + std::to_string(group.size));
   }
   return Status::Ok();

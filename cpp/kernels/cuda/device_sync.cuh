@@ -11,7 +11,13 @@
 
 namespace flux_jax::cuda {
 
-enum WaitSite : int32_t { kSitePresent = 1, kSiteGemmA = 2, kSiteEpilogueC = 3 };
+enum WaitSite : int32_t {
+  kSitePresent = 1,
+  kSiteGemmA = 2,
+  kSiteEpilogueC = 3,
+  kSiteAllGather = 4,      // latency path; piece = thread block
+  kSiteReduceScatter = 5,  // latency path; piece = thread block
+};
 
 // Host-visible error record, one per device (cudaHostAllocMapped).
 struct DeviceError {

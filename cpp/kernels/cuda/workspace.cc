@@ -16,7 +16,7 @@ namespace flux_jax::cuda {
 namespace {
 
 constexpr int kMaxDevices = 64;
-constexpr size_t kCtrlWords = kMaxTp + kMaxFlags + 2;
+constexpr size_t kCtrlWords = kMaxTp + kMaxFlags + 2 + kMaxTp * kMaxLatencyBlocks;
 constexpr size_t kGrowGranule = size_t{64} << 20;  // grow in 64 MiB steps
 
 // Host-side rendezvous of the group's handler threads (one per device; XLA
@@ -123,7 +123,8 @@ Status InitMember(const TpGroup& g, GroupWorkspace* w) {
   w->present = static_cast<uint64_t*>(ctrl);
   w->arrived = w->present + kMaxTp;
   w->cells = w->arrived + kMaxFlags;
-  w->alpha = reinterpret_cast<float*>(w->cells + 2);
+  w->block_arrived = w->cells + 2;
+  w->alpha = reinterpret_cast<float*>(w->block_arrived + kMaxTp * kMaxLatencyBlocks);
   const float one = 1.0f;
   FLUX_CUDA_TRY(cudaMemcpy(w->alpha, &one, sizeof(one), cudaMemcpyHostToDevice));
   int least = 0, greatest = 0;
@@ -136,6 +137,7 @@ Status InitMember(const TpGroup& g, GroupWorkspace* w) {
   // Load every kernel now, while nothing of ours spins on this device.
   FLUX_JAX_RETURN_IF_ERROR(PreloadGemmKernels());
   FLUX_JAX_RETURN_IF_ERROR(PreloadStreamOps());
+  FLUX_JAX_RETURN_IF_ERROR(PreloadLatencyCollectives());
   Status st;
   DeviceError* records = ErrorRecords(&st);
   FLUX_JAX_RETURN_IF_ERROR(st);
@@ -147,7 +149,7 @@ void RefreshPeers(Group& group, GroupWorkspace* w) {
   w->peers.resize(group.members.size());
   for (size_t r = 0; r < group.members.size(); ++r) {
     const GroupWorkspace& m = *group.members[r];
-    w->peers[r] = PeerView{m.present, m.arrived, m.data};
+    w->peers[r] = PeerView{m.present, m.arrived, m.block_arrived, m.data, m.slots};
   }
 }
 
@@ -155,6 +157,7 @@ void FreeMember(GroupWorkspace* w) {
   DeviceGuard guard(w->device);
   cudaDeviceSynchronize();
   if (w->data) cudaFree(w->data);
+  if (w->slots) cudaFree(w->slots);
   if (w->present) cudaFree(w->present);
   if (w->comm) cudaStreamDestroy(w->comm);
   for (cudaEvent_t ev : {w->ev_start, w->ev_comm_done}) {
@@ -187,7 +190,7 @@ void PropagateError(const std::vector<int32_t>& devices, int device) {
 }  // namespace
 
 Status AcquireWorkspace(const TpGroup& g, size_t data_bytes, const CommConfig& cfg,
-                        cudaStream_t compute_stream, GroupWorkspace** out) {
+                        cudaStream_t compute_stream, GroupWorkspace** out, size_t slot_bytes) {
   if (g.cross_process) {
     return Status::InvalidArgument(
         "flux_jax: the CUDA kernels do not yet span processes (" + g.Describe() +
@@ -227,32 +230,40 @@ Status AcquireWorkspace(const TpGroup& g, size_t data_bytes, const CommConfig& c
     }
   }
   GroupWorkspace* w = member.get();
-  if (data_bytes > w->capacity) {
+  // Grows one area of every member: all reach this call, drain what they
+  // enqueued (pushes into peers' old buffers included), and only then may
+  // anyone free a buffer.
+  auto grow = [&](char** area, size_t* capacity, size_t bytes, const char* name) -> Status {
+    if (bytes <= *capacity) return Status::Ok();
     DeviceGuard guard(device);
-    // Every member reaches this call, drains what it enqueued (its pushes into
-    // peers' old buffers included), and only then may anyone free a buffer.
-    FLUX_JAX_RETURN_IF_ERROR(group->barrier.Arrive(cfg.timeout_us, "workspace growth (" + who + ")"));
+    const std::string what = std::string(name) + " growth (" + who + ")";
+    FLUX_JAX_RETURN_IF_ERROR(group->barrier.Arrive(cfg.timeout_us, what));
     FLUX_CUDA_TRY(cudaStreamSynchronize(compute_stream));
     FLUX_CUDA_TRY(cudaStreamSynchronize(w->comm));
-    FLUX_JAX_RETURN_IF_ERROR(group->barrier.Arrive(cfg.timeout_us, "workspace drain (" + who + ")"));
-    if (w->data) FLUX_CUDA_TRY(cudaFree(w->data));
-    w->data = nullptr;
-    w->capacity = 0;
-    const size_t bytes = (data_bytes + kGrowGranule - 1) / kGrowGranule * kGrowGranule;
-    cudaError_t err = cudaMalloc(reinterpret_cast<void**>(&w->data), bytes);
+    FLUX_JAX_RETURN_IF_ERROR(group->barrier.Arrive(cfg.timeout_us, what + ", drain"));
+    if (*area) FLUX_CUDA_TRY(cudaFree(*area));
+    *area = nullptr;
+    *capacity = 0;
+    const size_t rounded = (bytes + kGrowGranule - 1) / kGrowGranule * kGrowGranule;
+    cudaError_t err = cudaMalloc(reinterpret_cast<void**>(area), rounded);
     if (err != cudaSuccess) {
       cudaGetLastError();
-      Status st = AllocationError(device, bytes, err);
-      group->barrier.Arrive(cfg.timeout_us, "workspace reallocation");  // keep peers in step
+      Status st = AllocationError(device, rounded, err);
+      group->barrier.Arrive(cfg.timeout_us, what + ", reallocation");  // keep peers in step
       return st;
     }
-    w->capacity = bytes;
-    FLUX_JAX_RETURN_IF_ERROR(group->barrier.Arrive(cfg.timeout_us, "workspace reallocation (" + who + ")"));
+    *capacity = rounded;
+    FLUX_JAX_RETURN_IF_ERROR(group->barrier.Arrive(cfg.timeout_us, what + ", reallocation"));
     RefreshPeers(*group, w);
     for (const PeerView& peer : w->peers) {
-      if (peer.data == nullptr) return Status::ResourceExhausted("flux_jax: a peer failed to allocate its workspace");
+      if ((name[0] == 'd' ? peer.data : peer.slots) == nullptr) {
+        return Status::ResourceExhausted("flux_jax: a peer failed to allocate its workspace");
+      }
     }
-  }
+    return Status::Ok();
+  };
+  FLUX_JAX_RETURN_IF_ERROR(grow(&w->data, &w->capacity, data_bytes, "data workspace"));
+  FLUX_JAX_RETURN_IF_ERROR(grow(&w->slots, &w->slots_capacity, slot_bytes, "slot workspace"));
   *out = w;
   return Status::Ok();
 }
@@ -269,6 +280,8 @@ Status CheckDeviceError(int device) {
     case kSitePresent: os << " waited for rank " << e.peer << " to reach the op"; break;
     case kSiteGemmA: os << " waited for rows of chunk " << e.chunk << ", piece " << e.piece << " from rank " << e.peer; break;
     case kSiteEpilogueC: os << " waited for partial sums, piece " << e.piece << ", from rank " << e.peer; break;
+    case kSiteAllGather: os << " waited in all_gather for block " << e.piece << " of the rows of rank " << e.peer; break;
+    case kSiteReduceScatter: os << " waited in reduce_scatter for block " << e.piece << " of the partial sums of rank " << e.peer; break;
     default: os << " waited on an unknown site"; break;
   }
   os << "; epoch " << e.epoch << ", flag value seen " << e.seen
@@ -299,7 +312,9 @@ size_t WorkspaceBytes(int device) {
   size_t total = 0;
   for (auto& [devices, group] : Registry()) {
     for (auto& member : group->members) {
-      if (member && member->device == device) total += member->capacity + kCtrlWords * 8;
+      if (member && member->device == device) {
+        total += member->capacity + member->slots_capacity + kCtrlWords * 8;
+      }
     }
   }
   return total;

@@ -4,9 +4,14 @@
 // XLA's pool on the first call, peer access enabled between the group's GPUs,
 // every member's pointers visible to the others. Layout of each member:
 //
-//   ctrl (device, fixed): present[kMaxTp] | arrived[kMaxFlags] | cells[2]
+//   ctrl (device, fixed): present[kMaxTp] | arrived[kMaxFlags] | cells[2] |
+//                         block_arrived[kMaxTp][kMaxLatencyBlocks]
 //   alpha (device float): 1.0, NaN once a wait timed out (poisons results)
-//   data (device, grows): per-op receive / staging buffers
+//   data (device, grows): receive / staging buffers of the overlapped (large-M) ops
+//   slots (device, grows): receive slots of the latency-path collectives,
+//                          [parity][sender][chunk]; a separate area because a
+//                          latency call never waits for its peer to finish the
+//                          previous call, whose GEMM may still read `data`
 //
 // Flags hold epochs (one per fused call of the group, increasing) and are only
 // compared with >=, so they are never reset. The data area grows when a call
@@ -30,13 +35,16 @@ namespace flux_jax::cuda {
 inline constexpr int kMaxTp = 16;
 inline constexpr int kMaxPieces = 16;
 inline constexpr int kMaxFlags = kMaxTp * kMaxPieces;
+inline constexpr int kMaxLatencyBlocks = 128;  // thread blocks of one latency collective
 
 // What one member can see of another (device pointers valid in its own space
 // through peer access).
 struct PeerView {
   uint64_t* present = nullptr;
   uint64_t* arrived = nullptr;
+  uint64_t* block_arrived = nullptr;
   char* data = nullptr;
+  char* slots = nullptr;
 };
 
 struct GroupWorkspace {
@@ -49,9 +57,12 @@ struct GroupWorkspace {
   uint64_t* present = nullptr;  // [kMaxTp]: present[p] = last epoch rank p reached
   uint64_t* arrived = nullptr;  // [kMaxFlags]: row pieces of the current call
   uint64_t* cells = nullptr;    // [2]: epoch value sources for copy-engine flag writes
+  uint64_t* block_arrived = nullptr;  // [kMaxTp][kMaxLatencyBlocks]: latency collectives
   float* alpha = nullptr;
   char* data = nullptr;
   size_t capacity = 0;
+  char* slots = nullptr;
+  size_t slots_capacity = 0;
 
   cudaStream_t comm = nullptr;  // high-priority copy stream
   cudaEvent_t ev_start = nullptr, ev_comm_done = nullptr;
@@ -76,14 +87,18 @@ struct GroupWorkspace {
 // at least `data_bytes`. Every member of the group must call it for the same
 // calls in the same order (the same program runs on every device).
 // `compute_stream` is drained (synchronized) only when the workspace grows.
+// `slot_bytes`: size the latency path's slot area needs (0: leave it).
 Status AcquireWorkspace(const TpGroup& group, size_t data_bytes, const CommConfig& cfg,
-                        cudaStream_t compute_stream, GroupWorkspace** out);
+                        cudaStream_t compute_stream, GroupWorkspace** out, size_t slot_bytes = 0);
 
 // The sticky error of `device`, if a device-side wait timed out.
 Status CheckDeviceError(int device);
 
 // Frees every workspace and clears the error records (no op may be running).
 void ResetWorkspaces();
+
+// Loads the latency-path kernels (latency_collectives.cu) into the current context.
+Status PreloadLatencyCollectives();
 
 // Bytes held by workspaces on `device`.
 size_t WorkspaceBytes(int device);

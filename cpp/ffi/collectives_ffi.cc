@@ -1,0 +1,88 @@
+// FFI adapters of the latency path's collectives (all_gather, reduce_scatter):
+// decode the buffers into CollectiveParams, call the backend, map the Status.
+#include <optional>
+
+#include "ffi_common.h"
+#include "flux_jax/collectives.h"
+#include "handlers.h"
+
+namespace flux_jax::ffi_adapter {
+namespace {
+
+enum class Collective { kAllGather, kReduceScatter };
+
+Status MakeParams(Collective op, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
+                  const TpGroup& group, CollectiveParams* p) {
+  const char* name = op == Collective::kAllGather ? "all_gather" : "reduce_scatter";
+  auto xd = x.dimensions();
+  if (xd.size() != 2) return Status::InvalidArgument(std::string(name) + ": x must be 2-D");
+  FLUX_JAX_RETURN_IF_ERROR(ToDType(x.element_type(), name, &p->dtype));
+  if (out->element_type() != x.element_type()) {
+    return Status::InvalidArgument(std::string(name) + ": x and out must share one dtype");
+  }
+  p->rows = xd[0];
+  p->cols = xd[1];
+  p->x = x.untyped_data();
+  p->out = out->untyped_data();
+  if (op == Collective::kAllGather) {
+    FLUX_JAX_RETURN_IF_ERROR(CheckElements("all_gather out", out->element_count(), group.size * p->rows * p->cols));
+    return AllGatherCanImplement(*p, group);
+  }
+  FLUX_JAX_RETURN_IF_ERROR(ReduceScatterCanImplement(*p, group));
+  return CheckElements("reduce_scatter out", out->element_count(), p->rows / group.size * p->cols);
+}
+
+template <Collective op>
+ffi::Error Run(void* stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank,
+               ffi::Result<ffi::AnyBuffer> out, ffi::Dictionary attrs) {
+  std::optional<int32_t> host_rank;
+  if (stream == nullptr) host_rank = rank.typed_data()[0];  // on GPU it is device memory
+  TpGroup group;
+  CommConfig cfg;
+  CollectiveParams p;
+  const Platform platform = stream ? Platform::kCuda : Platform::kCpu;
+  Status s = DecodeCommon(attrs, platform, device_ordinal, host_rank, &group, &cfg);
+  if (s.ok()) s = MakeParams(op, x, out, group, &p);
+  if (s.ok()) {
+    if (op == Collective::kAllGather) {
+      s = stream ? RunAllGatherCuda(p, group, cfg, stream) : RunAllGatherCpu(p, group, cfg);
+    } else {
+      s = stream ? RunReduceScatterCuda(p, group, cfg, stream) : RunReduceScatterCpu(p, group, cfg);
+    }
+  }
+  return ToFfiError(s);
+}
+
+template <Collective op>
+ffi::Error RunCpu(int32_t device_ordinal, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank,
+                  ffi::Result<ffi::AnyBuffer> out, ffi::Dictionary attrs) {
+  return Run<op>(nullptr, device_ordinal, x, rank, out, attrs);
+}
+
+}  // namespace
+}  // namespace flux_jax::ffi_adapter
+
+namespace ffi = xla::ffi;
+using flux_jax::ffi_adapter::Collective;
+
+#define FLUX_JAX_COLLECTIVE_BINDING(...)                                  \
+  ffi::Ffi::Bind()                                                        \
+      __VA_ARGS__.Ctx<ffi::DeviceOrdinal>()                               \
+      .Arg<ffi::AnyBuffer>()         /* x */                              \
+      .Arg<ffi::Buffer<ffi::S32>>()  /* rank = lax.axis_index */          \
+      .Ret<ffi::AnyBuffer>()         /* gathered / reduced rows */        \
+      .Attrs()
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FluxJaxAllGatherCpu,
+                              flux_jax::ffi_adapter::RunCpu<Collective::kAllGather>,
+                              FLUX_JAX_COLLECTIVE_BINDING());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FluxJaxReduceScatterCpu,
+                              flux_jax::ffi_adapter::RunCpu<Collective::kReduceScatter>,
+                              FLUX_JAX_COLLECTIVE_BINDING());
+#ifdef FLUX_JAX_WITH_CUDA
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FluxJaxAllGatherCuda, flux_jax::ffi_adapter::Run<Collective::kAllGather>,
+                              FLUX_JAX_COLLECTIVE_BINDING(.Ctx<ffi::PlatformStream<void*>>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FluxJaxReduceScatterCuda,
+                              flux_jax::ffi_adapter::Run<Collective::kReduceScatter>,
+                              FLUX_JAX_COLLECTIVE_BINDING(.Ctx<ffi::PlatformStream<void*>>()));
+#endif

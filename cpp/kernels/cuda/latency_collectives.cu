@@ -1,0 +1,264 @@
+// Latency-path collectives: one kernel per call, rows moved with SM stores over
+// NVLink, per-block epoch flags, no host work beyond the launch.
+//
+// Every rank launches the same grid over the same chunk size, so block i of
+// every rank owns the same byte range [lo_i, hi_i) of a chunk. Block i only
+// ever waits for block i of its peers, never for the whole grid:
+//
+//   all_gather, rank r, block i                 reduce_scatter, rank r, block i
+//   ------------------------------------------  --------------------------------------------
+//   v = x[lo_i:hi_i]                            for peer p != r:
+//   out[chunk r][lo_i:hi_i] = v                   peer p.slot[b][r][lo_i:hi_i] = x[chunk p][..]
+//   peer p.slot[b][r][lo_i:hi_i] = v  (NVLink)  fence.sys; peer p.flag[r][i] = epoch
+//   fence.sys; peer p.flag[r][i] = epoch        wait flag[q][i] >= epoch for every q != r
+//   wait flag[q][i] >= epoch, q != r            out[lo_i:hi_i] = sum over q = 0..tp-1 in rank
+//   out[chunk q][lo_i:hi_i] = slot[b][q][..]      order of (q == r ? x[chunk r] : slot[b][q]),
+//                                                 in float32, rounded once
+//
+// b = epoch & 1 (double-buffered slots). Why a sender may overwrite slot[b] of
+// call e+2 without asking: it starts call e+2 only after its call e+1 saw the
+// peer's flags of e+1, which the peer raises in its kernel e+1, i.e. after its
+// kernel e (the last reader of slot[b]) has finished on its stream.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+
+#include "cuda_util.h"
+#include "device_sync.cuh"
+#include "flux_jax/collectives.h"
+#include "workspace.h"
+
+namespace flux_jax::cuda {
+namespace {
+
+constexpr int kThreads = 512;
+// Peer tables are indexed with compile-time indices only (unrolled loops), so
+// the kernel parameters are never copied to local memory.
+constexpr int kMaxPeers = 8;
+constexpr int64_t kBytesPerBlock = 32 << 10;  // enough blocks to keep NVLink busy early
+
+struct CollectiveArgs {
+  const uint4* x;
+  uint4* out;
+  uint4* peer_slot[kMaxPeers];       // my chunk's slot on each peer (null for me)
+  uint64_t* peer_flag[kMaxPeers];    // peer's block_arrived row for sender `rank`
+  const uint4* my_slots;             // slot[b][0] of my own area; sender q at q * chunk_vecs
+  const uint64_t* my_flags;          // my block_arrived, [sender][block]
+  int64_t chunk_vecs;                // 16-byte vectors per chunk
+  int32_t tp, rank;
+  bool signal;                       // false: debug_drop_rank (tests the timeout path)
+  int32_t site;
+  WaitContext ctx;
+};
+
+__device__ __forceinline__ void StoreReleaseSys(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ void BlockRange(int64_t chunk_vecs, int64_t* lo, int64_t* hi) {
+  const int64_t blocks = gridDim.x, block = blockIdx.x;
+  const int64_t per = (chunk_vecs + blocks - 1) / blocks;
+  *lo = per * block < chunk_vecs ? per * block : chunk_vecs;
+  *hi = *lo + per < chunk_vecs ? *lo + per : chunk_vecs;
+}
+
+// After this block's stores: raise its flag on every peer.
+__device__ __forceinline__ void SignalPeers(const CollectiveArgs& a) {
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0 && a.signal) {
+#pragma unroll
+    for (int p = 0; p < kMaxPeers; ++p) {
+      if (p < a.tp && p != a.rank) StoreReleaseSys(a.peer_flag[p] + blockIdx.x, a.ctx.epoch);
+    }
+  }
+}
+
+// Waits for block blockIdx.x of sender q; false (recorded, poisoned) on timeout.
+__device__ __forceinline__ bool WaitSender(const CollectiveArgs& a, int q) {
+  __shared__ int ok;
+  if (threadIdx.x == 0) {
+    const WaitContext ctx = a.ctx;  // WaitFlag takes a reference: copy only this, not all of `a`
+    ok = WaitFlag(a.my_flags + q * kMaxLatencyBlocks + blockIdx.x, ctx, a.site, q, -1,
+                  static_cast<int32_t>(blockIdx.x));
+  }
+  __syncthreads();
+  const bool result = ok != 0;
+  __syncthreads();  // `ok` is reused by the next wait
+  return result;
+}
+
+__device__ __forceinline__ uint4 NaN16() { return make_uint4(~0u, ~0u, ~0u, ~0u); }  // bf16/f16 NaN
+
+__global__ void __launch_bounds__(kThreads) AllGatherKernel(CollectiveArgs a) {
+  int64_t lo, hi;
+  BlockRange(a.chunk_vecs, &lo, &hi);
+  uint4* own = a.out + a.rank * a.chunk_vecs;
+  for (int64_t v = lo + threadIdx.x; v < hi; v += kThreads) {
+    const uint4 val = __ldg(a.x + v);
+    own[v] = val;
+#pragma unroll
+    for (int p = 0; p < kMaxPeers; ++p) {
+      if (p < a.tp && p != a.rank) a.peer_slot[p][v] = val;
+    }
+  }
+  SignalPeers(a);
+  for (int i = 1; i < a.tp; ++i) {
+    const int q = (a.rank + i) % a.tp;
+    const bool ok = WaitSender(a, q);
+    const uint4* src = a.my_slots + q * a.chunk_vecs;
+    uint4* dst = a.out + q * a.chunk_vecs;
+    for (int64_t v = lo + threadIdx.x; v < hi; v += kThreads) dst[v] = ok ? src[v] : NaN16();
+  }
+}
+
+template <typename T>
+struct Pair;
+template <>
+struct Pair<__nv_bfloat16> {
+  using T2 = __nv_bfloat162;
+  static __device__ float2 ToFloat2(uint32_t u) { return __bfloat1622float2(*reinterpret_cast<T2*>(&u)); }
+  static __device__ uint32_t FromFloat2(float2 f) {
+    T2 h = __floats2bfloat162_rn(f.x, f.y);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+};
+template <>
+struct Pair<__half> {
+  using T2 = __half2;
+  static __device__ float2 ToFloat2(uint32_t u) { return __half22float2(*reinterpret_cast<T2*>(&u)); }
+  static __device__ uint32_t FromFloat2(float2 f) {
+    T2 h = __floats2half2_rn(f.x, f.y);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) ReduceScatterKernel(CollectiveArgs a) {
+  int64_t lo, hi;
+  BlockRange(a.chunk_vecs, &lo, &hi);
+#pragma unroll
+  for (int p = 0; p < kMaxPeers; ++p) {
+    if (p >= a.tp || p == a.rank) continue;
+    const uint4* src = a.x + p * a.chunk_vecs;
+    for (int64_t v = lo + threadIdx.x; v < hi; v += kThreads) a.peer_slot[p][v] = __ldg(src + v);
+  }
+  SignalPeers(a);
+  bool ok = true;
+  for (int q = 0; q < a.tp; ++q) {
+    if (q != a.rank) ok = WaitSender(a, q) && ok;
+  }
+  for (int64_t v = lo + threadIdx.x; v < hi; v += kThreads) {
+    float2 acc[4] = {};
+    for (int q = 0; q < a.tp; ++q) {  // rank order: the same sum on every rank, every run
+      const uint4 val = q == a.rank ? __ldg(a.x + a.rank * a.chunk_vecs + v)
+                                    : a.my_slots[q * a.chunk_vecs + v];
+      const uint32_t w[4] = {val.x, val.y, val.z, val.w};
+      for (int j = 0; j < 4; ++j) {
+        const float2 f = Pair<T>::ToFloat2(w[j]);
+        acc[j].x += f.x;
+        acc[j].y += f.y;
+      }
+    }
+    uint4 r;
+    r.x = Pair<T>::FromFloat2(acc[0]);
+    r.y = Pair<T>::FromFloat2(acc[1]);
+    r.z = Pair<T>::FromFloat2(acc[2]);
+    r.w = Pair<T>::FromFloat2(acc[3]);
+    a.out[v] = ok ? r : NaN16();
+  }
+}
+
+enum class Kind { kAllGather, kReduceScatter };
+
+Status Run(Kind kind, const CollectiveParams& p, const TpGroup& group, const CommConfig& cfg,
+           void* stream_ptr) {
+  const char* name = kind == Kind::kAllGather ? "all_gather" : "reduce_scatter";
+  if (p.dtype == DType::kF32) {
+    return Status::InvalidArgument(std::string(name) + ": the CUDA kernel takes bfloat16 or float16");
+  }
+  auto S = static_cast<cudaStream_t>(stream_ptr);
+  const int tp = group.size, r = group.rank;
+  const int device = group.ordinals[r];
+  DeviceGuard guard(device);
+  const size_t elt = DTypeBytes(p.dtype);
+  const int64_t chunk_rows = kind == Kind::kAllGather ? p.rows : p.rows / tp;
+  const size_t chunk_bytes = static_cast<size_t>(chunk_rows * p.cols) * elt;
+  if (chunk_bytes % sizeof(uint4) != 0 || reinterpret_cast<uintptr_t>(p.x) % 16 ||
+      reinterpret_cast<uintptr_t>(p.out) % 16) {
+    return Status::InvalidArgument(std::string(name) + ": rows of " + std::to_string(p.cols) +
+                                   " elements are not a multiple of 16 bytes (need cols % 8 == 0)");
+  }
+  const size_t out_bytes = kind == Kind::kAllGather ? tp * chunk_bytes : chunk_bytes;
+  if (tp > kMaxPeers) {
+    return Status::InvalidArgument(std::string(name) + ": the latency path supports TP <= " +
+                                   std::to_string(kMaxPeers) + ", got " + std::to_string(tp));
+  }
+  if (tp == 1) {
+    if (out_bytes) FLUX_CUDA_TRY(cudaMemcpyAsync(p.out, p.x, out_bytes, cudaMemcpyDeviceToDevice, S));
+    return Status::Ok();
+  }
+  GroupWorkspace* ws = nullptr;
+  FLUX_JAX_RETURN_IF_ERROR(AcquireWorkspace(group, 0, cfg, S, &ws, 2 * tp * chunk_bytes));
+  ws->epoch += 1;  // every rank counts every fused call of the group: epochs agree
+  if (cfg.poison_outputs) FLUX_CUDA_TRY(cudaMemsetAsync(p.out, 0xFF, out_bytes, S));
+  if (chunk_bytes == 0) return Status::Ok();
+
+  const size_t parity_offset = (ws->epoch & 1) * tp * chunk_bytes;
+  CollectiveArgs a{};
+  a.x = static_cast<const uint4*>(p.x);
+  a.out = static_cast<uint4*>(p.out);
+  for (int q = 0; q < tp; ++q) {
+    if (q == r) continue;
+    a.peer_slot[q] = reinterpret_cast<uint4*>(ws->peers[q].slots + parity_offset + r * chunk_bytes);
+    a.peer_flag[q] = ws->peers[q].block_arrived + r * kMaxLatencyBlocks;
+  }
+  a.my_slots = reinterpret_cast<const uint4*>(ws->slots + parity_offset);
+  a.my_flags = ws->block_arrived;
+  a.chunk_vecs = static_cast<int64_t>(chunk_bytes / sizeof(uint4));
+  a.tp = tp;
+  a.rank = r;
+  a.signal = cfg.drop_rank != r;
+  a.site = kind == Kind::kAllGather ? kSiteAllGather : kSiteReduceScatter;
+  a.ctx = ws->Wait(cfg.timeout_us);
+  const int64_t want = (static_cast<int64_t>(chunk_bytes) + kBytesPerBlock - 1) / kBytesPerBlock;
+  const int blocks = static_cast<int>(std::clamp<int64_t>(want, 1, std::min(kMaxLatencyBlocks, ws->sm_count)));
+  if (kind == Kind::kAllGather) {
+    AllGatherKernel<<<blocks, kThreads, 0, S>>>(a);
+  } else if (p.dtype == DType::kBF16) {
+    ReduceScatterKernel<__nv_bfloat16><<<blocks, kThreads, 0, S>>>(a);
+  } else {
+    ReduceScatterKernel<__half><<<blocks, kThreads, 0, S>>>(a);
+  }
+  FLUX_CUDA_TRY(cudaGetLastError());
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status PreloadLatencyCollectives() {
+  cudaFuncAttributes attrs;
+  FLUX_CUDA_TRY(cudaFuncGetAttributes(&attrs, AllGatherKernel));
+  FLUX_CUDA_TRY(cudaFuncGetAttributes(&attrs, ReduceScatterKernel<__nv_bfloat16>));
+  FLUX_CUDA_TRY(cudaFuncGetAttributes(&attrs, ReduceScatterKernel<__half>));
+  return Status::Ok();
+}
+
+}  // namespace flux_jax::cuda
+
+namespace flux_jax {
+
+Status RunAllGatherCuda(const CollectiveParams& p, const TpGroup& group, const CommConfig& cfg,
+                        void* stream) {
+  FLUX_JAX_RETURN_IF_ERROR(AllGatherCanImplement(p, group));
+  return cuda::Run(cuda::Kind::kAllGather, p, group, cfg, stream);
+}
+
+Status RunReduceScatterCuda(const CollectiveParams& p, const TpGroup& group, const CommConfig& cfg,
+                            void* stream) {
+  FLUX_JAX_RETURN_IF_ERROR(ReduceScatterCanImplement(p, group));
+  return cuda::Run(cuda::Kind::kReduceScatter, p, group, cfg, stream);
+}
+
+}  // namespace flux_jax
