@@ -1,52 +1,84 @@
 """Which implementation runs on GPU: the overlap kernel, the latency path, or the XLA twin.
 
-From on-device measurements (benchmarks/RESULTS.md, 2x H200, TP=2, bf16, 2026-11-29, harness,
-dispatch-free ms per call):
+Measured with the harness (dispatch-free device time, 2x H200, TP=2, bf16, 2026-11-29; data in
+benchmarks/data/harness_*_2026-11-29.json). Speedup over the twin (xla_shard_map), global shapes,
+AG: n = N/2 per rank; RS: k = K/2 per rank:
 
-  op  M      K     N      twin    overlap  latency
-  ag  4096   8192  8192   0.547   0.389    (pending)
-  ag  16384  8192  8192   2.054   1.512
-  ag  8192   8192  28672  2.963   3.287    <- per-rank N 14336: the shipped GEMM config is slow there
-  ag  64     8192  8192   0.037   0.110
-  rs  4096   8192  8192   0.594   0.419
-  rs  16384  8192  8192   2.069   1.683
-  rs  8192   28672 8192   2.915   2.823
-  rs  64     8192  8192   0.043   0.111
+  op  M      K      N      twin us  overlap  latency
+  ag  16     8192   57344    128.0   0.69     1.00
+  ag  64     8192   10240     49.2   0.44     1.09
+  ag  64     8192   57344    130.7   0.78     1.03
+  ag  256    4096   6144      47.3   0.64     0.86   <- small GEMM: the twin
+  ag  256    8192   10240     73.4   0.62     1.21
+  ag  256    8192   57344    236.8   0.88     1.14
+  ag  1024   4096   6144      76.8   0.85     1.20
+  ag  1024   8192   57344    749.1   0.84     1.09
+  ag  4096   8192   8192     546.7   1.40     0.93 (probe)
+  ag  16384  8192   8192    2054.4   1.36
+  ag  8192   8192   28672   2962.8   0.90     1.01 (probe)
+  rs  16     4096   4096      38.4   0.54     1.86
+  rs  16     28672  8192      73.1   0.25     0.97   <- GEMM-bound: the twin
+  rs  64     4096   4096      37.6   0.55     1.67
+  rs  64     8192   8192      40.9   0.37     0.98
+  rs  256    8192   8192      62.4   0.55     1.27
+  rs  256    28672  8192     129.8   0.42     1.21
+  rs  1024   4096   4096      64.4   0.77     1.23
+  rs  1024   8192   8192     153.2   1.24     1.10
+  rs  1024   28672  8192     394.3   1.15     1.03
+  rs  4096   8192   8192     594.3   1.42     0.97 (probe)
+  rs  16384  8192   8192    2068.6   1.23
+  rs  8192   28672  8192    2914.7   1.03     1.00 (probe)
 
-The rule: the overlap kernel where it was measured faster (TP=2, global M >= 2048, per-rank
-N <= 8192); below that the latency path. Everything else keeps the twin, so impl="auto" is
-never slower than the twin where we have not measured.
+Reading: the overlap kernel wins once there are enough row tiles to hide the transfer (M >=
+2048; RS already at M = 1024 with N = 8192) and only while its single 128x256 GEMM config is
+competitive (per-rank N <= 8192). Below that the latency path wins wherever the collective's
+latency is a visible share of the call, i.e. for mid M, and for small M only when the GEMM is
+short (RS); when a small-M GEMM is long anyway, the three are within noise and the twin stays.
+The rule below is fitted to these points (shapes in between are interpolated, not measured).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-# (op, tp) -> (smallest global M, largest per-rank GEMM N) where the overlap kernel is faster.
-_OVERLAP_REGION: dict[tuple[str, int], tuple[int, int]] = {
-    ("ag_matmul", 2): (2048, 8192),
-    ("matmul_rs", 2): (2048, 8192),
-}
-# (op, tp) -> (largest global M, largest per-rank GEMM N) where the latency path is faster.
-_LATENCY_REGION: dict[tuple[str, int], tuple[int, int]] = {}
+_MAX_OVERLAP_N = 8192  # per-rank GEMM N beyond which the overlap kernel's GEMM is slower than XLA's
+# M * k * n (per-rank multiply-adds) thresholds of the latency path, from the table above.
+_AG_LATENCY_MIN_MACS = 4e9  # AG with M >= 64: below this the twin (ag 256x4096x6144: 3.2e9, 0.86x)
+_RS_SMALL_M_MAX_MACS = 1e9  # RS with M < 256: above this the twin (rs 16x28672x8192: 1.9e9, 0.97x)
 
 
-def best_fused_path(op: str, tp: int, rows: int, k: int, n: int, dtype: np.dtype) -> str:
-    """"overlap" or "latency": the faster fused path for a global GEMM of `rows` rows."""
-    del k, dtype
-    min_rows, _ = _OVERLAP_REGION.get((op, tp), (2048, 0))
-    return "overlap" if rows >= min_rows else "latency"
+def choose(op: str, tp: int, rows: int, k: int, n: int, dtype) -> str:
+    """"overlap", "latency" or "xla" for a global GEMM of `rows` rows.
+
+    `k`, `n`: the per-rank GEMM's contraction size and output columns (AG: K and N/tp;
+    RS: K/tp and N).
+    """
+    if np.dtype(dtype) == np.float32 or tp != 2:
+        return "xla"  # no float32 kernels; TP > 2 not measured yet (issue 7)
+    macs = float(rows) * k * n
+    if op == "ag_matmul":
+        if rows >= 2048:
+            return "overlap" if n <= _MAX_OVERLAP_N else "xla"
+        return "latency" if rows >= 64 and macs >= _AG_LATENCY_MIN_MACS else "xla"
+    if n <= _MAX_OVERLAP_N and (rows >= 2048 or (rows >= 1024 and n >= 8192)):
+        return "overlap"
+    if rows >= 2048:
+        return "xla"
+    if rows >= 256 or macs <= _RS_SMALL_M_MAX_MACS:
+        return "latency"
+    return "xla"
 
 
-def fused_is_faster(op: str, tp: int, rows: int, k: int, n: int, dtype: np.dtype) -> bool:
-    """`rows`: global GEMM rows M; `n`: the per-rank GEMM's N (its output columns)."""
-    if np.dtype(dtype) == np.float32:
-        return False  # no float32 kernels
-    region = (_OVERLAP_REGION if best_fused_path(op, tp, rows, k, n, dtype) == "overlap"
-              else _LATENCY_REGION).get((op, tp))
-    if region is None:
-        return False
-    limit_rows, max_n = region
-    if best_fused_path(op, tp, rows, k, n, dtype) == "overlap":
-        return rows >= limit_rows and n <= max_n
-    return rows <= limit_rows and n <= max_n
+def best_fused_path(op: str, tp: int, rows: int, k: int, n: int, dtype) -> str:
+    """The fused path for a call that must be fused (impl="fused", fused_path="auto")."""
+    choice = choose(op, tp, rows, k, n, dtype)
+    if choice != "xla":
+        return choice
+    if op == "ag_matmul":
+        return "overlap" if rows >= 2048 and n <= _MAX_OVERLAP_N else "latency"
+    return "overlap" if rows >= 1024 and n <= _MAX_OVERLAP_N else "latency"
+
+
+def fused_is_faster(op: str, tp: int, rows: int, k: int, n: int, dtype) -> bool:
+    """impl="auto": take a fused path only where one was measured faster than the twin."""
+    return choose(op, tp, rows, k, n, dtype) != "xla"
