@@ -20,7 +20,7 @@ from benchmarks.variants import LIMIT_VARIANTS, VARIANTS  # noqa: E402
 
 _OP_NAME = {"ag": "AllGather -> GEMM", "rs": "GEMM -> ReduceScatter"}
 # One color per variant in every subplot and every file.
-_COLOR = {variant: f"C{i}" for i, variant in enumerate(VARIANTS)}
+_COLOR = {variant: plt.get_cmap("tab20")(i % 20) for i, variant in enumerate(VARIANTS)}
 
 
 def _layer_shapes(rows: list[dict]) -> dict[tuple, dict[int, dict[str, dict]]]:
@@ -149,10 +149,37 @@ def time_split_plot(rows: list[dict], path: Path, title: str, variant: str = "fl
     _save(fig, path, handles)
 
 
+def time_plot(rows: list[dict], path: Path, title: str) -> None:
+    """Time per call vs M (log-log), one line per variant: the fused ones next to twin and GEMM alone."""
+    shapes = _layer_shapes(rows)
+    fig, axes = _grid(len(shapes), f"{title}: time per call; lower is better")
+    handles: dict[str, object] = {}
+    for ax, (shape, by_m) in zip(axes, shapes.items()):
+        ms_sorted = sorted(by_m)
+        for variant in VARIANTS:
+            points = [(m, _ok_ms(by_m[m], variant) * 1e3) for m in ms_sorted if _ok_ms(by_m[m], variant)]
+            if points:
+                style = "-" if variant.startswith("flux") else "--"
+                (handles[variant],) = ax.plot(*zip(*points), style, marker="o", color=_COLOR[variant],
+                                              label=variant, linewidth=2.2 if variant.startswith("flux") else 1.2)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(ms_sorted, [str(m) for m in ms_sorted])
+        ax.set_xlabel("M (global rows = tokens)")
+        ax.set_ylabel("us per call (dispatch-free)")
+        ax.set_title(_title(shape, by_m))
+        ax.grid(True, which="both", alpha=0.3)
+    _save(fig, path, list(handles.values()))
+
+
 def write_plots(rows: list[dict], out_dir: Path, stem: str) -> list[Path]:
-    """Both plots as <stem>_speedup.png and <stem>_time_split.png; returns their paths."""
+    """<stem>_speedup.png, <stem>_time.png and <stem>_time_split.png; returns their paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    speedup, split = out_dir / f"{stem}_speedup.png", out_dir / f"{stem}_time_split.png"
+    speedup, times = out_dir / f"{stem}_speedup.png", out_dir / f"{stem}_time.png"
+    split = out_dir / f"{stem}_time_split.png"
     speedup_plot(rows, speedup, stem)
-    time_split_plot(rows, split, stem)
-    return [speedup, split]
+    time_plot(rows, times, stem)
+    present = {row["variant"] for row in rows}
+    fused = next((v for v in ("flux_fused", "flux_auto", "flux_latency", "flux_overlap") if v in present), "flux_fused")
+    time_split_plot(rows, split, stem, fused)
+    return [speedup, times, split]

@@ -90,16 +90,17 @@ def _speedup(row: dict | None) -> str:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """ms per variant for each shape, speedups of flux_fused / flux_auto, and footnotes."""
+    """ms per variant for each shape, speedups of every flux_jax variant present, and footnotes."""
     present = [v for v in VARIANTS if any(r["variant"] == v for r in rows)]
-    header = ["op", "layer", "M", "K", "N", *present, "flux_fused speedup", "flux_auto speedup"]
+    fused = [v for v in present if v.startswith("flux") and v != "flux_gemm_only"]
+    header = ["op", "layer", "M", "K", "N", *present, *(f"{v} speedup" for v in fused)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     reasons: dict[tuple[str, str], int] = {}
     for (op, m, k, n), group in shape_groups(rows).items():
         by_variant = {r["variant"]: r for r in group}
         cells = [op, group[0]["layer"], str(m), str(k), str(n)]
         cells += [_cell(by_variant.get(v)) for v in present]
-        cells += [_speedup(by_variant.get("flux_fused")), _speedup(by_variant.get("flux_auto"))]
+        cells += [_speedup(by_variant.get(v)) for v in fused]
         lines.append("| " + " | ".join(cells) + " |")
         for r in group:
             if r["status"].startswith("unavailable"):

@@ -259,11 +259,11 @@ def flux_gemm_only(ctx: CaseContext) -> Built:
     w_spec = P(None, AXIS) if case.op == "ag" else P(AXIS, None)
     w = ctx.place("w", ctx.w, w_spec, mesh)
     if case.op == "ag":  # every shard holds all of x; shard r computes columns r
-        # out_specs name "one" (size 1): the output varies over it as far as shard_map knows.
-        x_spec, out_spec, check = P(AXIS, None), P("one", AXIS), ctx.against_twin
+        # Specs name "one" (size 1): the output (and so the loop's carry) varies over it.
+        x_spec, out_spec, check = P((AXIS, "one"), None), P("one", AXIS), ctx.against_twin
         x = ctx.place("x_tiled", np.tile(ctx.x, (case.tp, 1)), x_spec, mesh)
     else:
-        x_spec, out_spec = P(None, AXIS), P((AXIS, "one"), None)
+        x_spec, out_spec = P("one", AXIS), P((AXIS, "one"), None)
         x = ctx.place("x", ctx.x, x_spec, mesh)
         check = lambda out: ctx.against_twin(  # noqa: E731
             out.reshape(case.tp, case.M, case.N).astype(np.float32).sum(0))
