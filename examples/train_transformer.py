@@ -5,6 +5,11 @@
     python examples/train_transformer.py --ckpt-dir /tmp/ckpt          # stop it (Ctrl-C) ...
     python examples/train_transformer.py --ckpt-dir /tmp/ckpt --resume # ... and continue
 
+One process per GPU (or per group of CPU devices), e.g. 2 processes on one host:
+
+    python examples/train_transformer.py --coordinator 127.0.0.1:12355 --num-processes 2 --process-id 0 &
+    python examples/train_transformer.py --coordinator 127.0.0.1:12355 --num-processes 2 --process-id 1
+
 Each block's four projections (QKV, attention out, gate+up, down) are
 flux_jax.ag_matmul / flux_jax.matmul_rs calls inside one shard_map over the
 dp x tp mesh (Megatron sequence parallelism, see docs/flax.md). The text is a
@@ -78,6 +83,10 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
     g.add_argument("--lr", type=float, help="peak learning rate")
     g.add_argument("--warmup", type=int, help="warm-up steps (default: 5%% of --steps)")
     g.add_argument("--seed", type=int, default=0, help="parameter init and batch order")
+    g = p.add_argument_group("multi-process (jax.distributed; one launch per process)")
+    g.add_argument("--coordinator", help="host:port of process 0's coordinator")
+    g.add_argument("--num-processes", type=int, default=1, help="processes of the job")
+    g.add_argument("--process-id", type=int, default=0, help="this process's index")
     g = p.add_argument_group("outputs")
     g.add_argument("--compare", action="store_true",
                    help="train with impl=fused and impl=xla from the same seed and compare")
@@ -88,6 +97,8 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
     g.add_argument("--stop-after", type=int, help="stop after this step as if interrupted (tests resume)")
     g.add_argument("--sample-chars", type=int, default=40, help="characters to generate at the end (0: none)")
     args = p.parse_args(argv)
+    if args.num_processes > 1:
+        init_distributed(args, p)
 
     on_gpu = jax.default_backend() != "cpu"
     defaults = dict(GPU_DEFAULTS if on_gpu else CPU_DEFAULTS)
@@ -104,6 +115,10 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
         args.tp = n_devices // args.dp
     if args.warmup is None:
         args.warmup = max(1, args.steps // 20)
+    if args.num_processes > 1:
+        args.sample_chars = 0  # sampling reads whole logits arrays, which no process holds alone
+        if args.ckpt_dir:
+            p.error("checkpoints are single-process in this example; drop --ckpt-dir with --num-processes")
     if args.compare and args.ckpt_dir:
         p.error("--compare trains twice from scratch; it does not take --ckpt-dir")
     if args.resume and not args.ckpt_dir:
@@ -114,6 +129,37 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
         p.error(f"--dp {args.dp} x --tp {args.tp} = {args.dp * args.tp} devices, but only {n_devices} "
                 f"{jax.default_backend()} devices are visible")
     return args, p
+
+
+def init_distributed(args, parser) -> None:
+    """jax.distributed for one process per GPU (per CPU device group without GPUs)."""
+    if not args.coordinator or not 0 <= args.process_id < args.num_processes:
+        parser.error("--num-processes > 1 needs --coordinator host:port and 0 <= --process-id < --num-processes")
+    if not _host_has_gpus():
+        # CPU processes: split the 8 emulated devices, and talk through gloo.
+        jax.config.update("jax_num_cpu_devices", max(1, 8 // args.num_processes))
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    else:
+        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id,
+                                   local_device_ids=[args.process_id])
+
+
+def _host_has_gpus() -> bool:
+    """Whether this host has NVIDIA GPUs, asked without initializing JAX (jax.distributed must come first)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return False
+    listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
+    return any(line.startswith("GPU ") for line in listing.splitlines())
+
+
+def global_array(host, sharding: NamedSharding) -> jax.Array:
+    """A global array from a host value every process holds (works with one or many processes)."""
+    host = np.asarray(host)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def make_mesh(args) -> jax.sharding.Mesh:
@@ -163,7 +209,7 @@ def on_mesh(tree, mesh):
     so the train step sees the same shardings on every call and compiles once."""
     replicated = NamedSharding(mesh, P())
     return jax.tree.map(lambda x: x if isinstance(getattr(x, "sharding", None), NamedSharding)
-                        else jax.device_put(x, replicated), tree)
+                        else global_array(x, replicated), tree)
 
 
 def trajectory_settings(args, config: GPTConfig) -> dict:
@@ -215,7 +261,7 @@ def train(args, mesh, vocab: CharVocab, train_data, eval_data, impl: str) -> dic
     state = on_mesh({"params": params, "opt_state": tx.init(params)}, mesh)
     train_step, loss_fn, logits_fn = make_step_functions(graphdef, tx)
     token_sharding = NamedSharding(mesh, model.token_spec())
-    place = lambda a: jax.device_put(a, token_sharding)
+    place = lambda a: global_array(a, token_sharding)
 
     settings = trajectory_settings(args, config)
     checkpoints, start, state, losses = open_checkpoints(args, settings, state)
@@ -312,6 +358,8 @@ def main(argv=None) -> dict:
         print(f"compare: fused is {summary['compare']['step_time_ratio_xla_over_fused']:.3f}x the speed "
               f"of xla; largest loss difference {summary['compare']['max_abs_loss_diff']:.2e}")
 
+    if jax.process_index() != 0:  # one writer per job
+        return summary
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_summary(out / "summary.json", summary)

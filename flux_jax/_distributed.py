@@ -36,14 +36,20 @@ class ProcessInfo:
 _host_override: str | None = None
 
 
-def initialize(host_id: str | None = None) -> ProcessInfo:
+def initialize(host_id: str | None = None, gpu_workspace_mib: int | None = None) -> ProcessInfo:
     """Set up flux_jax for a multi-process job (call after jax.distributed.initialize).
 
     Optional: the first fused op does it with the defaults. `host_id` names this
     process's host (default: socket.gethostname()); processes with equal host ids
-    may share fused TP groups, others fall back to the XLA twin.
+    may share fused TP groups, others fall back to the XLA twin. `gpu_workspace_mib`
+    sizes the GPU workspace of a TP group that spans processes (allocated once, it
+    cannot grow; default 320 MiB per GPU, outside XLA's memory pool).
     """
     global _host_override
+    if gpu_workspace_mib is not None:
+        from flux_jax import _ipc
+
+        _ipc.set_workspace_mib(gpu_workspace_mib)
     if host_id is not None:
         if process_info.cache_info().currsize:
             raise RuntimeError("flux_jax.initialize_distributed(host_id=...) must come before the first fused op")

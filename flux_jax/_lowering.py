@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import mlir
 
-from flux_jax import _distributed, _heuristics, _native
+from flux_jax import _distributed, _heuristics, _ipc, _native
 from flux_jax._config import Config
 from flux_jax._errors import FusedUnavailableError
 
@@ -77,9 +77,6 @@ def _why_not_fused(groups: np.ndarray, platform: str) -> str | None:
         if len(hosts) > 1:
             return (f"TP group of devices {[d.id for d in row]} spans hosts {hosts}; fused ops run "
                     "within one host")
-        if len(procs) > 1 and platform != "cpu":
-            return (f"TP group of devices {[d.id for d in row]} spans processes {procs}; the CUDA "
-                    "kernels do not span processes yet")
     return None
 
 
@@ -145,6 +142,8 @@ def register_fused_lowering(prim, target: str, cuda_available) -> None:
                 _logged.add(reason)
                 logger.warning("flux_jax: using the XLA twin: %s", reason)
             return _twin_lowering(prim.name, transpose_w, axis_name, len(ctx.avals_out))(ctx, *operands)
+        if platform != "cpu":  # GPUs of a group in several processes: CUDA IPC, set up once here
+            _ipc.ensure_groups(groups, config.timeout_s)
         attrs = dict(
             tp_size=np.int64(tp_size),
             tp_devices=np.array([d.id for d in groups.ravel()], dtype=np.int64),

@@ -14,6 +14,9 @@ def reset() -> None:
     ext.reset_cpu_channels()
     if hasattr(ext, "reset_cuda_workspaces"):
         ext.reset_cuda_workspaces()
+        from flux_jax import _ipc
+
+        _ipc.forget()
 
 
 def device_errors() -> dict[int, str]:

@@ -88,3 +88,34 @@ def test_shapes_that_cannot_shard_are_usage_errors(example, capsys, flags, messa
         example.main([*TINY, *flags, "--steps", "1"])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_two_processes_train_like_one(tmp_path):
+    """The documented multi-process launch (jax.distributed, 2 processes x 4 CPU devices) gives
+    the single-process losses; only process 0 writes the summary."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    run = [*TINY, "--steps", "6"]
+    procs = [subprocess.Popen([sys.executable, str(EXAMPLE), *run, "--coordinator", f"127.0.0.1:{port}",
+                               "--num-processes", "2", "--process-id", str(i), "--out", str(tmp_path / f"p{i}")],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+             for i in (0, 1)]
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-3000:]
+    assert not (tmp_path / "p1").exists()
+    multi = json.loads((tmp_path / "p0" / "summary.json").read_text())
+    assert multi["config"]["devices"] == 8
+    single = subprocess.run([sys.executable, str(EXAMPLE), *run, "--out", str(tmp_path / "single")],
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert single.returncode == 0, single.stdout + single.stderr
+    want = json.loads((tmp_path / "single" / "summary.json").read_text())["runs"]["fused"]["losses"]
+    got = multi["runs"]["fused"]["losses"]
+    assert len(got) == 6
+    for a, b in zip(got, want):
+        assert abs(a - b) <= 1e-4 * max(abs(b), 1.0), (got, want)

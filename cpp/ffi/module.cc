@@ -1,6 +1,8 @@
 // The `flux_jax._flux_jax_ffi` extension: handler capsules for jax.ffi
 // registration, build facts, and process-state controls. No kernel code.
 #include <nanobind/nanobind.h>
+
+#include <stdexcept>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
@@ -95,5 +97,26 @@ NB_MODULE(_flux_jax_ffi, m) {
         "Workspace bytes held on a GPU outside XLA's pool.");
   m.def("cuda_device_error", &flux_jax::CudaDeviceError, nb::arg("device"),
         "Diagnostic of a timed-out device-side wait on a GPU, or ''.");
+  m.def(
+      "cuda_ipc_export",
+      [](const std::vector<int64_t>& devices, const std::vector<int64_t>& processes, int32_t ordinal,
+         size_t data_bytes, size_t slot_bytes) {
+        std::string blob;
+        flux_jax::Status s = flux_jax::CudaIpcExport(devices, processes, ordinal, data_bytes, slot_bytes, &blob);
+        if (!s.ok()) throw std::runtime_error(s.message());
+        return nb::bytes(blob.data(), blob.size());
+      },
+      nb::arg("devices"), nb::arg("processes"), nb::arg("ordinal"), nb::arg("data_bytes"),
+      nb::arg("slot_bytes"), "Set up this process's member of a cross-process TP group; its IPC blob.");
+  m.def(
+      "cuda_ipc_import",
+      [](const std::vector<int64_t>& devices, const std::vector<int64_t>& processes, int32_t ordinal,
+         int peer_rank, nb::bytes blob) {
+        flux_jax::Status s = flux_jax::CudaIpcImport(devices, processes, ordinal, peer_rank,
+                                                     std::string(blob.c_str(), blob.size()));
+        if (!s.ok()) throw std::runtime_error(s.message());
+      },
+      nb::arg("devices"), nb::arg("processes"), nb::arg("ordinal"), nb::arg("peer_rank"), nb::arg("blob"),
+      "Open a remote rank's IPC blob for the member of `ordinal`.");
 #endif
 }

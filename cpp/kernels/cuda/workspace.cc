@@ -7,6 +7,7 @@
 #include <map>
 #include <sstream>
 #include <string>
+#include <tuple>
 
 #include "cuda_util.h"
 #include "gemm_plan.h"
@@ -51,10 +52,17 @@ class HostBarrier {
 };
 
 struct Group {
-  explicit Group(const TpGroup& g) : devices(g.devices), barrier(g.size), members(g.size) {}
+  explicit Group(const TpGroup& g)
+      : devices(g.devices), barrier(g.size), members(g.size), remote(g.size),
+        cross_process(g.cross_process) {}
   std::vector<int64_t> devices;
   HostBarrier barrier;
   std::vector<std::unique_ptr<GroupWorkspace>> members;  // by rank; each owned by its device's thread
+  // Cross-process groups: members in other processes, mapped through CUDA IPC
+  // (set up once, fixed capacity, see ExportIpcMember / ImportIpcPeer).
+  std::vector<PeerView> remote;                           // by rank
+  std::vector<std::pair<int, void*>> opened;              // (device, IPC mapping) to close
+  bool cross_process = false;
 };
 
 std::mutex& RegistryMutex() {
@@ -100,7 +108,7 @@ Status InitMember(const TpGroup& g, GroupWorkspace* w) {
   w->rank = g.rank;
   w->tp = g.size;
   for (int32_t peer : g.ordinals) {
-    if (peer == device) continue;
+    if (peer == device || peer < 0) continue;  // < 0: a rank in another process (CUDA IPC)
     int can = 0;
     FLUX_CUDA_TRY(cudaDeviceCanAccessPeer(&can, device, static_cast<int>(peer)));
     if (!can) {
@@ -148,6 +156,10 @@ Status InitMember(const TpGroup& g, GroupWorkspace* w) {
 void RefreshPeers(Group& group, GroupWorkspace* w) {
   w->peers.resize(group.members.size());
   for (size_t r = 0; r < group.members.size(); ++r) {
+    if (!group.members[r]) {  // in another process
+      w->peers[r] = group.remote[r];
+      continue;
+    }
     const GroupWorkspace& m = *group.members[r];
     w->peers[r] = PeerView{m.present, m.arrived, m.block_arrived, m.data, m.slots};
   }
@@ -187,21 +199,66 @@ void PropagateError(const std::vector<int32_t>& devices, int device) {
   }
 }
 
+// ---- Cross-process groups (CUDA IPC) -----------------------------------------
+
+// What one member publishes: IPC handles of its three allocations.
+struct IpcBlob {
+  cudaIpcMemHandle_t ctrl, data, slots;
+  uint64_t data_bytes, slot_bytes;
+};
+
+std::shared_ptr<Group> GroupOf(const TpGroup& g, bool create) {
+  std::lock_guard<std::mutex> lock(RegistryMutex());
+  auto it = Registry().find(g.devices);
+  if (it != Registry().end()) return it->second;
+  if (!create) return nullptr;
+  auto group = std::make_shared<Group>(g);
+  Registry()[g.devices] = group;
+  return group;
+}
+
+Status AcquireIpcWorkspace(const TpGroup& g, size_t data_bytes, size_t slot_bytes,
+                           GroupWorkspace** out) {
+  std::shared_ptr<Group> group = GroupOf(g, false);
+  GroupWorkspace* w = group ? group->members[g.rank].get() : nullptr;
+  if (w == nullptr) {
+    return Status::Internal("flux_jax: the cross-process workspace of " + g.Describe() +
+                            " is not set up (it is set up when a program with fused ops is "
+                            "lowered; after flux_jax.reset(), jit the function again)");
+  }
+  if (w->peers.empty()) {
+    for (int r = 0; r < g.size; ++r) {
+      if (!group->members[r] && group->remote[r].present == nullptr) {
+        return Status::Internal("flux_jax: rank " + std::to_string(r) + " of " + g.Describe() +
+                                " never published its workspace");
+      }
+    }
+    std::lock_guard<std::mutex> lock(RegistryMutex());
+    RefreshPeers(*group, w);
+  }
+  if (data_bytes > w->capacity || slot_bytes > w->slots_capacity) {
+    return Status::ResourceExhausted(
+        "flux_jax: this call needs " + std::to_string((std::max(data_bytes, slot_bytes) >> 20) + 1) +
+        " MiB of workspace but the cross-process workspace of " + g.Describe() + " has " +
+        std::to_string(w->capacity >> 20) + " MiB (data) / " + std::to_string(w->slots_capacity >> 20) +
+        " MiB (slots) and cannot grow; raise it with "
+        "flux_jax.initialize_distributed(gpu_workspace_mib=...) before the first fused op");
+  }
+  *out = w;
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status AcquireWorkspace(const TpGroup& g, size_t data_bytes, const CommConfig& cfg,
                         cudaStream_t compute_stream, GroupWorkspace** out, size_t slot_bytes) {
-  if (g.cross_process) {
-    return Status::InvalidArgument(
-        "flux_jax: the CUDA kernels do not yet span processes (" + g.Describe() +
-        "); one process must drive every GPU of a TP group, or use impl='xla'");
-  }
   const int device = g.ordinals[g.rank];
   if (device < 0 || device >= kMaxDevices) return Status::InvalidArgument("device ordinal out of range");
   if (Status err = CheckDeviceError(device); !err.ok()) {
     PropagateError(g.ordinals, device);
     return err;
   }
+  if (g.cross_process) return AcquireIpcWorkspace(g, data_bytes, slot_bytes, out);
   std::shared_ptr<Group> group;
   {
     std::lock_guard<std::mutex> lock(RegistryMutex());
@@ -268,6 +325,64 @@ Status AcquireWorkspace(const TpGroup& g, size_t data_bytes, const CommConfig& c
   return Status::Ok();
 }
 
+Status ExportIpcMember(const TpGroup& g, size_t data_bytes, size_t slot_bytes, std::string* blob) {
+  const int device = g.ordinals[g.rank];
+  if (device < 0 || device >= kMaxDevices) return Status::InvalidArgument("device ordinal out of range");
+  std::shared_ptr<Group> group = GroupOf(g, true);
+  if (group->members[g.rank]) return Status::InvalidArgument("flux_jax: " + g.Describe() + " is already set up");
+  auto w = std::make_unique<GroupWorkspace>();
+  FLUX_JAX_RETURN_IF_ERROR(InitMember(g, w.get()));
+  DeviceGuard guard(device);
+  IpcBlob b{};
+  for (auto [area, capacity, bytes] : {std::tuple{&w->data, &w->capacity, data_bytes},
+                                       std::tuple{&w->slots, &w->slots_capacity, slot_bytes}}) {
+    const size_t rounded = std::max<size_t>(kGrowGranule, (bytes + kGrowGranule - 1) / kGrowGranule * kGrowGranule);
+    cudaError_t err = cudaMalloc(reinterpret_cast<void**>(area), rounded);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      FreeMember(w.get());
+      return AllocationError(device, rounded, err);
+    }
+    *capacity = rounded;
+  }
+  b.data_bytes = w->capacity;
+  b.slot_bytes = w->slots_capacity;
+  FLUX_CUDA_TRY(cudaIpcGetMemHandle(&b.ctrl, w->present));
+  FLUX_CUDA_TRY(cudaIpcGetMemHandle(&b.data, w->data));
+  FLUX_CUDA_TRY(cudaIpcGetMemHandle(&b.slots, w->slots));
+  blob->assign(reinterpret_cast<const char*>(&b), sizeof(b));
+  std::lock_guard<std::mutex> lock(RegistryMutex());
+  group->members[g.rank] = std::move(w);
+  return Status::Ok();
+}
+
+Status ImportIpcPeer(const TpGroup& g, int peer, const std::string& blob) {
+  std::shared_ptr<Group> group = GroupOf(g, false);
+  if (!group || !group->members[g.rank]) return Status::Internal("flux_jax: import before export");
+  if (blob.size() != sizeof(IpcBlob)) return Status::InvalidArgument("flux_jax: malformed IPC handle blob");
+  if (peer < 0 || peer >= g.size || g.ordinals[peer] >= 0) {
+    return Status::InvalidArgument("flux_jax: rank " + std::to_string(peer) + " is not a remote rank");
+  }
+  IpcBlob b;
+  std::memcpy(&b, blob.data(), sizeof(b));
+  const int device = g.ordinals[g.rank];
+  DeviceGuard guard(device);
+  void *ctrl = nullptr, *data = nullptr, *slots = nullptr;
+  FLUX_CUDA_TRY(cudaIpcOpenMemHandle(&ctrl, b.ctrl, cudaIpcMemLazyEnablePeerAccess));
+  FLUX_CUDA_TRY(cudaIpcOpenMemHandle(&data, b.data, cudaIpcMemLazyEnablePeerAccess));
+  FLUX_CUDA_TRY(cudaIpcOpenMemHandle(&slots, b.slots, cudaIpcMemLazyEnablePeerAccess));
+  std::lock_guard<std::mutex> lock(RegistryMutex());
+  for (void* p : {ctrl, data, slots}) group->opened.emplace_back(device, p);
+  auto* words = static_cast<uint64_t*>(ctrl);
+  group->remote[peer] = PeerView{words, words + kMaxTp, words + kMaxTp + kMaxFlags + 2,
+                                 static_cast<char*>(data), static_cast<char*>(slots)};
+  // A peer with less room than ours would be overrun: use the smaller capacity.
+  GroupWorkspace* w = group->members[g.rank].get();
+  w->capacity = std::min<size_t>(w->capacity, b.data_bytes);
+  w->slots_capacity = std::min<size_t>(w->slots_capacity, b.slot_bytes);
+  return Status::Ok();
+}
+
 Status CheckDeviceError(int device) {
   Status st;
   DeviceError* records = ErrorRecords(&st);
@@ -302,6 +417,11 @@ void ResetWorkspaces() {
     for (auto& member : group->members) {
       if (member) FreeMember(member.get());
     }
+    for (auto [device, ptr] : group->opened) {
+      DeviceGuard guard(device);
+      cudaIpcCloseMemHandle(ptr);
+    }
+    cudaGetLastError();
   }
   Registry().clear();
   if (st.ok()) std::memset(records, 0, sizeof(DeviceError) * kMaxDevices);

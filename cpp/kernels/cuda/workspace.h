@@ -23,6 +23,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <mutex>
 #include <vector>
 
@@ -90,6 +91,13 @@ struct GroupWorkspace {
 // `slot_bytes`: size the latency path's slot area needs (0: leave it).
 Status AcquireWorkspace(const TpGroup& group, size_t data_bytes, const CommConfig& cfg,
                         cudaStream_t compute_stream, GroupWorkspace** out, size_t slot_bytes = 0);
+
+// Cross-process TP groups (one process per GPU under jax.distributed): each
+// process allocates its member once, with fixed capacities, and exports CUDA
+// IPC handles (`blob`); Python passes them through jax.distributed's key-value
+// store and every process imports its remote peers' blobs. No growth later.
+Status ExportIpcMember(const TpGroup& group, size_t data_bytes, size_t slot_bytes, std::string* blob);
+Status ImportIpcPeer(const TpGroup& group, int peer_rank, const std::string& blob);
 
 // The sticky error of `device`, if a device-side wait timed out.
 Status CheckDeviceError(int device);

@@ -1,0 +1,80 @@
+"""Cross-process TP groups on GPUs: CUDA IPC workspaces exchanged through jax.distributed.
+
+With one process per GPU (jax.distributed), the GPUs of a TP group on one host live in different
+processes. Each process allocates its member of the group's workspace once (fixed capacity:
+`initialize_distributed(gpu_workspace_mib=...)`), exports CUDA IPC handles, publishes them in
+jax.distributed's key-value store, and opens its peers' handles. This runs when a program with
+fused ops is lowered (every process lowers the same program), before anything executes; the
+kernels then use the peers' memory exactly as in one process. No files, sockets or launchers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from flux_jax import _distributed, _native
+from flux_jax._errors import FusedUnavailableError
+
+_KEY = "flux_jax/v1/ipc/{session}/{generation}/{group}/{rank}"
+DEFAULT_WORKSPACE_MIB = 320  # 256 MiB for the overlap kernels' buffers + 64 MiB of latency slots
+
+_workspace_mib = DEFAULT_WORKSPACE_MIB
+_ready: set[tuple[int, ...]] = set()
+_generation = 0  # bumped by flux_jax.reset(): fresh keys for the next setup
+
+
+def set_workspace_mib(mib: int) -> None:
+    global _workspace_mib
+    if not (isinstance(mib, int) and mib >= 128):
+        raise ValueError(f"gpu_workspace_mib must be an int >= 128, got {mib!r}")
+    if _ready:
+        raise RuntimeError("gpu_workspace_mib must be set before the first fused op")
+    _workspace_mib = mib
+
+
+def forget() -> None:
+    """After reset(): the workspaces are gone; the next lowering sets them up again."""
+    global _generation
+    if _ready:
+        _generation += 1
+    _ready.clear()
+
+
+def ensure_groups(groups: np.ndarray, timeout_s: float) -> None:
+    """Sets up every cross-process TP group (rows of `groups`) that has a device of this process."""
+    me = _distributed.process_info().index
+    for row in groups:
+        procs = {d.process_index for d in row}
+        key = tuple(int(d.id) for d in row)
+        if len(procs) == 1 or me not in procs or key in _ready:
+            continue
+        _setup(row, key, timeout_s)
+        _ready.add(key)
+
+
+def _setup(row, key: tuple[int, ...], timeout_s: float) -> None:
+    ext = _native.extension()
+    info = _distributed.process_info()
+    client = _distributed._client()
+    ids = [int(d.id) for d in row]
+    procs = [int(d.process_index) for d in row]
+    slot_bytes = 64 << 20
+    data_bytes = (_workspace_mib << 20) - slot_bytes
+    name = lambda rank: _KEY.format(session=info.session, generation=_generation,  # noqa: E731
+                                    group="-".join(map(str, key)), rank=rank)
+    local = [(r, int(d.local_hardware_id)) for r, d in enumerate(row) if d.process_index == info.index]
+    for rank, ordinal in local:
+        blob = ext.cuda_ipc_export(ids, procs, ordinal, data_bytes, slot_bytes)
+        client.key_value_set(name(rank), bytes(blob).hex())
+    for rank, d in enumerate(row):
+        if d.process_index == info.index:
+            continue
+        try:
+            blob = bytes.fromhex(client.blocking_key_value_get(name(rank), int(timeout_s * 1000)))
+        except Exception as err:  # the coordination service raises on timeout
+            raise FusedUnavailableError(
+                f"flux_jax: rank {rank} (device {d.id}, process {d.process_index}) of the TP group "
+                f"{ids} did not publish its GPU workspace within {timeout_s:g} s; every process must "
+                f"lower the same program ({err})") from err
+        for _, ordinal in local:
+            ext.cuda_ipc_import(ids, procs, ordinal, rank, blob)
