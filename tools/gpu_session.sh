@@ -2,7 +2,7 @@
 # One call on the lent GPU host: install flux_jax, record build facts, run the
 # GPU tests and the benchmarks, leave everything under $OUT.
 #
-#   run(command="bash tools/gpu_session.sh [tests|bench|probe|all] [harness args...]", carry=[".whl"])
+#   run(command="bash tools/gpu_session.sh [tests|bench|probe|multiprocess|all] [harness args...]", carry=[".whl"])
 #
 # .whl/ holds the wheel built here (pip wheel . -w .whl) and, as a fallback,
 # cutlass_headers.tgz to build from source there.
@@ -36,6 +36,16 @@ if [[ $what == tests || $what == all ]]; then
   echo "== GPU tests"
   FLUX_JAX_REQUIRE_GPU=1 timeout 300 pytest -q -o timeout=90 -p no:cacheprovider tests/test_gpu_fused.py > "$OUT/gpu_tests.log" 2>&1
   grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests.log" | head -40
+fi
+if [[ $what == multiprocess ]]; then
+  echo "== GPU tests, one process per GPU"
+  FLUX_JAX_REQUIRE_GPU=1 timeout 240 pytest -q -p no:cacheprovider tests/test_gpu_multiprocess.py > "$OUT/gpu_mp_tests.log" 2>&1
+  grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_mp_tests.log" | head -40
+  echo "== GPU tests, one process (subset)"
+  FLUX_JAX_REQUIRE_GPU=1 timeout 150 pytest -q -p no:cacheprovider tests/test_gpu_fused.py -k "${GPU_TEST_FILTER:-4096x2048x4096 or timeout or latency_path_small}" > "$OUT/gpu_tests.log" 2>&1
+  grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests.log" | head -20
+  echo "== one process vs one process per GPU"
+  (cd /tmp && timeout 200 python3 "$REPO/tools/multiprocess_bench.py" --out "$OUT/multiprocess_bench.json")
 fi
 if [[ $what == debug ]]; then
   (cd /tmp && timeout 500 python3 "$REPO/tools/gpu_debug.py" "$@")
