@@ -29,7 +29,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import flux_jax  # noqa: E402
 
 flux_jax.set_config(flux_jax.Config(timeout_s=float(os.environ.get("FLUX_TEST_TIMEOUT", "30"))))
-mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("tp",), axis_types=(AxisType.Explicit,))
+_axis_type = AxisType.Auto if scenario == "timing" else AxisType.Explicit  # the probe loop needs Auto
+mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("tp",), axis_types=(_axis_type,))
 SPECS = {"ag": ((P("tp", None), P(None, "tp")), P(None, "tp"), flux_jax.ag_matmul),
          "rs": ((P(None, "tp"), P("tp", None)), P("tp", None), flux_jax.matmul_rs)}
 
