@@ -89,7 +89,7 @@ elif scenario == "timing":  # fused (auto path) per-call device time, the probe'
         for M in (4096, 256):
             x, w = operands(op, M, 8192, 8192)
             f, _ = op_fn(op, "fused")
-            result[f"{op}_{M}_ms"] = time_per_call(f, x, w)[0]
+            result[f"{op}_{M}_ms"] = time_per_call(f, x, w, n1=20, n2=120, repeats=9)[0]
 elif scenario == "peer_dies":  # process 1 exits before the op: process 0 must fail, not hang
     x, w = operands("ag", 1024, 1024, 2048)
     f, _ = op_fn("ag", "fused", "overlap")
