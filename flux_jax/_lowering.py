@@ -94,7 +94,7 @@ def _twin_lowering(prim_name, transpose_w, axis_name, outs):
     return mlir.lower_fun(twin, multiple_results=True)
 
 
-def _latency_lowering(prim_name, transpose_w, axis_name, tp_size, outs, attrs):
+def _latency_lowering(prim_name, transpose_w, tp_size, outs, attrs):
     """The latency path: our NVLink collective (one custom call) and XLA's GEMM."""
 
     def collective(target, x, rank, shape):
@@ -110,7 +110,6 @@ def _latency_lowering(prim_name, transpose_w, axis_name, tp_size, outs, attrs):
         shape = (x.shape[0] // tp_size, partial.shape[1])
         return [collective(_native.REDUCE_SCATTER_TARGET, partial, rank, shape)]
 
-    del axis_name
     return mlir.lower_fun(latency, multiple_results=True)
 
 
@@ -161,7 +160,7 @@ def register_fused_lowering(prim, target: str, cuda_available) -> None:
         path = choose_path(prim.name, platform, config, x_aval.shape, w_aval.shape, tp_size,
                            transpose_w, x_aval.dtype)
         if path == "latency":
-            lower = _latency_lowering(prim.name, transpose_w, axis_name, tp_size, len(ctx.avals_out), attrs)
+            lower = _latency_lowering(prim.name, transpose_w, tp_size, len(ctx.avals_out), attrs)
             return lower(ctx, *operands)
         return jax.ffi.ffi_lowering(target)(ctx, *operands, **attrs)
 

@@ -199,11 +199,13 @@ Status Run(Kind kind, const CollectiveParams& p, const TpGroup& group, const Com
     if (out_bytes) FLUX_CUDA_TRY(cudaMemcpyAsync(p.out, p.x, out_bytes, cudaMemcpyDeviceToDevice, S));
     return Status::Ok();
   }
+  // Nothing to move (every rank has the same empty shape): no kernel, and no epoch either, since
+  // the slot-reuse argument above needs every epoch's call to have waited for its peers.
+  if (chunk_bytes == 0) return Status::Ok();
   GroupWorkspace* ws = nullptr;
   FLUX_JAX_RETURN_IF_ERROR(AcquireWorkspace(group, 0, cfg, S, &ws, 2 * tp * chunk_bytes));
   ws->epoch += 1;  // every rank counts every fused call of the group: epochs agree
   if (cfg.poison_outputs) FLUX_CUDA_TRY(cudaMemsetAsync(p.out, 0xFF, out_bytes, S));
-  if (chunk_bytes == 0) return Status::Ok();
 
   const size_t parity_offset = (ws->epoch & 1) * tp * chunk_bytes;
   CollectiveArgs a{};
