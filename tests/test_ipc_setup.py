@@ -1,0 +1,93 @@
+"""flux_jax/_ipc.py, the Python half of cross-process GPU groups, with the extension and the
+jax.distributed key-value store replaced by fakes (the GPU half runs in test_gpu_multiprocess)."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import flux_jax
+from flux_jax import _distributed, _ipc
+
+
+@dataclasses.dataclass
+class FakeDevice:
+    id: int
+    process_index: int
+    local_hardware_id: int
+
+
+class FakeStore:
+    def __init__(self, preset=None):
+        self.data = dict(preset or {})
+
+    def key_value_set(self, key, value):
+        assert key not in self.data, f"key {key} written twice"
+        self.data[key] = value
+
+    def blocking_key_value_get(self, key, timeout_ms):
+        if key not in self.data:
+            raise RuntimeError(f"DEADLINE_EXCEEDED after {timeout_ms} ms: {key}")
+        return self.data[key]
+
+
+class FakeExtension:
+    def __init__(self):
+        self.exports, self.imports = [], []
+
+    def cuda_ipc_export(self, devices, processes, ordinal, data_bytes, slot_bytes):
+        self.exports.append((tuple(devices), tuple(processes), ordinal, data_bytes, slot_bytes))
+        return bytes([ordinal]) * 8
+
+    def cuda_ipc_import(self, devices, processes, ordinal, peer_rank, blob):
+        self.imports.append((tuple(devices), ordinal, peer_rank, blob))
+
+
+@pytest.fixture
+def fakes(monkeypatch):
+    ext, store = FakeExtension(), FakeStore()
+    info = _distributed.ProcessInfo(index=0, count=2, session="s3ss10n", hosts=("h", "h"))
+    monkeypatch.setattr(_ipc._native, "extension", lambda: ext)
+    monkeypatch.setattr(_ipc._distributed, "process_info", lambda: info)
+    monkeypatch.setattr(_ipc._distributed, "_client", lambda: store)
+    monkeypatch.setattr(_ipc, "_ready", set())
+    monkeypatch.setattr(_ipc, "_generation", 0)
+    return ext, store
+
+
+def test_exports_publishes_then_imports_every_remote_rank(fakes):
+    ext, store = fakes
+    # Process 1 already published rank 1 of group (0, 1); the group (2, 3) is local to process 1.
+    store.data["flux_jax/v1/ipc/s3ss10n/0/0-1/1"] = (b"\x05" * 8).hex()
+    groups = np.array([[FakeDevice(0, 0, 0), FakeDevice(1, 1, 0)], [FakeDevice(2, 1, 1), FakeDevice(3, 1, 2)]])
+    _ipc.ensure_groups(groups, timeout_s=1.0)
+    assert ext.exports == [((0, 1), (0, 1), 0, (_ipc.DEFAULT_WORKSPACE_MIB - 64) << 20, 64 << 20)]
+    assert store.data["flux_jax/v1/ipc/s3ss10n/0/0-1/0"] == (b"\x00" * 8).hex()
+    assert ext.imports == [((0, 1), 0, 1, b"\x05" * 8)]
+    _ipc.ensure_groups(groups, timeout_s=1.0)  # once per group
+    assert len(ext.exports) == 1
+
+
+def test_a_peer_that_never_publishes_is_a_clear_error(fakes):
+    groups = np.array([[FakeDevice(0, 0, 0), FakeDevice(1, 1, 0)]])
+    with pytest.raises(flux_jax.FusedUnavailableError, match=r"rank 1 \(device 1, process 1\).*within 0.5 s"):
+        _ipc.ensure_groups(groups, timeout_s=0.5)
+
+
+def test_reset_uses_fresh_keys(fakes, monkeypatch):
+    ext, store = fakes
+    store.data["flux_jax/v1/ipc/s3ss10n/0/0-1/1"] = "aa"
+    store.data["flux_jax/v1/ipc/s3ss10n/1/0-1/1"] = "bb"
+    groups = np.array([[FakeDevice(0, 0, 0), FakeDevice(1, 1, 0)]])
+    _ipc.ensure_groups(groups, timeout_s=1.0)
+    _ipc.forget()
+    _ipc.ensure_groups(groups, timeout_s=1.0)  # would raise "written twice" with the old keys
+    assert [blob for *_, blob in ext.imports] == [b"\xaa", b"\xbb"]
+
+
+def test_workspace_size_is_checked_and_fixed_before_first_use(fakes):
+    with pytest.raises(ValueError, match="gpu_workspace_mib"):
+        _ipc.set_workspace_mib(16)
+    _ipc._ready.add((0, 1))
+    with pytest.raises(RuntimeError, match="before the first fused op"):
+        _ipc.set_workspace_mib(512)
