@@ -20,6 +20,7 @@ DEFAULT_WORKSPACE_MIB = 320  # 256 MiB for the overlap kernels' buffers + 64 MiB
 
 _workspace_mib = DEFAULT_WORKSPACE_MIB
 _ready: set[tuple[int, ...]] = set()
+_failed: dict[tuple[int, ...], str] = {}  # groups whose setup failed (in any process): why
 _generation = 0  # bumped by flux_jax.reset(): fresh keys for the next setup
 
 
@@ -35,9 +36,10 @@ def set_workspace_mib(mib: int) -> None:
 def forget() -> None:
     """After reset(): the workspaces are gone; the next lowering sets them up again."""
     global _generation
-    if _ready:
+    if _ready or _failed:
         _generation += 1
     _ready.clear()
+    _failed.clear()
 
 
 def ensure_groups(groups: np.ndarray, timeout_s: float) -> None:
@@ -48,7 +50,13 @@ def ensure_groups(groups: np.ndarray, timeout_s: float) -> None:
         key = tuple(int(d.id) for d in row)
         if len(procs) == 1 or me not in procs or key in _ready:
             continue
-        _setup(row, key, timeout_s)
+        if key in _failed:
+            raise FusedUnavailableError(_failed[key])
+        try:
+            _setup(row, key, timeout_s)
+        except FusedUnavailableError as err:
+            _failed[key] = str(err)
+            raise
         _ready.add(key)
 
 
@@ -63,18 +71,35 @@ def _setup(row, key: tuple[int, ...], timeout_s: float) -> None:
     name = lambda rank: _KEY.format(session=info.session, generation=_generation,  # noqa: E731
                                     group="-".join(map(str, key)), rank=rank)
     local = [(r, int(d.local_hardware_id)) for r, d in enumerate(row) if d.process_index == info.index]
+
+    def fetch(key: str, rank: int, what: str) -> str:
+        try:
+            return client.blocking_key_value_get(key, int(timeout_s * 1000))
+        except Exception as err:  # the coordination service raises on timeout
+            d = row[rank]
+            raise FusedUnavailableError(
+                f"flux_jax: rank {rank} (device {d.id}, process {d.process_index}) of the TP group "
+                f"{ids} did not publish its {what} within {timeout_s:g} s; every process must "
+                f"lower the same program ({err})") from err
+
     for rank, ordinal in local:
         blob = ext.cuda_ipc_export(ids, procs, ordinal, data_bytes, slot_bytes)
         client.key_value_set(name(rank), bytes(blob).hex())
-    for rank, d in enumerate(row):
-        if d.process_index == info.index:
-            continue
-        try:
-            blob = bytes.fromhex(client.blocking_key_value_get(name(rank), int(timeout_s * 1000)))
-        except Exception as err:  # the coordination service raises on timeout
-            raise FusedUnavailableError(
-                f"flux_jax: rank {rank} (device {d.id}, process {d.process_index}) of the TP group "
-                f"{ids} did not publish its GPU workspace within {timeout_s:g} s; every process must "
-                f"lower the same program ({err})") from err
-        for _, ordinal in local:
-            ext.cuda_ipc_import(ids, procs, ordinal, rank, blob)
+    status = "ok"
+    try:
+        for rank, d in enumerate(row):
+            if d.process_index == info.index:
+                continue
+            blob = bytes.fromhex(fetch(name(rank), rank, "GPU workspace"))
+            for _, ordinal in local:
+                ext.cuda_ipc_import(ids, procs, ordinal, rank, blob)
+    except RuntimeError as err:  # e.g. the peer GPU is not visible to this process
+        status = f"process {info.index} could not map its peers' workspaces: {err}"
+    # Every process must take the same decision (fused or not), so they compare notes.
+    for rank, _ in local:
+        client.key_value_set(name(rank) + "/status", status)
+    failures = sorted({s for s in (fetch(name(r) + "/status", r, "setup status") for r in range(len(row)))
+                       if s != "ok"})
+    if failures:
+        raise FusedUnavailableError("flux_jax: no CUDA IPC between the processes of TP group "
+                                    f"{ids}: " + "; ".join(failures))

@@ -134,6 +134,11 @@ def register_fused_lowering(prim, target: str, cuda_available) -> None:
         groups = tp_groups(_mesh_of(ctx), axis_name, tp_size)
         _distributed.register_local_devices(platform, groups.ravel())
         reason = _why_not_fused(groups, platform)
+        if reason is None and platform != "cpu":
+            try:  # GPUs of a group in several processes: CUDA IPC, set up once here
+                _ipc.ensure_groups(groups, config.timeout_s)
+            except FusedUnavailableError as err:
+                reason = str(err)
         if reason is not None:
             if forced:
                 raise FusedUnavailableError(f'{prim.name}(impl="fused") cannot run here: {reason}')
@@ -141,8 +146,6 @@ def register_fused_lowering(prim, target: str, cuda_available) -> None:
                 _logged.add(reason)
                 logger.warning("flux_jax: using the XLA twin: %s", reason)
             return _twin_lowering(prim.name, transpose_w, axis_name, len(ctx.avals_out))(ctx, *operands)
-        if platform != "cpu":  # GPUs of a group in several processes: CUDA IPC, set up once here
-            _ipc.ensure_groups(groups, config.timeout_s)
         attrs = dict(
             tp_size=np.int64(tp_size),
             tp_devices=np.array([d.id for d in groups.ravel()], dtype=np.int64),

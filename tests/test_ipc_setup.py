@@ -40,6 +40,8 @@ class FakeExtension:
         return bytes([ordinal]) * 8
 
     def cuda_ipc_import(self, devices, processes, ordinal, peer_rank, blob):
+        if blob == b"bad":
+            raise RuntimeError("cudaIpcOpenMemHandle: invalid device context")
         self.imports.append((tuple(devices), ordinal, peer_rank, blob))
 
 
@@ -51,6 +53,7 @@ def fakes(monkeypatch):
     monkeypatch.setattr(_ipc._distributed, "process_info", lambda: info)
     monkeypatch.setattr(_ipc._distributed, "_client", lambda: store)
     monkeypatch.setattr(_ipc, "_ready", set())
+    monkeypatch.setattr(_ipc, "_failed", {})
     monkeypatch.setattr(_ipc, "_generation", 0)
     return ext, store
 
@@ -59,6 +62,7 @@ def test_exports_publishes_then_imports_every_remote_rank(fakes):
     ext, store = fakes
     # Process 1 already published rank 1 of group (0, 1); the group (2, 3) is local to process 1.
     store.data["flux_jax/v1/ipc/s3ss10n/0/0-1/1"] = (b"\x05" * 8).hex()
+    store.data["flux_jax/v1/ipc/s3ss10n/0/0-1/1/status"] = "ok"
     groups = np.array([[FakeDevice(0, 0, 0), FakeDevice(1, 1, 0)], [FakeDevice(2, 1, 1), FakeDevice(3, 1, 2)]])
     _ipc.ensure_groups(groups, timeout_s=1.0)
     assert ext.exports == [((0, 1), (0, 1), 0, (_ipc.DEFAULT_WORKSPACE_MIB - 64) << 20, 64 << 20)]
@@ -74,10 +78,28 @@ def test_a_peer_that_never_publishes_is_a_clear_error(fakes):
         _ipc.ensure_groups(groups, timeout_s=0.5)
 
 
+@pytest.mark.parametrize("who", ["this process", "the peer"])
+def test_a_failed_mapping_anywhere_makes_every_process_fall_back(fakes, who):
+    ext, store = fakes
+    key = "flux_jax/v1/ipc/s3ss10n/0/0-1/1"
+    store.data[key] = b"bad".hex() if who == "this process" else (b"\x05" * 8).hex()
+    store.data[key + "/status"] = "ok" if who == "this process" else "process 1 could not map: boom"
+    groups = np.array([[FakeDevice(0, 0, 0), FakeDevice(1, 1, 0)]])
+    with pytest.raises(flux_jax.FusedUnavailableError, match="no CUDA IPC between the processes"):
+        _ipc.ensure_groups(groups, timeout_s=1.0)
+    # Our own verdict was published for the peer to read, and a second lowering fails the same way.
+    mine = store.data["flux_jax/v1/ipc/s3ss10n/0/0-1/0/status"]
+    assert (mine != "ok") == (who == "this process"), mine
+    with pytest.raises(flux_jax.FusedUnavailableError, match="no CUDA IPC"):
+        _ipc.ensure_groups(groups, timeout_s=1.0)
+    assert len(ext.exports) == 1
+
+
 def test_reset_uses_fresh_keys(fakes, monkeypatch):
     ext, store = fakes
-    store.data["flux_jax/v1/ipc/s3ss10n/0/0-1/1"] = "aa"
-    store.data["flux_jax/v1/ipc/s3ss10n/1/0-1/1"] = "bb"
+    for generation, blob in ((0, "aa"), (1, "bb")):
+        store.data[f"flux_jax/v1/ipc/s3ss10n/{generation}/0-1/1"] = blob
+        store.data[f"flux_jax/v1/ipc/s3ss10n/{generation}/0-1/1/status"] = "ok"
     groups = np.array([[FakeDevice(0, 0, 0), FakeDevice(1, 1, 0)]])
     _ipc.ensure_groups(groups, timeout_s=1.0)
     _ipc.forget()
