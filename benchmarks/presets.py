@@ -94,6 +94,11 @@ def _build_presets() -> dict[str, Preset]:
         "decode-tp2": Preset(
             "decode-tp2", 2, "bfloat16", _llama_layers("8B") + _llama_layers("70B"), M_DECODE
         ),
+        # Issue 4's GEMM check: per GPU an 8192^3 GEMM (AG at tp=2 splits N), for
+        # flux_gemm_only (our GEMM alone) vs gemm_only (XLA's jnp.dot).
+        "gemm-8192-tp2": Preset(
+            "gemm-8192-tp2", 2, "bfloat16", (), (), (("ag", 8192, 8192, 16384, "8192^3 per GPU"),)
+        ),
         "cpu-smoke": Preset(
             "cpu-smoke", None, "bfloat16", (), (),
             tuple(
