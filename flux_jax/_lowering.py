@@ -8,8 +8,10 @@ at run time (its local ordinal mapped to a global id, registered here) and
 cross-checks its rank against lax.axis_index, passed as an operand.
 
 Lowering is also where the mesh's topology is known: a TP group the fused
-kernels cannot serve (spanning hosts; spanning processes on GPU) lowers to the
-XLA twin instead, with one log line, or an error for impl="fused".
+kernels cannot serve (spanning hosts; GPU processes that cannot map each
+other's memory) lowers to the XLA twin instead, with one log line, or an error
+for impl="fused". GPU groups that span processes of one host get their CUDA IPC
+workspace here (flux_jax/_ipc.py), before anything runs.
 
 And it is where the fused *path* is picked (Config.fused_path): "overlap", the
 one custom call whose GEMM consumes rows as they arrive, or "latency", our
