@@ -10,6 +10,8 @@ kernels then use the peers' memory exactly as in one process. No files, sockets 
 
 from __future__ import annotations
 
+import atexit
+
 import numpy as np
 
 from flux_jax import _distributed, _native
@@ -57,7 +59,19 @@ def ensure_groups(groups: np.ndarray, timeout_s: float) -> None:
         except FusedUnavailableError as err:
             _failed[key] = str(err)
             raise
+        if not _ready:
+            atexit.register(_close_at_exit)
         _ready.add(key)
+
+
+def _close_at_exit() -> None:
+    """Close the peers' IPC mappings and free our workspaces before JAX shuts down."""
+    if not _ready:
+        return
+    try:
+        _native.extension().reset_cuda_workspaces()
+    except Exception:  # noqa: BLE001 - never fail an interpreter exit
+        pass
 
 
 def _setup(row, key: tuple[int, ...], timeout_s: float) -> None:
