@@ -16,6 +16,7 @@ _native.register()
 from flux_jax._config import Config, config, get_config, set_config  # noqa: E402
 from flux_jax._distributed import initialize as initialize_distributed  # noqa: E402
 from flux_jax._errors import FusedUnavailableError  # noqa: E402
+from flux_jax._heuristics import explain as explain_auto  # noqa: E402
 from flux_jax._native import build_info  # noqa: E402
 from flux_jax._state import device_errors, reset, workspace_bytes  # noqa: E402
 from flux_jax.ag_matmul import ag_matmul  # noqa: E402
@@ -34,6 +35,7 @@ __all__ = [
     "build_info",
     "config",
     "device_errors",
+    "explain_auto",
     "initialize_distributed",
     "get_config",
     "matmul_rs",

@@ -164,3 +164,15 @@ def test_auto_gpu_policy_follows_the_measured_table():
     # impl="fused" on a shape where the twin wins still runs the better fused path.
     assert _heuristics.best_fused_path("ag_matmul", 2, 256, 4096, 3072, bf16) == "latency"
     assert _heuristics.best_fused_path("matmul_rs", 2, 8192, 8192, 8192, bf16) == "overlap"
+
+
+def test_explain_auto_names_the_choice_and_the_reason():
+    assert "fused, overlap path" in flux_jax.explain_auto("ag_matmul", 4096, 8192, 8192, 2)
+    assert "fused, latency path" in flux_jax.explain_auto("matmul_rs", 16, 4096, 4096, 2)
+    assert "tp=8 has not been measured" in flux_jax.explain_auto("ag_matmul", 8192, 8192, 57344, 8)
+    assert "no float32 kernels" in flux_jax.explain_auto("ag_matmul", 4096, 8192, 8192, 2, "float32")
+    assert "multiples of 8" in flux_jax.explain_auto("ag_matmul", 4096, 8192, 8196, 2)
+    with pytest.raises(ValueError, match="cannot shard"):
+        flux_jax.explain_auto("matmul_rs", 4096, 8191, 8192, 2)
+    with pytest.raises(ValueError, match="op must be"):
+        flux_jax.explain_auto("matmul", 4096, 8192, 8192, 2)
