@@ -26,15 +26,12 @@ Status RunAgMatmulCpu(const AgMatmulParams& p, const TpGroup& group, const CommC
   const size_t chunk_bytes = static_cast<size_t>(p.m_local * p.k) * elt;
   const int64_t chunk_out = p.m_local * p.n;  // output elements per chunk
 
-  Status status;
   const uint64_t signature = cpu::HashInts({1, p.m_local, p.k, p.n, static_cast<int64_t>(p.dtype), p.w_transposed});
-  std::shared_ptr<cpu::Channel> channel =
-      cpu::GetChannel(group, cfg.callsite, chunk_bytes, signature, cfg, &status);
-  FLUX_JAX_RETURN_IF_ERROR(status);
-  cpu::CallScope scope(channel.get(), rank);
-  uint64_t epoch = 0;
-  FLUX_JAX_RETURN_IF_ERROR(scope.Begin(&epoch));
-  const int parity = static_cast<int>(epoch & 1);
+  cpu::ChannelCall call;
+  FLUX_JAX_RETURN_IF_ERROR(call.Open(group, cfg, chunk_bytes, signature));
+  cpu::Channel& channel = call.channel();
+  const uint64_t epoch = call.epoch();
+  const int parity = call.parity();
   if (cfg.poison_outputs) {  // 0xFF.. is NaN in float32, bfloat16 and float16
     std::memset(p.out, 0xFF, static_cast<size_t>(tp * chunk_out) * elt);
     if (p.gathered) std::memset(p.gathered, 0xFF, tp * chunk_bytes);
@@ -43,12 +40,12 @@ Status RunAgMatmulCpu(const AgMatmulParams& p, const TpGroup& group, const CommC
   // 1. Push the local chunk to every peer (copy-engine role on the GPU).
   for (int i = 1; i < tp; ++i) {
     const int peer = (rank + i) % tp;
-    FLUX_JAX_RETURN_IF_ERROR(channel->Wait(rank, cpu::FlagKind::kFreed, parity, peer,
+    FLUX_JAX_RETURN_IF_ERROR(channel.Wait(rank, cpu::FlagKind::kFreed, parity, peer,
                                            epoch >= 2 ? epoch - 2 : 0, epoch, cfg,
                                            {"ag_matmul", peer, rank}));
-    if (chunk_bytes) std::memcpy(channel->Slot(peer, parity, rank), p.x, chunk_bytes);
+    if (chunk_bytes) std::memcpy(channel.Slot(peer, parity, rank), p.x, chunk_bytes);
     if (rank != cfg.drop_rank) {
-      channel->Signal(peer, cpu::FlagKind::kArrived, parity, rank, epoch, cfg);
+      channel.Signal(peer, cpu::FlagKind::kArrived, parity, rank, epoch, cfg);
     }
   }
 
@@ -59,16 +56,16 @@ Status RunAgMatmulCpu(const AgMatmulParams& p, const TpGroup& group, const CommC
     const int src = (rank + i) % tp;
     const void* rows = p.x;
     if (src != rank) {
-      FLUX_JAX_RETURN_IF_ERROR(channel->Wait(rank, cpu::FlagKind::kArrived, parity, src, epoch,
+      FLUX_JAX_RETURN_IF_ERROR(channel.Wait(rank, cpu::FlagKind::kArrived, parity, src, epoch,
                                              epoch, cfg, {"ag_matmul", src, src}));
-      rows = channel->Slot(rank, parity, src);
+      rows = channel.Slot(rank, parity, src);
     }
     cpu::GemmRows(rows, p.dtype, p.m_local, p.k, w.data(), p.n, acc.data());
     cpu::FromFloat(acc.data(), chunk_out, p.dtype, static_cast<char*>(p.out) + src * chunk_out * elt);
     if (p.gathered && chunk_bytes) {
       std::memcpy(static_cast<char*>(p.gathered) + src * chunk_bytes, rows, chunk_bytes);
     }
-    if (src != rank) channel->Signal(src, cpu::FlagKind::kFreed, parity, rank, epoch, cfg);
+    if (src != rank) channel.Signal(src, cpu::FlagKind::kFreed, parity, rank, epoch, cfg);
   }
   return Status::Ok();
 }

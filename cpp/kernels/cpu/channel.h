@@ -102,22 +102,35 @@ std::shared_ptr<Channel> GetChannel(const TpGroup& group, int64_t callsite, size
 // A stable 64-bit hash of a few integers (op signatures, segment names).
 uint64_t HashInts(std::initializer_list<int64_t> values);
 
-// RAII: BeginCall/EndCall around one op invocation on one rank.
-class CallScope {
+// One op invocation on one rank (RAII: BeginCall in Open, EndCall on scope
+// exit): the channel of the call site, this call's epoch and slot parity.
+class ChannelCall {
  public:
-  CallScope(Channel* channel, int rank) : channel_(channel), rank_(rank) {}
-  Status Begin(uint64_t* epoch) {
-    Status s = channel_->BeginCall(rank_, epoch);
-    begun_ = s.ok();
-    return s;
-  }
-  ~CallScope() {
+  ChannelCall() = default;
+  ChannelCall(const ChannelCall&) = delete;
+  ChannelCall& operator=(const ChannelCall&) = delete;
+  ~ChannelCall() {
     if (begun_) channel_->EndCall(rank_);
   }
 
+  Status Open(const TpGroup& group, const CommConfig& cfg, size_t slot_bytes, uint64_t signature) {
+    Status status;
+    channel_ = GetChannel(group, cfg.callsite, slot_bytes, signature, cfg, &status);
+    FLUX_JAX_RETURN_IF_ERROR(status);
+    rank_ = group.rank;
+    FLUX_JAX_RETURN_IF_ERROR(channel_->BeginCall(rank_, &epoch_));
+    begun_ = true;
+    return Status::Ok();
+  }
+
+  Channel& channel() { return *channel_; }
+  uint64_t epoch() const { return epoch_; }
+  int parity() const { return static_cast<int>(epoch_ & 1); }
+
  private:
-  Channel* channel_;
-  int rank_;
+  std::shared_ptr<Channel> channel_;
+  int rank_ = 0;
+  uint64_t epoch_ = 0;
   bool begun_ = false;
 };
 

@@ -37,26 +37,24 @@ Status RunAllGatherCpu(const CollectiveParams& p, const TpGroup& group, const Co
   FLUX_JAX_RETURN_IF_ERROR(AllGatherCanImplement(p, group));
   const int tp = group.size, rank = group.rank;
   const size_t chunk_bytes = static_cast<size_t>(p.rows * p.cols) * DTypeBytes(p.dtype);
-  Status status;
   const uint64_t signature = cpu::HashInts({3, p.rows, p.cols, static_cast<int64_t>(p.dtype)});
-  auto channel = cpu::GetChannel(group, cfg.callsite, chunk_bytes, signature, cfg, &status);
-  FLUX_JAX_RETURN_IF_ERROR(status);
-  cpu::CallScope scope(channel.get(), rank);
-  uint64_t epoch = 0;
-  FLUX_JAX_RETURN_IF_ERROR(scope.Begin(&epoch));
-  const int parity = static_cast<int>(epoch & 1);
+  cpu::ChannelCall call;
+  FLUX_JAX_RETURN_IF_ERROR(call.Open(group, cfg, chunk_bytes, signature));
+  cpu::Channel& channel = call.channel();
+  const uint64_t epoch = call.epoch();
+  const int parity = call.parity();
   auto* out = static_cast<char*>(p.out);
   if (cfg.poison_outputs) std::memset(out, 0xFF, tp * chunk_bytes);
 
-  FLUX_JAX_RETURN_IF_ERROR(PushToPeers(*channel, rank, tp, parity, epoch, chunk_bytes, cfg,
+  FLUX_JAX_RETURN_IF_ERROR(PushToPeers(channel, rank, tp, parity, epoch, chunk_bytes, cfg,
                                        "all_gather", [&](int) { return p.x; }));
   if (chunk_bytes) std::memcpy(out + rank * chunk_bytes, p.x, chunk_bytes);
   for (int i = 1; i < tp; ++i) {
     const int src = (rank + i) % tp;
-    FLUX_JAX_RETURN_IF_ERROR(channel->Wait(rank, cpu::FlagKind::kArrived, parity, src, epoch, epoch,
+    FLUX_JAX_RETURN_IF_ERROR(channel.Wait(rank, cpu::FlagKind::kArrived, parity, src, epoch, epoch,
                                            cfg, {"all_gather", src, src}));
-    if (chunk_bytes) std::memcpy(out + src * chunk_bytes, channel->Slot(rank, parity, src), chunk_bytes);
-    channel->Signal(src, cpu::FlagKind::kFreed, parity, rank, epoch, cfg);
+    if (chunk_bytes) std::memcpy(out + src * chunk_bytes, channel.Slot(rank, parity, src), chunk_bytes);
+    channel.Signal(src, cpu::FlagKind::kFreed, parity, rank, epoch, cfg);
   }
   return Status::Ok();
 }
@@ -67,30 +65,28 @@ Status RunReduceScatterCpu(const CollectiveParams& p, const TpGroup& group, cons
   const size_t elt = DTypeBytes(p.dtype);
   const int64_t chunk_elems = p.rows / tp * p.cols;
   const size_t chunk_bytes = static_cast<size_t>(chunk_elems) * elt;
-  Status status;
   const uint64_t signature = cpu::HashInts({4, p.rows, p.cols, static_cast<int64_t>(p.dtype)});
-  auto channel = cpu::GetChannel(group, cfg.callsite, chunk_bytes, signature, cfg, &status);
-  FLUX_JAX_RETURN_IF_ERROR(status);
-  cpu::CallScope scope(channel.get(), rank);
-  uint64_t epoch = 0;
-  FLUX_JAX_RETURN_IF_ERROR(scope.Begin(&epoch));
-  const int parity = static_cast<int>(epoch & 1);
+  cpu::ChannelCall call;
+  FLUX_JAX_RETURN_IF_ERROR(call.Open(group, cfg, chunk_bytes, signature));
+  cpu::Channel& channel = call.channel();
+  const uint64_t epoch = call.epoch();
+  const int parity = call.parity();
   if (cfg.poison_outputs) std::memset(p.out, 0xFF, chunk_bytes);
   auto chunk = [&](int q) { return static_cast<const char*>(p.x) + q * chunk_bytes; };
 
-  FLUX_JAX_RETURN_IF_ERROR(PushToPeers(*channel, rank, tp, parity, epoch, chunk_bytes, cfg,
+  FLUX_JAX_RETURN_IF_ERROR(PushToPeers(channel, rank, tp, parity, epoch, chunk_bytes, cfg,
                                        "reduce_scatter", chunk));
   std::vector<float> acc(static_cast<size_t>(chunk_elems), 0.0f), part(acc.size());
   for (int src = 0; src < tp; ++src) {
     const void* rows = chunk(rank);
     if (src != rank) {
-      FLUX_JAX_RETURN_IF_ERROR(channel->Wait(rank, cpu::FlagKind::kArrived, parity, src, epoch,
+      FLUX_JAX_RETURN_IF_ERROR(channel.Wait(rank, cpu::FlagKind::kArrived, parity, src, epoch,
                                              epoch, cfg, {"reduce_scatter", src, rank}));
-      rows = channel->Slot(rank, parity, src);
+      rows = channel.Slot(rank, parity, src);
     }
     cpu::ToFloat(rows, p.dtype, chunk_elems, part.data());
     for (int64_t i = 0; i < chunk_elems; ++i) acc[i] += part[i];
-    if (src != rank) channel->Signal(src, cpu::FlagKind::kFreed, parity, rank, epoch, cfg);
+    if (src != rank) channel.Signal(src, cpu::FlagKind::kFreed, parity, rank, epoch, cfg);
   }
   cpu::FromFloat(acc.data(), chunk_elems, p.dtype, p.out);
   return Status::Ok();

@@ -28,15 +28,12 @@ Status RunMatmulRsCpu(const MatmulRsParams& p, const TpGroup& group, const CommC
   const int64_t chunk_out = m_out * p.n;
   const size_t partial_bytes = static_cast<size_t>(chunk_out) * sizeof(float);
 
-  Status status;
   const uint64_t signature = cpu::HashInts({2, p.m, p.k, p.n, static_cast<int64_t>(p.dtype), p.w_transposed});
-  std::shared_ptr<cpu::Channel> channel =
-      cpu::GetChannel(group, cfg.callsite, partial_bytes, signature, cfg, &status);
-  FLUX_JAX_RETURN_IF_ERROR(status);
-  cpu::CallScope scope(channel.get(), rank);
-  uint64_t epoch = 0;
-  FLUX_JAX_RETURN_IF_ERROR(scope.Begin(&epoch));
-  const int parity = static_cast<int>(epoch & 1);
+  cpu::ChannelCall call;
+  FLUX_JAX_RETURN_IF_ERROR(call.Open(group, cfg, partial_bytes, signature));
+  cpu::Channel& channel = call.channel();
+  const uint64_t epoch = call.epoch();
+  const int parity = call.parity();
   if (cfg.poison_outputs) std::memset(p.out, 0xFF, static_cast<size_t>(chunk_out) * elt);
 
   const std::vector<float> w = cpu::WeightAsFloat(p.w, p.dtype, p.k, p.n, p.w_transposed);
@@ -45,13 +42,13 @@ Status RunMatmulRsCpu(const MatmulRsParams& p, const TpGroup& group, const CommC
   // 1. Partials of the peers' rows: compute straight into the peer's slot.
   for (int i = 1; i < tp; ++i) {
     const int dst = (rank + i) % tp;
-    FLUX_JAX_RETURN_IF_ERROR(channel->Wait(rank, cpu::FlagKind::kFreed, parity, dst,
+    FLUX_JAX_RETURN_IF_ERROR(channel.Wait(rank, cpu::FlagKind::kFreed, parity, dst,
                                            epoch >= 2 ? epoch - 2 : 0, epoch, cfg,
                                            {"matmul_rs", dst, dst}));
-    auto* slot = reinterpret_cast<float*>(channel->Slot(dst, parity, rank));
+    auto* slot = reinterpret_cast<float*>(channel.Slot(dst, parity, rank));
     cpu::GemmRows(x_chunk(dst), p.dtype, m_out, p.k, w.data(), p.n, slot);
     if (rank != cfg.drop_rank) {
-      channel->Signal(dst, cpu::FlagKind::kArrived, parity, rank, epoch, cfg);
+      channel.Signal(dst, cpu::FlagKind::kArrived, parity, rank, epoch, cfg);
     }
   }
 
@@ -62,12 +59,12 @@ Status RunMatmulRsCpu(const MatmulRsParams& p, const TpGroup& group, const CommC
   for (int src = 0; src < tp; ++src) {
     const float* part = own.data();
     if (src != rank) {
-      FLUX_JAX_RETURN_IF_ERROR(channel->Wait(rank, cpu::FlagKind::kArrived, parity, src, epoch,
+      FLUX_JAX_RETURN_IF_ERROR(channel.Wait(rank, cpu::FlagKind::kArrived, parity, src, epoch,
                                              epoch, cfg, {"matmul_rs", src, rank}));
-      part = reinterpret_cast<const float*>(channel->Slot(rank, parity, src));
+      part = reinterpret_cast<const float*>(channel.Slot(rank, parity, src));
     }
     for (int64_t i = 0; i < chunk_out; ++i) acc[i] += part[i];
-    if (src != rank) channel->Signal(src, cpu::FlagKind::kFreed, parity, rank, epoch, cfg);
+    if (src != rank) channel.Signal(src, cpu::FlagKind::kFreed, parity, rank, epoch, cfg);
   }
   cpu::FromFloat(acc.data(), chunk_out, p.dtype, p.out);
   return Status::Ok();
