@@ -52,7 +52,7 @@ if [[ $what == debug ]]; then
 fi
 if [[ $what == probe || $what == all ]]; then
   echo "== perf probe"
-  (cd /tmp && timeout 240 python3 "$REPO/tools/perf_probe.py" --out "$OUT/probe.json" "$@")
+  (cd /tmp && timeout ${PROBE_TIMEOUT:-240} python3 "$REPO/tools/perf_probe.py" --out "$OUT/probe.json" "$@")
 fi
 if [[ $what == bench ]]; then
   echo "== harness"

@@ -56,8 +56,10 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--configs", default="",
                     help="extra fused variants, e.g. 'gpu_swizzle=4;fused_path=latency'")
+    ap.add_argument("--gemm-alone", action="store_true",
+                    help="also time flux_jax's GEMM kernel alone (size-1 axis) per config")
     args = ap.parse_args()
-    gpus = [d for d in jax.devices() if d.platform == "gpu"][:2]
+    gpus = [d for d in jax.devices() if d.platform == "gpu"][:2] or jax.devices()[:2]  # CPU: dry run
     mesh = jax.sharding.Mesh(np.array(gpus), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
     rows = []
     rng = np.random.default_rng(0)
@@ -93,6 +95,16 @@ def main():
             g = jax.device_put(jnp.asarray(rng.standard_normal(lshape[0]), jnp.bfloat16), gpus[0])
             gw = jax.device_put(jnp.asarray(rng.standard_normal(lshape[1]) / 64, jnp.bfloat16), gpus[0])
             gemm = time_per_call(local, g, gw)
+            if args.gemm_alone:
+                # flux_jax's GEMM kernel alone: the fused op over a size-1 axis on one GPU.
+                one = jax.sharding.Mesh(np.array(gpus[:1]), ("one",), axis_types=(jax.sharding.AxisType.Auto,))
+                alone = jax.shard_map(functools.partial(fn, axis_name="one", impl="fused"), mesh=one,
+                                      in_specs=(P(), P()), out_specs=P(), check_vma=False)
+                for name, _, kw in variants:
+                    if name == "xla":
+                        continue
+                    with flux_jax.config(**{"fused_path": "overlap", **kw}):
+                        res["gemm_alone_" + name] = time_per_call(alone, g, gw)
             row = dict(op=op, M=M, K=K, N=N, fused_ms=res["fused"][0], xla_ms=res["xla"][0],
                        gemm_ms=gemm[0], speedup=res["xla"][0] / res["fused"][0], max_rel_err=err,
                        fused_spread=res["fused"][1:], xla_spread=res["xla"][1:],
