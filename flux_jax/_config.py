@@ -29,7 +29,9 @@ class Config:
         before computing, so an element they fail to write cannot pass a test.
       gpu_piece_bytes: GPU tuning: target size of the pieces a chunk travels in
         (each piece has its own flag); 0 = automatic (~1/8 chunk, >= 2 MiB).
-      gpu_swizzle: GPU tuning: tile-scheduler swizzle (1, 2, 4 or 8).
+      gpu_tile_group_m: GPU tuning: how many 128-row tiles of the output the
+        overlap GEMM sweeps together across N (grouped raster for L2 reuse),
+        1..64; 0 = automatic.
       fused_path: which fused implementation runs: "overlap" (one kernel in
         which the GEMM consumes rows as they arrive -- the bandwidth path for
         large M), "latency" (our one-kernel NVLink collective next to XLA's own
@@ -43,7 +45,7 @@ class Config:
     debug_drop_rank: int = -1
     debug_poison_outputs: bool = False
     gpu_piece_bytes: int = 0
-    gpu_swizzle: int = 1
+    gpu_tile_group_m: int = 0
     fused_path: str = "auto"
 
     def __post_init__(self):
@@ -55,8 +57,8 @@ class Config:
             raise ValueError(f"Config.debug_drop_rank must be an int >= -1, got {self.debug_drop_rank!r}")
         if not (isinstance(self.gpu_piece_bytes, int) and self.gpu_piece_bytes >= 0):
             raise ValueError(f"Config.gpu_piece_bytes must be an int >= 0, got {self.gpu_piece_bytes!r}")
-        if self.gpu_swizzle not in (1, 2, 4, 8):
-            raise ValueError(f"Config.gpu_swizzle must be 1, 2, 4 or 8, got {self.gpu_swizzle!r}")
+        if not (isinstance(self.gpu_tile_group_m, int) and 0 <= self.gpu_tile_group_m <= 64):
+            raise ValueError(f"Config.gpu_tile_group_m must be an int in [0, 64], got {self.gpu_tile_group_m!r}")
         if self.fused_path not in ("auto", "overlap", "latency"):
             raise ValueError(f'Config.fused_path must be "auto", "overlap" or "latency", got {self.fused_path!r}')
         if not isinstance(self.debug_poison_outputs, bool):

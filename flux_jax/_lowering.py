@@ -159,7 +159,7 @@ def register_fused_lowering(prim, target: str, cuda_available) -> None:
             drop_rank=np.int64(config.debug_drop_rank),
             poison=bool(config.debug_poison_outputs),
             piece_bytes=np.int64(config.gpu_piece_bytes),
-            swizzle=np.int64(config.gpu_swizzle),
+            tile_group_m=np.int64(config.gpu_tile_group_m),
         )
         x_aval, w_aval = ctx.avals_in[0], ctx.avals_in[1]
         path = choose_path(prim.name, platform, config, x_aval.shape, w_aval.shape, tp_size,

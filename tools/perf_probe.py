@@ -55,7 +55,7 @@ def main():
     ap.add_argument("--ops", default="ag,rs")
     ap.add_argument("--out", default=None)
     ap.add_argument("--configs", default="",
-                    help="extra fused variants, e.g. 'gpu_swizzle=4;fused_path=latency'")
+                    help="extra fused variants, e.g. 'gpu_tile_group_m=16;fused_path=latency'")
     ap.add_argument("--gemm-alone", action="store_true",
                     help="also time flux_jax's GEMM kernel alone (size-1 axis) per config")
     args = ap.parse_args()

@@ -44,7 +44,7 @@ struct CommConfig {
   bool poison_outputs = false;      // debug: fill outputs with NaN first, so unwritten
                                     // elements cannot pass a test
   int64_t piece_bytes = 0;          // GPU: target bytes per flagged piece (0: automatic)
-  int64_t swizzle = 1;              // GPU: tile scheduler swizzle
+  int64_t tile_group_m = 0;         // GPU: M tiles the GEMM sweeps together (0: default)
 };
 
 // out[tp*m_local, n] = all_gather(x[m_local, k]) @ op(w), op(w) = w or w^T.

@@ -40,6 +40,7 @@ Status RunAgMatmulCuda(const AgMatmulParams& p, const TpGroup& group, const Comm
   plan.b = p.w;
   plan.b_kmajor = p.w_transposed;
   plan.d = p.out;
+  plan.group_m_tiles = TileGroupM(cfg);
 
   if (tp == 1) {
     GroupWorkspace* ws = nullptr;  // no communication; the workspace only holds alpha
@@ -89,7 +90,6 @@ Status RunAgMatmulCuda(const AgMatmulParams& p, const TpGroup& group, const Comm
   }
   plan.a = ws->data;
   plan.alpha_ptr = ws->alpha;
-  plan.swizzle = static_cast<int32_t>(cfg.swizzle);
   plan.rotate_m_tiles = static_cast<int32_t>((r * p.m_local + kGemmBlockM - 1) / kGemmBlockM);
   plan.gate_a = MakeGate(*ws, cfg, ws->arrived, static_cast<int32_t>(p.m_local), piece_rows,
                          static_cast<int32_t>(rows), r, 0, kSiteGemmA);

@@ -78,9 +78,7 @@ Status RunGemmInstance(const GemmPlan& p, cudaStream_t stream, int device, int s
 
   args.hw_info.device_id = device;
   args.hw_info.sm_count = sm_count;
-  args.scheduler.raster_order =
-      cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90::RasterOrderOptions::AlongN;
-  args.scheduler.max_swizzle_size = p.swizzle;
+  args.scheduler.group_m_tiles = p.group_m_tiles;
   args.scheduler.rotate_m_tiles = p.rotate_m_tiles;
 
   typename Instance::Gemm gemm;

@@ -17,6 +17,9 @@ namespace flux_jax::cuda {
 
 inline constexpr int kGemmBlockM = 128;  // tile rows of every shipped instance
 inline constexpr int kGemmBlockN = 256;
+// M tiles swept together across N when the config says 0 (automatic); see the
+// tile order in gated_gemm.cuh and the measurements in docs/kernels.md.
+inline constexpr int kDefaultTileGroupM = 8;
 
 struct GemmPlan {
   int64_t m = 0, n = 0, k = 0;
@@ -34,7 +37,7 @@ struct GemmPlan {
   RowGate gate_a;                    // waits before A loads (AllGather)
   RowGate gate_c;                    // waits before C loads (ReduceScatter)
   int32_t rotate_m_tiles = 0;
-  int32_t swizzle = 1;
+  int32_t group_m_tiles = 1;  // M tiles swept together across N (L2 reuse; gated_gemm.cuh)
 };
 
 // Launches on `stream`; `sm_count` sizes the persistent grid.

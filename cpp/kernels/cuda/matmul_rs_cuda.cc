@@ -38,6 +38,7 @@ Status RunMatmulRsCuda(const MatmulRsParams& p, const TpGroup& group, const Comm
   plan.k = p.k;
   plan.b = p.w;
   plan.b_kmajor = p.w_transposed;
+  plan.group_m_tiles = TileGroupM(cfg);
 
   GroupWorkspace* ws = nullptr;
   // recv[0 .. tp-2] then stage[0 .. tp-2]
@@ -53,7 +54,6 @@ Status RunMatmulRsCuda(const MatmulRsParams& p, const TpGroup& group, const Comm
   ws->epoch += 1;
   const uint64_t epoch = ws->epoch;
   const int32_t piece_rows = PieceRows(m_out, out_row_bytes, cfg.piece_bytes);
-  plan.swizzle = static_cast<int32_t>(cfg.swizzle);
   const int32_t pieces = NumPieces(m_out, piece_rows);
   char* recv = ws->data;
   char* stage = ws->data + (tp - 1) * slot_bytes;

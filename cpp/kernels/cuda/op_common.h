@@ -29,6 +29,10 @@ inline int32_t PieceRows(int64_t rows, int64_t row_bytes, int64_t requested_byte
   return static_cast<int32_t>(std::min(piece, rows));
 }
 
+inline int32_t TileGroupM(const CommConfig& cfg) {
+  return cfg.tile_group_m > 0 ? static_cast<int32_t>(cfg.tile_group_m) : kDefaultTileGroupM;
+}
+
 inline int32_t NumPieces(int64_t rows, int32_t piece_rows) {
   return static_cast<int32_t>((rows + piece_rows - 1) / piece_rows);
 }
