@@ -1,8 +1,9 @@
 """Which implementation runs on GPU: the overlap kernel, the latency path, or the XLA twin.
 
 Measured with the harness (dispatch-free device time, 2x H200, TP=2, bf16, 2026-11-29; data in
-benchmarks/data/harness_*_2026-11-29.json). Speedup over the twin (xla_shard_map), global shapes,
-AG: n = N/2 per rank; RS: k = K/2 per rank:
+benchmarks/data/harness_*_2026-11-29.json); rows marked (11-30) with tools/perf_probe.py after the
+overlap GEMM got its grouped tile order (benchmarks/data/probe_2026-11-30.json). Speedup over the
+twin (xla_shard_map), global shapes, AG: n = N/2 per rank; RS: k = K/2 per rank:
 
   op  M      K      N      twin us  overlap  latency
   ag  16     8192   57344    128.0   0.69     1.00
@@ -15,7 +16,9 @@ AG: n = N/2 per rank; RS: k = K/2 per rank:
   ag  1024   8192   57344    749.1   0.84     1.09
   ag  4096   8192   8192     546.7   1.40     0.93 (probe)
   ag  16384  8192   8192    2054.4   1.36
-  ag  8192   8192   28672   2962.8   0.90     1.01 (probe)
+  ag  8192   4096   28672   1593.3   1.05     1.02 (11-30)
+  ag  8192   8192   16384   1819.9   1.07          (11-30)
+  ag  8192   8192   28672   3077.6   1.03     1.01 (11-30; 0.90 before the tile order)
   rs  16     4096   4096      38.4   0.54     1.86
   rs  16     28672  8192      73.1   0.25     0.97   <- GEMM-bound: the twin
   rs  64     4096   4096      37.6   0.55     1.67
@@ -28,10 +31,14 @@ AG: n = N/2 per rank; RS: k = K/2 per rank:
   rs  4096   8192   8192     594.3   1.42     0.97 (probe)
   rs  16384  8192   8192    2068.6   1.23
   rs  8192   28672  8192    2914.7   1.03     1.00 (probe)
+  rs  8192   8192   16384   2063.4   1.13     1.02 (11-30)
+  rs  8192   4096   28672   2217.0   1.15     1.02 (11-30)
+  rs  8192   8192   28672   3605.8   1.09     1.00 (11-30)
 
 Reading: the overlap kernel wins once there are enough row tiles to hide the transfer (M >=
-2048; RS already at M = 1024 with N = 8192) and only while its single 128x256 GEMM config is
-competitive (per-rank N <= 8192). Below that the latency path wins wherever the collective's
+2048; RS already at M = 1024 with N = 8192), at every per-rank N measured (up to 28672) since its
+GEMM sweeps groups of 8 row tiles across N (alone it runs at 96-100% of XLA's GEMM there; with
+plain raster it was 15-27% slower at N >= 14336 and the overlap lost). Below that the latency path wins wherever the collective's
 latency is a visible share of the call, i.e. for mid M, and for small M only when the GEMM is
 short (RS); when a small-M GEMM is long anyway, the three are within noise and the twin stays.
 The rule below is fitted to these points (shapes in between are interpolated, not measured).
@@ -41,7 +48,6 @@ from __future__ import annotations
 
 import numpy as np
 
-_MAX_OVERLAP_N = 8192  # per-rank GEMM N beyond which the overlap kernel's GEMM is slower than XLA's
 # M * k * n (per-rank multiply-adds) thresholds of the latency path, from the table above.
 _AG_LATENCY_MIN_MACS = 4e9  # AG with M >= 64: below this the twin (ag 256x4096x6144: 3.2e9, 0.86x)
 _RS_SMALL_M_MAX_MACS = 1e9  # RS with M < 256: above this the twin (rs 16x28672x8192: 1.9e9, 0.97x)
@@ -58,12 +64,10 @@ def choose(op: str, tp: int, rows: int, k: int, n: int, dtype) -> str:
     macs = float(rows) * k * n
     if op == "ag_matmul":
         if rows >= 2048:
-            return "overlap" if n <= _MAX_OVERLAP_N else "xla"
+            return "overlap"
         return "latency" if rows >= 64 and macs >= _AG_LATENCY_MIN_MACS else "xla"
-    if n <= _MAX_OVERLAP_N and (rows >= 2048 or (rows >= 1024 and n >= 8192)):
+    if rows >= 2048 or (rows >= 1024 and n >= 8192):
         return "overlap"
-    if rows >= 2048:
-        return "xla"
     if rows >= 256 or macs <= _RS_SMALL_M_MAX_MACS:
         return "latency"
     return "xla"
@@ -75,8 +79,8 @@ def best_fused_path(op: str, tp: int, rows: int, k: int, n: int, dtype) -> str:
     if choice != "xla":
         return choice
     if op == "ag_matmul":
-        return "overlap" if rows >= 2048 and n <= _MAX_OVERLAP_N else "latency"
-    return "overlap" if rows >= 1024 and n <= _MAX_OVERLAP_N else "latency"
+        return "overlap" if rows >= 2048 else "latency"
+    return "overlap" if rows >= 1024 else "latency"
 
 
 def fused_is_faster(op: str, tp: int, rows: int, k: int, n: int, dtype) -> bool:
@@ -103,8 +107,8 @@ def explain(op: str, M: int, K: int, N: int, tp: int, dtype="bfloat16") -> str:
         return f"{where}: the XLA twin (the kernels need per-rank K and N multiples of 8; got {k}, {n})"
     choice = choose(op, tp, M, k, n, dtype)
     if choice == "overlap":
-        return (f"{where}: fused, overlap path (enough row tiles to hide the transfer and per-rank "
-                f"N {n} <= {_MAX_OVERLAP_N}: measured 1.15-1.42x over the twin in that region)")
+        return (f"{where}: fused, overlap path (enough row tiles to hide the transfer: measured "
+                "1.03-1.42x over the twin in that region)")
     if choice == "latency":
         return (f"{where}: fused, latency path (our NVLink collective + XLA's GEMM; measured 1.1-1.9x "
                 "over the twin for small and mid M)")
