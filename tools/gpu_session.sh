@@ -2,7 +2,7 @@
 # One call on the lent GPU host: install flux_jax, record build facts, run the
 # GPU tests and the benchmarks, leave everything under $OUT.
 #
-#   run(command="bash tools/gpu_session.sh [tests|bench|probe|multiprocess|all] [harness args...]", carry=[".whl"])
+#   run(command="bash tools/gpu_session.sh [tests|bench|probe|train|multiprocess|all] [harness args...]", carry=[".whl"])
 #
 # .whl/ holds the wheel built here (pip wheel . -w .whl) and, as a fallback,
 # cutlass_headers.tgz to build from source there.
@@ -57,6 +57,11 @@ fi
 if [[ $what == bench ]]; then
   echo "== harness"
   (cd /tmp && PYTHONPATH=/tmp/site:$REPO timeout 540 python3 -m benchmarks.run --out "$OUT/results" "$@")
-  (cd "$OUT" && tar czf results.tgz results && rm -rf results)
+  (cd "$OUT" && tar czf "results_$(date +%s).tgz" results && rm -rf results)
+fi
+if [[ $what == train ]]; then
+  echo "== 8B-like layer stack, fused vs xla"
+  (cd /tmp && timeout ${TRAIN_TIMEOUT:-300} python3 "$REPO/examples/train_transformer.py" --preset llama3-8b-layers \
+     --compare --sample-chars 0 --out "$OUT/train_$(date +%s)" "$@" 2>&1 | grep -v "it/s\]$" | tail -15)
 fi
 echo "== done"; date -u
