@@ -2,7 +2,9 @@
 
 CPU tests build their meshes from jax.devices("cpu"), so they also run on a
 GPU host. GPU tests live in tests/gpu and skip without GPUs, unless
-FLUX_JAX_REQUIRE_GPU=1 turns the skip into a failure.
+FLUX_JAX_REQUIRE_GPU=1 turns the skip into a failure. FLUX_JAX_TEST_TUNING runs
+every test under extra Config fields, e.g. "gpu_cluster_m=2,gpu_tile_group_m=16"
+(to run the GPU suite against a non-default kernel configuration).
 """
 
 import os
@@ -28,7 +30,11 @@ import flux_jax  # noqa: E402
 def _poisoned_outputs():
     """Every fused kernel poisons its outputs with NaN first (unwritten => test fails)."""
     previous = flux_jax.get_config()
-    flux_jax.set_config(flux_jax.Config(timeout_s=30.0, debug_poison_outputs=True))
+    tuning = {}
+    for item in filter(None, os.environ.get("FLUX_JAX_TEST_TUNING", "").split(",")):
+        key, value = item.split("=")
+        tuning[key.strip()] = int(value)
+    flux_jax.set_config(flux_jax.Config(timeout_s=30.0, debug_poison_outputs=True, **tuning))
     yield
     flux_jax.set_config(previous)
 
