@@ -32,9 +32,6 @@ class Config:
       gpu_tile_group_m: GPU tuning: how many 128-row tiles of the output the
         overlap GEMM sweeps together across N (grouped raster for L2 reuse),
         1..64; 0 = automatic.
-      gpu_cluster_m: GPU tuning: thread blocks per cluster along M in the overlap
-        GEMM (2: the pair shares each B tile through TMA multicast; bfloat16
-        only, float16 runs 1); 0 = automatic.
       fused_path: which fused implementation runs: "overlap" (one kernel in
         which the GEMM consumes rows as they arrive -- the bandwidth path for
         large M), "latency" (our one-kernel NVLink collective next to XLA's own
@@ -49,7 +46,6 @@ class Config:
     debug_poison_outputs: bool = False
     gpu_piece_bytes: int = 0
     gpu_tile_group_m: int = 0
-    gpu_cluster_m: int = 0
     fused_path: str = "auto"
 
     def __post_init__(self):
@@ -63,8 +59,6 @@ class Config:
             raise ValueError(f"Config.gpu_piece_bytes must be an int >= 0, got {self.gpu_piece_bytes!r}")
         if not (isinstance(self.gpu_tile_group_m, int) and 0 <= self.gpu_tile_group_m <= 64):
             raise ValueError(f"Config.gpu_tile_group_m must be an int in [0, 64], got {self.gpu_tile_group_m!r}")
-        if self.gpu_cluster_m not in (0, 1, 2):
-            raise ValueError(f"Config.gpu_cluster_m must be 0, 1 or 2, got {self.gpu_cluster_m!r}")
         if self.fused_path not in ("auto", "overlap", "latency"):
             raise ValueError(f'Config.fused_path must be "auto", "overlap" or "latency", got {self.fused_path!r}')
         if not isinstance(self.debug_poison_outputs, bool):

@@ -3,7 +3,7 @@
 CPU tests build their meshes from jax.devices("cpu"), so they also run on a
 GPU host. GPU tests live in tests/gpu and skip without GPUs, unless
 FLUX_JAX_REQUIRE_GPU=1 turns the skip into a failure. FLUX_JAX_TEST_TUNING runs
-every test under extra Config fields, e.g. "gpu_cluster_m=2,gpu_tile_group_m=16"
+every test under extra Config fields, e.g. "gpu_tile_group_m=16,gpu_piece_bytes=4194304"
 (to run the GPU suite against a non-default kernel configuration).
 """
 

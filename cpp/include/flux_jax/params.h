@@ -45,7 +45,6 @@ struct CommConfig {
                                     // elements cannot pass a test
   int64_t piece_bytes = 0;          // GPU: target bytes per flagged piece (0: automatic)
   int64_t tile_group_m = 0;         // GPU: M tiles the GEMM sweeps together (0: default)
-  int64_t cluster_m = 0;            // GPU: CTAs per cluster along M, 1 or 2 (0: default)
 };
 
 // out[tp*m_local, n] = all_gather(x[m_local, k]) @ op(w), op(w) = w or w^T.

@@ -41,7 +41,6 @@ Status RunAgMatmulCuda(const AgMatmulParams& p, const TpGroup& group, const Comm
   plan.b_kmajor = p.w_transposed;
   plan.d = p.out;
   plan.group_m_tiles = TileGroupM(cfg);
-  plan.cluster_m = ClusterM(cfg);
 
   if (tp == 1) {
     GroupWorkspace* ws = nullptr;  // no communication; the workspace only holds alpha

@@ -12,7 +12,7 @@
 //  GatedEpilogue     the epilogue producer waits on the flags of a tile's C rows
 //                    (received partial sums) before loading C.
 //
-// Consumers (the MMA warpgroups) never poll. Clusters: 1x1 or Mx1 (B multicast).
+// Consumers (the MMA warpgroups) never poll. Only cluster 1x1 is supported.
 #pragma once
 
 #include "cute/tensor.hpp"
@@ -36,10 +36,7 @@ namespace flux_jax::cuda {
 // column blocks of B, which stay in L2 (plain raster along N streams the whole
 // of B once per ~132/tiles_n row blocks: 15-30% slower at N >= 14336). The last
 // group may hold fewer rows; nothing is padded. Then m += rotate (mod tiles_m),
-// so rank r starts on its own rows. With a 2x1 cluster all of this happens in
-// units of cluster rows (the two CTAs of a cluster keep adjacent M tiles and
-// share B through TMA multicast); an odd tiles_m leaves one CTA of the last
-// cluster out of bounds (TMA zero-fills, stores are clipped, waits clamp).
+// so rank r starts on its own rows.
 // ---------------------------------------------------------------------------
 struct RotatedSchedulerTag {};
 
@@ -56,7 +53,6 @@ class RotatedScheduler : public cutlass::gemm::kernel::detail::PersistentTileSch
     int32_t tiles_m = 1;
     int32_t tiles_n = 1;
     int32_t group_m_tiles = 1;
-    int32_t cluster_m = 1;
   };
 
   template <class ProblemShapeMNKL, class TileShape, class ClusterShape>
@@ -75,14 +71,10 @@ class RotatedScheduler : public cutlass::gemm::kernel::detail::PersistentTileSch
         epilogue_subtile, ktile_start_alignment_count);
     const int m = static_cast<int>(cute::get<0>(problem_shape_mnkl));
     const int n = static_cast<int>(cute::get<1>(problem_shape_mnkl));
-    // Everything below counts cluster rows (cluster_m M tiles each).
-    const int cm = static_cast<int>(cute::size<0>(cluster_shape));
-    const int tiles_m = (m + cute::size<0>(tile_shape) - 1) / cute::size<0>(tile_shape);
-    params.cluster_m = cm;
-    params.tiles_m = (tiles_m + cm - 1) / cm;
+    params.tiles_m = (m + cute::size<0>(tile_shape) - 1) / cute::size<0>(tile_shape);
     params.tiles_n = (n + cute::size<1>(tile_shape) - 1) / cute::size<1>(tile_shape);
-    params.rotate_m_tiles = params.tiles_m > 0 ? (args.rotate_m_tiles / cm) % params.tiles_m : 0;
-    params.group_m_tiles = args.group_m_tiles < cm ? 1 : args.group_m_tiles / cm;
+    params.rotate_m_tiles = params.tiles_m > 0 ? args.rotate_m_tiles % params.tiles_m : 0;
+    params.group_m_tiles = args.group_m_tiles < 1 ? 1 : args.group_m_tiles;
     return params;
   }
 
@@ -92,8 +84,7 @@ class RotatedScheduler : public cutlass::gemm::kernel::detail::PersistentTileSch
         rotate_(params.rotate_m_tiles),
         tiles_m_(params.tiles_m),
         tiles_n_(params.tiles_n),
-        group_(params.group_m_tiles),
-        cluster_m_(params.cluster_m) {}
+        group_(params.group_m_tiles) {}
 
   template <class ClusterShape>
   CUTLASS_DEVICE WorkTileInfo initial_work_tile_info(ClusterShape) {
@@ -110,14 +101,12 @@ class RotatedScheduler : public cutlass::gemm::kernel::detail::PersistentTileSch
  private:
   CUTLASS_DEVICE WorkTileInfo Remap(WorkTileInfo w) const {
     if (!w.is_valid()) return w;
-    const int cta = w.M_idx % cluster_m_;                 // this CTA's row within its cluster
-    const int t = (w.M_idx / cluster_m_) * tiles_n_ + w.N_idx;  // plain raster along N
+    const int t = w.M_idx * tiles_n_ + w.N_idx;  // plain raster along N: t = m * tiles_n + n
     const int first = (t / (group_ * tiles_n_)) * group_;
     const int rows = min(group_, tiles_m_ - first);
     const int idx = t - first * tiles_n_;
     int m = first + idx % rows + rotate_;
-    m = m >= tiles_m_ ? m - tiles_m_ : m;
-    w.M_idx = m * cluster_m_ + cta;
+    w.M_idx = m >= tiles_m_ ? m - tiles_m_ : m;
     w.N_idx = idx / rows;
     return w;
   }
@@ -126,7 +115,6 @@ class RotatedScheduler : public cutlass::gemm::kernel::detail::PersistentTileSch
   int32_t tiles_m_ = 1;
   int32_t tiles_n_ = 1;
   int32_t group_ = 1;
-  int32_t cluster_m_ = 1;
 };
 
 // ---------------------------------------------------------------------------
@@ -141,9 +129,7 @@ struct GatedMainloop : Base {
   using typename Base::SmemLayoutB;
   using typename Base::TensorStorage;
   using typename Base::TileShape;
-  static_assert(cute::size<1>(ClusterShape{}) == 1 && cute::size<2>(ClusterShape{}) == 1,
-                "GatedMainloop supports clusters of 1x1 or Mx1 CTAs (B multicast along M)");
-  static constexpr int kClusterM = cute::size<0>(ClusterShape{});
+  static_assert(cute::size(ClusterShape{}) == 1, "GatedMainloop supports cluster 1x1 only");
   static constexpr int kBlockM = cute::size<0>(TileShape{});
 
   struct Arguments : Base::Arguments {
@@ -199,7 +185,7 @@ struct GatedMainloop : Base {
                            PipelineState smem_pipe_write,
                            cute::tuple<TensorA, TensorB> const& load_inputs,
                            BlockCoord const& blk_coord, KTileIterator k_tile_iter, int k_tile_count,
-                           int /*thread_idx*/, uint32_t block_rank_in_cluster,
+                           int /*thread_idx*/, uint32_t /*block_rank_in_cluster*/,
                            TensorStorage& shared_tensors) {
     using namespace cute;
     using X = Underscore;
@@ -216,13 +202,9 @@ struct GatedMainloop : Base {
       Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
       Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
       Tensor gB = get<1>(load_inputs)(_, _, n_coord, _, l_coord);  // (BLK_N,BLK_K,k)
-      // Each CTA of an Mx1 cluster loads 1/M of the B tile and multicasts it to
-      // all of them (the CTAs share n_coord). A is never multicast.
-      const int cta_in_cluster = static_cast<int>(block_rank_in_cluster % kClusterM);
-      auto block_tma_b = params.tma_load_b.get_slice(cta_in_cluster);
+      auto block_tma_b = params.tma_load_b.get_slice(0);
       Tensor tBgB = block_tma_b.partition_S(gB);
       Tensor tBsB = block_tma_b.partition_D(sB);
-      const uint16_t mcast_mask_b = static_cast<uint16_t>((1u << kClusterM) - 1u);
 
       auto issue = [&](auto const& tma_a, auto const& gA) {
         auto block_tma_a = tma_a.get_slice(0);
@@ -234,11 +216,7 @@ struct GatedMainloop : Base {
           auto* barrier = pipeline.producer_get_barrier(smem_pipe_write);
           const int stage = smem_pipe_write.index();
           copy(tma_a.with(*barrier, 0), tAgA(_, _, _, *k_tile_iter), tAsA(_, _, _, stage));
-          if constexpr (kClusterM > 1) {
-            copy(params.tma_load_b.with(*barrier, mcast_mask_b), tBgB(_, _, _, *k_tile_iter), tBsB(_, _, _, stage));
-          } else {
-            copy(params.tma_load_b.with(*barrier, 0), tBgB(_, _, _, *k_tile_iter), tBsB(_, _, _, stage));
-          }
+          copy(params.tma_load_b.with(*barrier, 0), tBgB(_, _, _, *k_tile_iter), tBsB(_, _, _, stage));
           ++k_tile_iter;
           ++smem_pipe_write;
         }

@@ -7,31 +7,21 @@ Status RunGemm_bf16_nmajor(const GemmPlan&, cudaStream_t, int, int);
 Status RunGemm_bf16_kmajor(const GemmPlan&, cudaStream_t, int, int);
 Status RunGemm_f16_nmajor(const GemmPlan&, cudaStream_t, int, int);
 Status RunGemm_f16_kmajor(const GemmPlan&, cudaStream_t, int, int);
-Status RunGemm_bf16_nmajor_c2(const GemmPlan&, cudaStream_t, int, int);
-Status RunGemm_bf16_kmajor_c2(const GemmPlan&, cudaStream_t, int, int);
 Status Preload_RunGemm_bf16_nmajor();
 Status Preload_RunGemm_bf16_kmajor();
 Status Preload_RunGemm_f16_nmajor();
 Status Preload_RunGemm_f16_kmajor();
-Status Preload_RunGemm_bf16_nmajor_c2();
-Status Preload_RunGemm_bf16_kmajor_c2();
 
 Status PreloadGemmKernels() {
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_bf16_nmajor());
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_bf16_kmajor());
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_f16_nmajor());
-  FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_bf16_nmajor_c2());
-  FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_bf16_kmajor_c2());
   return Preload_RunGemm_f16_kmajor();
 }
 
 Status RunGemm(const GemmPlan& plan, DType dtype, cudaStream_t stream, int device, int sm_count) {
   switch (dtype) {
     case DType::kBF16:
-      if (plan.cluster_m == 2) {
-        return plan.b_kmajor ? RunGemm_bf16_kmajor_c2(plan, stream, device, sm_count)
-                             : RunGemm_bf16_nmajor_c2(plan, stream, device, sm_count);
-      }
       return plan.b_kmajor ? RunGemm_bf16_kmajor(plan, stream, device, sm_count)
                            : RunGemm_bf16_nmajor(plan, stream, device, sm_count);
     case DType::kF16:

@@ -1,6 +1,6 @@
-// The GEMM configuration every fused op instantiates (per dtype, B layout and
-// cluster): CUTLASS sm90 TMA warp-specialized cooperative persistent kernel,
-// 128x256x64 tiles, cluster 1x1 or 2x1 (B multicast), f32 accumulation, with the gated mainloop,
+// The one GEMM configuration every fused op instantiates (per dtype and B
+// layout): CUTLASS sm90 TMA warp-specialized cooperative persistent kernel,
+// 128x256x64 tiles, cluster 1x1, f32 accumulation, with the gated mainloop,
 // gated epilogue and rotated scheduler of gated_gemm.cuh. Included only by the
 // instantiation units (each costs ~1 minute of nvcc on 2 cores).
 #pragma once
@@ -19,14 +19,14 @@
 
 namespace flux_jax::cuda {
 
-template <class Element, bool kBKMajor, int kClusterM>
+template <class Element, bool kBKMajor>
 struct GemmInstance {
   using LayoutA = cutlass::layout::RowMajor;
   using LayoutB = std::conditional_t<kBKMajor, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
   using LayoutC = cutlass::layout::RowMajor;
   static constexpr int kAlignment = 8;  // 16 bytes: K and N multiples of 8
   using TileShape = cute::Shape<cute::Int<kGemmBlockM>, cute::Int<kGemmBlockN>, cute::_64>;
-  using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::_1, cute::_1>;
+  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
 
   using BaseEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
@@ -45,33 +45,6 @@ struct GemmInstance {
                                                       GatedEpilogue<BaseEpilogue>, RotatedSchedulerTag>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
-
-// How many clusters of this kernel fit on the device at once (cached): the
-// persistent grid must not exceed it, or the CTAs past it run as a second wave.
-template <class Instance>
-int MaxActiveClusters() {
-  using Kernel = typename Instance::Kernel;
-  static const int clusters = [] {
-    cudaLaunchConfig_t config{};
-    config.gridDim = dim3(cute::size<0>(typename Kernel::ClusterShape{}), 1, 1);
-    config.blockDim = dim3(Kernel::MaxThreadsPerBlock, 1, 1);
-    config.dynamicSmemBytes = Kernel::SharedStorageSize;
-    cudaLaunchAttribute attr{};
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = cute::size<0>(typename Kernel::ClusterShape{});
-    attr.val.clusterDim.y = 1;
-    attr.val.clusterDim.z = 1;
-    config.attrs = &attr;
-    config.numAttrs = 1;
-    int n = 0;
-    if (cudaOccupancyMaxActiveClusters(&n, cutlass::device_kernel<Kernel>, &config) != cudaSuccess) {
-      (void)cudaGetLastError();
-      n = 0;  // unknown: CUTLASS then sizes the grid from the SM count
-    }
-    return n;
-  }();
-  return clusters;
-}
 
 template <class Instance>
 Status RunGemmInstance(const GemmPlan& p, cudaStream_t stream, int device, int sm_count) {
@@ -105,7 +78,6 @@ Status RunGemmInstance(const GemmPlan& p, cudaStream_t stream, int device, int s
 
   args.hw_info.device_id = device;
   args.hw_info.sm_count = sm_count;
-  args.hw_info.max_active_clusters = MaxActiveClusters<Instance>();
   args.scheduler.group_m_tiles = p.group_m_tiles;
   args.scheduler.rotate_m_tiles = p.rotate_m_tiles;
 
@@ -139,7 +111,6 @@ Status PreloadGemmInstance() {
   if (err != cudaSuccess) {
     return Status::Internal(std::string("flux_jax: loading a GEMM kernel failed: ") + cudaGetErrorString(err));
   }
-  (void)MaxActiveClusters<Instance>();
   return Status::Ok();
 }
 
@@ -147,11 +118,10 @@ Status PreloadGemmInstance() {
 
 // Defines the entry points of one instance: Status <name>(plan, stream, device,
 // sms) and Status Preload_<name>().
-#define FLUX_JAX_DEFINE_GEMM_INSTANCE(name, Element, kBKMajor, kClusterM)                          \
-  namespace flux_jax::cuda {                                                                        \
-  Status name(const GemmPlan& plan, cudaStream_t stream, int device, int sm_count) {                \
-    return RunGemmInstance<GemmInstance<Element, kBKMajor, kClusterM>>(plan, stream, device,        \
-                                                                       sm_count);                   \
-  }                                                                                                 \
-  Status Preload_##name() { return PreloadGemmInstance<GemmInstance<Element, kBKMajor, kClusterM>>(); } \
+#define FLUX_JAX_DEFINE_GEMM_INSTANCE(name, Element, kBKMajor)                                 \
+  namespace flux_jax::cuda {                                                                   \
+  Status name(const GemmPlan& plan, cudaStream_t stream, int device, int sm_count) {           \
+    return RunGemmInstance<GemmInstance<Element, kBKMajor>>(plan, stream, device, sm_count);  \
+  }                                                                                            \
+  Status Preload_##name() { return PreloadGemmInstance<GemmInstance<Element, kBKMajor>>(); }  \
   }

@@ -20,8 +20,6 @@ inline constexpr int kGemmBlockN = 256;
 // M tiles swept together across N when the config says 0 (automatic); see the
 // tile order in gated_gemm.cuh and the measurements in docs/kernels.md.
 inline constexpr int kDefaultTileGroupM = 8;
-// CTAs per cluster along M when the config says 0 (automatic).
-inline constexpr int kDefaultClusterM = 1;
 
 struct GemmPlan {
   int64_t m = 0, n = 0, k = 0;
@@ -40,7 +38,6 @@ struct GemmPlan {
   RowGate gate_c;                    // waits before C loads (ReduceScatter)
   int32_t rotate_m_tiles = 0;
   int32_t group_m_tiles = 1;  // M tiles swept together across N (L2 reuse; gated_gemm.cuh)
-  int32_t cluster_m = 1;      // 1 or 2 (bf16): CTAs per cluster along M, sharing B by multicast
 };
 
 // Launches on `stream`; `sm_count` sizes the persistent grid.

@@ -39,7 +39,6 @@ Status RunMatmulRsCuda(const MatmulRsParams& p, const TpGroup& group, const Comm
   plan.b = p.w;
   plan.b_kmajor = p.w_transposed;
   plan.group_m_tiles = TileGroupM(cfg);
-  plan.cluster_m = ClusterM(cfg);
 
   GroupWorkspace* ws = nullptr;
   // recv[0 .. tp-2] then stage[0 .. tp-2]

@@ -33,10 +33,6 @@ inline int32_t TileGroupM(const CommConfig& cfg) {
   return cfg.tile_group_m > 0 ? static_cast<int32_t>(cfg.tile_group_m) : kDefaultTileGroupM;
 }
 
-inline int32_t ClusterM(const CommConfig& cfg) {
-  return cfg.cluster_m == 2 ? 2 : (cfg.cluster_m == 1 ? 1 : kDefaultClusterM);
-}
-
 inline int32_t NumPieces(int64_t rows, int32_t piece_rows) {
   return static_cast<int32_t>((rows + piece_rows - 1) / piece_rows);
 }
