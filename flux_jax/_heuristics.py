@@ -2,7 +2,8 @@
 
 Measured with the harness (dispatch-free device time, 2x H200, TP=2, bf16, 2026-11-29; data in
 benchmarks/data/harness_*_2026-11-29.json); rows marked (11-30) with tools/perf_probe.py after the
-overlap GEMM got its grouped tile order (benchmarks/data/probe_2026-11-30.json). Speedup over the
+overlap GEMM got its grouped tile order (benchmarks/data/probe_2026-11-30*.json; the RS rows at
+M <= 2048 with the gated launch's smaller groups, probe_2026-11-30_rs_groups.json). Speedup over the
 twin (xla_shard_map), global shapes, AG: n = N/2 per rank; RS: k = K/2 per rank:
 
   op  M      K      N      twin us  overlap  latency
@@ -14,6 +15,11 @@ twin (xla_shard_map), global shapes, AG: n = N/2 per rank; RS: k = K/2 per rank:
   ag  256    8192   57344    236.8   0.88     1.14
   ag  1024   4096   6144      76.8   0.85     1.20
   ag  1024   8192   57344    749.1   0.84     1.09
+  ag  2048   4096   6144     150.0   1.11     1.16 (11-30; 192 tiles)
+  ag  2048   14336  4096     316.2   0.97     1.10 (11-30; 128 tiles: one wave)
+  ag  2048   4096   28672    400.8   1.10     1.03 (11-30)
+  ag  2048   28672  8192     894.9   1.22     1.05 (11-30; 256 tiles)
+  ag  2048   8192   57344   1510.3   1.03     1.02 (11-30)
   ag  4096   8192   8192     546.7   1.40     0.93 (probe)
   ag  16384  8192   8192    2054.4   1.36
   ag  8192   4096   28672   1593.3   1.05     1.02 (11-30)
@@ -28,6 +34,12 @@ twin (xla_shard_map), global shapes, AG: n = N/2 per rank; RS: k = K/2 per rank:
   rs  1024   4096   4096      64.4   0.77     1.23
   rs  1024   8192   8192     153.2   1.24     1.10
   rs  1024   28672  8192     394.3   1.15     1.03
+  rs  1024   8192   8192     172.6   1.15     1.07 (11-30)
+  rs  2048   4096   6144     171.5   1.10     1.08 (11-30)
+  rs  2048   14336  4096     245.9   1.19     1.09 (11-30)
+  rs  2048   4096   28672    605.8   1.15     1.03 (11-30; 0.80 with one tile group per launch)
+  rs  2048   8192   57344   1815.4   0.98     1.01 (11-30)
+  rs  2048   28672  8192     819.3   1.13     1.05 (11-30)
   rs  4096   8192   8192     594.3   1.42     0.97 (probe)
   rs  16384  8192   8192    2068.6   1.23
   rs  8192   28672  8192    2914.7   1.03     1.00 (probe)
@@ -38,7 +50,9 @@ twin (xla_shard_map), global shapes, AG: n = N/2 per rank; RS: k = K/2 per rank:
 Reading: the overlap kernel wins once there are enough row tiles to hide the transfer (M >=
 2048; RS already at M = 1024 with N = 8192), at every per-rank N measured (up to 28672) since its
 GEMM sweeps groups of 8 row tiles across N (alone it runs at 96-100% of XLA's GEMM there; with
-plain raster it was 15-27% slower at N >= 14336 and the overlap lost). Below that the latency path wins wherever the collective's
+plain raster it was 15-27% slower at N >= 14336 and the overlap lost) -- for AG provided the
+GEMM has >= 256 output tiles of 128x256 (about two waves on 132 SMs): with one wave every remote
+tile starts at once and waits for its rows, so nothing overlaps. Below that the latency path wins wherever the collective's
 latency is a visible share of the call, i.e. for mid M, and for small M only when the GEMM is
 short (RS); when a small-M GEMM is long anyway, the three are within noise and the twin stays.
 The rule below is fitted to these points (shapes in between are interpolated, not measured).
@@ -49,8 +63,14 @@ from __future__ import annotations
 import numpy as np
 
 # M * k * n (per-rank multiply-adds) thresholds of the latency path, from the table above.
+_AG_OVERLAP_MIN_TILES = 256  # AG overlap needs ~2 waves of 128x256 tiles (ag 2048x14336x4096: 128, 0.97x)
 _AG_LATENCY_MIN_MACS = 4e9  # AG with M >= 64: below this the twin (ag 256x4096x6144: 3.2e9, 0.86x)
 _RS_SMALL_M_MAX_MACS = 1e9  # RS with M < 256: above this the twin (rs 16x28672x8192: 1.9e9, 0.97x)
+
+
+def _tiles(rows: int, n: int) -> int:
+    """Output tiles of the overlap GEMM (128 x 256)."""
+    return -(-rows // 128) * -(-n // 256)
 
 
 def choose(op: str, tp: int, rows: int, k: int, n: int, dtype) -> str:
@@ -63,7 +83,7 @@ def choose(op: str, tp: int, rows: int, k: int, n: int, dtype) -> str:
         return "xla"  # no float32 kernels; TP > 2 not measured yet (issue 7)
     macs = float(rows) * k * n
     if op == "ag_matmul":
-        if rows >= 2048:
+        if rows >= 2048 and _tiles(rows, n) >= _AG_OVERLAP_MIN_TILES:
             return "overlap"
         return "latency" if rows >= 64 and macs >= _AG_LATENCY_MIN_MACS else "xla"
     if rows >= 2048 or (rows >= 1024 and n >= 8192):
@@ -79,7 +99,7 @@ def best_fused_path(op: str, tp: int, rows: int, k: int, n: int, dtype) -> str:
     if choice != "xla":
         return choice
     if op == "ag_matmul":
-        return "overlap" if rows >= 2048 else "latency"
+        return "overlap" if rows >= 2048 and _tiles(rows, n) >= _AG_OVERLAP_MIN_TILES else "latency"
     return "overlap" if rows >= 1024 else "latency"
 
 

@@ -151,6 +151,9 @@ def test_auto_gpu_policy_follows_the_measured_table():
     assert choose("ag_matmul", rows=4096, k=8192, n=4096) == "overlap"  # 1.40x
     assert choose("ag_matmul", rows=8192, k=8192, n=14336) == "overlap"  # 1.03x, latency 1.01x
     assert choose("matmul_rs", rows=8192, k=2048, n=28672) == "overlap"  # 1.15x, latency 1.02x
+    assert choose("ag_matmul", rows=2048, k=14336, n=2048) == "latency"  # one wave: overlap 0.97x, latency 1.10x
+    assert choose("ag_matmul", rows=2048, k=28672, n=4096) == "overlap"  # 256 tiles: 1.22x
+    assert choose("matmul_rs", rows=2048, k=2048, n=28672) == "overlap"  # 1.15x (latency 1.03x)
     assert choose("ag_matmul", rows=256, k=8192, n=5120) == "latency"  # 1.21x
     assert choose("ag_matmul", rows=256, k=4096, n=3072) == "xla"  # latency 0.86x
     assert choose("ag_matmul", rows=16, k=8192, n=28672) == "xla"  # latency 1.00x

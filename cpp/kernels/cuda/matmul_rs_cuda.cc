@@ -64,6 +64,14 @@ Status RunMatmulRsCuda(const MatmulRsParams& p, const TpGroup& group, const Comm
     const int chunk = (r - j - 1 + 2 * tp) % tp;
     plan.a = x + chunk * x_chunk_bytes;
     plan.d = j == tp - 1 ? p.out : stage + j * slot_bytes;
+    // Gated launches consume the received partial in row order: keep >= 4 tile
+    // groups per launch so the first wave waits for a quarter of the chunk, not
+    // all of it (one group of 8 row tiles at m/tp = 1024 made the whole push
+    // exposed: 0.80x of the twin at 2048x4096x28672).
+    const int32_t tiles_m = static_cast<int32_t>((m_out + kGemmBlockM - 1) / kGemmBlockM);
+    plan.group_m_tiles = j == 0 || cfg.tile_group_m > 0
+                             ? TileGroupM(cfg)
+                             : std::max<int32_t>(1, std::min<int32_t>(TileGroupM(cfg), tiles_m / 4));
     if (j == 0) {
       plan.c = nullptr;
       plan.beta = 0.0f;
