@@ -9,6 +9,7 @@
 
 #include "flux_jax/cpu_channels.h"
 #include "flux_jax/process.h"
+#include "flux_jax/tile_order.h"
 #include "handlers.h"
 #include "xla/ffi/api/c_api.h"
 
@@ -88,6 +89,22 @@ NB_MODULE(_flux_jax_ffi, m) {
       },
       nb::arg("platform"), nb::arg("ordinal_to_id"),
       "Map local device ordinals (what handlers see) to global device ids (the mesh table).");
+  m.def(
+      "grouped_tile_order",
+      [](int tiles_m, int tiles_n, int group, int rotate) {
+        if (tiles_m < 1 || tiles_n < 1 || group < 1 || rotate < 0 || rotate >= tiles_m) {
+          throw std::invalid_argument("grouped_tile_order: need tiles_m, tiles_n, group >= 1 and 0 <= rotate < tiles_m");
+        }
+        std::vector<std::pair<int, int>> order;
+        order.reserve(static_cast<size_t>(tiles_m) * tiles_n);
+        for (int t = 0; t < tiles_m * tiles_n; ++t) {
+          const flux_jax::TileCoord c = flux_jax::GroupedTile(t, tiles_m, tiles_n, group, rotate);
+          order.emplace_back(c.m, c.n);
+        }
+        return order;
+      },
+      nb::arg("tiles_m"), nb::arg("tiles_n"), nb::arg("group"), nb::arg("rotate"),
+      "The overlap GEMM's (m, n) tile order (flux_jax/tile_order.h), for tests.");
 #ifdef FLUX_JAX_WITH_CUDA
   m.def("cuda_kernels", [] { return std::make_tuple(std::string("ag_matmul"), std::string("matmul_rs"), std::string("all_gather"), std::string("reduce_scatter")); },
         "Ops with CUDA kernels in this build.");

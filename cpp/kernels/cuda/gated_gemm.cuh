@@ -19,6 +19,7 @@
 #include "cutlass/gemm/kernel/sm90_tile_scheduler.hpp"
 #include "cutlass/gemm/kernel/tile_scheduler.hpp"
 #include "device_sync.cuh"
+#include "flux_jax/tile_order.h"
 
 namespace flux_jax::cuda {
 
@@ -26,13 +27,9 @@ namespace flux_jax::cuda {
 // Tile order: grouped raster, then the M index rotated by a per-launch offset.
 //
 // The base scheduler hands out linear tile ids t = 0, 1, ... (raster along N,
-// no swizzle, so no padded tiles). We map t to a tile of a group of `group_m`
-// M tiles swept together across N, column by column:
-//
-//   group_m = 2, tiles_n = 4:    t:  0  2  4  6      then  8 10 12 14
-//                                    1  3  5  7            9 11 13 15
-//
-// so the ~132 tiles in flight share ~group_m row blocks of A and ~132/group_m
+// no swizzle, so no padded tiles); flux_jax::GroupedTile (flux_jax/tile_order.h,
+// tested on CPU) maps t to a tile of a group of `group_m` M tiles swept
+// together across N, so the ~132 tiles in flight share ~group_m row blocks of A and ~132/group_m
 // column blocks of B, which stay in L2 (plain raster along N streams the whole
 // of B once per ~132/tiles_n row blocks: 15-30% slower at N >= 14336). The last
 // group may hold fewer rows; nothing is padded. Then m += rotate (mod tiles_m),
@@ -101,13 +98,10 @@ class RotatedScheduler : public cutlass::gemm::kernel::detail::PersistentTileSch
  private:
   CUTLASS_DEVICE WorkTileInfo Remap(WorkTileInfo w) const {
     if (!w.is_valid()) return w;
-    const int t = w.M_idx * tiles_n_ + w.N_idx;  // plain raster along N: t = m * tiles_n + n
-    const int first = (t / (group_ * tiles_n_)) * group_;
-    const int rows = min(group_, tiles_m_ - first);
-    const int idx = t - first * tiles_n_;
-    int m = first + idx % rows + rotate_;
-    w.M_idx = m >= tiles_m_ ? m - tiles_m_ : m;
-    w.N_idx = idx / rows;
+    // The base rasters plainly along N: t = m * tiles_n + n.
+    const TileCoord c = GroupedTile(w.M_idx * tiles_n_ + w.N_idx, tiles_m_, tiles_n_, group_, rotate_);
+    w.M_idx = c.m;
+    w.N_idx = c.n;
     return w;
   }
 

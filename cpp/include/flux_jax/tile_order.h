@@ -1,0 +1,38 @@
+// The overlap GEMM's tile order as a plain function, shared by the CUDA
+// scheduler (kernels/cuda/gated_gemm.cuh) and the Python extension, which
+// exposes it so CPU tests can check it (tests/test_tile_order.py).
+//
+// Linear id t (plain raster along N) -> tile (m, n): groups of `group` M tiles
+// are swept together across N, column by column, then m is rotated:
+//
+//   group = 2, tiles_n = 4:    t:  0  2  4  6      then  8 10 12 14
+//                                  1  3  5  7            9 11 13 15
+//
+// The last group may hold fewer rows. A bijection on [0, tiles_m * tiles_n)
+// for any group >= 1 and 0 <= rotate < tiles_m.
+#pragma once
+
+#if defined(__CUDACC__)
+#define FLUX_JAX_HOST_DEVICE __host__ __device__
+#else
+#define FLUX_JAX_HOST_DEVICE
+#endif
+
+namespace flux_jax {
+
+struct TileCoord {
+  int m;
+  int n;
+};
+
+FLUX_JAX_HOST_DEVICE inline TileCoord GroupedTile(int t, int tiles_m, int tiles_n, int group,
+                                                  int rotate) {
+  const int first = (t / (group * tiles_n)) * group;
+  const int rows = group < tiles_m - first ? group : tiles_m - first;
+  const int idx = t - first * tiles_n;
+  int m = first + idx % rows + rotate;
+  if (m >= tiles_m) m -= tiles_m;
+  return {m, idx / rows};
+}
+
+}  // namespace flux_jax
