@@ -130,6 +130,10 @@ def explain(op: str, M: int, K: int, N: int, tp: int, dtype="bfloat16") -> str:
         return (f"{where}: fused, overlap path (enough row tiles to hide the transfer: measured "
                 "1.03-1.42x over the twin in that region)")
     if choice == "latency":
+        if op == "ag_matmul" and M >= 2048:
+            return (f"{where}: fused, latency path (the per-rank GEMM has {_tiles(M, n)} output tiles, "
+                    f"fewer than {_AG_OVERLAP_MIN_TILES}: about one wave, so the overlap kernel cannot "
+                    "hide the transfer; measured overlap 0.97x, latency 1.10x at 2048x14336x4096)")
         return (f"{where}: fused, latency path (our NVLink collective + XLA's GEMM; measured 1.1-1.9x "
                 "over the twin for small and mid M)")
     if np.dtype(dtype) == np.float32:

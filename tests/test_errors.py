@@ -173,6 +173,7 @@ def test_auto_gpu_policy_follows_the_measured_table():
 def test_explain_auto_names_the_choice_and_the_reason():
     assert "fused, overlap path" in flux_jax.explain_auto("ag_matmul", 4096, 8192, 8192, 2)
     assert "fused, latency path" in flux_jax.explain_auto("matmul_rs", 16, 4096, 4096, 2)
+    assert "128 output tiles" in flux_jax.explain_auto("ag_matmul", 2048, 14336, 4096, 2)
     assert "tp=8 has not been measured" in flux_jax.explain_auto("ag_matmul", 8192, 8192, 57344, 8)
     assert "no float32 kernels" in flux_jax.explain_auto("ag_matmul", 4096, 8192, 8192, 2, "float32")
     assert "multiples of 8" in flux_jax.explain_auto("ag_matmul", 4096, 8192, 8196, 2)
