@@ -33,14 +33,8 @@ Status RunAgMatmulCuda(const AgMatmulParams& p, const TpGroup& group, const Comm
   const size_t chunk_bytes = static_cast<size_t>(p.m_local) * row_bytes;
   if (cfg.poison_outputs) FLUX_CUDA_TRY(cudaMemsetAsync(p.out, 0xFF, rows * p.n * elt, S));
 
-  GemmPlan plan;
-  plan.m = rows;
-  plan.n = p.n;
-  plan.k = p.k;
-  plan.b = p.w;
-  plan.b_kmajor = p.w_transposed;
+  GemmPlan plan = BasePlan(rows, p.n, p.k, p.w, p.w_transposed, cfg);
   plan.d = p.out;
-  plan.group_m_tiles = TileGroupM(cfg);
 
   if (tp == 1) {
     GroupWorkspace* ws = nullptr;  // no communication; the workspace only holds alpha

@@ -32,13 +32,7 @@ Status RunMatmulRsCuda(const MatmulRsParams& p, const TpGroup& group, const Comm
   const size_t x_chunk_bytes = static_cast<size_t>(m_out) * p.k * elt;
   if (cfg.poison_outputs) FLUX_CUDA_TRY(cudaMemsetAsync(p.out, 0xFF, slot_bytes, S));
 
-  GemmPlan plan;
-  plan.m = m_out;
-  plan.n = p.n;
-  plan.k = p.k;
-  plan.b = p.w;
-  plan.b_kmajor = p.w_transposed;
-  plan.group_m_tiles = TileGroupM(cfg);
+  GemmPlan plan = BasePlan(m_out, p.n, p.k, p.w, p.w_transposed, cfg);
 
   GroupWorkspace* ws = nullptr;
   // recv[0 .. tp-2] then stage[0 .. tp-2]
@@ -58,20 +52,20 @@ Status RunMatmulRsCuda(const MatmulRsParams& p, const TpGroup& group, const Comm
   char* recv = ws->data;
   char* stage = ws->data + (tp - 1) * slot_bytes;
   const int next = (r + 1) % tp, prev = (r - 1 + tp) % tp;
+  // Gated launches consume the received partial in row order: keep >= 4 tile
+  // groups per launch so the first wave waits for a quarter of the chunk, not
+  // all of it (one group of 8 row tiles at m/tp = 1024 made the whole push
+  // exposed: 0.80x of the twin at 2048x4096x28672).
+  const int32_t tiles_m = static_cast<int32_t>((m_out + kGemmBlockM - 1) / kGemmBlockM);
+  const int32_t gated_group_m =
+      cfg.tile_group_m > 0 ? TileGroupM(cfg) : std::max<int32_t>(1, std::min<int32_t>(TileGroupM(cfg), tiles_m / 4));
 
   FLUX_JAX_RETURN_IF_ERROR(PresenceHandshake(*ws, S, cfg));
   for (int j = 0; j < tp; ++j) {
     const int chunk = (r - j - 1 + 2 * tp) % tp;
     plan.a = x + chunk * x_chunk_bytes;
     plan.d = j == tp - 1 ? p.out : stage + j * slot_bytes;
-    // Gated launches consume the received partial in row order: keep >= 4 tile
-    // groups per launch so the first wave waits for a quarter of the chunk, not
-    // all of it (one group of 8 row tiles at m/tp = 1024 made the whole push
-    // exposed: 0.80x of the twin at 2048x4096x28672).
-    const int32_t tiles_m = static_cast<int32_t>((m_out + kGemmBlockM - 1) / kGemmBlockM);
-    plan.group_m_tiles = j == 0 || cfg.tile_group_m > 0
-                             ? TileGroupM(cfg)
-                             : std::max<int32_t>(1, std::min<int32_t>(TileGroupM(cfg), tiles_m / 4));
+    plan.group_m_tiles = j == 0 ? TileGroupM(cfg) : gated_group_m;
     if (j == 0) {
       plan.c = nullptr;
       plan.beta = 0.0f;

@@ -33,6 +33,19 @@ inline int32_t TileGroupM(const CommConfig& cfg) {
   return cfg.tile_group_m > 0 ? static_cast<int32_t>(cfg.tile_group_m) : kDefaultTileGroupM;
 }
 
+// The GEMM plan both ops start from: D[m, n] = A @ op(w), tuning from the config.
+inline GemmPlan BasePlan(int64_t m, int64_t n, int64_t k, const void* w, bool w_transposed,
+                         const CommConfig& cfg) {
+  GemmPlan plan;
+  plan.m = m;
+  plan.n = n;
+  plan.k = k;
+  plan.b = w;
+  plan.b_kmajor = w_transposed;
+  plan.group_m_tiles = TileGroupM(cfg);
+  return plan;
+}
+
 inline int32_t NumPieces(int64_t rows, int32_t piece_rows) {
   return static_cast<int32_t>((rows + piece_rows - 1) / piece_rows);
 }
