@@ -34,8 +34,9 @@ cuobjdump --dump-resource-usage "$so" 2>/dev/null | grep -E "REG|STACK" | sort |
 
 if [[ $what == tests || $what == all ]]; then
   echo "== GPU tests"
-  FLUX_JAX_REQUIRE_GPU=1 timeout 300 pytest -q -o timeout=90 -p no:cacheprovider tests/test_gpu_fused.py > "$OUT/gpu_tests.log" 2>&1
-  grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests.log" | head -40
+  tlog="$OUT/gpu_tests${FLUX_JAX_TEST_TUNING:+_tuned}.log"; echo "tuning: ${FLUX_JAX_TEST_TUNING:-default}"
+  FLUX_JAX_REQUIRE_GPU=1 timeout 300 pytest -q -o timeout=90 -p no:cacheprovider tests/test_gpu_fused.py ${GPU_TEST_K:+-k "$GPU_TEST_K"} > "$tlog" 2>&1
+  grep -E "passed|failed|^FAILED|^E " "$tlog" | head -40
 fi
 if [[ $what == multiprocess ]]; then
   echo "== GPU tests, one process per GPU"
@@ -45,7 +46,7 @@ if [[ $what == multiprocess ]]; then
   FLUX_JAX_REQUIRE_GPU=1 timeout 150 pytest -q -p no:cacheprovider tests/test_gpu_fused.py -k "${GPU_TEST_FILTER:-4096x2048x4096 or timeout or latency_path_small}" > "$OUT/gpu_tests.log" 2>&1
   grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests.log" | head -20
   echo "== one process vs one process per GPU"
-  (cd /tmp && timeout 200 python3 "$REPO/tools/multiprocess_bench.py" --out "$OUT/multiprocess_bench.json")
+  (cd /tmp && timeout ${MP_TIMEOUT:-200} python3 "$REPO/tools/multiprocess_bench.py" --out "$OUT/multiprocess_bench.json" "$@")
 fi
 if [[ $what == debug ]]; then
   (cd /tmp && timeout 500 python3 "$REPO/tools/gpu_debug.py" "$@")
@@ -58,6 +59,17 @@ if [[ $what == bench ]]; then
   echo "== harness"
   (cd /tmp && PYTHONPATH=/tmp/site:$REPO timeout 540 python3 -m benchmarks.run --out "$OUT/results" "$@")
   (cd "$OUT" && tar czf "results_$(date +%s).tgz" results && rm -rf results)
+fi
+if [[ $what == anatomy ]]; then
+  echo "== loop anatomy (profiler trace of the serialized loop), per XLA flag setting"
+  cases=${ANATOMY_CASES:-ag:64x8192x8192,ag:256x8192x8192,rs:64x8192x8192,rs:256x8192x8192,ag:256x8192x128}
+  vars=${ANATOMY_VARIANTS:-gemm_only,flux_latency,xla_shard_map,comm_only}
+  i=0
+  for flags in "" "--xla_gpu_enable_command_buffer=" "--xla_gpu_graph_min_graph_size=1" "$@"; do
+    i=$((i + 1)); echo "-- XLA_FLAGS='$flags'"
+    (cd /tmp && XLA_FLAGS="$flags" PYTHONPATH=/tmp/site:$REPO timeout ${ANATOMY_TIMEOUT:-150} python3 "$REPO/tools/loop_anatomy.py" \
+       --cases "$cases" --variants "$vars" --out "$OUT/anatomy_$i.json" 2>&1 | grep "^ANATOMY")
+  done
 fi
 if [[ $what == train ]]; then
   echo "== 8B-like layer stack, fused vs xla"

@@ -36,7 +36,14 @@ constexpr int kThreads = 512;
 // Peer tables are indexed with compile-time indices only (unrolled loops), so
 // the kernel parameters are never copied to local memory.
 constexpr int kMaxPeers = 8;
-constexpr int64_t kBytesPerBlock = 32 << 10;  // enough blocks to keep NVLink busy early
+// A block moves at least one 16-byte vector per thread (8 KiB), so a small
+// chunk spreads over many SMs (512 KiB: 64 blocks, not 16). Measured with the
+// batching below (2x H200, 11-30): decode-loop times unchanged within noise;
+// the call's fixed ~9.5 us dominates there (docs/kernels.md, latency path).
+constexpr int64_t kMinBytesPerBlock = kThreads * 16;
+// Vectors a thread loads before it stores them: the loads of one batch are in
+// flight together instead of one HBM round trip per vector.
+constexpr int kBatch = 4;
 
 struct CollectiveArgs {
   const uint4* x;
@@ -91,25 +98,48 @@ __device__ __forceinline__ bool WaitSender(const CollectiveArgs& a, int q) {
 
 __device__ __forceinline__ uint4 NaN16() { return make_uint4(~0u, ~0u, ~0u, ~0u); }  // bf16/f16 NaN
 
+// Calls load(v) for up to kBatch vectors of this thread in [lo, hi), then
+// store(v, value) for each: every load of a batch is issued before the first
+// store (the compiler cannot reorder them itself: the pointers may alias).
+template <class Load, class Store>
+__device__ __forceinline__ void BatchedCopy(int64_t lo, int64_t hi, Load load, Store store) {
+  for (int64_t base = lo + threadIdx.x; base < hi; base += int64_t{kThreads} * kBatch) {
+    uint4 val[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int64_t v = base + int64_t{u} * kThreads;
+      if (v < hi) val[u] = load(v);
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int64_t v = base + int64_t{u} * kThreads;
+      if (v < hi) store(v, val[u]);
+    }
+  }
+}
+
 __global__ void __launch_bounds__(kThreads) AllGatherKernel(CollectiveArgs a) {
   int64_t lo, hi;
   BlockRange(a.chunk_vecs, &lo, &hi);
   uint4* own = a.out + a.rank * a.chunk_vecs;
-  for (int64_t v = lo + threadIdx.x; v < hi; v += kThreads) {
-    const uint4 val = __ldg(a.x + v);
-    own[v] = val;
+  BatchedCopy(
+      lo, hi, [&](int64_t v) { return __ldg(a.x + v); },
+      [&](int64_t v, uint4 val) {
+        own[v] = val;
 #pragma unroll
-    for (int p = 0; p < kMaxPeers; ++p) {
-      if (p < a.tp && p != a.rank) a.peer_slot[p][v] = val;
-    }
-  }
+        for (int p = 0; p < kMaxPeers; ++p) {
+          if (p < a.tp && p != a.rank) a.peer_slot[p][v] = val;
+        }
+      });
   SignalPeers(a);
   for (int i = 1; i < a.tp; ++i) {
     const int q = (a.rank + i) % a.tp;
     const bool ok = WaitSender(a, q);
     const uint4* src = a.my_slots + q * a.chunk_vecs;
     uint4* dst = a.out + q * a.chunk_vecs;
-    for (int64_t v = lo + threadIdx.x; v < hi; v += kThreads) dst[v] = ok ? src[v] : NaN16();
+    BatchedCopy(
+        lo, hi, [&](int64_t v) { return ok ? src[v] : NaN16(); },
+        [&](int64_t v, uint4 val) { dst[v] = val; });
   }
 }
 
@@ -142,31 +172,48 @@ __global__ void __launch_bounds__(kThreads) ReduceScatterKernel(CollectiveArgs a
   for (int p = 0; p < kMaxPeers; ++p) {
     if (p >= a.tp || p == a.rank) continue;
     const uint4* src = a.x + p * a.chunk_vecs;
-    for (int64_t v = lo + threadIdx.x; v < hi; v += kThreads) a.peer_slot[p][v] = __ldg(src + v);
+    uint4* dst = a.peer_slot[p];
+    BatchedCopy(
+        lo, hi, [&](int64_t v) { return __ldg(src + v); }, [&](int64_t v, uint4 val) { dst[v] = val; });
   }
   SignalPeers(a);
   bool ok = true;
   for (int q = 0; q < a.tp; ++q) {
     if (q != a.rank) ok = WaitSender(a, q) && ok;
   }
-  for (int64_t v = lo + threadIdx.x; v < hi; v += kThreads) {
-    float2 acc[4] = {};
+  const uint4* own = a.x + a.rank * a.chunk_vecs;
+  for (int64_t base = lo + threadIdx.x; base < hi; base += int64_t{kThreads} * kBatch) {
+    float2 acc[kBatch][4] = {};
     for (int q = 0; q < a.tp; ++q) {  // rank order: the same sum on every rank, every run
-      const uint4 val = q == a.rank ? __ldg(a.x + a.rank * a.chunk_vecs + v)
-                                    : a.my_slots[q * a.chunk_vecs + v];
-      const uint32_t w[4] = {val.x, val.y, val.z, val.w};
-      for (int j = 0; j < 4; ++j) {
-        const float2 f = Pair<T>::ToFloat2(w[j]);
-        acc[j].x += f.x;
-        acc[j].y += f.y;
+      const uint4* src = q == a.rank ? own : a.my_slots + q * a.chunk_vecs;
+      uint4 val[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {  // the batch's loads first, all in flight together
+        const int64_t v = base + int64_t{u} * kThreads;
+        if (v < hi) val[u] = q == a.rank ? __ldg(src + v) : src[v];
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const uint32_t w[4] = {val[u].x, val[u].y, val[u].z, val[u].w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 f = Pair<T>::ToFloat2(w[j]);
+          acc[u][j].x += f.x;
+          acc[u][j].y += f.y;
+        }
       }
     }
-    uint4 r;
-    r.x = Pair<T>::FromFloat2(acc[0]);
-    r.y = Pair<T>::FromFloat2(acc[1]);
-    r.z = Pair<T>::FromFloat2(acc[2]);
-    r.w = Pair<T>::FromFloat2(acc[3]);
-    a.out[v] = ok ? r : NaN16();
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int64_t v = base + int64_t{u} * kThreads;
+      if (v >= hi) continue;
+      uint4 r;
+      r.x = Pair<T>::FromFloat2(acc[u][0]);
+      r.y = Pair<T>::FromFloat2(acc[u][1]);
+      r.z = Pair<T>::FromFloat2(acc[u][2]);
+      r.w = Pair<T>::FromFloat2(acc[u][3]);
+      a.out[v] = ok ? r : NaN16();
+    }
   }
 }
 
@@ -224,7 +271,7 @@ Status Run(Kind kind, const CollectiveParams& p, const TpGroup& group, const Com
   a.signal = cfg.drop_rank != r;
   a.site = kind == Kind::kAllGather ? kSiteAllGather : kSiteReduceScatter;
   a.ctx = ws->Wait(cfg.timeout_us);
-  const int64_t want = (static_cast<int64_t>(chunk_bytes) + kBytesPerBlock - 1) / kBytesPerBlock;
+  const int64_t want = (static_cast<int64_t>(chunk_bytes) + kMinBytesPerBlock - 1) / kMinBytesPerBlock;
   const int blocks = static_cast<int>(std::clamp<int64_t>(want, 1, std::min(kMaxLatencyBlocks, ws->sm_count)));
   if (kind == Kind::kAllGather) {
     AllGatherKernel<<<blocks, kThreads, 0, S>>>(a);

@@ -1,0 +1,163 @@
+"""Where the time of a serialized benchmark loop goes, per variant (GPU diagnostic).
+
+For each case and variant this builds the harness's loop (benchmarks/timing.py), times it the
+harness's way, then runs it once more under jax.profiler with a Perfetto trace and reads the
+trace: per device, kernels per call, kernel time per call (busy), idle time between kernels
+per call (gaps), and the host events that cost most per call. A loop whose gaps dominate is
+bound by the host (thunk launches, loop control), not by its kernels.
+
+  python tools/loop_anatomy.py --cases ag:256x8192x8192,rs:64x8192x8192 \
+      --variants gemm_only,flux_latency,xla_shard_map --calls 40 --out anatomy.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+
+import flux_jax  # noqa: E402
+
+from benchmarks import timing, variants  # noqa: E402
+from benchmarks.harness import make_xw  # noqa: E402
+from benchmarks.presets import Case  # noqa: E402
+
+
+def parse_case(text: str) -> Case:
+    op, dims = text.split(":")
+    m, k, n = (int(v) for v in dims.lower().split("x"))
+    return Case(op, m, k, n, 2, "bfloat16", "anatomy")
+
+
+def _union_busy(intervals):
+    busy, end = 0.0, None
+    for start, stop in sorted(intervals):
+        if end is None or start > end:
+            busy += stop - start
+            end = stop
+        elif stop > end:
+            busy += stop - end
+            end = stop
+    return busy
+
+
+def read_trace(trace_dir: str, calls: int) -> dict:
+    """Per-device busy / gap per call and the costliest host events per call, in us."""
+    paths = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
+    paths += glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+    if not paths:
+        return {"error": f"no trace under {trace_dir}"}
+    with gzip.open(paths[0], "rt") as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    names = {}
+    for ev in events:
+        if ev.get("ph") == "M" and ev.get("name") == "process_name":
+            names[ev["pid"]] = ev.get("args", {}).get("name", str(ev["pid"]))
+    by_pid = collections.defaultdict(list)
+    for ev in events:
+        if ev.get("ph") == "X" and "dur" in ev:
+            by_pid[ev["pid"]].append(ev)
+    result = {"devices": {}, "host_top": []}
+    host_totals = collections.Counter()
+    for pid, evs in by_pid.items():
+        pname = names.get(pid, str(pid))
+        if "GPU" in pname or "gpu" in pname:
+            kernels = [e for e in evs if not e["name"].startswith(("Memcpy", "Memset"))] or evs
+            start = min(e["ts"] for e in kernels)
+            stop = max(e["ts"] + e["dur"] for e in kernels)
+            busy = _union_busy([(e["ts"], e["ts"] + e["dur"]) for e in kernels])
+            per_name = collections.defaultdict(list)
+            for e in kernels:
+                per_name[e["name"][:70]].append(e["dur"])
+            top = sorted(per_name.items(), key=lambda kv: -sum(kv[1]))[:6]
+            result["devices"][pname] = {
+                "events": len(kernels),
+                "per_call_us": round((stop - start) / calls, 2),
+                "busy_per_call_us": round(busy / calls, 2),
+                "gap_per_call_us": round((stop - start - busy) / calls, 2),
+                "kernels": [{"name": n, "count": len(d), "mean_us": round(sum(d) / len(d), 2)} for n, d in top],
+            }
+        else:
+            for e in evs:
+                if not e["name"].startswith("$"):  # Python frames: the tool's own calls
+                    host_totals[e["name"][:70]] += e["dur"]
+    result["host_top"] = [{"name": n, "us_per_call": round(t / calls, 2)} for n, t in host_totals.most_common(12)]
+    return result
+
+
+def summary_line(row: dict) -> str:
+    dev = next(iter(row.get("devices", {}).values()), {})
+    kernels = "; ".join(f"{k['name'][:40]} x{k['count']} {k['mean_us']}us" for k in dev.get("kernels", [])[:4])
+    return (f"ANATOMY {row['case']:>18} {row['variant']:>14} {row.get('config', '')} loop {row.get('loop_us', '-')} us | trace/call "
+            f"{dev.get('per_call_us')} busy {dev.get('busy_per_call_us')} gap {dev.get('gap_per_call_us')} | "
+            f"{kernels} {row.get('error', '')}")
+
+
+def anatomy(case: Case, names: list[str], calls: int, seed: int, trace: bool = True,
+            label: str = "") -> list[dict]:
+    platform = "gpu" if jax.devices()[0].platform in ("gpu", "cuda") else "cpu"
+    mesh, auto_mesh = variants.make_meshes(case.tp)
+    x, w = make_xw(case, seed)
+    ctx = variants.CaseContext(case, platform, mesh, auto_mesh, x, w, seed)
+    params = timing.TimingParams(n1=2, target_ms=10.0, max_calls=400, repeats=3)
+    rows = []
+    for name in names:
+        row = {"case": f"{case.op}:{case.M}x{case.K}x{case.N}", "variant": name, "config": label}
+        try:
+            built = variants.BUILDERS[name](ctx)
+            built = built[0] if isinstance(built, list) else built
+            timer = timing.LoopTimer(built, params)
+            row["loop_us"] = round(1e6 * min(timer.sample() for _ in range(3)), 2)
+            if not trace:
+                print(summary_line(row), flush=True)
+                rows.append(row)
+                continue
+            loop = timing.serialized_loop(built, calls).lower(jax.numpy.float32(0.0), *built.args).compile()
+            args = (jax.numpy.float32(0.0), *built.args)
+            jax.block_until_ready(loop(*args))
+            trace_dir = tempfile.mkdtemp(prefix="anatomy_")
+            with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+                jax.block_until_ready(loop(*args))
+            row.update(read_trace(trace_dir, calls + 1))
+        except Exception as err:  # a diagnostic: report and go on
+            row["error"] = variants.error_summary(err)
+        print(summary_line(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", default="ag:256x8192x8192,rs:256x8192x8192")
+    ap.add_argument("--variants", default="gemm_only,flux_latency,xla_shard_map")
+    ap.add_argument("--calls", type=int, default=40)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--config", default="", help="flux_jax.Config fields for every variant, e.g. "
+                    "'gpu_prefetch_weight_mib=0'")
+    ap.add_argument("--no-trace", action="store_true", help="time the loops only (no profiler run)")
+    args = ap.parse_args()
+    kw = {k: int(v) if v.lstrip("-").isdigit() else v
+          for k, v in (item.split("=") for item in filter(None, args.config.split(",")))}
+    rows = []
+    with flux_jax.config(**kw):
+        for text in args.cases.split(","):
+            rows += anatomy(parse_case(text), args.variants.split(","), args.calls, args.seed,
+                            trace=not args.no_trace, label=args.config)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"xla_flags": os.environ.get("XLA_FLAGS", ""), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
