@@ -94,6 +94,11 @@ def _build_presets() -> dict[str, Preset]:
         "decode-tp2": Preset(
             "decode-tp2", 2, "bfloat16", _llama_layers("8B") + _llama_layers("70B"), M_DECODE
         ),
+        # Issue 8's target shapes: K = N = 8192, AG and RS, at the decode / chunked-prefill M.
+        "decode-8192-tp2": Preset(
+            "decode-8192-tp2", 2, "bfloat16", (), (),
+            tuple((op, m, 8192, 8192, "K=N=8192") for op in OPS for m in (64, 128, 256, 512, 1024)),
+        ),
         # Issue 4's GEMM check: per GPU an 8192^3 GEMM (AG at tp=2 splits N), for
         # flux_gemm_only (our GEMM alone) vs gemm_only (XLA's jnp.dot).
         "gemm-8192-tp2": Preset(
