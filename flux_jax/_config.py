@@ -103,3 +103,15 @@ def config(**overrides) -> Iterator[Config]:
         yield updated
     finally:
         set_config(previous)
+
+
+def parse_overrides(text: str) -> dict:
+    """Config fields from "name=value,name=value" (tools and test runs): integers become ints,
+    anything else stays a string; Config itself validates names and values."""
+    overrides = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = (s.strip() for s in item.partition("="))
+        if not sep or not name:
+            raise ValueError(f"expected name=value, got {item!r} in {text!r}")
+        overrides[name] = int(value) if value.lstrip("-").isdigit() else value
+    return overrides

@@ -4,7 +4,7 @@ CPU tests build their meshes from jax.devices("cpu"), so they also run on a
 GPU host. GPU tests live in tests/gpu and skip without GPUs, unless
 FLUX_JAX_REQUIRE_GPU=1 turns the skip into a failure. FLUX_JAX_TEST_TUNING runs
 every test under extra Config fields, e.g. "gpu_tile_group_m=16,gpu_piece_bytes=4194304"
-or "gpu_gemm_schedule=pingpong" (to run the GPU suite against a non-default kernel
+or "fused_path=latency" (to run the GPU suite against a non-default kernel
 configuration); integer values become ints, anything else stays a string.
 """
 
@@ -25,16 +25,14 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 import flux_jax  # noqa: E402
+from flux_jax._config import parse_overrides  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def _poisoned_outputs():
     """Every fused kernel poisons its outputs with NaN first (unwritten => test fails)."""
     previous = flux_jax.get_config()
-    tuning = {}
-    for item in filter(None, os.environ.get("FLUX_JAX_TEST_TUNING", "").split(",")):
-        key, value = (s.strip() for s in item.split("="))
-        tuning[key] = int(value) if value.lstrip("-").isdigit() else value
+    tuning = parse_overrides(os.environ.get("FLUX_JAX_TEST_TUNING", ""))
     flux_jax.set_config(flux_jax.Config(timeout_s=30.0, debug_poison_outputs=True, **tuning))
     yield
     flux_jax.set_config(previous)

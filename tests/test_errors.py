@@ -109,6 +109,17 @@ def test_config_validation():
         flux_jax.set_config({"timeout_s": 1})
 
 
+def test_parse_overrides_for_tools_and_test_tuning():
+    from flux_jax._config import parse_overrides
+
+    got = parse_overrides(" gpu_tile_group_m=16, fused_path = latency,debug_drop_rank=-1,")
+    assert got == {"gpu_tile_group_m": 16, "fused_path": "latency", "debug_drop_rank": -1}
+    assert flux_jax.Config(**got).fused_path == "latency"
+    assert parse_overrides("") == {}
+    with pytest.raises(ValueError, match="expected name=value"):
+        parse_overrides("gpu_tile_group_m")
+
+
 def test_build_info_reports_the_build():
     info = flux_jax.build_info()
     assert info["jaxlib_headers"] == "0.11.2"

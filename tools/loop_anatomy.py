@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax  # noqa: E402
 
 import flux_jax  # noqa: E402
+from flux_jax._config import parse_overrides  # noqa: E402
 
 from benchmarks import timing, variants  # noqa: E402
 from benchmarks.harness import make_xw  # noqa: E402
@@ -147,8 +148,7 @@ def main() -> None:
                     "'gpu_prefetch_weight_mib=0'")
     ap.add_argument("--no-trace", action="store_true", help="time the loops only (no profiler run)")
     args = ap.parse_args()
-    kw = {k: int(v) if v.lstrip("-").isdigit() else v
-          for k, v in (item.split("=") for item in filter(None, args.config.split(",")))}
+    kw = parse_overrides(args.config)
     rows = []
     with flux_jax.config(**kw):
         for text in args.cases.split(","):

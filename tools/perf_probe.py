@@ -21,6 +21,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import flux_jax
+from flux_jax._config import parse_overrides
 
 
 def _loop(fn, n):
@@ -81,8 +82,7 @@ def main():
             res = {}
             variants = [("fused", "fused", {}), ("xla", "xla", {})]
             for spec_text in filter(None, args.configs.split(";")):
-                kw = {k: int(v) if v.lstrip("-").isdigit() else v
-                      for k, v in (item.split("=") for item in spec_text.split(","))}
+                kw = parse_overrides(spec_text)
                 variants.append((f"fused[{spec_text}]", "fused", kw))
             for name, impl, kw in variants:
                 with flux_jax.config(**kw):
