@@ -5,7 +5,8 @@
 #   run(command="bash tools/gpu_session.sh [tests|bench|probe|train|multiprocess|all] [harness args...]", carry=[".whl"])
 #
 # .whl/ holds the wheel built here (pip wheel . -w .whl) and, as a fallback,
-# cutlass_headers.tgz to build from source there.
+# cutlass_headers.tgz to build from source there. WHEEL=path picks another wheel
+# (e.g. .whl/main/flux_jax-*.whl next to a branch build).
 set -uo pipefail
 what=${1:-all}; shift || true
 OUT=${OUT:-/tmp/flux_out}; mkdir -p "$OUT"
@@ -19,7 +20,7 @@ python3 -c "import jax, sys; print(sys.version.split()[0], jax.__version__, jax.
 
 echo "== install"
 rm -rf /tmp/site
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/flux_jax-*.whl
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site ${WHEEL:-.whl/flux_jax-*.whl}
 export PYTHONPATH=/tmp/site
 if ! (cd /tmp && python3 -c "import flux_jax; print(flux_jax.build_info())"); then
   echo "prebuilt wheel does not import here; building from source"
