@@ -81,7 +81,22 @@ def read_trace(trace_dir: str, calls: int) -> dict:
             for e in kernels:
                 per_name[e["name"][:70]].append(e["dur"])
             top = sorted(per_name.items(), key=lambda kv: -sum(kv[1]))[:6]
+            copies = collections.defaultdict(lambda: [0, 0.0, 0])  # name: count, us, bytes
+            for e in evs:
+                if e["name"].startswith("Memcpy"):
+                    args = e.get("args", {})
+                    c = copies[e["name"][:40]]
+                    c[0] += 1
+                    c[1] += e["dur"]
+                    c[2] += int(args.get("bytes", args.get("num_bytes", args.get("size", 0))) or 0)
             result["devices"][pname] = {
+                # Copy-engine operations (the overlap path's pushes): per call, with GB/s where
+                # the trace gives sizes; their time overlaps kernels, so it is not in busy.
+                "copies": [{"name": n, "per_call": round(c / calls, 2), "mean_us": round(us / c, 2),
+                            "gb_per_s": round(b / us / 1e3, 1) if b and us else None}
+                           for n, (c, us, b) in copies.items()],
+                "copy_arg_keys": sorted({k for e in evs if e["name"].startswith("Memcpy")
+                                         for k in e.get("args", {})})[:20],
                 "events": len(kernels),
                 "per_call_us": round((stop - start) / calls, 2),
                 "busy_per_call_us": round(busy / calls, 2),
@@ -99,9 +114,12 @@ def read_trace(trace_dir: str, calls: int) -> dict:
 def summary_line(row: dict) -> str:
     dev = next(iter(row.get("devices", {}).values()), {})
     kernels = "; ".join(f"{k['name'][:40]} x{k['count']} {k['mean_us']}us" for k in dev.get("kernels", [])[:4])
+    copies = "; ".join(f"{c['name']} x{c['per_call']}/call {c['mean_us']}us {c['gb_per_s']}GB/s"
+                       for c in dev.get("copies", []))
+    copies = f"| copies {copies}" if copies else ""
     return (f"ANATOMY {row['case']:>18} {row['variant']:>14} {row.get('config', '')} loop {row.get('loop_us', '-')} us | trace/call "
             f"{dev.get('per_call_us')} busy {dev.get('busy_per_call_us')} gap {dev.get('gap_per_call_us')} | "
-            f"{kernels} {row.get('error', '')}")
+            f"{kernels} {copies} {row.get('error', '')}")
 
 
 def anatomy(case: Case, names: list[str], calls: int, seed: int, trace: bool = True,

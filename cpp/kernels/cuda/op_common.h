@@ -50,22 +50,19 @@ inline int32_t NumPieces(int64_t rows, int32_t piece_rows) {
   return static_cast<int32_t>((rows + piece_rows - 1) / piece_rows);
 }
 
-// Compute stream, start of every fused call of the group:
-//   cells[0] = epoch; present[rank] = epoch on every peer (copy engine);
-//   then wait (one warp, bounded) until every peer's present reaches epoch.
+// Compute stream, start of every fused call of the group, one small kernel:
+//   present[rank] = epoch on every peer (SM store over NVLink / IPC);
+//   then wait (bounded) until every peer's present reaches epoch.
 // After this no persistent GEMM of ours can hold the SMs while a peer is still
 // stuck behind other work (e.g. an XLA collective that needs our SMs), and the
 // peer has finished every earlier call, so its receive buffers are free.
 inline Status PresenceHandshake(GroupWorkspace& ws, cudaStream_t stream, const CommConfig& cfg) {
-  FLUX_JAX_RETURN_IF_ERROR(StreamWriteValue64(stream, ws.cells, ws.epoch));
-  if (cfg.drop_rank != ws.rank) {  // drop_rank: tests make a rank never show up
-    for (int p = 0; p < ws.tp; ++p) {
-      if (p == ws.rank) continue;
-      FLUX_CUDA_TRY(cudaMemcpyAsync(ws.peers[p].present + ws.rank, ws.cells, sizeof(uint64_t),
-                                    cudaMemcpyDeviceToDevice, stream));
-    }
+  PresenceSignal signal;
+  signal.signal = cfg.drop_rank != ws.rank;  // drop_rank: tests make a rank never show up
+  for (int p = 0; p < ws.tp; ++p) {
+    if (p != ws.rank) signal.peer_slot[p] = ws.peers[p].present + ws.rank;
   }
-  return LaunchWaitPeersPresent(stream, ws.present, ws.tp, ws.Wait(cfg.timeout_us));
+  return LaunchPresenceHandshake(stream, signal, ws.present, ws.tp, ws.Wait(cfg.timeout_us));
 }
 
 // Copy-engine push of `bytes` to a peer, then its flag = epoch (cells[1] holds

@@ -1,6 +1,7 @@
 #include <cuda.h>  // driver API types only; the entry point is resolved at run time
 
 #include <mutex>
+#include <string>
 
 #include "cuda_util.h"
 #include "stream_ops.h"
@@ -26,9 +27,14 @@ Status ResolveWriteValue64(WriteValue64Fn* fn) {
   return CudaStatus(err, "cudaGetDriverEntryPointByVersion(cuStreamWriteValue64)", __FILE__, __LINE__);
 }
 
-__global__ void WaitPeersPresentKernel(const uint64_t* present, int tp, WaitContext ctx) {
+__global__ void PresenceHandshakeKernel(PresenceSignal signal, const uint64_t* present, int tp,
+                                        WaitContext ctx) {
   const int peer = static_cast<int>(threadIdx.x);
-  if (peer < tp && peer != ctx.rank) WaitFlag(present + peer, ctx, kSitePresent, peer, -1, -1);
+  if (peer >= tp || peer == ctx.rank) return;
+  if (signal.signal) {
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(signal.peer_slot[peer]), "l"(ctx.epoch) : "memory");
+  }
+  WaitFlag(present + peer, ctx, kSitePresent, peer, -1, -1);
 }
 
 }  // namespace
@@ -45,14 +51,18 @@ Status StreamWriteValue64(cudaStream_t stream, uint64_t* addr, uint64_t value) {
 
 Status PreloadStreamOps() {
   cudaFuncAttributes attrs;
-  FLUX_CUDA_TRY(cudaFuncGetAttributes(&attrs, WaitPeersPresentKernel));
+  FLUX_CUDA_TRY(cudaFuncGetAttributes(&attrs, PresenceHandshakeKernel));
   WriteValue64Fn fn = nullptr;
   return ResolveWriteValue64(&fn);
 }
 
-Status LaunchWaitPeersPresent(cudaStream_t stream, const uint64_t* present, int tp,
-                              const WaitContext& ctx) {
-  WaitPeersPresentKernel<<<1, 32, 0, stream>>>(present, tp, ctx);
+Status LaunchPresenceHandshake(cudaStream_t stream, const PresenceSignal& signal,
+                               const uint64_t* present, int tp, const WaitContext& ctx) {
+  if (tp > kMaxPresenceRanks) {
+    return Status::InvalidArgument("flux_jax: presence handshake supports TP <= " +
+                                   std::to_string(kMaxPresenceRanks));
+  }
+  PresenceHandshakeKernel<<<1, 32, 0, stream>>>(signal, present, tp, ctx);
   FLUX_CUDA_TRY(cudaGetLastError());
   return Status::Ok();
 }

@@ -11,15 +11,27 @@
 
 namespace flux_jax::cuda {
 
+inline constexpr int kMaxPresenceRanks = 32;  // one lane per rank
+
 // *addr = value when `stream` reaches this point (cuStreamWriteValue64: done
 // by the GPU front end, not by an SM). `addr` is this device's memory.
 Status StreamWriteValue64(cudaStream_t stream, uint64_t* addr, uint64_t value);
 
-// One warp: lane p waits until present[p] >= ctx.epoch for every peer p != rank
-// (bounded by ctx.timeout_ns). The compute stream runs this before a fused
-// GEMM, so no GEMM occupies the SMs before every peer has reached the op.
-Status LaunchWaitPeersPresent(cudaStream_t stream, const uint64_t* present, int tp,
-                              const WaitContext& ctx);
+// Where a rank announces that it reached a fused op: peer_slot[p] is rank p's
+// present[rank] (through peer access or CUDA IPC); null where p == rank.
+struct PresenceSignal {
+  uint64_t* peer_slot[kMaxPresenceRanks] = {};
+  bool signal = true;  // false: debug_drop_rank (this rank never shows up)
+};
+
+// One warp, lane p for peer p != rank: peer_slot[p] = ctx.epoch (st.release.sys,
+// over NVLink), then wait until present[p] >= ctx.epoch (bounded by
+// ctx.timeout_ns). The compute stream runs this before a fused GEMM, so no GEMM
+// occupies the SMs before every peer has reached the op. One launch: the
+// announcement used to be a copy-engine write, which put ~4-5 us of copy
+// latency on the critical path of every call.
+Status LaunchPresenceHandshake(cudaStream_t stream, const PresenceSignal& signal,
+                               const uint64_t* present, int tp, const WaitContext& ctx);
 
 // Loads the wait kernel into the current device's context (see PreloadGemmKernels).
 Status PreloadStreamOps();

@@ -57,7 +57,7 @@ struct GroupWorkspace {
 
   uint64_t* present = nullptr;  // [kMaxTp]: present[p] = last epoch rank p reached
   uint64_t* arrived = nullptr;  // [kMaxFlags]: row pieces of the current call
-  uint64_t* cells = nullptr;    // [2]: epoch value sources for copy-engine flag writes
+  uint64_t* cells = nullptr;    // [2]: cells[1] = epoch, the source of copy-engine flag writes
   uint64_t* block_arrived = nullptr;  // [kMaxTp][kMaxLatencyBlocks]: latency collectives
   float* alpha = nullptr;
   char* data = nullptr;
