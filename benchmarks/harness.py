@@ -15,7 +15,7 @@ import statistics
 
 import jax
 
-from benchmarks import timing, variants
+from benchmarks import gpu_state, timing, variants
 from benchmarks.data import TOLERANCE, make_xw
 from benchmarks.metrics import REFERENCE, add_metrics
 from benchmarks.presets import Case
@@ -33,6 +33,7 @@ class Candidate:
     note: str
     built: timing.Built | None  # None when it runs in a subprocess
     samples: list = dataclasses.field(default_factory=list)
+    gpu_readings: list = dataclasses.field(default_factory=list)  # gpu_state.read() after each sample
 
     @property
     def median_s(self) -> float:
@@ -77,7 +78,7 @@ def _prepare(name: str, ctx: CaseContext, params: TimingParams, windowed: Window
         return Entry(name, [], f"unavailable: {error_summary(err)}")
 
 
-def _sample_round(entries: list[Entry], start: int) -> None:
+def _sample_round(entries: list[Entry], start: int, record_gpu_state: bool = False) -> None:
     """One sample of every variant, starting at entries[start] (rotated each round, so no
     variant always follows the same neighbour, e.g. a hot GEMM)."""
     for entry in entries[start:] + entries[:start]:
@@ -86,6 +87,8 @@ def _sample_round(entries: list[Entry], start: int) -> None:
         try:
             for candidate in entry.candidates:
                 candidate.samples.append(candidate.timer.sample())
+                if record_gpu_state:
+                    candidate.gpu_readings.append(gpu_state.read())
         except Exception as err:
             entry.status = f"unavailable: timing failed: {error_summary(err)}"
 
@@ -113,6 +116,7 @@ def _row(case: Case, entry: Entry, tolerance: float, profile: bool) -> dict:
         return row
     best = _best(entry, tolerance)
     row.update(timing.summarize(best.samples), **best.timer.describe())
+    row.update(gpu_state.columns(best.gpu_readings))  # sm_mhz / power_w / temp_c per sample
     row.update(max_rel_err=best.max_rel_err, note=best.note)
     if entry.failed_forms:
         row["note"] += "; failed: " + "; ".join(f"[{failure}]" for failure in entry.failed_forms)
@@ -164,7 +168,7 @@ def run_case(
         entries.append(entry)
 
     for round_index in range(params.repeats):
-        _sample_round(entries, round_index % len(entries))
+        _sample_round(entries, round_index % len(entries), record_gpu_state=platform == "gpu")
     rows = [_row(case, entry, tolerance, profile) for entry in entries]
     add_metrics(case, rows)
     return rows

@@ -81,3 +81,17 @@ def test_ring_variants_match_the_twin(op):
     )
     for row in rows:
         assert row["max_rel_err"] is not None and row["max_rel_err"] < 2e-2, row
+
+
+def test_gpu_state_reading_parses_nvidia_smi_and_rejects_junk():
+    from benchmarks import gpu_state
+
+    reading = gpu_state.parse("1980, 650.25, 61\n1755, 701.00, 66\n")
+    # the slowest clock paces the group; the hottest / hungriest GPU is reported
+    assert reading == {"sm_mhz": 1755.0, "power_w": 701.0, "temp_c": 66.0}
+    assert gpu_state.parse("[N/A], 650, 61\n") is None
+    assert gpu_state.parse("1980, 650\n") is None
+    assert gpu_state.parse("") is None
+    assert gpu_state.columns([None, None]) == {}
+    cols = gpu_state.columns([reading, None])
+    assert cols == {"sm_mhz": [1755.0, None], "power_w": [701.0, None], "temp_c": [66.0, None]}
