@@ -2,8 +2,9 @@
 
 Per case: the twin (xla_shard_map) runs first and its output is the reference; every other
 variant is built, its loops compiled (LoopTimer), its output checked; then `repeats` rounds
-sample every variant once per round (round-robin, the starting variant rotating), so clock
-and power drift hit all variants alike. Any exception of a variant becomes its status
+sample every variant once per round, in a new shuffled order each round (seeded), so clock and
+power drift hit all variants alike and no variant always follows the same neighbour; each
+sample starts after an untimed pre-heat of the variant's own loop (TimingParams.preheat_ms). Any exception of a variant becomes its status
 "unavailable: <reason>"; the run goes on.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 import statistics
 
 import jax
@@ -78,10 +80,18 @@ def _prepare(name: str, ctx: CaseContext, params: TimingParams, windowed: Window
         return Entry(name, [], f"unavailable: {error_summary(err)}")
 
 
-def _sample_round(entries: list[Entry], start: int, record_gpu_state: bool = False) -> None:
-    """One sample of every variant, starting at entries[start] (rotated each round, so no
-    variant always follows the same neighbour, e.g. a hot GEMM)."""
-    for entry in entries[start:] + entries[:start]:
+def round_order(count: int, round_index: int) -> list[int]:
+    """The order of one round: a seeded shuffle, so runs repeat and neighbours change (a
+    rotation keeps every variant behind the same neighbour, and a variant behind a light one
+    measured up to 10% faster: RESULTS.md)."""
+    order = list(range(count))
+    random.Random(7919 * (round_index + 1)).shuffle(order)
+    return order
+
+
+def _sample_round(entries: list[Entry], round_index: int, record_gpu_state: bool = False) -> None:
+    """One sample of every variant, in round_order."""
+    for entry in (entries[i] for i in round_order(len(entries), round_index)):
         if entry.status != "ok":
             continue
         try:
@@ -168,7 +178,7 @@ def run_case(
         entries.append(entry)
 
     for round_index in range(params.repeats):
-        _sample_round(entries, round_index % len(entries), record_gpu_state=platform == "gpu")
+        _sample_round(entries, round_index, record_gpu_state=platform == "gpu")
     rows = [_row(case, entry, tolerance, profile) for entry in entries]
     add_metrics(case, rows)
     return rows

@@ -2,7 +2,7 @@
 
   python -m benchmarks.run --op ag|rs|all --preset NAME [--out benchmarks/results]
       [--variants a,b,...] [--m 4096,8192] [--repeats R] [--n1 N] [--target-ms T]
-      [--max-calls C] [--seed S] [--dtype D] [--profiler] [--git-commit SHA]
+      [--max-calls C] [--preheat-ms P] [--seed S] [--dtype D] [--profiler] [--git-commit SHA]
 
 Writes <out>/<stem>.json, .md, _speedup.png and _time_split.png, where <stem> is the preset's
 name (plus _<op> / _m<list> for a partial run). Results are rewritten after every case, so an
@@ -53,6 +53,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--n1", type=int, default=2, help="calls in the short loop")
     parser.add_argument("--target-ms", type=float, default=20.0, help="the long loop runs at least this much longer")
     parser.add_argument("--max-calls", type=int, default=10000, help="cap on calls in the long loop")
+    parser.add_argument("--preheat-ms", type=float, default=50.0,
+                        help="untimed run of a variant's long loop before each of its samples (0: none)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     parser.add_argument(
         "--dtype", choices=("bfloat16", "float16", "float32"), default=None, help="override the preset's dtype"
@@ -68,8 +70,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         print(f"note: {REFERENCE} is always measured (it is the reference of the check)", flush=True)
         names.append(REFERENCE)
     args.variant_names = [v for v in VARIANTS if v in names]
-    if args.n1 < 1 or args.repeats < 1 or args.max_calls <= args.n1:
-        parser.error("need --n1 >= 1, --repeats >= 1 and --max-calls > --n1")
+    if args.n1 < 1 or args.repeats < 1 or args.max_calls <= args.n1 or args.preheat_ms < 0:
+        parser.error("need --n1 >= 1, --repeats >= 1, --max-calls > --n1 and --preheat-ms >= 0")
     return args
 
 
@@ -83,7 +85,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     cases, skipped = select_cases(preset, tp, ops, args.m, args.dtype)
     for shape in skipped:
         print(f"skipping {shape['op']} M={shape['M']} K={shape['K']} N={shape['N']}: {shape['reason']}", flush=True)
-    params = TimingParams(n1=args.n1, target_ms=args.target_ms, max_calls=args.max_calls, repeats=args.repeats)
+    params = TimingParams(n1=args.n1, target_ms=args.target_ms, max_calls=args.max_calls, repeats=args.repeats,
+                          preheat_ms=args.preheat_ms)
     meta = report.metadata(preset.name, tp, argv, {"method": METHOD, **vars(params)}, skipped, args.git_commit)
     stem = output_stem(preset.name, args.op, args.m)
     json_path, md_path = args.out / f"{stem}.json", args.out / f"{stem}.md"

@@ -32,6 +32,10 @@ class TimingParams:
     target_ms: float  # the long loop is sized so T(n2) - T(n1) is at least this (and n2 >= 5 n1)
     max_calls: int  # cap on n2
     repeats: int  # samples per variant (round-robin over variants)
+    # Before each sample the variant's own long loop runs for at least this long (untimed), so
+    # every sample starts from the clock / power state of that variant's sustained load instead
+    # of whatever ran before it (a light variant left boost clocks for the next one: up to 10%).
+    preheat_ms: float = 50.0
 
 
 @dataclasses.dataclass
@@ -130,11 +134,20 @@ class LoopTimer:
         return np.asarray(output)
 
     def sample(self) -> float:
-        """One measurement of seconds per call; each loop runs twice and the faster run counts
-        (host hiccups only ever add time)."""
-        t1 = min(_wall(self._f1, self._args) for _ in range(2))
+        """One measurement of seconds per call, after the pre-heat (TimingParams.preheat_ms);
+        each loop runs twice and the faster run counts (host hiccups only ever add time)."""
+        self.preheat()
         t2 = min(_wall(self._f2, self._args) for _ in range(2))
+        t1 = min(_wall(self._f1, self._args) for _ in range(2))
         return (t2 - t1) / (self.n2 - self.n1)
+
+    def preheat(self) -> int:
+        """Runs the long loop, untimed, until preheat_ms have passed; returns the runs."""
+        runs, spent, budget = 0, 0.0, self._params.preheat_ms * 1e-3
+        while spent < budget:
+            spent += _wall(self._f2, self._args)
+            runs += 1
+        return runs
 
     def describe(self) -> dict:
         return {"n1": self.n1, "n2": self.n2}

@@ -95,3 +95,38 @@ def test_gpu_state_reading_parses_nvidia_smi_and_rejects_junk():
     assert gpu_state.columns([None, None]) == {}
     cols = gpu_state.columns([reading, None])
     assert cols == {"sm_mhz": [1755.0, None], "power_w": [701.0, None], "temp_c": [66.0, None]}
+
+
+def test_round_order_is_a_seeded_shuffle_that_changes_neighbours():
+    from benchmarks.harness import round_order
+
+    orders = [round_order(7, r) for r in range(5)]
+    assert all(sorted(o) == list(range(7)) for o in orders)
+    assert orders == [round_order(7, r) for r in range(5)], "runs must repeat"
+
+    def follows(order):
+        return {(order[i - 1], order[i]) for i in range(1, len(order))}
+
+    # a rotation keeps every (predecessor, variant) pair; the shuffle must not
+    assert len(set.union(*(follows(o) for o in orders))) > len(follows(orders[0])) + 6
+
+
+def test_preheat_runs_the_long_loop_for_the_requested_time():
+    import time
+
+    import jax.numpy as jnp
+
+    from benchmarks.timing import LoopTimer
+
+    def slow_loop():
+        time.sleep(0.002)
+        return jnp.zeros(())
+
+    timer = LoopTimer.__new__(LoopTimer)  # the loops themselves do not matter here
+    timer._f2, timer._args = slow_loop, ()
+    timer._params = TimingParams(n1=1, target_ms=1, max_calls=2, repeats=1, preheat_ms=10)
+    start = time.perf_counter()
+    runs = timer.preheat()
+    assert runs >= 3 and time.perf_counter() - start >= 0.010
+    timer._params = TimingParams(n1=1, target_ms=1, max_calls=2, repeats=1, preheat_ms=0)
+    assert timer.preheat() == 0
