@@ -1,5 +1,6 @@
-// Stream-ordered operations that use no SMs (so they can never be starved by a
-// persistent GEMM that occupies every SM), plus the one tiny wait kernel.
+// Stream-ordered operations: a value write that uses no SM (so it can never be
+// starved by a persistent GEMM that occupies every SM), and the presence
+// handshake, one warp that runs before our GEMM takes the SMs.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -33,7 +34,7 @@ struct PresenceSignal {
 Status LaunchPresenceHandshake(cudaStream_t stream, const PresenceSignal& signal,
                                const uint64_t* present, int tp, const WaitContext& ctx);
 
-// Loads the wait kernel into the current device's context (see PreloadGemmKernels).
+// Loads the handshake kernel into the current device's context (see PreloadGemmKernels).
 Status PreloadStreamOps();
 
 }  // namespace flux_jax::cuda
