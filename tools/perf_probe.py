@@ -6,6 +6,11 @@ harness is `python -m benchmarks.run`; this is the smoke version for a kernel
 change.
 
     python tools/perf_probe.py --shapes 4096x8192x8192,8192x8192x28672
+    python tools/perf_probe.py --grad ...   # forward + backward (the training step's ops)
+
+With --grad every variant is timed as one forward and backward step (dx and dw of
+sum(op(x, w))): the backward of ag_matmul runs matmul_rs on the transposed weight and
+vice versa (the K-major GEMM instances), which the forward-only harness never times.
 """
 
 from __future__ import annotations
@@ -38,6 +43,17 @@ def _loop(fn, n):
     return jax.jit(run)
 
 
+def with_grad(fn):
+    """x, w -> dx of sum(fn(x, w)), with dw computed too (folded in with weight 0 so XLA keeps it)."""
+    grad = jax.grad(lambda x, w: jnp.sum(fn(x, w).astype(jnp.float32)), argnums=(0, 1))
+
+    def step(x, w):
+        dx, dw = grad(x, w)
+        return dx + (dw[0, 0] * 0).astype(dx.dtype)
+
+    return step
+
+
 def time_per_call(fn, x, w, n1=10, n2=40, repeats=5):
     f1, f2 = _loop(fn, n1), _loop(fn, n2)
     f1(x, w).block_until_ready()
@@ -57,6 +73,8 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--configs", default="",
                     help="extra fused variants, e.g. 'gpu_tile_group_m=16;fused_path=latency'")
+    ap.add_argument("--grad", action="store_true",
+                    help="time forward + backward (dx, dw) instead of the forward alone")
     ap.add_argument("--gemm-alone", action="store_true",
                     help="also time flux_jax's GEMM kernel alone (size-1 axis) per config")
     args = ap.parse_args()
@@ -88,6 +106,7 @@ def main():
                 with flux_jax.config(**kw):
                     f = jax.shard_map(functools.partial(fn, axis_name="tp", impl=impl), mesh=mesh,
                                       in_specs=specs, out_specs=out)
+                    f = with_grad(f) if args.grad else f
                     res[name] = time_per_call(f, xs, ws)
                     res[name + "_out"] = f(xs, ws)
             ref = res["xla_out"].astype(jnp.float32)
@@ -107,7 +126,7 @@ def main():
                         continue
                     with flux_jax.config(**{"fused_path": "overlap", **kw}):
                         res["gemm_alone_" + name] = time_per_call(alone, g, gw)
-            row = dict(op=op, M=M, K=K, N=N, fused_ms=res["fused"][0], xla_ms=res["xla"][0],
+            row = dict(op=op, M=M, K=K, N=N, grad=args.grad, fused_ms=res["fused"][0], xla_ms=res["xla"][0],
                        gemm_ms=gemm[0], speedup=res["xla"][0] / res["fused"][0], max_rel_err=err,
                        fused_spread=res["fused"][1:], xla_spread=res["xla"][1:],
                        variants={k: v[0] for k, v in res.items() if not k.endswith("_out")}, errors=errs)
