@@ -6,7 +6,10 @@ At M = 256 the fused op is the latency path, whose GEMM is XLA's own: XLA autotu
 compilation, and the pick moves the per-call time by ~10% between two single-process runs alone
 (0.0785 vs 0.0875 ms on 11-29 / 11-30). So `--rounds N` alternates single / two-process runs N
 times and compares medians, and `--xla-flags=--xla_gpu_autotune_level=0` (passed to every
-worker) takes the autotuner's pick out, leaving the process layout as the only difference.
+worker) takes the autotuner's pick out, leaving the process layout as the only difference --
+but also XLA's fast GEMMs (15x slower at M = 256). `--autotune-cache auto` keeps the autotuner
+and shares its picks instead: every worker reads and writes one per-fusion autotune cache
+(`--xla_gpu_per_fusion_autotune_cache_dir`), so the first run's pick is every run's pick.
 """
 
 import argparse
@@ -16,6 +19,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 WORKER = Path(__file__).resolve().parent.parent / "tests" / "gpu_multiprocess_worker.py"
@@ -42,9 +46,17 @@ def main():
     ap.add_argument("--out")
     ap.add_argument("--rounds", type=int, default=1, help="alternating single / two-process runs")
     ap.add_argument("--xla-flags", default=None, help="XLA_FLAGS for every worker")
+    ap.add_argument("--autotune-cache", default=None,
+                    help="DIR (or 'auto': a fresh temp dir) for XLA's per-fusion autotune cache, "
+                         "shared by every worker so all runs use the same GEMM picks")
     args = ap.parse_args()
     if args.xla_flags is not None:
         os.environ["XLA_FLAGS"] = args.xla_flags
+    if args.autotune_cache:
+        cache = tempfile.mkdtemp(prefix="xla_autotune_") if args.autotune_cache == "auto" else args.autotune_cache
+        flags = os.environ.get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_per_fusion_autotune_cache_dir={cache}".strip()
+        print(f"autotune cache shared by every worker: {cache}", flush=True)
     singles, multis = [], []
     for _ in range(args.rounds):
         singles.append(run([-1])[-1])
