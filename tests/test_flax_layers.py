@@ -239,6 +239,34 @@ def test_gpt_forward_backward_matches_reference(mesh_name, impl, axis_type, rema
     assert_trees_close(_host(nnx.to_pure_dict(grads)), grads_ref, "d")
 
 
+@pytest.mark.parametrize("mesh_name, remat", [("tp8", False), ("dp2xtp4", False), ("dp2xtp4", True)])
+def test_fused_gpt_sends_every_tp_collective_through_flux(mesh_name, remat):
+    """The compiled train step of a fused GPT has no XLA all-gather / reduce-scatter: each block's
+    four projections are flux calls forward (AG qkv, RS out, AG gate+up, RS down) and backward
+    (each op's dx is the other op), so a projection that fell back to the twin shows up here."""
+    import collections
+    import re
+
+    mesh = mesh_of(mesh_name)
+    config = _gpt_config("fused", remat=remat)
+    model = GPT(config, mesh=mesh, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model, nnx.Param)
+    tokens = jax.device_put(np.zeros((BATCH, SEQ), np.int32), jax.NamedSharding(mesh, model.token_spec()))
+
+    def loss(params, tokens):
+        return jnp.sum(nnx.merge(graphdef, params)(tokens))
+
+    hlo = jax.jit(jax.grad(loss)).lower(params, tokens).compile().as_text()
+    calls = collections.Counter(re.findall(r'custom_call_target="(flux_jax_[a-z_]+)"', hlo))
+    assert not re.search(r"\b(all-gather|reduce-scatter)(-start)?\(", hlo), "an XLA TP collective is left"
+    layers = config.layers
+    if not remat:
+        assert calls == {"flux_jax_ag_matmul": 4 * layers, "flux_jax_matmul_rs": 4 * layers}, calls
+    else:  # the backward recomputes both gathers; the block's last reduce-scatter is not needed again
+        assert calls["flux_jax_ag_matmul"] == 6 * layers, calls
+        assert 4 * layers < calls["flux_jax_matmul_rs"] <= 6 * layers, calls
+
+
 def test_params_are_sharded_as_annotated():
     mesh = mesh_of("dp2xtp4")
     model = GPT(_gpt_config("fused"), mesh=mesh, rngs=nnx.Rngs(0))
