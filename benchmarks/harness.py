@@ -4,8 +4,8 @@ Per case: the twin (xla_shard_map) runs first and its output is the reference; e
 variant is built, its loops compiled (LoopTimer), its output checked; then `repeats` rounds
 sample every variant once per round, in a new shuffled order each round (seeded), so clock and
 power drift hit all variants alike and no variant always follows the same neighbour; each
-sample starts after an untimed pre-heat of the variant's own loop (TimingParams.preheat_ms). Any exception of a variant becomes its status
-"unavailable: <reason>"; the run goes on.
+sample starts after an untimed pre-heat of the variant's own loop (TimingParams.preheat_ms).
+Any exception of a variant becomes its status "unavailable: <reason>"; the run goes on.
 """
 
 from __future__ import annotations

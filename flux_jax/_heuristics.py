@@ -62,7 +62,8 @@ from __future__ import annotations
 
 import numpy as np
 
-# M * k * n (per-rank multiply-adds) thresholds of the latency path, from the table above.
+# Thresholds from the table above: AG overlap tiles, then M * k * n (per-rank multiply-adds)
+# of the latency path.
 _AG_OVERLAP_MIN_TILES = 256  # AG overlap needs ~2 waves of 128x256 tiles (ag 2048x14336x4096: 128, 0.97x)
 _AG_LATENCY_MIN_MACS = 4e9  # AG with M >= 64: below this the twin (ag 256x4096x6144: 3.2e9, 0.86x)
 _RS_SMALL_M_MAX_MACS = 1e9  # RS with M < 256: above this the twin (rs 16x28672x8192: 1.9e9, 0.97x)
@@ -71,6 +72,11 @@ _RS_SMALL_M_MAX_MACS = 1e9  # RS with M < 256: above this the twin (rs 16x28672x
 def _tiles(rows: int, n: int) -> int:
     """Output tiles of the overlap GEMM (128 x 256)."""
     return -(-rows // 128) * -(-n // 256)
+
+
+def _ag_overlap_fits(rows: int, n: int) -> bool:
+    """AG: enough rows and enough output tiles (~2 waves) for the overlap kernel."""
+    return rows >= 2048 and _tiles(rows, n) >= _AG_OVERLAP_MIN_TILES
 
 
 def choose(op: str, tp: int, rows: int, k: int, n: int, dtype) -> str:
@@ -83,7 +89,7 @@ def choose(op: str, tp: int, rows: int, k: int, n: int, dtype) -> str:
         return "xla"  # no float32 kernels; TP > 2 not measured yet (issue 7)
     macs = float(rows) * k * n
     if op == "ag_matmul":
-        if rows >= 2048 and _tiles(rows, n) >= _AG_OVERLAP_MIN_TILES:
+        if _ag_overlap_fits(rows, n):
             return "overlap"
         return "latency" if rows >= 64 and macs >= _AG_LATENCY_MIN_MACS else "xla"
     if rows >= 2048 or (rows >= 1024 and n >= 8192):
@@ -99,7 +105,7 @@ def best_fused_path(op: str, tp: int, rows: int, k: int, n: int, dtype) -> str:
     if choice != "xla":
         return choice
     if op == "ag_matmul":
-        return "overlap" if rows >= 2048 and _tiles(rows, n) >= _AG_OVERLAP_MIN_TILES else "latency"
+        return "overlap" if _ag_overlap_fits(rows, n) else "latency"
     return "overlap" if rows >= 1024 else "latency"
 
 

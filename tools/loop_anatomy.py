@@ -81,22 +81,15 @@ def read_trace(trace_dir: str, calls: int) -> dict:
             for e in kernels:
                 per_name[e["name"][:70]].append(e["dur"])
             top = sorted(per_name.items(), key=lambda kv: -sum(kv[1]))[:6]
-            copies = collections.defaultdict(lambda: [0, 0.0, 0])  # name: count, us, bytes
+            copies = collections.defaultdict(list)
             for e in evs:
                 if e["name"].startswith("Memcpy"):
-                    args = e.get("args", {})
-                    c = copies[e["name"][:40]]
-                    c[0] += 1
-                    c[1] += e["dur"]
-                    c[2] += int(args.get("bytes", args.get("num_bytes", args.get("size", 0))) or 0)
+                    copies[e["name"][:40]].append(e["dur"])
             result["devices"][pname] = {
-                # Copy-engine operations (the overlap path's pushes): per call, with GB/s where
-                # the trace gives sizes; their time overlaps kernels, so it is not in busy.
-                "copies": [{"name": n, "per_call": round(c / calls, 2), "mean_us": round(us / c, 2),
-                            "gb_per_s": round(b / us / 1e3, 1) if b and us else None}
-                           for n, (c, us, b) in copies.items()],
-                "copy_arg_keys": sorted({k for e in evs if e["name"].startswith("Memcpy")
-                                         for k in e.get("args", {})})[:20],
+                # Copy-engine operations (the overlap path's pushes): they overlap kernels, so
+                # they are not in busy.
+                "copies": [{"name": n, "per_call": round(len(d) / calls, 2), "mean_us": round(sum(d) / len(d), 2)}
+                           for n, d in copies.items()],
                 "events": len(kernels),
                 "per_call_us": round((stop - start) / calls, 2),
                 "busy_per_call_us": round(busy / calls, 2),
@@ -114,7 +107,7 @@ def read_trace(trace_dir: str, calls: int) -> dict:
 def summary_line(row: dict) -> str:
     dev = next(iter(row.get("devices", {}).values()), {})
     kernels = "; ".join(f"{k['name'][:40]} x{k['count']} {k['mean_us']}us" for k in dev.get("kernels", [])[:4])
-    copies = "; ".join(f"{c['name']} x{c['per_call']}/call {c['mean_us']}us {c['gb_per_s']}GB/s"
+    copies = "; ".join(f"{c['name']} x{c['per_call']}/call {c['mean_us']}us"
                        for c in dev.get("copies", []))
     copies = f"| copies {copies}" if copies else ""
     return (f"ANATOMY {row['case']:>18} {row['variant']:>14} {row.get('config', '')} loop {row.get('loop_us', '-')} us | trace/call "
@@ -163,7 +156,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     ap.add_argument("--config", default="", help="flux_jax.Config fields for every variant, e.g. "
-                    "'gpu_prefetch_weight_mib=0'")
+                    "'gpu_tile_group_m=16'")
     ap.add_argument("--no-trace", action="store_true", help="time the loops only (no profiler run)")
     args = ap.parse_args()
     kw = parse_overrides(args.config)
