@@ -75,7 +75,11 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
     g.add_argument("--impl", choices=["fused", "xla", "auto"],
                    help="flux_jax implementation of the projections (default: fused on CPU, to "
                         "exercise the protocol; auto on GPU, fused only where measured faster)")
-    g.add_argument("--remat", action="store_true", help="recompute block activations in the backward pass")
+    g.add_argument("--remat", action=argparse.BooleanOptionalAction, default=None,
+                   help="recompute block activations in the backward pass (the 8B preset's default)")
+    g.add_argument("--attention", choices=["auto", "xla", "cudnn"], default="auto",
+                   help="jax.nn.dot_product_attention backend (auto: cuDNN flash attention on GPU "
+                        "with bf16/f16, XLA otherwise; XLA materializes the [T, T] scores)")
     g = p.add_argument_group("training")
     g.add_argument("--seq", type=int, help="sequence length (characters)")
     g.add_argument("--batch", type=int, help="global batch size (sequences)")
@@ -104,15 +108,18 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
     defaults = dict(GPU_DEFAULTS if on_gpu else CPU_DEFAULTS)
     if args.preset:
         preset = dict(PRESETS[args.preset])
-        if preset.pop("remat", False):
-            args.remat = True
         defaults.update(preset)
+    defaults.setdefault("remat", False)
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     n_devices = len(jax.devices())
     if args.tp is None:
         args.tp = n_devices // args.dp
+    if args.attention == "auto":
+        args.attention = "cudnn" if on_gpu and args.dtype in ("bfloat16", "float16") else "xla"
+    if args.attention == "cudnn" and (not on_gpu or args.dtype == "float32"):
+        p.error("--attention cudnn needs an NVIDIA GPU and --dtype bfloat16 or float16")
     if args.warmup is None:
         args.warmup = max(1, args.steps // 20)
     if args.num_processes > 1:
@@ -169,7 +176,8 @@ def make_mesh(args) -> jax.sharding.Mesh:
 
 def model_config(args, vocab_size: int, impl: str) -> GPTConfig:
     return GPTConfig(vocab_size=vocab_size, hidden=args.hidden, layers=args.layers, heads=args.heads,
-                     kv_heads=args.kv_heads, ffn=args.ffn, impl=impl, dtype=args.dtype, remat=args.remat)
+                     kv_heads=args.kv_heads, ffn=args.ffn, impl=impl, dtype=args.dtype, remat=args.remat,
+                     attention_implementation=None if args.attention == "xla" else args.attention)
 
 
 def make_optimizer(args) -> optax.GradientTransformation:

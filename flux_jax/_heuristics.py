@@ -3,7 +3,8 @@
 Measured with the harness (dispatch-free device time, 2x H200, TP=2, bf16, 2026-11-29; data in
 benchmarks/data/harness_*_2026-11-29.json); rows marked (11-30) with tools/perf_probe.py after the
 overlap GEMM got its grouped tile order (benchmarks/data/probe_2026-11-30*.json; the RS rows at
-M <= 2048 with the gated launch's smaller groups, probe_2026-11-30_rs_groups.json). Speedup over the
+M <= 2048 with the gated launch's smaller groups, probe_2026-11-30_rs_groups.json); the row marked
+(s6) with the harness, 5 shuffled samples per variant (harness_llama8b-tp2_ag_2026-11-30_s6.json). Speedup over the
 twin (xla_shard_map), global shapes, AG: n = N/2 per rank; RS: k = K/2 per rank:
 
   op  M      K      N      twin us  overlap  latency
@@ -15,7 +16,7 @@ twin (xla_shard_map), global shapes, AG: n = N/2 per rank; RS: k = K/2 per rank:
   ag  256    8192   57344    236.8   0.88     1.14
   ag  1024   4096   6144      76.8   0.85     1.20
   ag  1024   8192   57344    749.1   0.84     1.09
-  ag  2048   4096   6144     150.0   1.11     1.16 (11-30; 192 tiles)
+  ag  2048   4096   6144     133.2   1.26     1.18 (s6; 192 tiles; 1.11 / 1.16 before the one-kernel handshake)
   ag  2048   14336  4096     316.2   0.97     1.10 (11-30; 128 tiles: one wave)
   ag  2048   4096   28672    400.8   1.10     1.03 (11-30)
   ag  2048   28672  8192     894.9   1.22     1.05 (11-30; 256 tiles)
@@ -51,7 +52,7 @@ Reading: the overlap kernel wins once there are enough row tiles to hide the tra
 2048; RS already at M = 1024 with N = 8192), at every per-rank N measured (up to 28672) since its
 GEMM sweeps groups of 8 row tiles across N (alone it runs at 96-100% of XLA's GEMM there; with
 plain raster it was 15-27% slower at N >= 14336 and the overlap lost) -- for AG provided the
-GEMM has >= 256 output tiles of 128x256 (about two waves on 132 SMs): with one wave every remote
+GEMM has >= 192 output tiles of 128x256 (about 1.5 waves on 132 SMs): with one wave every remote
 tile starts at once and waits for its rows, so nothing overlaps. Below that the latency path wins wherever the collective's
 latency is a visible share of the call, i.e. for mid M, and for small M only when the GEMM is
 short (RS); when a small-M GEMM is long anyway, the three are within noise and the twin stays.
@@ -64,7 +65,7 @@ import numpy as np
 
 # Thresholds from the table above: AG overlap tiles, then M * k * n (per-rank multiply-adds)
 # of the latency path.
-_AG_OVERLAP_MIN_TILES = 256  # AG overlap needs ~2 waves of 128x256 tiles (ag 2048x14336x4096: 128, 0.97x)
+_AG_OVERLAP_MIN_TILES = 192  # AG overlap needs > 1 wave of 128x256 tiles (128 tiles: 0.97x; 192: 1.26x)
 _AG_LATENCY_MIN_MACS = 4e9  # AG with M >= 64: below this the twin (ag 256x4096x6144: 3.2e9, 0.86x)
 _RS_SMALL_M_MAX_MACS = 1e9  # RS with M < 256: above this the twin (rs 16x28672x8192: 1.9e9, 0.97x)
 
@@ -75,7 +76,7 @@ def _tiles(rows: int, n: int) -> int:
 
 
 def _ag_overlap_fits(rows: int, n: int) -> bool:
-    """AG: enough rows and enough output tiles (~2 waves) for the overlap kernel."""
+    """AG: enough rows and enough output tiles (~1.5 waves) for the overlap kernel."""
     return rows >= 2048 and _tiles(rows, n) >= _AG_OVERLAP_MIN_TILES
 
 

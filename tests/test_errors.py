@@ -164,6 +164,7 @@ def test_auto_gpu_policy_follows_the_measured_table():
     assert choose("matmul_rs", rows=8192, k=2048, n=28672) == "overlap"  # 1.15x, latency 1.02x
     assert choose("ag_matmul", rows=2048, k=14336, n=2048) == "latency"  # one wave: overlap 0.97x, latency 1.10x
     assert choose("ag_matmul", rows=2048, k=28672, n=4096) == "overlap"  # 256 tiles: 1.22x
+    assert choose("ag_matmul", rows=2048, k=4096, n=3072) == "overlap"  # 192 tiles: 1.26x, latency 1.18x
     assert choose("matmul_rs", rows=2048, k=2048, n=28672) == "overlap"  # 1.15x (latency 1.03x)
     assert choose("ag_matmul", rows=256, k=8192, n=5120) == "latency"  # 1.21x
     assert choose("ag_matmul", rows=256, k=4096, n=3072) == "xla"  # latency 0.86x

@@ -9,7 +9,9 @@ change.
     python tools/perf_probe.py --grad ...   # forward + backward (the training step's ops)
 
 With --grad every variant is timed as one forward and backward step (dx and dw of
-sum(op(x, w))): the backward of ag_matmul runs matmul_rs on the transposed weight and
+the vjp of op at (x, w) with a fixed random cotangent ct, and y kept live; a cotangent
+of ones would let XLA turn the twin's backward GEMMs into reductions, and an unused y
+would drop the twin's forward GEMM): the backward of ag_matmul runs matmul_rs on the transposed weight and
 vice versa (the K-major GEMM instances), which the forward-only harness never times.
 """
 
@@ -30,10 +32,10 @@ from flux_jax._config import parse_overrides
 
 
 def _loop(fn, n):
-    def run(x, w):
+    def run(x, *rest):
         def body(i, carry):
             x, acc = carry
-            y = fn(x, w)
+            y = fn(x, *rest)
             # Carry a dependency: x picks up one element of the previous output.
             x = x.at[0, 0].add((y[0, 0] * 0).astype(x.dtype))
             return x, acc + y[0, 0].astype(jnp.float32)
@@ -44,24 +46,28 @@ def _loop(fn, n):
 
 
 def with_grad(fn):
-    """x, w -> dx of sum(fn(x, w)), with dw computed too (folded in with weight 0 so XLA keeps it)."""
-    grad = jax.grad(lambda x, w: jnp.sum(fn(x, w).astype(jnp.float32)), argnums=(0, 1))
+    """x, w, ct -> dx of the vjp of fn with cotangent ct; y and dw are folded in with weight 0.
 
-    def step(x, w):
-        dx, dw = grad(x, w)
-        return dx + (dw[0, 0] * 0).astype(dx.dtype)
+    Without y the twin's forward GEMM would be dead code (a linear loss needs no y),
+    while the fused forward, one call that also returns the gathered x, always runs.
+    """
+
+    def step(x, w, ct):
+        y, vjp = jax.vjp(fn, x, w)
+        dx, dw = vjp(ct.astype(y.dtype))
+        return dx + (dw[0, 0] * 0 + y[0, 0] * 0).astype(dx.dtype)
 
     return step
 
 
-def time_per_call(fn, x, w, n1=10, n2=40, repeats=5):
+def time_per_call(fn, *args, n1=10, n2=40, repeats=5):
     f1, f2 = _loop(fn, n1), _loop(fn, n2)
-    f1(x, w).block_until_ready()
-    f2(x, w).block_until_ready()
+    f1(*args).block_until_ready()
+    f2(*args).block_until_ready()
     samples = []
     for _ in range(repeats):
-        t0 = time.perf_counter(); f1(x, w).block_until_ready(); t1 = time.perf_counter()
-        f2(x, w).block_until_ready(); t2 = time.perf_counter()
+        t0 = time.perf_counter(); f1(*args).block_until_ready(); t1 = time.perf_counter()
+        f2(*args).block_until_ready(); t2 = time.perf_counter()
         samples.append(((t2 - t1) - (t1 - t0)) / (n2 - n1))
     return float(np.median(samples)) * 1e3, float(np.min(samples)) * 1e3, float(np.max(samples)) * 1e3
 
@@ -97,6 +103,9 @@ def main():
                 lshape = ((M, K // 2), (K // 2, N))
             xs = jax.device_put(x, jax.NamedSharding(mesh, specs[0]))
             ws = jax.device_put(w, jax.NamedSharding(mesh, specs[1]))
+            # --grad: a random cotangent, sharded like the output (f32, as the loss sees it).
+            ct = jax.device_put(jnp.asarray(rng.standard_normal((M, N), np.float32)), jax.NamedSharding(mesh, out))
+            args_in = (xs, ws, ct) if args.grad else (xs, ws)
             res = {}
             variants = [("fused", "fused", {}), ("xla", "xla", {})]
             for spec_text in filter(None, args.configs.split(";")):
@@ -107,8 +116,8 @@ def main():
                     f = jax.shard_map(functools.partial(fn, axis_name="tp", impl=impl), mesh=mesh,
                                       in_specs=specs, out_specs=out)
                     f = with_grad(f) if args.grad else f
-                    res[name] = time_per_call(f, xs, ws)
-                    res[name + "_out"] = f(xs, ws)
+                    res[name] = time_per_call(f, *args_in)
+                    res[name + "_out"] = f(*args_in)
             ref = res["xla_out"].astype(jnp.float32)
             errs = {name: float(jnp.max(jnp.abs(res[name + "_out"].astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref)))
                     for name, _, _ in variants if name != "xla"}
