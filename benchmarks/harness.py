@@ -11,6 +11,7 @@ Any exception of a variant becomes its status "unavailable: <reason>"; the run g
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import random
 import statistics
@@ -18,7 +19,7 @@ import statistics
 import jax
 
 from benchmarks import gpu_state, timing, variants
-from benchmarks.data import TOLERANCE, make_xw
+from benchmarks.data import TOLERANCE, case_rng, make_xw, random_normal
 from benchmarks.metrics import REFERENCE, add_metrics
 from benchmarks.presets import Case
 from benchmarks.timing import LoopTimer, TimingParams
@@ -62,6 +63,7 @@ def _prepare(name: str, ctx: CaseContext, params: TimingParams, windowed: Window
     try:
         if name == "xla_windowed_einsum":
             ctx.require_gpu("XLA:GPU windowed-einsum flags")
+            ctx.require_forward("the windowed-einsum subprocess times the forward")
             timer, err, note = windowed.prepare(ctx.case, ctx.seed, params)
             return Entry(name, [Candidate(timer, err, note, None)])
         built = variants.BUILDERS[name](ctx)
@@ -150,13 +152,21 @@ def run_case(
     params: TimingParams,
     windowed: WindowedEinsum,
     profile: bool = False,
+    grad: bool = False,
 ) -> list[dict]:
-    """All rows of one case (one per requested variant, in `names` order)."""
+    """All rows of one case (one per requested variant, in `names` order).
+
+    grad: time forward + backward with a random cotangent (variants.with_grad); rows get
+    "pass": "fwd+bwd" and TFLOP/s count the three GEMMs.
+    """
     platform = "gpu" if jax.devices()[0].platform in ("gpu", "cuda") else jax.devices()[0].platform
     mesh, auto_mesh = variants.make_meshes(case.tp)
     x, w = make_xw(case, seed)
-    ctx = CaseContext(case, platform, mesh, auto_mesh, x, w, seed)
+    ctx = CaseContext(case, platform, mesh, auto_mesh, x, w, seed, grad=grad)
+    if grad:
+        ctx.ct = random_normal(case_rng(case, seed, "cotangent"), (case.M, case.N), case.dtype)
     tolerance = TOLERANCE[case.dtype]
+    finish = functools.partial(_finish, case, grad)
 
     try:
         twin = variants.xla_shard_map(ctx)
@@ -164,9 +174,7 @@ def run_case(
         ctx.twin_out = twin_timer.take_output()
     except Exception as err:  # no reference: nothing of this case can be checked
         status = f"unavailable: the reference {REFERENCE} failed: {error_summary(err)}"
-        rows = [_row(case, Entry(name, [], status), tolerance, profile) for name in names]
-        add_metrics(case, rows)
-        return rows
+        return finish([_row(case, Entry(name, [], status), tolerance, profile) for name in names])
     entries = []
     for name in names:
         if name == REFERENCE:
@@ -179,6 +187,11 @@ def run_case(
 
     for round_index in range(params.repeats):
         _sample_round(entries, round_index, record_gpu_state=platform == "gpu")
-    rows = [_row(case, entry, tolerance, profile) for entry in entries]
-    add_metrics(case, rows)
+    return finish([_row(case, entry, tolerance, profile) for entry in entries])
+
+
+def _finish(case: Case, grad: bool, rows: list[dict]) -> list[dict]:
+    for row in rows:
+        row["pass"] = "fwd+bwd" if grad else "fwd"
+    add_metrics(case, rows, gemms=3 if grad else 1)
     return rows

@@ -23,8 +23,11 @@ def _ok_ms(rows: list[dict], variant: str) -> float | None:
     return None
 
 
-def add_metrics(case: Case, rows: list[dict]) -> None:
-    """Fill tflops, speedup_vs_xla_shard_map, overlap_efficiency and ratio_to_limit in place."""
+def add_metrics(case: Case, rows: list[dict], gemms: int = 1) -> None:
+    """Fill tflops, speedup_vs_xla_shard_map, overlap_efficiency and ratio_to_limit in place.
+
+    gemms: GEMMs of the op's size per step (3 for forward + backward: y, dx, dw).
+    """
     t_twin, t_gemm, t_comm = (_ok_ms(rows, v) for v in (REFERENCE, "gemm_only", "comm_only"))
     for row in rows:
         row.update(tflops=None, speedup_vs_xla_shard_map=None, overlap_efficiency=None, ratio_to_limit=None)
@@ -32,7 +35,7 @@ def add_metrics(case: Case, rows: list[dict]) -> None:
         if row["status"] != "ok" or t is None or t <= 0:
             continue
         if row["variant"] != "comm_only":
-            row["tflops"] = case.flops_per_gpu / (t * 1e-3) / 1e12
+            row["tflops"] = gemms * case.flops_per_gpu / (t * 1e-3) / 1e12
         if row["variant"] in LIMIT_VARIANTS:
             continue
         if t_twin:

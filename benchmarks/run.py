@@ -60,6 +60,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--dtype", choices=("bfloat16", "float16", "float32"), default=None, help="override the preset's dtype"
     )
     parser.add_argument("--profiler", action="store_true", help="GPU: also record CUPTI kernel time (mosaic profiler)")
+    parser.add_argument("--grad", action="store_true",
+                        help="time forward + backward (dx with y and dw live) against a random cotangent; "
+                             "limits become the 3 GEMMs alone and the forward + transposed collective")
     parser.add_argument("--git-commit", default=None, help="commit to record when the tree has no .git (a copy)")
     args = parser.parse_args(argv)
     names = [v for v in args.variants.split(",") if v]
@@ -88,7 +91,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     params = TimingParams(n1=args.n1, target_ms=args.target_ms, max_calls=args.max_calls, repeats=args.repeats,
                           preheat_ms=args.preheat_ms)
     meta = report.metadata(preset.name, tp, argv, {"method": METHOD, **vars(params)}, skipped, args.git_commit)
-    stem = output_stem(preset.name, args.op, args.m)
+    meta["grad"] = args.grad
+    stem = output_stem(preset.name, args.op, args.m) + ("_grad" if args.grad else "")
     json_path, md_path = args.out / f"{stem}.json", args.out / f"{stem}.md"
 
     rows: list[dict] = []
@@ -98,7 +102,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             shape = f"{case.op} M={case.M} K={case.K} N={case.N} tp={case.tp}"
             print(f"[{i}/{len(cases)}] {shape} ({case.layer})", flush=True)
             case_rows = run_case(
-                case, args.variant_names, seed=args.seed, params=params, windowed=windowed, profile=args.profiler
+                case, args.variant_names, seed=args.seed, params=params, windowed=windowed, profile=args.profiler,
+                grad=args.grad,
             )
             for row in case_rows:
                 ms = f"{row['ms']:.4f} ms" if row["ms"] is not None else ""

@@ -4,6 +4,11 @@ Every builder takes a CaseContext (the case, its meshes, the host inputs and the
 and returns a Built (or a list of candidate Builts, of which the fastest correct one is
 reported), or raises Unavailable(reason). Variants on the Explicit mesh share the same placed
 x and w. xla_windowed_einsum has no builder here: it runs in a subprocess (benchmarks/windowed.py).
+
+With `ctx.grad` (harness `--grad`) a step is a training step of the op: forward and backward
+with a random cotangent ct of the output, returning dx, with y and dw kept live (see
+`with_grad`). The limits become the three GEMMs alone (gemm_only) and the op's two collectives,
+forward and transposed (comm_only). Variants without a backward here are Unavailable.
 """
 
 from __future__ import annotations
@@ -58,6 +63,8 @@ class CaseContext:
     w: np.ndarray
     seed: int
     twin_out: np.ndarray | None = None  # host output of xla_shard_map (the reference)
+    grad: bool = False  # time forward + backward (see with_grad)
+    ct: np.ndarray | None = None  # --grad: the cotangent of the op's output [M, N]
     _placed: dict = dataclasses.field(default_factory=dict)
 
     def place(self, name: str, host: np.ndarray, spec: P, mesh=None) -> jax.Array:
@@ -79,6 +86,26 @@ class CaseContext:
         if self.platform != "gpu":
             raise Unavailable(f"GPU only ({what}); platform is {self.platform}")
 
+    def require_forward(self, what: str):
+        if self.grad:
+            raise Unavailable(f"forward only ({what})")
+
+
+def with_grad(per_shard):
+    """(x, w) -> y becomes (x, w, ct) -> dx of the vjp at ct; y and dw are added with weight 0.
+
+    Without them XLA could drop the twin's forward GEMM (dx and dw of a linear op do not need
+    y) while the fused forward, one call that also returns the gathered x, always runs.
+    """
+
+    def step(x, w, ct):
+        y, vjp = jax.vjp(per_shard, x, w)
+        dx, dw = vjp(ct)
+        live = y[0, 0].astype(jnp.float32) * 0 + dw[0, 0].astype(jnp.float32) * 0
+        return dx + live.astype(dx.dtype)
+
+    return step
+
 
 def make_meshes(tp: int) -> tuple[jax.sharding.Mesh, jax.sharding.Mesh]:
     """The Explicit and Auto 1-D meshes ("tp",) over the first tp devices."""
@@ -91,6 +118,11 @@ def make_meshes(tp: int) -> tuple[jax.sharding.Mesh, jax.sharding.Mesh]:
 def _op_shard_map(ctx: CaseContext, per_shard, check_vma: bool = True, note: str = "") -> Built:
     """The op's per-shard function in a shard_map over the shared x, w."""
     x_spec, w_spec, out_spec = SPECS[ctx.case.op]
+    if ctx.grad:
+        step = jax.shard_map(with_grad(per_shard), mesh=ctx.mesh, in_specs=(x_spec, w_spec, out_spec),
+                             out_specs=x_spec, check_vma=check_vma)
+        args = (*ctx.op_args(), ctx.place("ct", ctx.ct, out_spec))
+        return Built(step, args, ctx.mesh, x_spec, x_spec, ctx.against_twin, note)
     step = jax.shard_map(
         per_shard, mesh=ctx.mesh, in_specs=(x_spec, w_spec), out_specs=out_spec, check_vma=check_vma
     )
@@ -145,6 +177,7 @@ def flux_latency(ctx: CaseContext) -> Built:
 
 def xla_jit(ctx: CaseContext) -> Built:
     """Plain jit on the Auto mesh: XLA's partitioner inserts the collective itself."""
+    ctx.require_forward("not built for --grad")
     x_spec, _, out_spec = SPECS[ctx.case.op]
     out_sharding = NamedSharding(ctx.auto_mesh, out_spec)
     step = lambda x, w: lax.with_sharding_constraint(jnp.dot(x, w), out_sharding)  # noqa: E731
@@ -203,6 +236,7 @@ def pallas_mgpu(ctx: CaseContext) -> list[Built]:
     if case.op != "ag":
         raise Unavailable("AG only (collective_matmul_mgpu has no GEMM -> reduce-scatter kernel)")
     ctx.require_gpu("Mosaic GPU kernel")
+    ctx.require_forward("the Pallas kernel has no VJP")
     if case.tp != jax.device_count():
         raise Unavailable(f"the kernel needs axis size == all devices ({jax.device_count()}), tp={case.tp}")
     from jax.experimental.pallas.ops.gpu.collective_matmul_mgpu import all_gather_lhs_matmul
@@ -228,7 +262,10 @@ def pallas_mgpu(ctx: CaseContext) -> list[Built]:
 
 
 def gemm_only(ctx: CaseContext) -> Built:
-    """The per-GPU GEMM of the op without communication (ag: [M,K]x[K,N/tp]; rs: [M,K/tp]x[K/tp,N])."""
+    """The per-GPU GEMM of the op without communication (ag: [M,K]x[K,N/tp]; rs: [M,K/tp]x[K/tp,N]).
+
+    With --grad: its forward and both backward GEMMs (y, dx, dw) on the same per-GPU shapes.
+    """
     case = ctx.case
     x_spec, w_spec, out_spec = SPECS[case.op]
     w = ctx.place("w", ctx.w, w_spec)
@@ -236,14 +273,25 @@ def gemm_only(ctx: CaseContext) -> Built:
         x = ctx.place("x_tiled", np.tile(ctx.x, (case.tp, 1)), P(AXIS, None))
         x_spec = P(AXIS, None)
         check = ctx.against_twin
+        if ctx.grad:  # each shard's dx is a partial of the full dx; their sum is the twin's
+            check = lambda out: ctx.against_twin(  # noqa: E731
+                out.reshape(case.tp, case.M, case.K).astype(np.float32).sum(0))
     else:  # every shard's partial [M, N], stacked; their sum is the twin's output
         x = ctx.place("x", ctx.x, x_spec)
         out_spec = P(AXIS, None)
         check = lambda out: ctx.against_twin(  # noqa: E731
             out.reshape(case.tp, case.M, case.N).astype(np.float32).sum(0)
         )
-    step = jax.shard_map(jnp.dot, mesh=ctx.mesh, in_specs=(x_spec, w_spec), out_specs=out_spec)
-    return Built(step, (x, w), ctx.mesh, x_spec, out_spec, check)
+        if ctx.grad:  # every partial sees the whole cotangent: each shard's dx is the twin's
+            check = ctx.against_twin
+    if not ctx.grad:
+        step = jax.shard_map(jnp.dot, mesh=ctx.mesh, in_specs=(x_spec, w_spec), out_specs=out_spec)
+        return Built(step, (x, w), ctx.mesh, x_spec, out_spec, check)
+    ct_host = ctx.ct if case.op == "ag" else np.tile(ctx.ct, (case.tp, 1))
+    ct = ctx.place(f"ct_gemm_{case.op}", ct_host, out_spec)
+    step = jax.shard_map(with_grad(jnp.dot), mesh=ctx.mesh, in_specs=(x_spec, w_spec, out_spec),
+                         out_specs=x_spec)
+    return Built(step, (x, w, ct), ctx.mesh, x_spec, x_spec, check)
 
 
 def flux_gemm_only(ctx: CaseContext) -> Built:
@@ -253,6 +301,7 @@ def flux_gemm_only(ctx: CaseContext) -> Built:
     `flux_gemm_only` vs `gemm_only` separates "our GEMM is slower than XLA's" from "overlap costs".
     """
     ctx.require_gpu("the CPU backend is a reference, not a fast GEMM")
+    ctx.require_forward("not built for --grad")
     case = ctx.case
     devices = np.asarray(ctx.mesh.devices).reshape(case.tp, 1)
     mesh = jax.sharding.Mesh(devices, (AXIS, "one"), axis_types=(AxisType.Explicit,) * 2)
@@ -277,7 +326,11 @@ def flux_gemm_only(ctx: CaseContext) -> Built:
 
 
 def comm_only(ctx: CaseContext) -> Built:
-    """The collective alone: all_gather of x (ag) / psum_scatter of an [M, N] array (rs)."""
+    """The collective alone: all_gather of x (ag) / psum_scatter of an [M, N] array (rs).
+
+    With --grad: the collective and its transpose (ag: all_gather of x, then reduce-scatter of
+    an [M, K] cotangent per shard, as dx's; rs: reduce-scatter, then all_gather of the cotangent).
+    """
     case = ctx.case
     spec = P(AXIS, None)
     if case.op == "ag":
@@ -289,8 +342,24 @@ def comm_only(ctx: CaseContext) -> Built:
         step = lambda y: lax.psum_scatter(y, AXIS, scatter_dimension=0, tiled=True)  # noqa: E731
         expected = host.reshape(case.tp, case.M, case.N).astype(np.float32).sum(0)
     arg = ctx.place(f"comm_{case.op}", host, spec)
-    sharded = jax.shard_map(step, mesh=ctx.mesh, in_specs=(spec,), out_specs=spec)
-    return Built(sharded, (arg,), ctx.mesh, spec, spec, lambda out: rel_max_err(out, expected))
+    if not ctx.grad:
+        sharded = jax.shard_map(step, mesh=ctx.mesh, in_specs=(spec,), out_specs=spec)
+        return Built(sharded, (arg,), ctx.mesh, spec, spec, lambda out: rel_max_err(out, expected))
+    if case.op == "ag":  # a cotangent [M, K] per shard; its transpose sums them
+        ct_host = random_normal(case_rng(case, ctx.seed, "comm_cotangent"), (case.tp * case.M, case.K), case.dtype)
+        expected = ct_host.reshape(case.tp, case.M, case.K).astype(np.float32).sum(0)
+    else:  # the output's cotangent [M, N]; its transpose hands every shard all of it
+        ct_host = ctx.ct
+        expected = np.tile(ct_host, (case.tp, 1))
+
+    def forward_and_transpose(a, ct):
+        y, vjp = jax.vjp(step, a)
+        (da,) = vjp(ct)
+        return da + (y[0, 0].astype(jnp.float32) * 0).astype(da.dtype)
+
+    ct = ctx.place(f"comm_ct_{case.op}", ct_host, spec)
+    sharded = jax.shard_map(forward_and_transpose, mesh=ctx.mesh, in_specs=(spec, spec), out_specs=spec)
+    return Built(sharded, (arg, ct), ctx.mesh, spec, spec, lambda out: rel_max_err(out, expected))
 
 
 BUILDERS = {

@@ -130,3 +130,41 @@ def test_preheat_runs_the_long_loop_for_the_requested_time():
     assert runs >= 3 and time.perf_counter() - start >= 0.010
     timer._params = TimingParams(n1=1, target_ms=1, max_calls=2, repeats=1, preheat_ms=0)
     assert timer.preheat() == 0
+
+
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_grad_mode_times_the_training_step_and_checks_dx(op):
+    """--grad: every step returns dx = ct @ w^T (both ops), checked against a float32 reference."""
+    import jax
+    import numpy as np
+
+    from benchmarks import variants
+    from benchmarks.data import case_rng, make_xw, random_normal, rel_max_err
+
+    case = Case(op, 32, 48, 96, 8, "bfloat16", "grad test")
+    names = ["flux_fused", "xla_shard_map", "pallas_mgpu", "gemm_only", "comm_only"]
+    rows = run_case(case, names, seed=2, params=TimingParams(n1=2, target_ms=20, max_calls=400, repeats=3),
+                    windowed=WindowedEinsum(), grad=True)
+    by = {r["variant"]: r for r in rows}
+    assert by["pallas_mgpu"]["status"].startswith("unavailable: ")
+    for name in ("flux_fused", "xla_shard_map", "gemm_only", "comm_only"):
+        assert by[name]["status"] == "ok" and by[name]["pass"] == "fwd+bwd", by[name]
+        assert by[name]["max_rel_err"] < 2e-2
+    # TFLOP/s count three GEMMs of the op's size
+    assert by["gemm_only"]["tflops"] == pytest.approx(3 * case.flops_per_gpu / (by["gemm_only"]["ms"] * 1e9))
+
+    # The reference itself against float32 numpy, and the checks reject a wrong dx.
+    mesh, auto_mesh = variants.make_meshes(case.tp)
+    x, w = make_xw(case, 2)
+    ctx = variants.CaseContext(case, "cpu", mesh, auto_mesh, x, w, 2, grad=True)
+    ctx.ct = random_normal(case_rng(case, 2, "cotangent"), (case.M, case.N), case.dtype)
+    twin = variants.xla_shard_map(ctx)
+    dx = np.asarray(jax.jit(twin.step)(*twin.args))
+    expected = ctx.ct.astype(np.float32) @ w.astype(np.float32).T
+    assert dx.shape == (case.M, case.K) and rel_max_err(dx, expected) < 2e-2
+    ctx.twin_out = dx
+    for name in ("flux_fused", "gemm_only"):
+        built = variants.BUILDERS[name](ctx)
+        out = np.asarray(jax.jit(built.step)(*built.args))
+        assert built.check(out) < 2e-2
+        assert built.check(out * 2) > 0.5  # a wrong dx fails

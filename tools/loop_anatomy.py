@@ -29,7 +29,7 @@ import flux_jax  # noqa: E402
 from flux_jax._config import parse_overrides  # noqa: E402
 
 from benchmarks import timing, variants  # noqa: E402
-from benchmarks.harness import make_xw  # noqa: E402
+from benchmarks.data import case_rng, make_xw, random_normal  # noqa: E402
 from benchmarks.presets import Case  # noqa: E402
 
 
@@ -116,11 +116,14 @@ def summary_line(row: dict) -> str:
 
 
 def anatomy(case: Case, names: list[str], calls: int, seed: int, trace: bool = True,
-            label: str = "") -> list[dict]:
+            label: str = "", grad: bool = False) -> list[dict]:
     platform = "gpu" if jax.devices()[0].platform in ("gpu", "cuda") else "cpu"
     mesh, auto_mesh = variants.make_meshes(case.tp)
     x, w = make_xw(case, seed)
-    ctx = variants.CaseContext(case, platform, mesh, auto_mesh, x, w, seed)
+    ctx = variants.CaseContext(case, platform, mesh, auto_mesh, x, w, seed, grad=grad)
+    if grad:  # forward + backward steps, as the harness's --grad
+        ctx.ct = random_normal(case_rng(case, seed, "cotangent"), (case.M, case.N), case.dtype)
+        label = f"{label} grad".strip()
     params = timing.TimingParams(n1=2, target_ms=10.0, max_calls=400, repeats=3)
     rows = []
     for name in names:
@@ -158,13 +161,14 @@ def main() -> None:
     ap.add_argument("--config", default="", help="flux_jax.Config fields for every variant, e.g. "
                     "'gpu_tile_group_m=16'")
     ap.add_argument("--no-trace", action="store_true", help="time the loops only (no profiler run)")
+    ap.add_argument("--grad", action="store_true", help="forward + backward steps (the harness's --grad)")
     args = ap.parse_args()
     kw = parse_overrides(args.config)
     rows = []
     with flux_jax.config(**kw):
         for text in args.cases.split(","):
             rows += anatomy(parse_case(text), args.variants.split(","), args.calls, args.seed,
-                            trace=not args.no_trace, label=args.config)
+                            trace=not args.no_trace, label=args.config, grad=args.grad)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"xla_flags": os.environ.get("XLA_FLAGS", ""), "rows": rows}, f, indent=1)
