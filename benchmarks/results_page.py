@@ -35,7 +35,7 @@ def _section(name: str, meta: dict, rows: list[dict], figure_links: list[str]) -
         f"flux_jax {build.get('version')} (cuda={build.get('cuda')}, cuda_kernels={build.get('cuda_kernels')})",
         f"- Command: `{meta['command']}`",
         f"- Timing: {timing['method']}; n1={timing['n1']}, target {timing['target_ms']} ms, "
-        f"{timing['repeats']} repeats",
+        f"{timing['repeats']} repeats" + ("; forward + backward per step (`--grad`)" if meta.get("grad") else ""),
         "",
         report.markdown_table(rows),
     ]
