@@ -2,7 +2,7 @@
 # One call on the lent GPU host: install flux_jax, record build facts, run the
 # GPU tests and the benchmarks, leave everything under $OUT.
 #
-#   run(command="bash tools/gpu_session.sh [tests|bench|probe|train|multiprocess|all] [harness args...]", carry=[".whl"])
+#   run(command="bash tools/gpu_session.sh [tests|bench|probe|train|trainsweep|multiprocess|anatomy|install|all] [args...]", carry=[".whl"])
 #
 # .whl/ holds the wheel built here (pip wheel . -w .whl) and, as a fallback,
 # cutlass_headers.tgz to build from source there. WHEEL=path picks another wheel
@@ -76,5 +76,14 @@ if [[ $what == train ]]; then
   echo "== 8B-like layer stack, fused vs xla"
   (cd /tmp && timeout ${TRAIN_TIMEOUT:-300} python3 "$REPO/examples/train_transformer.py" --preset llama3-8b-layers \
      --compare --sample-chars 0 --out "$OUT/train_$(date +%s)" "$@" 2>&1 | grep -v "it/s\]$" | tail -15)
+fi
+if [[ $what == trainsweep ]]; then
+  echo "== 8B-like layer stack, fused vs xla, per sequence length x batch (TRAIN_SWEEP='seq:batch ...')"
+  for sb in ${TRAIN_SWEEP:-2048:2 4096:1 4096:2 8192:1}; do
+    seq=${sb%:*}; batch=${sb#*:}
+    (cd /tmp && timeout ${TRAIN_TIMEOUT:-150} python3 "$REPO/examples/train_transformer.py" --preset llama3-8b-layers \
+       --seq "$seq" --batch "$batch" --steps ${TRAIN_STEPS:-20} --compare --sample-chars 0 \
+       --out "$OUT/train_sweep_${seq}x${batch}" "$@" 2>&1 | grep -E "^(impl=|compare)" | sed "s/^/seq $seq batch $batch: /")
+  done
 fi
 echo "== done"; date -u
