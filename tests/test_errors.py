@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flux_jax
@@ -107,6 +107,28 @@ def test_config_validation():
         flux_jax.Config(debug_jitter_us=-1)
     with pytest.raises(TypeError, match="flux_jax.Config"):
         flux_jax.set_config({"timeout_s": 1})
+    for bad in (-1, 17, 2.0):
+        with pytest.raises(ValueError, match="gpu_rs_stage_launches"):
+            flux_jax.Config(gpu_rs_stage_launches=bad)
+    assert flux_jax.Config(gpu_rs_stage_launches=0).gpu_rs_stage_launches == 0
+
+
+def test_gpu_tuning_fields_reach_the_kernel_attributes():
+    """Every GPU tuning field travels as a custom-call attribute that the handlers decode
+    (the CPU handler decodes the same set, so a missing one fails here, not only on GPU)."""
+    mesh = jax.make_mesh((2,), ("tp",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:2])
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((64, 32)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((32, 48)), jnp.float32)
+    f = jax.jit(jax.shard_map(functools.partial(flux_jax.matmul_rs, axis_name="tp", impl="fused"), mesh=mesh,
+                              in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp", None)))
+    xs = jax.device_put(x, NamedSharding(mesh, P(None, "tp")))
+    ws = jax.device_put(w, NamedSharding(mesh, P("tp", None)))
+    with flux_jax.config(gpu_rs_stage_launches=0, gpu_piece_bytes=4096, gpu_tile_group_m=2):
+        hlo = f.lower(xs, ws).as_text()
+        out = f(xs, ws)
+    assert "rs_stage_launches = 0" in hlo and "piece_bytes = 4096" in hlo and "tile_group_m = 2" in hlo
+    np.testing.assert_allclose(np.asarray(out), np.asarray(x) @ np.asarray(w), rtol=1e-4, atol=1e-4)
 
 
 def test_parse_overrides_for_tools_and_test_tuning():

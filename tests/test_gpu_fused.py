@@ -159,6 +159,28 @@ def test_rs_is_bitwise_deterministic(gpus, path):
         np.testing.assert_array_equal(np.asarray(f(xs, ws)), first)
 
 
+@pytest.mark.parametrize("shape, piece_bytes", [((8192, 1024, 2048), 0), ((2000, 272, 1032), 128 * 1032 * 2)],
+                         ids=["8pieces", "tail_pieces"])
+def test_rs_split_first_stage_is_bitwise_the_single_launch(gpus, shape, piece_bytes):
+    """Config.gpu_rs_stage_launches splits the pushed stage into launches of whole pieces:
+    the oracle holds and the result is bitwise that of one launch (same tiles, same order)."""
+    M, K, N = shape
+    mesh = _mesh(gpus)
+    rng = np.random.default_rng()
+    x, w = random_array(rng, (M, K), "bfloat16"), random_array(rng, (K, N), "bfloat16", scale=1 / 16)
+    t, _ = _op_fn("rs", mesh, "xla")
+    results = {}
+    for launches in (1, 0, 3, 16):
+        with flux_jax.config(fused_path="overlap", gpu_rs_stage_launches=launches, gpu_piece_bytes=piece_bytes,
+                             debug_poison_outputs=True):
+            f, specs = _op_fn("rs", mesh, "fused")
+            xs, ws = place(mesh, x, specs[0]), place(mesh, w, specs[1])
+            results[launches] = np.asarray(f(xs, ws))
+        assert_matches(results[launches], to64(x) @ to64(w), t(x, w), "bfloat16", f"rs {shape} launches={launches}")
+    for launches in (0, 3, 16):
+        np.testing.assert_array_equal(results[launches], results[1])
+
+
 def test_2d_mesh_and_auto_axes(gpus):
     mesh = _mesh(gpus, (1, 2), ("dp", "tp"), AxisType.Auto)
     rng = np.random.default_rng()

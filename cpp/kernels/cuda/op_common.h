@@ -29,6 +29,20 @@ inline int32_t PieceRows(int64_t rows, int64_t row_bytes, int64_t requested_byte
   return static_cast<int32_t>(std::min(piece, rows));
 }
 
+// Launches the pushed ReduceScatter stage 0 is split into (Config.gpu_rs_stage_launches):
+// 1 = one launch; n >= 2 = n (at most one per piece); 0 = about one wave of output tiles
+// per launch (a whole wave leaves no SM idle; a smaller launch would), at most 8.
+inline int32_t StageLaunches(const CommConfig& cfg, int64_t rows, int64_t n, int32_t piece_rows,
+                             int32_t pieces, int sm_count) {
+  if (cfg.rs_stage_launches == 1 || pieces <= 1 || rows <= 0) return 1;
+  if (cfg.rs_stage_launches > 1) return static_cast<int32_t>(std::min<int64_t>(cfg.rs_stage_launches, pieces));
+  const int64_t tiles_n = (n + kGemmBlockN - 1) / kGemmBlockN;
+  const int64_t wave_rows = std::max<int64_t>(1, sm_count / tiles_n) * kGemmBlockM;
+  const int64_t pieces_per_launch = std::max<int64_t>(1, wave_rows / piece_rows);
+  const int64_t launches = (pieces + pieces_per_launch - 1) / pieces_per_launch;
+  return static_cast<int32_t>(std::min<int64_t>(launches, 8));
+}
+
 inline int32_t TileGroupM(const CommConfig& cfg) {
   return cfg.tile_group_m > 0 ? static_cast<int32_t>(cfg.tile_group_m) : kDefaultTileGroupM;
 }
