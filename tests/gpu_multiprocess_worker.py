@@ -85,11 +85,14 @@ elif scenario == "timing":  # fused (auto path) per-call device time, the probe'
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
     from perf_probe import time_per_call
 
+    # n2 - n1 calls make ~80 ms of difference (1000 x ~75 us at M = 256, 200 x ~0.43 ms at 4096):
+    # with 100 calls the window was 7.5 ms at M = 256, and the two-process figure, the max of two
+    # noisy estimates, came out biased upward (2p runs 0.067-0.083 ms on 11-30).
     for op in ("ag", "rs"):
-        for M in (4096, 256):
+        for M, calls in ((4096, 200), (256, 1000)):
             x, w = operands(op, M, 8192, 8192)
             f, _ = op_fn(op, "fused")
-            result[f"{op}_{M}_ms"] = time_per_call(f, x, w, n1=20, n2=120, repeats=9)[0]
+            result[f"{op}_{M}_ms"] = time_per_call(f, x, w, n1=20, n2=20 + calls, repeats=9)[0]
 elif scenario == "peer_dies":  # process 1 exits before the op: process 0 must fail, not hang
     x, w = operands("ag", 1024, 1024, 2048)
     f, _ = op_fn("ag", "fused", "overlap")

@@ -2,6 +2,8 @@
 
     python tools/multiprocess_bench.py      # on a 2-GPU host; prints a table, JSON to --out
 
+Each worker times n2 - n1 calls worth ~80 ms (tests/gpu_multiprocess_worker.py; with ~7.5 ms
+the two-process figure, the slower process's estimate, was biased upward by the noise).
 At M = 256 the fused op is the latency path, whose GEMM is XLA's own: XLA autotunes it in every
 compilation, and the pick moves the per-call time by ~10% between two single-process runs alone
 (0.0785 vs 0.0875 ms on 11-29 / 11-30). So `--rounds N` alternates single / two-process runs N
