@@ -168,17 +168,37 @@ def test_rs_split_first_stage_is_bitwise_the_single_launch(gpus, shape, piece_by
     mesh = _mesh(gpus)
     rng = np.random.default_rng()
     x, w = random_array(rng, (M, K), "bfloat16"), random_array(rng, (K, N), "bfloat16", scale=1 / 16)
-    t, _ = _op_fn("rs", mesh, "xla")
+    t, specs = _op_fn("rs", mesh, "xla")
+    xs, ws = place(mesh, x, specs[0]), place(mesh, w, specs[1])
+    twin = t(xs, ws)
     results = {}
     for launches in (1, 0, 3, 16):
         with flux_jax.config(fused_path="overlap", gpu_rs_stage_launches=launches, gpu_piece_bytes=piece_bytes,
                              debug_poison_outputs=True):
-            f, specs = _op_fn("rs", mesh, "fused")
-            xs, ws = place(mesh, x, specs[0]), place(mesh, w, specs[1])
+            f, _ = _op_fn("rs", mesh, "fused")
             results[launches] = np.asarray(f(xs, ws))
-        assert_matches(results[launches], to64(x) @ to64(w), t(x, w), "bfloat16", f"rs {shape} launches={launches}")
+        assert_matches(results[launches], to64(x) @ to64(w), twin, "bfloat16", f"rs {shape} launches={launches}")
     for launches in (0, 3, 16):
         np.testing.assert_array_equal(results[launches], results[1])
+
+
+@pytest.mark.parametrize("shape", [(4096, 2048, 4096), (1000, 528, 784)], ids=["aligned", "m_local_500"])
+def test_return_gathered_is_x_on_every_rank(gpus, shape):
+    """The gathered copy (kept for dW in training): local chunk by the copy engine next to the
+    GEMM, remote chunks after it; poisoned first, so a chunk left unwritten fails."""
+    M, K, N = shape
+    mesh = _mesh(gpus)
+    rng = np.random.default_rng()
+    x, w = random_array(rng, (M, K), "bfloat16"), random_array(rng, (K, N), "bfloat16", scale=1 / 16)
+    t, _ = _op_fn("ag", mesh, "xla")
+    body = functools.partial(flux_jax.ag_matmul, axis_name="tp", impl="fused", return_gathered=True)
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp", None), P(None, "tp")),
+                              out_specs=(P(None, "tp"), P("tp", None)), check_vma=False))
+    xs, ws = place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp"))
+    with flux_jax.config(fused_path="overlap", debug_poison_outputs=True):
+        out, gathered = f(xs, ws)
+    np.testing.assert_array_equal(np.asarray(gathered), np.tile(np.asarray(x), (2, 1)))
+    assert_matches(out, to64(x) @ to64(w), t(xs, ws), "bfloat16", f"ag {shape} with the gathered copy")
 
 
 def test_2d_mesh_and_auto_axes(gpus):
