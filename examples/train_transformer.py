@@ -42,6 +42,8 @@ from jax.sharding import PartitionSpec as P
 import flux_jax
 from flux_jax.flax import GPT, GPTConfig, check_config, check_tokens_shape
 from training.checkpoint import TrainCheckpoints
+from training.profile import StepTracer
+from training.profile import describe as describe_profile
 from training.progress import ProgressBar
 from training.report import plot_losses, write_summary
 from training.text import CharVocab, batch_at, generate_corpus
@@ -100,6 +102,9 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
     g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir")
     g.add_argument("--stop-after", type=int, help="stop after this step as if interrupted (tests resume)")
     g.add_argument("--sample-chars", type=int, default=40, help="characters to generate at the end (0: none)")
+    g.add_argument("--profile-steps", type=int, default=0,
+                   help="GPU: trace this many steps (after the compile step and one more) and report "
+                        "device time per step by kernel category; those steps are left out of the timing")
     args = p.parse_args(argv)
     if args.num_processes > 1:
         init_distributed(args, p)
@@ -126,6 +131,8 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
         args.sample_chars = 0  # sampling reads whole logits arrays, which no process holds alone
         if args.ckpt_dir:
             p.error("checkpoints are single-process in this example; drop --ckpt-dir with --num-processes")
+    if args.profile_steps < 0 or (args.profile_steps and args.profile_steps + 2 > args.steps):
+        p.error(f"--profile-steps {args.profile_steps} needs --steps >= profile steps + 2 (got {args.steps})")
     if args.compare and args.ckpt_dir:
         p.error("--compare trains twice from scratch; it does not take --ckpt-dir")
     if args.resume and not args.ckpt_dir:
@@ -276,10 +283,12 @@ def train(args, mesh, vocab: CharVocab, train_data, eval_data, impl: str) -> dic
     last = min(args.steps, args.stop_after or args.steps)
     tokens_per_step = args.batch * args.seq
     step_times, compile_s = [], None
+    tracer = StepTracer(args.profile_steps, first=start + 3)  # after the compile step and a warm one
     bar = ProgressBar(args.steps, start=start, desc=f"{impl:>5} ")
     try:
         for step in range(start + 1, last + 1):
             inputs, targets = batch_at(train_data, step, args.batch, args.seq, args.seed)
+            tracer.before(step)
             t0 = time.perf_counter()
             params, opt_state, loss = train_step(state["params"], state["opt_state"], place(inputs),
                                                  place(targets))
@@ -288,8 +297,9 @@ def train(args, mesh, vocab: CharVocab, train_data, eval_data, impl: str) -> dic
             state = {"params": params, "opt_state": opt_state}
             if compile_s is None:
                 compile_s = dt  # the first call compiles
-            else:
+            elif not tracer.active(step):
                 step_times.append(dt)
+            tracer.after(step)
             losses.append(loss)
             bar.update(step, loss, tokens_per_step / dt)
             if checkpoints and checkpoints.due(step, last):
@@ -311,6 +321,8 @@ def train(args, mesh, vocab: CharVocab, train_data, eval_data, impl: str) -> dic
                   first_loss=losses[0] if losses else None, final_loss=losses[-1] if losses else None,
                   eval_loss=eval_loss, compile_s=compile_s, step_time_ms=median and median * 1e3,
                   tokens_per_s=median and tokens_per_step / median)
+    if tracer.summary is not None:
+        result["profile"] = tracer.summary
     if args.sample_chars > 0:
         result["sample"] = sample(logits_fn, state["params"], vocab, args)
     return result
@@ -350,6 +362,8 @@ def main(argv=None) -> dict:
         print(f"impl={impl}: loss {r['first_loss']:.3f} -> {r['final_loss']:.3f} (eval {r['eval_loss']:.3f})"
               + (f", {r['step_time_ms']:.1f} ms/step, {r['tokens_per_s']:,.0f} tokens/s" if r["step_time_ms"]
                  else "") + f", compile {r['compile_s']:.1f} s")
+        if "profile" in r:
+            print(describe_profile(r["profile"]))
         if "sample" in r:
             print(f"  sample: {r['sample']!r}")
 
