@@ -7,9 +7,9 @@
 //   present handshake (wait for peers)
 //                                        push x_r pieces -> peer gather buffer,
 //   GEMM, tile rows rotated by rank:     each followed by peer.arrived[piece] = e
-//     tiles of chunk r  (read x_r directly, no wait)
-//     tiles of chunk r+1 (producer waits  [x_r -> gathered[r], if requested]
-//       arrived[piece] >= e, then TMA-loads A)
+//     tiles of chunk r (read x_r         [x_r -> gathered[r], if requested]
+//       directly, no wait)
+//     tiles of chunk r+1 (producer waits arrived[piece] >= e, then TMA-loads A)
 //   [remote chunks -> gathered, if requested]
 //   wait C (x_r must outlive the pushes)
 //
