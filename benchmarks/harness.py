@@ -1,4 +1,4 @@
-"""One case end to end: build every variant, check it against the twin, time them round-robin.
+"""One case end to end: build every variant, check it against the twin, time them in shuffled rounds.
 
 Per case: the twin (xla_shard_map) runs first and its output is the reference; every other
 variant is built, its loops compiled (LoopTimer), its output checked; then `repeats` rounds

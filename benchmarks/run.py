@@ -28,7 +28,8 @@ from benchmarks.windowed import WindowedEinsum
 METHOD = (
     "per call = (T(n2) - T(n1)) / (n2 - n1), T(n) = wall time of one jit running n dependent "
     "calls in a lax.fori_loop (after warm-up, block_until_ready); median over repeats, "
-    "variants sampled round-robin"
+    "variants sampled once per round in a new seeded shuffle each round, each sample after a "
+    "pre-heat run of its own loop"
 )
 
 
@@ -49,7 +50,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="output folder")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
     parser.add_argument("--m", type=_int_list, default=None, help="subset of the preset's M values, e.g. 4096,8192")
-    parser.add_argument("--repeats", type=int, default=5, help="samples per variant (round-robin)")
+    parser.add_argument("--repeats", type=int, default=5, help="samples per variant (one per round, the order shuffled each round)")
     parser.add_argument("--n1", type=int, default=2, help="calls in the short loop")
     parser.add_argument("--target-ms", type=float, default=20.0, help="the long loop runs at least this much longer")
     parser.add_argument("--max-calls", type=int, default=10000, help="cap on calls in the long loop")

@@ -31,7 +31,7 @@ class TimingParams:
     n1: int  # calls in the short loop (also the calibration loop)
     target_ms: float  # the long loop is sized so T(n2) - T(n1) is at least this (and n2 >= 5 n1)
     max_calls: int  # cap on n2
-    repeats: int  # samples per variant (round-robin over variants)
+    repeats: int  # samples per variant (one per round; rounds shuffle the variants)
     # Before each sample the variant's own long loop runs for at least this long (untimed), so
     # every sample starts from the clock / power state of that variant's sustained load instead
     # of whatever ran before it (a light variant left boost clocks for the next one: up to 10%).
