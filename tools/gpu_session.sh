@@ -75,7 +75,7 @@ fi
 if [[ $what == train ]]; then
   echo "== 8B-like layer stack, fused vs xla"
   (cd /tmp && timeout ${TRAIN_TIMEOUT:-300} python3 "$REPO/examples/train_transformer.py" --preset llama3-8b-layers \
-     --compare --sample-chars 0 --out "$OUT/train_$(date +%s)" "$@" 2>&1 | grep -v "it/s\]$" | tail -15)
+     --compare --sample-chars 0 --out "$OUT/train_$(date +%s)" "$@" 2>&1 | grep -v "it/s\]$" | tail -25)
 fi
 if [[ $what == trainsweep ]]; then
   echo "== 8B-like layer stack, fused vs xla, per sequence length x batch (TRAIN_SWEEP='seq:batch ...')"
