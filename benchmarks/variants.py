@@ -91,17 +91,21 @@ class CaseContext:
             raise Unavailable(f"forward only ({what})")
 
 
-def with_grad(per_shard):
-    """(x, w) -> y becomes (x, w, ct) -> dx of the vjp at ct; y and dw are added with weight 0.
+def with_grad(fn):
+    """fn(x, *rest) -> y becomes step(x, *rest, ct) -> dx of the vjp at ct, with y and the other
+    gradients (dw) added at weight 0 so that none of them is dead code.
 
-    Without them XLA could drop the twin's forward GEMM (dx and dw of a linear op do not need
-    y) while the fused forward, one call that also returns the gathered x, always runs.
+    Without y XLA could drop the twin's forward GEMM (dx and dw of a linear op do not need y)
+    while the fused forward, one call that also returns the gathered x, always runs.
     """
 
-    def step(x, w, ct):
-        y, vjp = jax.vjp(per_shard, x, w)
-        dx, dw = vjp(ct)
-        live = y[0, 0].astype(jnp.float32) * 0 + dw[0, 0].astype(jnp.float32) * 0
+    def step(*args):
+        *inputs, ct = args
+        y, vjp = jax.vjp(fn, *inputs)
+        dx, *others = vjp(ct.astype(y.dtype))
+        live = y[0, 0].astype(jnp.float32) * 0
+        for g in others:
+            live = live + g[0, 0].astype(jnp.float32) * 0
         return dx + live.astype(dx.dtype)
 
     return step
@@ -352,13 +356,8 @@ def comm_only(ctx: CaseContext) -> Built:
         ct_host = ctx.ct
         expected = np.tile(ct_host, (case.tp, 1))
 
-    def forward_and_transpose(a, ct):
-        y, vjp = jax.vjp(step, a)
-        (da,) = vjp(ct)
-        return da + (y[0, 0].astype(jnp.float32) * 0).astype(da.dtype)
-
     ct = ctx.place(f"comm_ct_{case.op}", ct_host, spec)
-    sharded = jax.shard_map(forward_and_transpose, mesh=ctx.mesh, in_specs=(spec, spec), out_specs=spec)
+    sharded = jax.shard_map(with_grad(step), mesh=ctx.mesh, in_specs=(spec, spec), out_specs=spec)
     return Built(sharded, (arg, ct), ctx.mesh, spec, spec, lambda out: rel_max_err(out, expected))
 
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
+import sys
 import time
 
 import jax
@@ -27,8 +29,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-import flux_jax
-from flux_jax._config import parse_overrides
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import flux_jax  # noqa: E402
+from benchmarks.variants import with_grad  # noqa: E402  (the harness's --grad step)
+from flux_jax._config import parse_overrides  # noqa: E402
 
 
 def _loop(fn, n):
@@ -43,21 +48,6 @@ def _loop(fn, n):
         return jax.lax.fori_loop(0, n, body, (x, jnp.float32(0)))[1]
 
     return jax.jit(run)
-
-
-def with_grad(fn):
-    """x, w, ct -> dx of the vjp of fn with cotangent ct; y and dw are folded in with weight 0.
-
-    Without y the twin's forward GEMM would be dead code (a linear loss needs no y),
-    while the fused forward, one call that also returns the gathered x, always runs.
-    """
-
-    def step(x, w, ct):
-        y, vjp = jax.vjp(fn, x, w)
-        dx, dw = vjp(ct.astype(y.dtype))
-        return dx + (dw[0, 0] * 0 + y[0, 0] * 0).astype(dx.dtype)
-
-    return step
 
 
 def time_per_call(fn, *args, n1=10, n2=40, repeats=5):
