@@ -107,6 +107,13 @@ def test_config_validation():
         flux_jax.Config(debug_jitter_us=-1)
     with pytest.raises(TypeError, match="flux_jax.Config"):
         flux_jax.set_config({"timeout_s": 1})
+    for bad in (-1, 17, 2.0):
+        with pytest.raises(ValueError, match="gpu_rs_stage_launches"):
+            flux_jax.Config(gpu_rs_stage_launches=bad)
+    assert flux_jax.Config(gpu_rs_stage_launches=0).gpu_rs_stage_launches == 0
+    for bad in (2, -1, True):
+        with pytest.raises(ValueError, match="gpu_flag_op"):
+            flux_jax.Config(gpu_flag_op=bad)
 
 
 def test_gpu_tuning_fields_reach_the_kernel_attributes():
@@ -120,10 +127,10 @@ def test_gpu_tuning_fields_reach_the_kernel_attributes():
                               in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp", None)))
     xs = jax.device_put(x, NamedSharding(mesh, P(None, "tp")))
     ws = jax.device_put(w, NamedSharding(mesh, P("tp", None)))
-    with flux_jax.config(gpu_piece_bytes=4096, gpu_tile_group_m=2):
+    with flux_jax.config(gpu_rs_stage_launches=0, gpu_piece_bytes=4096, gpu_tile_group_m=2, gpu_flag_op=1):
         hlo = f.lower(xs, ws).as_text()
         out = f(xs, ws)
-    for attr in ("piece_bytes = 4096", "tile_group_m = 2"):
+    for attr in ("rs_stage_launches = 0", "piece_bytes = 4096", "tile_group_m = 2", "flag_op = 1"):
         assert attr in hlo, attr
     np.testing.assert_allclose(np.asarray(out), np.asarray(x) @ np.asarray(w), rtol=1e-4, atol=1e-4)
 

@@ -7,9 +7,10 @@
 //   present handshake (wait for peers)
 //                                        push x_r pieces -> peer gather buffer,
 //   GEMM, tile rows rotated by rank:     each followed by peer.arrived[piece] = e
-//     tiles of chunk r  (read x_r directly, no wait)
+//     tiles of chunk r (read x_r         [x_r -> gathered[r], if requested]
+//       directly, no wait)
 //     tiles of chunk r+1 (producer waits arrived[piece] >= e, then TMA-loads A)
-//   [gathered copy if requested]
+//   [remote chunks -> gathered, if requested]
 //   wait C (x_r must outlive the pushes)
 //
 // Pushes start as soon as the peer is present and overlap the local tiles;
@@ -31,7 +32,10 @@ Status RunAgMatmulCuda(const AgMatmulParams& p, const TpGroup& group, const Comm
   const int64_t rows = tp * p.m_local;
   const size_t row_bytes = static_cast<size_t>(p.k) * elt;
   const size_t chunk_bytes = static_cast<size_t>(p.m_local) * row_bytes;
-  if (cfg.poison_outputs) FLUX_CUDA_TRY(cudaMemsetAsync(p.out, 0xFF, rows * p.n * elt, S));
+  if (cfg.poison_outputs) {
+    FLUX_CUDA_TRY(cudaMemsetAsync(p.out, 0xFF, rows * p.n * elt, S));
+    if (p.gathered) FLUX_CUDA_TRY(cudaMemsetAsync(p.gathered, 0xFF, rows * row_bytes, S));
+  }
 
   GemmPlan plan = BasePlan(rows, p.n, p.k, p.w, p.w_transposed, cfg);
   plan.d = p.out;
@@ -54,6 +58,7 @@ Status RunAgMatmulCuda(const AgMatmulParams& p, const TpGroup& group, const Comm
   const int32_t pieces = NumPieces(p.m_local, piece_rows);
   auto x = static_cast<const char*>(p.x);
 
+  const bool aligned = p.m_local % kGemmBlockM == 0;  // else a tile would straddle chunks
   FLUX_JAX_RETURN_IF_ERROR(PresenceHandshake(*ws, S, cfg));
   FLUX_CUDA_TRY(cudaEventRecord(ws->ev_start, S));
 
@@ -67,15 +72,22 @@ Status RunAgMatmulCuda(const AgMatmulParams& p, const TpGroup& group, const Comm
       const size_t bytes = static_cast<size_t>(std::min<int64_t>(piece_rows, p.m_local - row0)) * row_bytes;
       uint64_t* flag = cfg.drop_rank == r ? nullptr  // tests: never signal the peer
                                           : ws->peers[peer].arrived + r * pieces + j;
-      FLUX_JAX_RETURN_IF_ERROR(PushPiece(*ws, ws->peers[peer].data + (r * p.m_local + row0) * row_bytes,
-                                         x + row0 * row_bytes, bytes, flag));
+      FLUX_JAX_RETURN_IF_ERROR(PushPiece(*ws, cfg, ws->peers[peer].data + (r * p.m_local + row0) * row_bytes,
+                                         x + row0 * row_bytes, bytes, flag, epoch));
     }
+  }
+  // The gathered output (training keeps it for dW): its local chunk is ready now, so the copy
+  // engine copies it next to the GEMM instead of after it (half of the copy off the critical
+  // path at TP = 2). The remote chunks are copied after the GEMM, which has waited for them
+  // with bounded waits; a stream wait here could not be bounded.
+  if (p.gathered && aligned) {
+    FLUX_CUDA_TRY(cudaMemcpyAsync(static_cast<char*>(p.gathered) + r * chunk_bytes, x, chunk_bytes,
+                                  cudaMemcpyDeviceToDevice, ws->comm));
   }
   FLUX_CUDA_TRY(cudaEventRecord(ws->ev_comm_done, ws->comm));
 
   // Compute stream: the GEMM over all rows, local rows first.
-  const bool aligned = p.m_local % kGemmBlockM == 0;
-  if (!aligned) {  // a tile would straddle chunks: gather local rows too
+  if (!aligned) {  // gather local rows too
     FLUX_CUDA_TRY(cudaMemcpyAsync(ws->data + r * chunk_bytes, x, chunk_bytes, cudaMemcpyDeviceToDevice, S));
   } else {
     plan.a_local = p.x;
@@ -93,7 +105,6 @@ Status RunAgMatmulCuda(const AgMatmulParams& p, const TpGroup& group, const Comm
     auto gathered = static_cast<char*>(p.gathered);
     if (aligned) {
       if (r > 0) FLUX_CUDA_TRY(cudaMemcpyAsync(gathered, ws->data, r * chunk_bytes, cudaMemcpyDeviceToDevice, S));
-      FLUX_CUDA_TRY(cudaMemcpyAsync(gathered + r * chunk_bytes, x, chunk_bytes, cudaMemcpyDeviceToDevice, S));
       const size_t tail = (tp - r - 1) * chunk_bytes;
       if (tail) FLUX_CUDA_TRY(cudaMemcpyAsync(gathered + (r + 1) * chunk_bytes, ws->data + (r + 1) * chunk_bytes, tail, cudaMemcpyDeviceToDevice, S));
     } else {

@@ -9,6 +9,9 @@
 //   j = tp-1   : S: out      = x[r]   @ w + recv[tp-2]    (own rows: c = r)
 //
 // recv[j-1] is rank r-1's stage[j-1]; the epilogue waits per piece of rows.
+// Config.gpu_rs_stage_launches splits stage 0 into launches of whole pieces, each
+// pushed when it ends (S: [GEMM q0..q1) [GEMM q1..q2) ...; C: push q0..q1, ...),
+// so the push starts after the first launch instead of the whole stage.
 // TP = 2: rank r computes the peer's rows, pushes them, then its own rows plus
 // the peer's partial. Chunk c is summed in the fixed order c+1, c+2, ..., c:
 // bitwise reproducible.
@@ -63,8 +66,8 @@ Status RunMatmulRsCuda(const MatmulRsParams& p, const TpGroup& group, const Comm
   FLUX_JAX_RETURN_IF_ERROR(PresenceHandshake(*ws, S, cfg));
   for (int j = 0; j < tp; ++j) {
     const int chunk = (r - j - 1 + 2 * tp) % tp;
-    plan.a = x + chunk * x_chunk_bytes;
-    plan.d = j == tp - 1 ? p.out : stage + j * slot_bytes;
+    const char* a_chunk = x + chunk * x_chunk_bytes;
+    char* d_slot = j == tp - 1 ? static_cast<char*>(p.out) : stage + j * slot_bytes;
     plan.group_m_tiles = j == 0 ? TileGroupM(cfg) : gated_group_m;
     if (j == 0) {
       plan.c = nullptr;
@@ -76,19 +79,37 @@ Status RunMatmulRsCuda(const MatmulRsParams& p, const TpGroup& group, const Comm
       plan.gate_c = MakeGate(*ws, cfg, ws->arrived + (j - 1) * pieces, static_cast<int32_t>(m_out),
                              piece_rows, static_cast<int32_t>(m_out), -1, prev, kSiteEpilogueC);
     }
-    FLUX_JAX_RETURN_IF_ERROR(RunGemm(plan, p.dtype, S, device, ws->sm_count));
-    if (j == tp - 1) break;
+    if (j == tp - 1) {
+      plan.a = a_chunk;
+      plan.d = d_slot;
+      FLUX_JAX_RETURN_IF_ERROR(RunGemm(plan, p.dtype, S, device, ws->sm_count));
+      break;
+    }
+    // A pushed stage: each launch hands its pieces to rank r+1 as soon as it ends.
+    // Only the ungated stage 0 is split (a gated one would need row-offset gates).
+    const int32_t launches = j == 0 ? StageLaunches(cfg, m_out, p.n, piece_rows, pieces, ws->sm_count) : 1;
+    const int32_t pieces_per_launch = (pieces + launches - 1) / launches;
+    for (int32_t q0 = 0; q0 < pieces; q0 += pieces_per_launch) {
+      const int32_t q1 = std::min(pieces, q0 + pieces_per_launch);
+      const int64_t row0 = static_cast<int64_t>(q0) * piece_rows;
+      const int64_t row1 = std::min<int64_t>(m_out, static_cast<int64_t>(q1) * piece_rows);
+      GemmPlan part = plan;
+      part.m = row1 - row0;
+      part.a = a_chunk + row0 * p.k * elt;
+      part.d = d_slot + row0 * out_row_bytes;
+      FLUX_JAX_RETURN_IF_ERROR(RunGemm(part, p.dtype, S, device, ws->sm_count));
 
-    // Hand the finished partial to rank r+1, piece by piece.
-    FLUX_CUDA_TRY(cudaEventRecord(ws->ev_step[j], S));
-    FLUX_CUDA_TRY(cudaStreamWaitEvent(ws->comm, ws->ev_step[j], 0));
-    if (j == 0) FLUX_JAX_RETURN_IF_ERROR(StreamWriteValue64(ws->comm, ws->cells + 1, epoch));
-    for (int q = 0; q < pieces; ++q) {
-      const int64_t row0 = static_cast<int64_t>(q) * piece_rows;
-      const size_t bytes = static_cast<size_t>(std::min<int64_t>(piece_rows, m_out - row0)) * out_row_bytes;
-      uint64_t* flag = cfg.drop_rank == r ? nullptr : ws->peers[next].arrived + j * pieces + q;
-      FLUX_JAX_RETURN_IF_ERROR(PushPiece(*ws, ws->peers[next].data + j * slot_bytes + row0 * out_row_bytes,
-                                         stage + j * slot_bytes + row0 * out_row_bytes, bytes, flag));
+      // Reusing the event is safe: each wait takes the record enqueued just before it.
+      FLUX_CUDA_TRY(cudaEventRecord(ws->ev_step[j], S));
+      FLUX_CUDA_TRY(cudaStreamWaitEvent(ws->comm, ws->ev_step[j], 0));
+      if (j == 0 && q0 == 0) FLUX_JAX_RETURN_IF_ERROR(StreamWriteValue64(ws->comm, ws->cells + 1, epoch));
+      for (int q = q0; q < q1; ++q) {
+        const int64_t p0 = static_cast<int64_t>(q) * piece_rows;
+        const size_t bytes = static_cast<size_t>(std::min<int64_t>(piece_rows, m_out - p0)) * out_row_bytes;
+        uint64_t* flag = cfg.drop_rank == r ? nullptr : ws->peers[next].arrived + j * pieces + q;
+        FLUX_JAX_RETURN_IF_ERROR(PushPiece(*ws, cfg, ws->peers[next].data + j * slot_bytes + p0 * out_row_bytes,
+                                           stage + j * slot_bytes + p0 * out_row_bytes, bytes, flag, epoch));
+      }
     }
   }
   FLUX_CUDA_TRY(cudaEventRecord(ws->ev_comm_done, ws->comm));

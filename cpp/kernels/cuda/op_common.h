@@ -29,6 +29,20 @@ inline int32_t PieceRows(int64_t rows, int64_t row_bytes, int64_t requested_byte
   return static_cast<int32_t>(std::min(piece, rows));
 }
 
+// Launches the pushed ReduceScatter stage 0 is split into (Config.gpu_rs_stage_launches):
+// 1 = one launch; n >= 2 = n (at most one per piece); 0 = about one wave of output tiles
+// per launch (a whole wave leaves no SM idle; a smaller launch would), at most 8.
+inline int32_t StageLaunches(const CommConfig& cfg, int64_t rows, int64_t n, int32_t piece_rows,
+                             int32_t pieces, int sm_count) {
+  if (cfg.rs_stage_launches == 1 || pieces <= 1 || rows <= 0) return 1;
+  if (cfg.rs_stage_launches > 1) return static_cast<int32_t>(std::min<int64_t>(cfg.rs_stage_launches, pieces));
+  const int64_t tiles_n = (n + kGemmBlockN - 1) / kGemmBlockN;
+  const int64_t wave_rows = std::max<int64_t>(1, sm_count / tiles_n) * kGemmBlockM;
+  const int64_t pieces_per_launch = std::max<int64_t>(1, wave_rows / piece_rows);
+  const int64_t launches = (pieces + pieces_per_launch - 1) / pieces_per_launch;
+  return static_cast<int32_t>(std::min<int64_t>(launches, 8));
+}
+
 inline int32_t TileGroupM(const CommConfig& cfg) {
   return cfg.tile_group_m > 0 ? static_cast<int32_t>(cfg.tile_group_m) : kDefaultTileGroupM;
 }
@@ -65,13 +79,16 @@ inline Status PresenceHandshake(GroupWorkspace& ws, cudaStream_t stream, const C
   return LaunchPresenceHandshake(stream, signal, ws.present, ws.tp, ws.Wait(cfg.timeout_us));
 }
 
-// Copy-engine push of `bytes` to a peer, then its flag = epoch (cells[1] holds
-// the epoch on the comm stream). Same stream: the flag lands after the data.
-// A null flag sends the data without signalling (debug_drop_rank).
-inline Status PushPiece(GroupWorkspace& ws, void* dst, const void* src, size_t bytes,
-                        uint64_t* peer_flag) {
+// Copy-engine push of `bytes` to a peer, then its flag = epoch on the same stream, so the
+// flag lands after the data: an 8-byte copy from cells[1] (which holds the epoch on the comm
+// stream), or with Config.gpu_flag_op = 1 a stream memory op (cuStreamWriteValue64 with its
+// default memory fence; each P2P copy op costs ~4.5 us in the profile, the experiment is
+// whether the memop costs less). A null flag sends the data without signalling (debug_drop_rank).
+inline Status PushPiece(GroupWorkspace& ws, const CommConfig& cfg, void* dst, const void* src, size_t bytes,
+                        uint64_t* peer_flag, uint64_t epoch) {
   if (bytes) FLUX_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, ws.comm));
   if (peer_flag == nullptr) return Status::Ok();
+  if (cfg.flag_op == 1) return StreamWriteValue64(ws.comm, peer_flag, epoch);
   FLUX_CUDA_TRY(cudaMemcpyAsync(peer_flag, ws.cells + 1, sizeof(uint64_t), cudaMemcpyDeviceToDevice, ws.comm));
   return Status::Ok();
 }
