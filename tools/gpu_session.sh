@@ -2,7 +2,7 @@
 # One call on the lent GPU host: install flux_jax, record build facts, run the
 # GPU tests and the benchmarks, leave everything under $OUT.
 #
-#   run(command="bash tools/gpu_session.sh [tests|bench|probe|train|trainsweep|multiprocess|anatomy|install|all] [args...]", carry=[".whl"])
+#   run(command="bash tools/gpu_session.sh [tests|bench|probe|train|trainsweep|multiprocess|anatomy|ab|install|all] [args...]", carry=[".whl"])
 #
 # .whl/ holds the wheel built here (pip wheel . -w .whl) and, as a fallback,
 # cutlass_headers.tgz to build from source there. WHEEL=path picks another wheel
@@ -71,6 +71,13 @@ if [[ $what == anatomy ]]; then
     (cd /tmp && XLA_FLAGS="$flags" PYTHONPATH=/tmp/site:$REPO timeout ${ANATOMY_TIMEOUT:-150} python3 "$REPO/tools/loop_anatomy.py" \
        --cases "$cases" --variants "$vars" --out "$OUT/anatomy_$i.json" 2>&1 | grep "^ANATOMY")
   done
+fi
+if [[ $what == ab ]]; then
+  echo "== A/B of Config settings in one process (tools/ab_config.py; AB_CASES, AB_VARIANT, AB_ROUNDS)"
+  configs=$1; shift
+  (cd /tmp && PYTHONPATH=/tmp/site:$REPO timeout ${AB_TIMEOUT:-500} python3 "$REPO/tools/ab_config.py" \
+     --cases "$AB_CASES" --configs "$configs" --variant ${AB_VARIANT:-flux_overlap} --rounds ${AB_ROUNDS:-5} \
+     --out "$OUT/ab_$(date +%s).json" "$@" 2>&1 | grep -E "^AB|Error|error" | head -60)
 fi
 if [[ $what == train ]]; then
   echo "== 8B-like layer stack, fused vs xla"
