@@ -28,7 +28,7 @@ class Config:
       debug_poison_outputs: testing only: the kernels fill their outputs with NaN
         before computing, so an element they fail to write cannot pass a test.
       gpu_piece_bytes: GPU tuning: target size of the pieces a chunk travels in
-        (each piece has its own flag); 0 = automatic (~1/8 chunk, >= 2 MiB).
+        (each piece has its own flag); 0 = automatic (~1/8 chunk, >= 8 MiB).
       gpu_tile_group_m: GPU tuning: how many 128-row tiles of the output the
         overlap GEMM sweeps together across N (grouped raster for L2 reuse),
         1..64; 0 = automatic.
@@ -37,10 +37,6 @@ class Config:
         each launch's pieces travelling as soon as it ends instead of after the
         whole stage: 1 (default) = one launch; 0 = about one wave of output tiles
         per launch (at most 8); 2..16 = that many. Results are bitwise the same.
-      gpu_flag_op: GPU tuning (experimental): how the overlap path writes a pushed
-        piece's arrival flag on the peer, after the piece's copy on the same
-        stream: 0 (default) = an 8-byte copy-engine copy; 1 = a stream memory
-        operation (cuStreamWriteValue64, with its memory fence).
       fused_path: which fused implementation runs: "overlap" (one kernel in
         which the GEMM consumes rows as they arrive -- the bandwidth path for
         large M), "latency" (our one-kernel NVLink collective next to XLA's own
@@ -56,7 +52,6 @@ class Config:
     gpu_piece_bytes: int = 0
     gpu_tile_group_m: int = 0
     gpu_rs_stage_launches: int = 1
-    gpu_flag_op: int = 0
     fused_path: str = "auto"
 
     def __post_init__(self):
@@ -72,8 +67,6 @@ class Config:
             raise ValueError(f"Config.gpu_tile_group_m must be an int in [0, 64], got {self.gpu_tile_group_m!r}")
         if not (isinstance(self.gpu_rs_stage_launches, int) and 0 <= self.gpu_rs_stage_launches <= 16):
             raise ValueError(f"Config.gpu_rs_stage_launches must be an int in [0, 16], got {self.gpu_rs_stage_launches!r}")
-        if self.gpu_flag_op not in (0, 1) or isinstance(self.gpu_flag_op, bool):
-            raise ValueError(f"Config.gpu_flag_op must be 0 or 1, got {self.gpu_flag_op!r}")
         if self.fused_path not in ("auto", "overlap", "latency"):
             raise ValueError(f'Config.fused_path must be "auto", "overlap" or "latency", got {self.fused_path!r}')
         if not isinstance(self.debug_poison_outputs, bool):

@@ -182,25 +182,6 @@ def test_rs_split_first_stage_is_bitwise_the_single_launch(gpus, shape, piece_by
         np.testing.assert_array_equal(results[launches], results[1])
 
 
-@pytest.mark.parametrize("op", ["ag", "rs"])
-def test_flag_written_by_stream_memop_gives_the_same_result(gpus, op):
-    """Config.gpu_flag_op = 1 writes the arrival flags with cuStreamWriteValue64 instead of a
-    copy-engine copy: the oracle holds and the result is bitwise that of the copy."""
-    mesh = _mesh(gpus)
-    rng = np.random.default_rng()
-    x, w = random_array(rng, (4096, 2048), "bfloat16"), random_array(rng, (2048, 4096), "bfloat16", scale=1 / 32)
-    t, specs = _op_fn(op, mesh, "xla")
-    xs, ws = place(mesh, x, specs[0]), place(mesh, w, specs[1])
-    outs = {}
-    for flag_op in (0, 1):
-        with flux_jax.config(fused_path="overlap", gpu_flag_op=flag_op, debug_poison_outputs=True):
-            f, _ = _op_fn(op, mesh, "fused")
-            outs[flag_op] = [np.asarray(f(xs, ws)) for _ in range(3)]  # later calls: flags of older epochs
-    assert_matches(outs[1][-1], to64(x) @ to64(w), t(xs, ws), "bfloat16", f"{op} with gpu_flag_op=1")
-    for out in outs[1]:
-        np.testing.assert_array_equal(out, outs[0][0])
-
-
 @pytest.mark.parametrize("shape", [(4096, 2048, 4096), (1000, 528, 784)], ids=["aligned", "m_local_500"])
 def test_return_gathered_is_x_on_every_rank(gpus, shape):
     """The gathered copy (kept for dW in training): local chunk by the copy engine next to the

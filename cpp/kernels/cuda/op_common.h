@@ -15,14 +15,16 @@
 
 namespace flux_jax::cuda {
 
-// Rows per piece of a chunk: pieces of ~1/8 chunk (>= 2 MiB), a multiple of the
+// Rows per piece of a chunk: pieces of ~1/8 chunk (>= 8 MiB), a multiple of the
 // GEMM tile height, at most kMaxPieces per chunk. Finer pieces start the
-// consumer earlier; each costs two copy-engine operations.
+// consumer earlier; each costs two copy-engine operations. The 8 MiB floor (was
+// 2 MiB) measured 12-15% faster at LLaMA-8B out-projection M = 2048-4096 and 6% at
+// 8192, within +-3% elsewhere (2x H200, 2026-11-30, benchmarks/data/ab_*_s7).
 inline int32_t PieceRows(int64_t rows, int64_t row_bytes, int64_t requested_bytes) {
   if (rows <= 0) return 1;
   const int64_t target_bytes = requested_bytes > 0
                                    ? requested_bytes
-                                   : std::max<int64_t>(int64_t{2} << 20, rows * row_bytes / 8);
+                                   : std::max<int64_t>(int64_t{8} << 20, rows * row_bytes / 8);
   int64_t piece = std::max<int64_t>(1, (target_bytes + row_bytes - 1) / row_bytes);
   piece = (piece + kGemmBlockM - 1) / kGemmBlockM * kGemmBlockM;
   piece = std::max<int64_t>(piece, (rows + kMaxPieces - 1) / kMaxPieces);
@@ -81,14 +83,12 @@ inline Status PresenceHandshake(GroupWorkspace& ws, cudaStream_t stream, const C
 
 // Copy-engine push of `bytes` to a peer, then its flag = epoch on the same stream, so the
 // flag lands after the data: an 8-byte copy from cells[1] (which holds the epoch on the comm
-// stream), or with Config.gpu_flag_op = 1 a stream memory op (cuStreamWriteValue64 with its
-// default memory fence; each P2P copy op costs ~4.5 us in the profile, the experiment is
-// whether the memop costs less). A null flag sends the data without signalling (debug_drop_rank).
+// stream). (A stream memory op, cuStreamWriteValue64, measured 1.5-7% slower per call on
+// 2x H200, 2026-11-30.) A null flag sends the data without signalling (debug_drop_rank).
 inline Status PushPiece(GroupWorkspace& ws, const CommConfig& cfg, void* dst, const void* src, size_t bytes,
                         uint64_t* peer_flag, uint64_t epoch) {
   if (bytes) FLUX_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, ws.comm));
   if (peer_flag == nullptr) return Status::Ok();
-  if (cfg.flag_op == 1) return StreamWriteValue64(ws.comm, peer_flag, epoch);
   FLUX_CUDA_TRY(cudaMemcpyAsync(peer_flag, ws.cells + 1, sizeof(uint64_t), cudaMemcpyDeviceToDevice, ws.comm));
   return Status::Ok();
 }
