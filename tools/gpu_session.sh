@@ -58,7 +58,7 @@ if [[ $what == probe || $what == all ]]; then
 fi
 if [[ $what == bench ]]; then
   echo "== harness"
-  (cd /tmp && PYTHONPATH=/tmp/site:$REPO timeout 540 python3 -m benchmarks.run --out "$OUT/results" "$@")
+  (cd /tmp && PYTHONPATH=/tmp/site:$REPO timeout ${BENCH_TIMEOUT:-540} python3 -m benchmarks.run --out "$OUT/results" "$@")
   (cd "$OUT" && tar czf "results_$(date +%s).tgz" results && rm -rf results)
 fi
 if [[ $what == anatomy ]]; then
