@@ -47,7 +47,7 @@ if [[ $what == multiprocess ]]; then
   FLUX_JAX_REQUIRE_GPU=1 timeout 150 pytest -q -p no:cacheprovider tests/test_gpu_fused.py -k "${GPU_TEST_FILTER:-4096x2048x4096 or timeout or latency_path_small}" > "$OUT/gpu_tests.log" 2>&1
   grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests.log" | head -20
   echo "== one process vs one process per GPU"
-  (cd /tmp && timeout ${MP_TIMEOUT:-200} python3 "$REPO/tools/multiprocess_bench.py" --out "$OUT/multiprocess_bench.json" "$@")
+  (cd /tmp && timeout ${MP_TIMEOUT:-200} python3 "$REPO/tools/multiprocess_bench.py" --out "$OUT/multiprocess_bench.json" --budget-s $(( ${MP_TIMEOUT:-200} - 20 )) "$@")
 fi
 if [[ $what == debug ]]; then
   (cd /tmp && timeout 500 python3 "$REPO/tools/gpu_debug.py" "$@")

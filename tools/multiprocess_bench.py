@@ -22,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 WORKER = Path(__file__).resolve().parent.parent / "tests" / "gpu_multiprocess_worker.py"
@@ -51,6 +52,8 @@ def main():
     ap.add_argument("--autotune-cache", default=None,
                     help="DIR (or 'auto': a fresh temp dir) for XLA's per-fusion autotune cache, "
                          "shared by every worker so all runs use the same GEMM picks")
+    ap.add_argument("--budget-s", type=float, default=0,
+                    help="start no round that would end past this many seconds (0: no limit)")
     args = ap.parse_args()
     if args.xla_flags is not None:
         os.environ["XLA_FLAGS"] = args.xla_flags
@@ -60,9 +63,21 @@ def main():
         os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_per_fusion_autotune_cache_dir={cache}".strip()
         print(f"autotune cache shared by every worker: {cache}", flush=True)
     singles, multis = [], []
-    for _ in range(args.rounds):
+    start = time.monotonic()
+    for i in range(args.rounds):
+        round_start = time.monotonic()
         singles.append(run([-1])[-1])
         multis.append(run([0, 1]))
+        report(singles, multis, args.out)  # after every round: a timeout keeps what was measured
+        spent = time.monotonic() - start
+        if args.budget_s and spent + (time.monotonic() - round_start) > args.budget_s and i + 1 < args.rounds:
+            print(f"stopping after {i + 1} of {args.rounds} rounds: another would pass --budget-s "
+                  f"{args.budget_s:.0f} ({spent:.0f} s spent)", flush=True)
+            break
+
+
+def report(singles: list, multis: list, out: str | None) -> None:
+    print(f"-- after {len(singles)} round(s)", flush=True)
     rows = []
     for key in sorted(k for k in singles[0] if k.endswith("_ms")):
         single_runs = [s[key] for s in singles]
@@ -71,11 +86,11 @@ def main():
         rows.append(dict(case=key, single_ms=single, two_process_ms=worst, ratio=worst / single,
                          single_runs=single_runs, two_process_runs=two_runs))
         print(f"{key:12} single {single:.4f} ms   2 processes {worst:.4f} ms   ratio {worst / single:.3f}   "
-              f"(runs: single {[round(v, 4) for v in single_runs]}, 2p {[round(v, 4) for v in two_runs]})")
-    if args.out:
-        Path(args.out).write_text(json.dumps(dict(rows=rows, xla_flags=os.environ.get("XLA_FLAGS", ""),
-                                                  singles=singles, multis=multis), indent=1))
-
+              f"(runs: single {[round(v, 4) for v in single_runs]}, 2p {[round(v, 4) for v in two_runs]})",
+              flush=True)
+    if out:
+        Path(out).write_text(json.dumps(dict(rows=rows, xla_flags=os.environ.get("XLA_FLAGS", ""),
+                                             singles=singles, multis=multis), indent=1))
 
 if __name__ == "__main__":
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
