@@ -2,7 +2,7 @@
 # One call on the lent GPU host: install flux_jax, record build facts, run the
 # GPU tests and the benchmarks, leave everything under $OUT.
 #
-#   run(command="bash tools/gpu_session.sh [tests|bench|probe|train|trainsweep|multiprocess|anatomy|ab|install|all] [args...]", carry=[".whl"])
+#   run(command="bash tools/gpu_session.sh [tests|bench|probe|train|trainmp|trainsweep|multiprocess|anatomy|ab|install|all] [args...]", carry=[".whl"])
 #
 # .whl/ holds the wheel built here (pip wheel . -w .whl) and, as a fallback,
 # cutlass_headers.tgz to build from source there. WHEEL=path picks another wheel
@@ -83,6 +83,20 @@ if [[ $what == train ]]; then
   echo "== 8B-like layer stack, fused vs xla"
   (cd /tmp && timeout ${TRAIN_TIMEOUT:-300} python3 "$REPO/examples/train_transformer.py" --preset llama3-8b-layers \
      --compare --sample-chars 0 --out "$OUT/train_$(date +%s)" "$@" 2>&1 | grep -v "it/s\]$" | tail -25)
+fi
+if [[ $what == trainmp ]]; then
+  echo "== the training example with one process per GPU (2 processes, jax.distributed), fused vs xla"
+  port=$((20000 + RANDOM % 20000))
+  preset=(--preset ${TRAIN_PRESET:-llama3-8b-layers}); [[ ${TRAIN_PRESET-x} == "" ]] && preset=()
+  workers=()
+  for pid in 1 0; do
+    (cd /tmp && timeout ${TRAIN_TIMEOUT:-300} python3 "$REPO/examples/train_transformer.py" "${preset[@]}" --compare \
+       --coordinator 127.0.0.1:$port --num-processes 2 --process-id $pid --out "$OUT/train_mp_p$pid" "$@" \
+       > "$OUT/train_mp_p$pid.log" 2>&1; echo "process $pid exit $?" >> "$OUT/train_mp_p$pid.log") &
+    workers+=($!)
+  done
+  wait "${workers[@]}"  # not a bare wait: that would also wait for the log's tee
+  for pid in 0 1; do echo "-- process $pid"; grep -E "^(impl=|compare)|exit|Error" "$OUT/train_mp_p$pid.log" | tail -6; done
 fi
 if [[ $what == trainsweep ]]; then
   echo "== 8B-like layer stack, fused vs xla, per sequence length x batch (TRAIN_SWEEP='seq:batch ...')"
