@@ -16,10 +16,8 @@ import math
 import random
 import statistics
 
-import jax
-
 from benchmarks import gpu_state, timing, variants
-from benchmarks.data import TOLERANCE, case_rng, make_xw, random_normal
+from benchmarks.data import TOLERANCE
 from benchmarks.metrics import REFERENCE, add_metrics
 from benchmarks.presets import Case
 from benchmarks.timing import LoopTimer, TimingParams
@@ -159,12 +157,7 @@ def run_case(
     grad: time forward + backward with a random cotangent (variants.with_grad); rows get
     "pass": "fwd+bwd" and TFLOP/s count the three GEMMs.
     """
-    platform = "gpu" if jax.devices()[0].platform in ("gpu", "cuda") else jax.devices()[0].platform
-    mesh, auto_mesh = variants.make_meshes(case.tp)
-    x, w = make_xw(case, seed)
-    ctx = CaseContext(case, platform, mesh, auto_mesh, x, w, seed, grad=grad)
-    if grad:
-        ctx.ct = random_normal(case_rng(case, seed, "cotangent"), (case.M, case.N), case.dtype)
+    ctx = variants.case_context(case, seed, grad)
     tolerance = TOLERANCE[case.dtype]
     finish = functools.partial(_finish, case, grad)
 
@@ -186,7 +179,7 @@ def run_case(
         entries.append(entry)
 
     for round_index in range(params.repeats):
-        _sample_round(entries, round_index, record_gpu_state=platform == "gpu")
+        _sample_round(entries, round_index, record_gpu_state=ctx.platform == "gpu")
     return finish([_row(case, entry, tolerance, profile) for entry in entries])
 
 

@@ -135,6 +135,13 @@ def preset_tp(preset: Preset, device_count: int) -> int:
     return preset.tp
 
 
+def case_from_text(text: str, tp: int, label: str, dtype: str = "bfloat16") -> Case:
+    """A Case from "op:MxKxN" (global shapes, as the tools take them on the command line)."""
+    op, _, dims = text.partition(":")
+    m, k, n = (int(v) for v in dims.lower().split("x"))
+    return Case(op, m, k, n, tp, dtype, label)
+
+
 def select_cases(
     preset: Preset, tp: int, ops: tuple[str, ...], ms: tuple[int, ...] | None, dtype: str | None
 ) -> tuple[list[Case], list[dict]]:

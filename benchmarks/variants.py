@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 import flux_jax
 from benchmarks import rings
-from benchmarks.data import case_rng, random_normal, rel_max_err
+from benchmarks.data import case_rng, make_xw, random_normal, rel_max_err
 from benchmarks.presets import Case
 from benchmarks.timing import Built
 
@@ -89,6 +89,17 @@ class CaseContext:
     def require_forward(self, what: str):
         if self.grad:
             raise Unavailable(f"forward only ({what})")
+
+
+def case_context(case: Case, seed: int, grad: bool = False) -> CaseContext:
+    """What every builder of `case` shares: the meshes, the seeded host operands and, for
+    grad, the seeded random cotangent (never ones: XLA would fold the twin's backward GEMMs)."""
+    platform = jax.devices()[0].platform
+    ctx = CaseContext(case, "gpu" if platform in ("gpu", "cuda") else platform, *make_meshes(case.tp),
+                      *make_xw(case, seed), seed, grad=grad)
+    if grad:
+        ctx.ct = random_normal(case_rng(case, seed, "cotangent"), (case.M, case.N), case.dtype)
+    return ctx
 
 
 def with_grad(fn):

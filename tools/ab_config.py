@@ -29,14 +29,7 @@ import flux_jax  # noqa: E402
 from flux_jax._config import parse_overrides  # noqa: E402
 
 from benchmarks import timing, variants  # noqa: E402
-from benchmarks.data import case_rng, make_xw, random_normal  # noqa: E402
-from benchmarks.presets import Case  # noqa: E402
-
-
-def parse_case(text: str) -> Case:
-    op, _, dims = text.partition(":")
-    m, k, n = (int(v) for v in dims.lower().split("x"))
-    return Case(op, m, k, n, jax.device_count(), "bfloat16", "ab")
+from benchmarks.presets import Case, case_from_text  # noqa: E402
 
 
 def fused_attributes(hlo: str) -> list[str]:
@@ -47,12 +40,7 @@ def fused_attributes(hlo: str) -> list[str]:
 
 
 def ab_case(case: Case, variant: str, settings: list[str], rounds: int, grad: bool, seed: int) -> dict:
-    platform = "gpu" if jax.devices()[0].platform in ("gpu", "cuda") else "cpu"
-    mesh, auto_mesh = variants.make_meshes(case.tp)
-    x, w = make_xw(case, seed)
-    ctx = variants.CaseContext(case, platform, mesh, auto_mesh, x, w, seed, grad=grad)
-    if grad:
-        ctx.ct = random_normal(case_rng(case, seed, "cotangent"), (case.M, case.N), case.dtype)
+    ctx = variants.case_context(case, seed, grad)
     params = timing.TimingParams(n1=2, target_ms=10.0, max_calls=400, repeats=rounds)
     # The reference of every check: XLA's own sharded twin, run once.
     ctx.twin_out = timing.LoopTimer(variants.BUILDERS["xla_shard_map"](ctx), params).take_output()
@@ -105,7 +93,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     settings = [s.strip() for s in args.configs.split("|")]
-    rows = [ab_case(parse_case(c), args.variant, settings, args.rounds, args.grad, args.seed)
+    rows = [ab_case(case_from_text(c, jax.device_count(), "ab"), args.variant, settings, args.rounds, args.grad, args.seed)
             for c in args.cases.split(",")]
     if args.out:
         with open(args.out, "w") as f:

@@ -29,14 +29,7 @@ import flux_jax  # noqa: E402
 from flux_jax._config import parse_overrides  # noqa: E402
 
 from benchmarks import timing, variants  # noqa: E402
-from benchmarks.data import case_rng, make_xw, random_normal  # noqa: E402
-from benchmarks.presets import Case  # noqa: E402
-
-
-def parse_case(text: str) -> Case:
-    op, dims = text.split(":")
-    m, k, n = (int(v) for v in dims.lower().split("x"))
-    return Case(op, m, k, n, 2, "bfloat16", "anatomy")
+from benchmarks.presets import Case, case_from_text  # noqa: E402
 
 
 def _union_busy(intervals):
@@ -117,12 +110,8 @@ def summary_line(row: dict) -> str:
 
 def anatomy(case: Case, names: list[str], calls: int, seed: int, trace: bool = True,
             label: str = "", grad: bool = False) -> list[dict]:
-    platform = "gpu" if jax.devices()[0].platform in ("gpu", "cuda") else "cpu"
-    mesh, auto_mesh = variants.make_meshes(case.tp)
-    x, w = make_xw(case, seed)
-    ctx = variants.CaseContext(case, platform, mesh, auto_mesh, x, w, seed, grad=grad)
-    if grad:  # forward + backward steps, as the harness's --grad
-        ctx.ct = random_normal(case_rng(case, seed, "cotangent"), (case.M, case.N), case.dtype)
+    ctx = variants.case_context(case, seed, grad)  # grad: forward + backward, as the harness's --grad
+    if grad:
         label = f"{label} grad".strip()
     params = timing.TimingParams(n1=2, target_ms=10.0, max_calls=400, repeats=3)
     rows = []
@@ -167,7 +156,7 @@ def main() -> None:
     rows = []
     with flux_jax.config(**kw):
         for text in args.cases.split(","):
-            rows += anatomy(parse_case(text), args.variants.split(","), args.calls, args.seed,
+            rows += anatomy(case_from_text(text, 2, "anatomy"), args.variants.split(","), args.calls, args.seed,
                             trace=not args.no_trace, label=args.config, grad=args.grad)
     if args.out:
         with open(args.out, "w") as f:

@@ -72,8 +72,8 @@ Status RunAgMatmulCuda(const AgMatmulParams& p, const TpGroup& group, const Comm
       const size_t bytes = static_cast<size_t>(std::min<int64_t>(piece_rows, p.m_local - row0)) * row_bytes;
       uint64_t* flag = cfg.drop_rank == r ? nullptr  // tests: never signal the peer
                                           : ws->peers[peer].arrived + r * pieces + j;
-      FLUX_JAX_RETURN_IF_ERROR(PushPiece(*ws, cfg, ws->peers[peer].data + (r * p.m_local + row0) * row_bytes,
-                                         x + row0 * row_bytes, bytes, flag, epoch));
+      FLUX_JAX_RETURN_IF_ERROR(PushPiece(*ws, ws->peers[peer].data + (r * p.m_local + row0) * row_bytes,
+                                         x + row0 * row_bytes, bytes, flag));
     }
   }
   // The gathered output (training keeps it for dW): its local chunk is ready now, so the copy

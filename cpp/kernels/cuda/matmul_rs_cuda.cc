@@ -107,8 +107,8 @@ Status RunMatmulRsCuda(const MatmulRsParams& p, const TpGroup& group, const Comm
         const int64_t p0 = static_cast<int64_t>(q) * piece_rows;
         const size_t bytes = static_cast<size_t>(std::min<int64_t>(piece_rows, m_out - p0)) * out_row_bytes;
         uint64_t* flag = cfg.drop_rank == r ? nullptr : ws->peers[next].arrived + j * pieces + q;
-        FLUX_JAX_RETURN_IF_ERROR(PushPiece(*ws, cfg, ws->peers[next].data + j * slot_bytes + p0 * out_row_bytes,
-                                           stage + j * slot_bytes + p0 * out_row_bytes, bytes, flag, epoch));
+        FLUX_JAX_RETURN_IF_ERROR(PushPiece(*ws, ws->peers[next].data + j * slot_bytes + p0 * out_row_bytes,
+                                           stage + j * slot_bytes + p0 * out_row_bytes, bytes, flag));
       }
     }
   }
