@@ -115,11 +115,17 @@ def config(**overrides) -> Iterator[Config]:
 
 def parse_overrides(text: str) -> dict:
     """Config fields from "name=value,name=value" (tools and test runs): integers become ints,
-    anything else stays a string; Config itself validates names and values."""
+    true/false (any case) become bools, anything else stays a string; Config itself validates
+    names and values."""
     overrides = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, sep, value = (s.strip() for s in item.partition("="))
         if not sep or not name:
             raise ValueError(f"expected name=value, got {item!r} in {text!r}")
-        overrides[name] = int(value) if value.lstrip("-").isdigit() else value
+        if value.lstrip("-").isdigit():
+            overrides[name] = int(value)
+        elif value.lower() in ("true", "false"):
+            overrides[name] = value.lower() == "true"
+        else:
+            overrides[name] = value
     return overrides
