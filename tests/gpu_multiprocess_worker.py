@@ -10,6 +10,7 @@ Prints one line `RESULT <json>`.
 import functools
 import json
 import os
+import re
 import sys
 
 process_id, port, scenario = int(sys.argv[1]), sys.argv[2], sys.argv[3]
@@ -83,16 +84,29 @@ if scenario == "ops":  # both paths, both ops, forward and gradients, against th
     result["workspace_bytes"] = {str(k): v for k, v in flux_jax.workspace_bytes().items()}
 elif scenario == "timing":  # fused (auto path) per-call device time, the probe's method
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
-    from perf_probe import time_per_call
+    from perf_probe import _loop, time_per_call
 
     # n2 - n1 calls make ~80 ms of difference (1000 x ~75 us at M = 256, 200 x ~0.43 ms at 4096):
     # with 100 calls the window was 7.5 ms at M = 256, and the two-process figure, the max of two
     # noisy estimates, came out biased upward (2p runs 0.067-0.083 ms on 11-30).
+    def gemm_picks(f, x, w, calls):
+        """XLA's GEMM choices in the timed loop's program (cuBLAS algorithm / Triton tiling): at
+        M = 256 the per-call time has two modes ~10% apart, and these say whether the pick moved."""
+        hlo = _loop(f, calls).lower(x, w).compile().as_text()
+        return sorted(set(re.findall(r'"selected_algorithm":"?(-?\d+)', hlo)
+                          + re.findall(r'"triton_gemm_config":(\{[^}]*\})', hlo)
+                          + re.findall(r'"block_level_fusion_config":(\{[^}]*\})', hlo)
+                          + re.findall(r'"kind":"(__[a-z_]+)"', hlo)
+                          + re.findall(r'custom_call_target="(__cu[a-z$]+)', hlo)))
+
+    shapes = [(M, calls) for M, calls in ((4096, 200), (256, 1000))
+              if str(M) in os.environ.get("FLUX_JAX_MP_BENCH_M", "4096,256").split(",")]
     for op in ("ag", "rs"):
-        for M, calls in ((4096, 200), (256, 1000)):
+        for M, calls in shapes:
             x, w = operands(op, M, 8192, 8192)
             f, _ = op_fn(op, "fused")
             result[f"{op}_{M}_ms"] = time_per_call(f, x, w, n1=20, n2=20 + calls, repeats=9)[0]
+            result[f"{op}_{M}_gemm"] = gemm_picks(f, x, w, 20 + calls)
 elif scenario == "peer_dies":  # process 1 exits before the op: process 0 must fail, not hang
     x, w = operands("ag", 1024, 1024, 2048)
     f, _ = op_fn("ag", "fused", "overlap")

@@ -52,9 +52,11 @@ def main():
     ap.add_argument("--autotune-cache", default=None,
                     help="DIR (or 'auto': a fresh temp dir) for XLA's per-fusion autotune cache, "
                          "shared by every worker so all runs use the same GEMM picks")
+    ap.add_argument("--m", default="4096,256", help="the M values to time (4096, 256 or both)")
     ap.add_argument("--budget-s", type=float, default=0,
                     help="start no round that would end past this many seconds (0: no limit)")
     args = ap.parse_args()
+    os.environ["FLUX_JAX_MP_BENCH_M"] = args.m
     if args.xla_flags is not None:
         os.environ["XLA_FLAGS"] = args.xla_flags
     if args.autotune_cache:
@@ -88,6 +90,10 @@ def report(singles: list, multis: list, out: str | None) -> None:
         print(f"{key:12} single {single:.4f} ms   2 processes {worst:.4f} ms   ratio {worst / single:.3f}   "
               f"(runs: single {[round(v, 4) for v in single_runs]}, 2p {[round(v, 4) for v in two_runs]})",
               flush=True)
+        picks = key[:-3] + "_gemm"
+        if picks in singles[-1]:  # XLA's GEMM pick in the newest round, per process
+            print(f"{'':12} GEMM pick: single {singles[-1][picks]}, 2p {[m[picks] for m in multis[-1].values()]}",
+                  flush=True)
     if out:
         Path(out).write_text(json.dumps(dict(rows=rows, xla_flags=os.environ.get("XLA_FLAGS", ""),
                                              singles=singles, multis=multis), indent=1))
