@@ -149,6 +149,10 @@ class LoopTimer:
             runs += 1
         return runs
 
+    def program_text(self) -> str:
+        """The long loop's compiled HLO (which GEMMs and collectives XLA picked)."""
+        return self._f2.as_text()
+
     def describe(self) -> dict:
         return {"n1": self.n1, "n2": self.n2}
 

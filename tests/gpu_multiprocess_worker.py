@@ -11,6 +11,7 @@ import functools
 import json
 import os
 import re
+import statistics
 import sys
 
 process_id, port, scenario = int(sys.argv[1]), sys.argv[2], sys.argv[3]
@@ -82,31 +83,38 @@ if scenario == "ops":  # both paths, both ops, forward and gradients, against th
                 result[f"{path}_{op}_{name}"] = max_rel_diff(a, b)
     result["device_errors"] = flux_jax.device_errors()
     result["workspace_bytes"] = {str(k): v for k, v in flux_jax.workspace_bytes().items()}
-elif scenario == "timing":  # fused (auto path) per-call device time, the probe's method
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
-    from perf_probe import _loop, time_per_call
+elif scenario == "timing":  # fused (auto path) per-call device time, the harness's loop
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from benchmarks import timing
 
-    # n2 - n1 calls make ~80 ms of difference (1000 x ~75 us at M = 256, 200 x ~0.43 ms at 4096):
-    # with 100 calls the window was 7.5 ms at M = 256, and the two-process figure, the max of two
-    # noisy estimates, came out biased upward (2p runs 0.067-0.083 ms on 11-30).
-    def gemm_picks(f, x, w, calls):
-        """XLA's GEMM choices in the timed loop's program (cuBLAS algorithm / Triton tiling): at
-        M = 256 the per-call time has two modes ~10% apart, and these say whether the pick moved."""
-        hlo = _loop(f, calls).lower(x, w).compile().as_text()
+    def gemm_picks(hlo):
+        """XLA's GEMM choices in the timed program (cuBLAS algorithm / Triton tiling), and any
+        collective XLA added: what differs between the single- and two-process programs."""
         return sorted(set(re.findall(r'"selected_algorithm":"?(-?\d+)', hlo)
-                          + re.findall(r'"triton_gemm_config":(\{[^}]*\})', hlo)
-                          + re.findall(r'"block_level_fusion_config":(\{[^}]*\})', hlo)
                           + re.findall(r'"kind":"(__[a-z_]+)"', hlo)
-                          + re.findall(r'custom_call_target="(__cu[a-z$]+)', hlo)))
+                          + re.findall(r'custom_call_target="(__cu[a-z$]+)', hlo)
+                          + re.findall(r"\b(all-reduce|all-gather|collective-permute|reduce-scatter|all-to-all)-start", hlo)))
 
-    shapes = [(M, calls) for M, calls in ((4096, 200), (256, 1000))
-              if str(M) in os.environ.get("FLUX_JAX_MP_BENCH_M", "4096,256").split(",")]
+    # The harness's serialized loop: each call's x depends on the previous output through a
+    # shard-local update, so the program has no collective besides the op's own. (The probe's
+    # global x.at[0, 0] update needed one, and XLA lowered it to an in-process Triton collective
+    # in one process but to NCCL across processes: ~10 us per call, 5-15% at M = 256.)
+    # Both processes must run every loop the same number of times: n2 is fixed (target_ms is
+    # out of reach, max_calls caps it) and there is no time-based pre-heat.
     for op in ("ag", "rs"):
-        for M, calls in shapes:
-            x, w = operands(op, M, 8192, 8192)
-            f, _ = op_fn(op, "fused")
-            result[f"{op}_{M}_ms"] = time_per_call(f, x, w, n1=20, n2=20 + calls, repeats=9)[0]
-            result[f"{op}_{M}_gemm"] = gemm_picks(f, x, w, 20 + calls)
+        for M, calls in ((4096, 200), (256, 1000)):
+            if str(M) not in os.environ.get("FLUX_JAX_MP_BENCH_M", "4096,256").split(","):
+                continue
+            kn = int(os.environ.get("FLUX_JAX_MP_BENCH_KN", "8192"))  # smaller for a CPU smoke run
+            x, w = operands(op, M, kn, kn)
+            f, (x_spec, _) = op_fn(op, "fused")
+            built = timing.Built(step=f, args=(x, w), mesh=mesh, carry_spec=x_spec, out_spec=SPECS[op][1],
+                                 check=lambda _: 0.0)
+            params = timing.TimingParams(n1=20, target_ms=1e9, max_calls=20 + calls, repeats=9, preheat_ms=0)
+            timer = timing.LoopTimer(built, params)
+            assert timer.n2 == 20 + calls, timer.n2
+            result[f"{op}_{M}_ms"] = statistics.median([timer.sample() for _ in range(params.repeats)]) * 1e3
+            result[f"{op}_{M}_gemm"] = gemm_picks(timer.program_text())
 elif scenario == "peer_dies":  # process 1 exits before the op: process 0 must fail, not hang
     x, w = operands("ag", 1024, 1024, 2048)
     f, _ = op_fn("ag", "fused", "overlap")
