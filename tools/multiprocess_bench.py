@@ -2,16 +2,20 @@
 
     python tools/multiprocess_bench.py      # on a 2-GPU host; prints a table, JSON to --out
 
-Each worker times n2 - n1 calls worth ~80 ms (tests/gpu_multiprocess_worker.py; with ~7.5 ms
-the two-process figure, the slower process's estimate, was biased upward by the noise).
-At M = 256 the fused op is the latency path, whose GEMM is XLA's own: XLA autotunes it in every
-compilation, and the pick moves the per-call time by ~10% between two single-process runs alone
-(0.0785 vs 0.0875 ms on 11-29 / 11-30). So `--rounds N` alternates single / two-process runs N
-times and compares medians, and `--xla-flags=--xla_gpu_autotune_level=0` (passed to every
-worker) takes the autotuner's pick out, leaving the process layout as the only difference --
-but also XLA's fast GEMMs (15x slower at M = 256). `--autotune-cache auto` keeps the autotuner
-and shares its picks instead: every worker reads and writes one per-fusion autotune cache
-(`--xla_gpu_per_fusion_autotune_cache_dir`), so the first run's pick is every run's pick.
+Each worker times the fused op (auto path) with the harness's serialized loop
+(benchmarks/timing.py: each call's input depends on the previous output through a shard-local
+update, so the program holds no collective besides the op's own), n2 - n1 = 1000 calls at M = 256
+and 200 at M = 4096, 9 samples, median. Until 2026-11-30 it used tools/perf_probe.py's loop,
+whose global `x.at[0, 0]` update needs a cross-device collective: XLA lowered it to an in-process
+Triton collective in one process and to NCCL across processes, which added ~10 us per call to the
+two-process figure at M = 256 (ratios 1.05-1.19; `multiprocess_bench_probe_loop_*_s8.json`) and
+left the single-process runs in two modes (0.066 vs 0.085 ms). With the harness's loop the two
+layouts compile the same GEMM picks, and four rounds agree within 1%.
+
+`--rounds N` alternates single / two-process runs N times and compares medians. `--autotune-cache
+auto` shares XLA's per-fusion autotune cache (`--xla_gpu_per_fusion_autotune_cache_dir`) between
+all workers, so the first run's GEMM pick is every run's pick; each run also reports the picks of
+its timed program. `--xla-flags` passes XLA_FLAGS to every worker.
 """
 
 import argparse

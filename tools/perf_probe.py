@@ -37,6 +37,9 @@ from flux_jax._config import parse_overrides  # noqa: E402
 
 
 def _loop(fn, n):
+    # The global x.at[0, 0] update below is a cross-device collective in a sharded program (an
+    # in-process Triton collective on one host, NCCL across processes): a few us per call that
+    # benchmarks/timing.py's shard-local dependency avoids. Use the harness for small-M figures.
     def run(x, *rest):
         def body(i, carry):
             x, acc = carry
