@@ -78,7 +78,20 @@ def read_trace(trace_dir: str, calls: int) -> dict:
             for e in evs:
                 if e["name"].startswith("Memcpy"):
                     copies[e["name"][:40]].append(e["dur"])
+            # One call in the middle of the loop, kernels and copies with their stream (tid):
+            # when the copies start and end against the GEMMs, which kernel waits for what.
+            # The anchor is the earliest-starting kernel that runs once per call.
+            ordered = sorted(evs, key=lambda e: e["ts"])
+            counts = collections.Counter(e["name"] for e in ordered)
+            anchor = next((e["name"] for e in ordered if abs(counts[e["name"]] - calls) <= 1), None)
+            starts = [i for i, e in enumerate(ordered) if e["name"] == anchor]
+            k = len(starts) // 2
+            window = ordered[starts[k]:starts[k + 1]] if len(starts) > k + 1 else []
+            origin = window[0]["ts"] if window else 0
+            timeline = [{"name": e["name"][:48], "stream": e.get("tid"), "start_us": round(e["ts"] - origin, 2),
+                         "dur_us": round(e["dur"], 2)} for e in window]
             result["devices"][pname] = {
+                "timeline": timeline,
                 # Copy-engine operations (the overlap path's pushes): they overlap kernels, so
                 # they are not in busy.
                 "copies": [{"name": n, "per_call": round(len(d) / calls, 2), "mean_us": round(sum(d) / len(d), 2)}
@@ -109,7 +122,7 @@ def summary_line(row: dict) -> str:
 
 
 def anatomy(case: Case, names: list[str], calls: int, seed: int, trace: bool = True,
-            label: str = "", grad: bool = False) -> list[dict]:
+            label: str = "", grad: bool = False, timeline_lines: bool = False) -> list[dict]:
     ctx = variants.case_context(case, seed, grad)  # grad: forward + backward, as the harness's --grad
     if grad:
         label = f"{label} grad".strip()
@@ -136,6 +149,10 @@ def anatomy(case: Case, names: list[str], calls: int, seed: int, trace: bool = T
         except Exception as err:  # a diagnostic: report and go on
             row["error"] = variants.error_summary(err)
         print(summary_line(row), flush=True)
+        if timeline_lines:
+            for dev_name, dev in row.get("devices", {}).items():
+                print(f"TIMELINE {row['case']} {row['variant']} {dev_name[-14:]}: " + " | ".join(
+                    f"{t['name'][:28]}@s{t['stream']} {t['start_us']}+{t['dur_us']}" for t in dev["timeline"]), flush=True)
         rows.append(row)
     return rows
 
@@ -151,13 +168,16 @@ def main() -> None:
                     "'gpu_tile_group_m=16'")
     ap.add_argument("--no-trace", action="store_true", help="time the loops only (no profiler run)")
     ap.add_argument("--grad", action="store_true", help="forward + backward steps (the harness's --grad)")
+    ap.add_argument("--timeline", action="store_true", help="print one call's kernels and copies per device "
+                    "(start + duration in us from the call's first event, stream id)")
     args = ap.parse_args()
     kw = parse_overrides(args.config)
     rows = []
     with flux_jax.config(**kw):
         for text in args.cases.split(","):
             rows += anatomy(case_from_text(text, 2, "anatomy"), args.variants.split(","), args.calls, args.seed,
-                            trace=not args.no_trace, label=args.config, grad=args.grad)
+                            trace=not args.no_trace, label=args.config, grad=args.grad,
+                            timeline_lines=args.timeline)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"xla_flags": os.environ.get("XLA_FLAGS", ""), "rows": rows}, f, indent=1)
