@@ -37,6 +37,11 @@ class Config:
         each launch's pieces travelling as soon as it ends instead of after the
         whole stage: 1 (default) = one launch; 0 = about one wave of output tiles
         per launch (at most 8); 2..16 = that many. Results are bitwise the same.
+      gpu_tile_n: GPU tuning (experimental): width of the overlap GEMM's output
+        tiles, 256 or 192 (bfloat16 with a row-major weight only; other inputs
+        keep 256); 0 = by waves: 192 where it needs fewer tile-widths of time on
+        the SMs (e.g. 2048 x 3072 per GPU: 256 tiles of 128x192 fill 2 waves,
+        192 tiles of 128x256 fill 1.45).
       fused_path: which fused implementation runs: "overlap" (one kernel in
         which the GEMM consumes rows as they arrive -- the bandwidth path for
         large M), "latency" (our one-kernel NVLink collective next to XLA's own
@@ -52,6 +57,7 @@ class Config:
     gpu_piece_bytes: int = 0
     gpu_tile_group_m: int = 0
     gpu_rs_stage_launches: int = 1
+    gpu_tile_n: int = 0
     fused_path: str = "auto"
 
     def __post_init__(self):
@@ -67,6 +73,8 @@ class Config:
             raise ValueError(f"Config.gpu_tile_group_m must be an int in [0, 64], got {self.gpu_tile_group_m!r}")
         if not (isinstance(self.gpu_rs_stage_launches, int) and 0 <= self.gpu_rs_stage_launches <= 16):
             raise ValueError(f"Config.gpu_rs_stage_launches must be an int in [0, 16], got {self.gpu_rs_stage_launches!r}")
+        if type(self.gpu_tile_n) is not int or self.gpu_tile_n not in (0, 192, 256):
+            raise ValueError(f"Config.gpu_tile_n must be 0 (by waves), 192 or 256, got {self.gpu_tile_n!r}")
         if self.fused_path not in ("auto", "overlap", "latency"):
             raise ValueError(f'Config.fused_path must be "auto", "overlap" or "latency", got {self.fused_path!r}')
         if not isinstance(self.debug_poison_outputs, bool):

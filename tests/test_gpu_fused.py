@@ -5,6 +5,7 @@ skip into a failure (the GPU session script sets it). Every check compares with
 a float64 oracle on fresh random data, outputs poisoned with NaN first.
 """
 
+import dataclasses
 import functools
 import os
 
@@ -43,13 +44,22 @@ def _mesh(gpus, shape=(2,), names=("tp",), axis_type=AxisType.Explicit):
 
 
 def _op_fn(op, mesh, impl, tp_axis="tp", transpose_w=False):
+    """The op under jit + shard_map, traced under the flux_jax config current HERE: the
+    config is read while tracing, which happens at the first call, often after the
+    caller's `with flux_jax.config(...)` has ended (until 2026-11-30 that silently ran the
+    tests' forced paths as "auto")."""
     if op == "ag":
         specs, out = (P(tp_axis, None), P(None, tp_axis)), P(None, tp_axis)
         fn = flux_jax.ag_matmul
     else:
         specs, out = (P(None, tp_axis), P(tp_axis, None)), P(tp_axis, None)
         fn = flux_jax.matmul_rs
-    body = functools.partial(fn, axis_name=tp_axis, impl=impl)
+    cfg = dataclasses.asdict(flux_jax.get_config())
+
+    def body(x, w):
+        with flux_jax.config(**cfg):
+            return fn(x, w, axis_name=tp_axis, impl=impl)
+
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out)), specs
 
 
@@ -77,6 +87,35 @@ def test_fused_matches_oracle(gpus, op, dtype, shape, path):
     xs, ws = place(mesh, x, specs[0]), place(mesh, w, specs[1])
     ref = to64(x) @ to64(w)
     assert_matches(fused(xs, ws), ref, twin(xs, ws), dtype, f"{op} {shape} {dtype}")
+    assert not flux_jax.device_errors()
+
+
+@pytest.mark.parametrize("tile_n", [0, 192, 256])
+@pytest.mark.parametrize("op", ["ag", "rs"])
+@pytest.mark.parametrize("shape", [(2048, 4096, 6144), (1000, 528, 784), (8192, 1024, 2048)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_tile_widths_match_oracle(gpus, op, shape, tile_n):
+    """Both overlap GEMM tile widths (Config.gpu_tile_n; 0 = by waves, which takes 192 for AG at
+    2048x4096x6144), forward and with the transposed weight of a backward pass (no narrow
+    instance there: it must fall back to 256), over two calls."""
+    M, K, N = shape
+    mesh = _mesh(gpus)
+    rng = np.random.default_rng()
+    x, w = random_array(rng, (M, K), "bfloat16"), random_array(rng, (K, N), "bfloat16", scale=1 / np.sqrt(K))
+    with flux_jax.config(fused_path="overlap", gpu_tile_n=tile_n):
+        fused, specs = _op_fn(op, mesh, "fused")
+        grad = jax.jit(jax.grad(lambda x, w: jnp.sum(fused(x, w).astype(jnp.float32) ** 2), argnums=(0, 1)))
+    twin, _ = _op_fn(op, mesh, "xla")
+    twin_grad = jax.jit(jax.grad(lambda x, w: jnp.sum(twin(x, w).astype(jnp.float32) ** 2), argnums=(0, 1)))
+    xs, ws = place(mesh, x, specs[0]), place(mesh, w, specs[1])
+    ref = to64(x) @ to64(w)
+    for call in range(2):
+        assert_matches(fused(xs, ws), ref, twin(xs, ws), "bfloat16", f"{op} {shape} tile_n={tile_n} call {call}")
+    for got, want, name in zip(grad(xs, ws), twin_grad(xs, ws), ("dx", "dw")):
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        assert np.all(np.isfinite(got)), name
+        err = np.max(np.abs(got - want)) / np.max(np.abs(want))
+        assert err < 2e-2, f"{op} {shape} tile_n={tile_n} {name}: relative error {err:.2e}"
     assert not flux_jax.device_errors()
 
 

@@ -43,6 +43,7 @@ Status RunAgMatmulCuda(const AgMatmulParams& p, const TpGroup& group, const Comm
   if (tp == 1) {
     GroupWorkspace* ws = nullptr;  // no communication; the workspace only holds alpha
     FLUX_JAX_RETURN_IF_ERROR(AcquireWorkspace(group, 0, cfg, S, &ws));
+    plan.block_n = ChooseBlockN(cfg, p.dtype, p.w_transposed, rows, p.n, ws->sm_count);
     plan.a = p.x;
     plan.alpha_ptr = ws->alpha;
     FLUX_JAX_RETURN_IF_ERROR(RunGemm(plan, p.dtype, S, device, ws->sm_count));
@@ -52,6 +53,7 @@ Status RunAgMatmulCuda(const AgMatmulParams& p, const TpGroup& group, const Comm
 
   GroupWorkspace* ws = nullptr;
   FLUX_JAX_RETURN_IF_ERROR(AcquireWorkspace(group, rows * row_bytes, cfg, S, &ws));
+  plan.block_n = ChooseBlockN(cfg, p.dtype, p.w_transposed, rows, p.n, ws->sm_count);
   ws->epoch += 1;
   const uint64_t epoch = ws->epoch;
   const int32_t piece_rows = PieceRows(p.m_local, row_bytes, cfg.piece_bytes);

@@ -19,13 +19,13 @@
 
 namespace flux_jax::cuda {
 
-template <class Element, bool kBKMajor>
+template <class Element, bool kBKMajor, int kBlockN = kGemmBlockN>
 struct GemmInstance {
   using LayoutA = cutlass::layout::RowMajor;
   using LayoutB = std::conditional_t<kBKMajor, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
   using LayoutC = cutlass::layout::RowMajor;
   static constexpr int kAlignment = 8;  // 16 bytes: K and N multiples of 8
-  using TileShape = cute::Shape<cute::Int<kGemmBlockM>, cute::Int<kGemmBlockN>, cute::_64>;
+  using TileShape = cute::Shape<cute::Int<kGemmBlockM>, cute::Int<kBlockN>, cute::_64>;
   using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
 
   using BaseEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
@@ -118,10 +118,10 @@ Status PreloadGemmInstance() {
 
 // Defines the entry points of one instance: Status <name>(plan, stream, device,
 // sms) and Status Preload_<name>().
-#define FLUX_JAX_DEFINE_GEMM_INSTANCE(name, Element, kBKMajor)                                 \
-  namespace flux_jax::cuda {                                                                   \
-  Status name(const GemmPlan& plan, cudaStream_t stream, int device, int sm_count) {           \
-    return RunGemmInstance<GemmInstance<Element, kBKMajor>>(plan, stream, device, sm_count);  \
-  }                                                                                            \
-  Status Preload_##name() { return PreloadGemmInstance<GemmInstance<Element, kBKMajor>>(); }  \
+#define FLUX_JAX_DEFINE_GEMM_INSTANCE(name, Element, kBKMajor, kBlockN)                                \
+  namespace flux_jax::cuda {                                                                            \
+  Status name(const GemmPlan& plan, cudaStream_t stream, int device, int sm_count) {                    \
+    return RunGemmInstance<GemmInstance<Element, kBKMajor, kBlockN>>(plan, stream, device, sm_count);  \
+  }                                                                                                     \
+  Status Preload_##name() { return PreloadGemmInstance<GemmInstance<Element, kBKMajor, kBlockN>>(); }  \
   }

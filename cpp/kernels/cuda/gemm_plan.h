@@ -16,7 +16,8 @@
 namespace flux_jax::cuda {
 
 inline constexpr int kGemmBlockM = 128;  // tile rows of every shipped instance
-inline constexpr int kGemmBlockN = 256;
+inline constexpr int kGemmBlockN = 256;       // tile columns of the default instances
+inline constexpr int kGemmBlockNNarrow = 192;  // the narrow instance (bf16, N-major weight)
 // M tiles swept together across N when the config says 0 (automatic); see the
 // tile order in gated_gemm.cuh and the measurements in docs/kernels.md.
 inline constexpr int kDefaultTileGroupM = 8;
@@ -38,7 +39,11 @@ struct GemmPlan {
   RowGate gate_c;                    // waits before C loads (ReduceScatter)
   int32_t rotate_m_tiles = 0;
   int32_t group_m_tiles = 1;  // M tiles swept together across N (L2 reuse; gated_gemm.cuh)
+  int32_t block_n = kGemmBlockN;  // tile columns: kGemmBlockN, or kGemmBlockNNarrow where built
 };
+
+// Whether the narrow-tile instance exists for this input (RunGemm falls back to kGemmBlockN).
+inline bool HasNarrowTile(DType dtype, bool b_kmajor) { return dtype == DType::kBF16 && !b_kmajor; }
 
 // Launches on `stream`; `sm_count` sizes the persistent grid.
 Status RunGemm(const GemmPlan& plan, DType dtype, cudaStream_t stream, int device, int sm_count);

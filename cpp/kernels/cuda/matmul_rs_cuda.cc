@@ -41,6 +41,7 @@ Status RunMatmulRsCuda(const MatmulRsParams& p, const TpGroup& group, const Comm
   // recv[0 .. tp-2] then stage[0 .. tp-2]
   FLUX_JAX_RETURN_IF_ERROR(AcquireWorkspace(group, 2 * (tp - 1) * slot_bytes, cfg, S, &ws));
   plan.alpha_ptr = ws->alpha;
+  plan.block_n = ChooseBlockN(cfg, p.dtype, p.w_transposed, tp == 1 ? p.m : m_out, p.n, ws->sm_count);
   auto x = static_cast<const char*>(p.x);
   if (tp == 1) {
     plan.a = x;
@@ -87,7 +88,7 @@ Status RunMatmulRsCuda(const MatmulRsParams& p, const TpGroup& group, const Comm
     }
     // A pushed stage: each launch hands its pieces to rank r+1 as soon as it ends.
     // Only the ungated stage 0 is split (a gated one would need row-offset gates).
-    const int32_t launches = j == 0 ? StageLaunches(cfg, m_out, p.n, piece_rows, pieces, ws->sm_count) : 1;
+    const int32_t launches = j == 0 ? StageLaunches(cfg, m_out, p.n, plan.block_n, piece_rows, pieces, ws->sm_count) : 1;
     const int32_t pieces_per_launch = (pieces + launches - 1) / launches;
     for (int32_t q0 = 0; q0 < pieces; q0 += pieces_per_launch) {
       const int32_t q1 = std::min(pieces, q0 + pieces_per_launch);

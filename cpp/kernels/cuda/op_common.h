@@ -34,15 +34,35 @@ inline int32_t PieceRows(int64_t rows, int64_t row_bytes, int64_t requested_byte
 // Launches the pushed ReduceScatter stage 0 is split into (Config.gpu_rs_stage_launches):
 // 1 = one launch; n >= 2 = n (at most one per piece); 0 = about one wave of output tiles
 // per launch (a whole wave leaves no SM idle; a smaller launch would), at most 8.
-inline int32_t StageLaunches(const CommConfig& cfg, int64_t rows, int64_t n, int32_t piece_rows,
-                             int32_t pieces, int sm_count) {
+inline int32_t StageLaunches(const CommConfig& cfg, int64_t rows, int64_t n, int32_t block_n,
+                             int32_t piece_rows, int32_t pieces, int sm_count) {
   if (cfg.rs_stage_launches == 1 || pieces <= 1 || rows <= 0) return 1;
   if (cfg.rs_stage_launches > 1) return static_cast<int32_t>(std::min<int64_t>(cfg.rs_stage_launches, pieces));
-  const int64_t tiles_n = (n + kGemmBlockN - 1) / kGemmBlockN;
+  const int64_t tiles_n = (n + block_n - 1) / block_n;
   const int64_t wave_rows = std::max<int64_t>(1, sm_count / tiles_n) * kGemmBlockM;
   const int64_t pieces_per_launch = std::max<int64_t>(1, wave_rows / piece_rows);
   const int64_t launches = (pieces + pieces_per_launch - 1) / pieces_per_launch;
   return static_cast<int32_t>(std::min<int64_t>(launches, 8));
+}
+
+// Output tile width (Config.gpu_tile_n; 0 = by waves). A persistent GEMM runs
+// ceil(tiles / SMs) waves, each as long as one tile, and a tile's time scales
+// with its width, so the narrow tile wins where ceil(tiles_192 / SMs) * 192 is
+// clearly below ceil(tiles_256 / SMs) * 256. The 10% margin stands for the
+// narrow tile's lower efficiency per column (a guess until measured). Example:
+// 2048 x 3072 per GPU (8B qkv, M = 2048): 192 tiles of 128x256 = 2 waves (512)
+// against 256 tiles of 128x192 = 2 waves (384 * 1.1).
+inline int32_t ChooseBlockN(const CommConfig& cfg, DType dtype, bool b_kmajor, int64_t m, int64_t n,
+                            int sm_count) {
+  if (!HasNarrowTile(dtype, b_kmajor)) return kGemmBlockN;
+  if (cfg.tile_n != 0) return static_cast<int32_t>(cfg.tile_n);
+  if (m <= 0 || n <= 0 || sm_count <= 0) return kGemmBlockN;
+  const int64_t tiles_m = (m + kGemmBlockM - 1) / kGemmBlockM;
+  auto span = [&](int64_t block_n) {
+    const int64_t tiles = tiles_m * ((n + block_n - 1) / block_n);
+    return (tiles + sm_count - 1) / sm_count * block_n;
+  };
+  return span(kGemmBlockNNarrow) * 11 < span(kGemmBlockN) * 10 ? kGemmBlockNNarrow : kGemmBlockN;
 }
 
 inline int32_t TileGroupM(const CommConfig& cfg) {
