@@ -1,6 +1,7 @@
-// The one GEMM configuration every fused op instantiates (per dtype and B
-// layout): CUTLASS sm90 TMA warp-specialized cooperative persistent kernel,
-// 128x256x64 tiles, cluster 1x1, f32 accumulation, with the gated mainloop,
+// The one GEMM configuration every fused op instantiates (per dtype, B layout
+// and tile width): CUTLASS sm90 TMA warp-specialized cooperative persistent
+// kernel, 128x256x64 tiles (128x192x64 for the narrow instance), cluster 1x1,
+// f32 accumulation, with the gated mainloop,
 // gated epilogue and rotated scheduler of gated_gemm.cuh. Included only by the
 // instantiation units (each costs ~1 minute of nvcc on 2 cores).
 #pragma once

@@ -48,20 +48,20 @@ inline int32_t StageLaunches(const CommConfig& cfg, int64_t rows, int64_t n, int
 // Output tile width (Config.gpu_tile_n; 0 = by waves). A persistent GEMM runs
 // ceil(tiles / SMs) waves, each as long as one tile, and a tile's time scales
 // with its width, so the narrow tile wins where ceil(tiles_192 / SMs) * 192 is
-// clearly below ceil(tiles_256 / SMs) * 256. The 10% margin stands for the
-// narrow tile's lower efficiency per column (a guess until measured). Example:
-// 2048 x 3072 per GPU (8B qkv, M = 2048): 192 tiles of 128x256 = 2 waves (512)
-// against 256 tiles of 128x192 = 2 waves (384 * 1.1).
+// clearly below ceil(tiles_256 / SMs) * 256; the 10% margin stands for the
+// narrow tile's lower efficiency per column. Only shapes with at least one full
+// wave of 128x256 tiles, the case measured: 8B qkv AG at M = 2048 (2048 x 3072
+// per GPU, 192 tiles = 1.45 waves) 103.0 -> 86.6 us; where the rule keeps 256,
+// forcing 192 was 2-4% slower (2x H200, 2026-11-30, ab_tile_n_2026-11-30_s8).
 inline int32_t ChooseBlockN(const CommConfig& cfg, DType dtype, bool b_kmajor, int64_t m, int64_t n,
                             int sm_count) {
   if (!HasNarrowTile(dtype, b_kmajor)) return kGemmBlockN;
   if (cfg.tile_n != 0) return static_cast<int32_t>(cfg.tile_n);
   if (m <= 0 || n <= 0 || sm_count <= 0) return kGemmBlockN;
   const int64_t tiles_m = (m + kGemmBlockM - 1) / kGemmBlockM;
-  auto span = [&](int64_t block_n) {
-    const int64_t tiles = tiles_m * ((n + block_n - 1) / block_n);
-    return (tiles + sm_count - 1) / sm_count * block_n;
-  };
+  auto tiles = [&](int64_t block_n) { return tiles_m * ((n + block_n - 1) / block_n); };
+  auto span = [&](int64_t block_n) { return (tiles(block_n) + sm_count - 1) / sm_count * block_n; };
+  if (tiles(kGemmBlockN) < sm_count) return kGemmBlockN;  // one partial wave: not measured
   return span(kGemmBlockNNarrow) * 11 < span(kGemmBlockN) * 10 ? kGemmBlockNNarrow : kGemmBlockN;
 }
 
