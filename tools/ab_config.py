@@ -53,7 +53,7 @@ def ab_case(case: Case, variant: str, settings: list[str], rounds: int, grad: bo
                 timers[text] = timing.LoopTimer(built, params)
             error = built.check(timers[text].take_output())
             errors[text] = float(error)
-            programs[text] = fused_attributes(timers[text]._f1.as_text())
+            programs[text] = fused_attributes(timers[text].program_text())
         except Exception as err:  # a diagnostic: report the setting and go on
             errors[text] = variants.error_summary(err)
     same = [t for t in timers if t != settings[0] and settings[0] in programs

@@ -41,12 +41,12 @@ if [[ $what == tests || $what == all ]]; then
 fi
 if [[ $what == multiprocess ]]; then
   if [[ -z ${MP_SKIP_TESTS:-} ]]; then
-  echo "== GPU tests, one process per GPU"
-  FLUX_JAX_REQUIRE_GPU=1 timeout 240 pytest -q -p no:cacheprovider tests/test_gpu_multiprocess.py > "$OUT/gpu_mp_tests.log" 2>&1
-  grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_mp_tests.log" | head -40
-  echo "== GPU tests, one process (subset)"
-  FLUX_JAX_REQUIRE_GPU=1 timeout 150 pytest -q -p no:cacheprovider tests/test_gpu_fused.py -k "${GPU_TEST_FILTER:-4096x2048x4096 or timeout or latency_path_small}" > "$OUT/gpu_tests.log" 2>&1
-  grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests.log" | head -20
+    echo "== GPU tests, one process per GPU"
+    FLUX_JAX_REQUIRE_GPU=1 timeout 240 pytest -q -p no:cacheprovider tests/test_gpu_multiprocess.py > "$OUT/gpu_mp_tests.log" 2>&1
+    grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_mp_tests.log" | head -40
+    echo "== GPU tests, one process (subset)"
+    FLUX_JAX_REQUIRE_GPU=1 timeout 150 pytest -q -p no:cacheprovider tests/test_gpu_fused.py -k "${GPU_TEST_FILTER:-4096x2048x4096 or timeout or latency_path_small}" > "$OUT/gpu_tests.log" 2>&1
+    grep -E "passed|failed|^FAILED|^E " "$OUT/gpu_tests.log" | head -20
   fi
   echo "== one process vs one process per GPU"
   (cd /tmp && timeout ${MP_TIMEOUT:-200} python3 "$REPO/tools/multiprocess_bench.py" --out "$OUT/multiprocess_bench.json" --budget-s $(( ${MP_TIMEOUT:-200} - 20 )) "$@")

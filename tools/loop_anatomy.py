@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import gzip
 import json
 import os
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
 import jax  # noqa: E402
 
@@ -30,33 +29,15 @@ from flux_jax._config import parse_overrides  # noqa: E402
 
 from benchmarks import timing, variants  # noqa: E402
 from benchmarks.presets import Case, case_from_text  # noqa: E402
-
-
-def _union_busy(intervals):
-    busy, end = 0.0, None
-    for start, stop in sorted(intervals):
-        if end is None or start > end:
-            busy += stop - start
-            end = stop
-        elif stop > end:
-            busy += stop - end
-            end = stop
-    return busy
+from training.profile import load_trace, union_length  # noqa: E402  (the training example's trace reader)
 
 
 def read_trace(trace_dir: str, calls: int) -> dict:
     """Per-device busy / gap per call and the costliest host events per call, in us."""
-    paths = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
-    paths += glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
-    if not paths:
+    trace = load_trace(trace_dir, ("*.trace.json.gz", "perfetto_trace.json.gz"))
+    if trace is None:
         return {"error": f"no trace under {trace_dir}"}
-    with gzip.open(paths[0], "rt") as f:
-        data = json.load(f)
-    events = data["traceEvents"] if isinstance(data, dict) else data
-    names = {}
-    for ev in events:
-        if ev.get("ph") == "M" and ev.get("name") == "process_name":
-            names[ev["pid"]] = ev.get("args", {}).get("name", str(ev["pid"]))
+    events, names = trace
     by_pid = collections.defaultdict(list)
     for ev in events:
         if ev.get("ph") == "X" and "dur" in ev:
@@ -69,7 +50,7 @@ def read_trace(trace_dir: str, calls: int) -> dict:
             kernels = [e for e in evs if not e["name"].startswith(("Memcpy", "Memset"))] or evs
             start = min(e["ts"] for e in kernels)
             stop = max(e["ts"] + e["dur"] for e in kernels)
-            busy = _union_busy([(e["ts"], e["ts"] + e["dur"]) for e in kernels])
+            busy = union_length([(e["ts"], e["ts"] + e["dur"]) for e in kernels])
             per_name = collections.defaultdict(list)
             for e in kernels:
                 per_name[e["name"][:70]].append(e["dur"])

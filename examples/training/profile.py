@@ -29,7 +29,8 @@ def category(name: str) -> str:
     return next((cat for key, cat in CATEGORIES if key in lower), "other")
 
 
-def _busy(intervals) -> float:
+def union_length(intervals) -> float:
+    """Total length covered by (start, stop) intervals, overlaps counted once."""
     busy, end = 0.0, None
     for start, stop in sorted(intervals):
         if end is None or start > end:
@@ -39,16 +40,26 @@ def _busy(intervals) -> float:
     return busy
 
 
-def summarize(trace_dir: str, steps: int, top: int = 12) -> dict:
-    """{"devices": {name: {...}}} in ms per step, or {"error": ...} when there is no GPU activity."""
-    paths = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+def load_trace(trace_dir: str, patterns=("perfetto_trace.json.gz",)) -> tuple[list, dict] | None:
+    """The events of the first trace file under `trace_dir` matching `patterns` (in that order)
+    and {pid: process name}; None when there is none. Also used by tools/loop_anatomy.py."""
+    paths = [p for pattern in patterns for p in glob.glob(os.path.join(trace_dir, "**", pattern), recursive=True)]
     if not paths:
-        return {"error": f"no perfetto trace under {trace_dir}"}
+        return None
     with gzip.open(paths[0], "rt") as f:
         data = json.load(f)
     events = data["traceEvents"] if isinstance(data, dict) else data
-    names = {ev["pid"]: ev.get("args", {}).get("name", "") for ev in events
+    names = {ev["pid"]: ev.get("args", {}).get("name", str(ev["pid"])) for ev in events
              if ev.get("ph") == "M" and ev.get("name") == "process_name"}
+    return events, names
+
+
+def summarize(trace_dir: str, steps: int, top: int = 12) -> dict:
+    """{"devices": {name: {...}}} in ms per step, or {"error": ...} when there is no GPU activity."""
+    trace = load_trace(trace_dir)
+    if trace is None:
+        return {"error": f"no perfetto trace under {trace_dir}"}
+    events, names = trace
     by_pid = collections.defaultdict(list)
     for ev in events:
         if ev.get("ph") == "X" and "dur" in ev and "gpu" in names.get(ev["pid"], "").lower():
@@ -67,7 +78,7 @@ def summarize(trace_dir: str, steps: int, top: int = 12) -> dict:
         ms = lambda us: round(us / 1e3 / steps, 3)  # noqa: E731 - trace times are in us
         devices[names[pid]] = {
             "span_ms_per_step": ms(span),
-            "busy_ms_per_step": ms(_busy([(e["ts"], e["ts"] + e["dur"]) for e in kernels])),
+            "busy_ms_per_step": ms(union_length([(e["ts"], e["ts"] + e["dur"]) for e in kernels])),
             "ms_per_step": {cat: ms(t) for cat, t in per_cat.most_common()},
             "top_kernels": [{"name": n, "calls_per_step": round(len(d) / steps, 2), "ms_per_step": ms(sum(d))}
                             for n, d in sorted(per_kernel.items(), key=lambda kv: -sum(kv[1]))[:top]],
