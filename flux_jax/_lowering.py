@@ -161,6 +161,7 @@ def register_fused_lowering(prim, target: str, cuda_available) -> None:
             piece_bytes=np.int64(config.gpu_piece_bytes),
             tile_group_m=np.int64(config.gpu_tile_group_m),
             rs_stage_launches=np.int64(config.gpu_rs_stage_launches),
+            rs_tile_signal=np.int64(config.gpu_rs_tile_signal),
             tile_n=np.int64(config.gpu_tile_n),
         )
         x_aval, w_aval = ctx.avals_in[0], ctx.avals_in[1]

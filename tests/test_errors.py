@@ -115,6 +115,10 @@ def test_config_validation():
         with pytest.raises(ValueError, match="gpu_tile_n"):
             flux_jax.Config(gpu_tile_n=bad)
     assert flux_jax.Config(gpu_tile_n=192).gpu_tile_n == 192
+    for bad in (-1, 3, True, 1.0):
+        with pytest.raises(ValueError, match="gpu_rs_tile_signal"):
+            flux_jax.Config(gpu_rs_tile_signal=bad)
+    assert flux_jax.Config(gpu_rs_tile_signal=2).gpu_rs_tile_signal == 2
 
 
 def test_gpu_tuning_fields_reach_the_kernel_attributes():
@@ -128,10 +132,12 @@ def test_gpu_tuning_fields_reach_the_kernel_attributes():
                               in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp", None)))
     xs = jax.device_put(x, NamedSharding(mesh, P(None, "tp")))
     ws = jax.device_put(w, NamedSharding(mesh, P("tp", None)))
-    with flux_jax.config(gpu_rs_stage_launches=0, gpu_piece_bytes=4096, gpu_tile_group_m=2, gpu_tile_n=192):
+    with flux_jax.config(gpu_rs_stage_launches=0, gpu_piece_bytes=4096, gpu_tile_group_m=2, gpu_tile_n=192,
+                         gpu_rs_tile_signal=2):
         hlo = f.lower(xs, ws).as_text()
         out = f(xs, ws)
-    for attr in ("rs_stage_launches = 0", "piece_bytes = 4096", "tile_group_m = 2", "tile_n = 192"):
+    for attr in ("rs_stage_launches = 0", "piece_bytes = 4096", "tile_group_m = 2", "tile_n = 192",
+                 "rs_tile_signal = 2"):
         assert attr in hlo, attr
     np.testing.assert_allclose(np.asarray(out), np.asarray(x) @ np.asarray(w), rtol=1e-4, atol=1e-4)
 

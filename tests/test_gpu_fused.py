@@ -198,11 +198,15 @@ def test_rs_is_bitwise_deterministic(gpus, path):
         np.testing.assert_array_equal(np.asarray(f(xs, ws)), first)
 
 
-@pytest.mark.parametrize("shape, piece_bytes", [((8192, 1024, 2048), 0), ((2000, 272, 1032), 128 * 1032 * 2)],
-                         ids=["8pieces", "tail_pieces"])
-def test_rs_split_first_stage_is_bitwise_the_single_launch(gpus, shape, piece_bytes):
-    """Config.gpu_rs_stage_launches splits the pushed stage into launches of whole pieces:
-    the oracle holds and the result is bitwise that of one launch (same tiles, same order)."""
+@pytest.mark.parametrize("shape, piece_bytes", [((8192, 1024, 2048), 0), ((2000, 272, 1032), 128 * 1032 * 2),
+                                                ((8000, 272, 1032), 1032 * 2)],
+                         ids=["8pieces", "tail_pieces", "pieces_of_250_rows"])
+def test_rs_first_stage_settings_are_bitwise_the_default(gpus, shape, piece_bytes):
+    """How the pushed stage is launched and released changes when bytes move, never which:
+    Config.gpu_rs_stage_launches (launches of whole pieces) and gpu_rs_tile_signal (pieces
+    released by tile counters the epilogue raises; 250-row pieces make tiles straddle two)
+    give, over 3 calls each (the counters only grow), the oracle and bitwise the result
+    of one launch released by its end."""
     M, K, N = shape
     mesh = _mesh(gpus)
     rng = np.random.default_rng()
@@ -211,14 +215,17 @@ def test_rs_split_first_stage_is_bitwise_the_single_launch(gpus, shape, piece_by
     xs, ws = place(mesh, x, specs[0]), place(mesh, w, specs[1])
     twin = t(xs, ws)
     results = {}
-    for launches in (1, 0, 3, 16):
+    for launches, signal in ((1, 0), (0, 0), (3, 0), (16, 0), (1, 1), (1, 2), (3, 1), (0, 2)):
         with flux_jax.config(fused_path="overlap", gpu_rs_stage_launches=launches, gpu_piece_bytes=piece_bytes,
-                             debug_poison_outputs=True):
+                             gpu_rs_tile_signal=signal, debug_poison_outputs=True):
             f, _ = _op_fn("rs", mesh, "fused")
-            results[launches] = np.asarray(f(xs, ws))
-        assert_matches(results[launches], to64(x) @ to64(w), twin, "bfloat16", f"rs {shape} launches={launches}")
-    for launches in (0, 3, 16):
-        np.testing.assert_array_equal(results[launches], results[1])
+        results[launches, signal] = [np.asarray(f(xs, ws)) for _ in range(3)]
+        assert_matches(results[launches, signal][0], to64(x) @ to64(w), twin, "bfloat16",
+                       f"rs {shape} launches={launches} tile_signal={signal}")
+    for key, got in results.items():
+        for call in got:
+            np.testing.assert_array_equal(call, results[1, 0][0], err_msg=str(key))
+    assert not flux_jax.device_errors()
 
 
 @pytest.mark.parametrize("shape", [(4096, 2048, 4096), (1000, 528, 784)], ids=["aligned", "m_local_500"])

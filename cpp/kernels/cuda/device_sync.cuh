@@ -58,6 +58,18 @@ struct RowGate {
   WaitContext ctx;
 };
 
+// Counters a GEMM raises as its output rows are written, one per piece of
+// rows: each output tile adds 1 to the counter of every piece its rows touch,
+// once its stores are complete, so a stream waiting for counters[q] to reach
+// its expected value (cuStreamWaitValue64) may copy piece q. The counters only
+// grow; the host adds each launch's tiles per piece to the value it waits for.
+struct TileSignal {
+  uint64_t* counters = nullptr;  // null: no signal
+  int32_t rows_per_piece = 0;
+  int32_t total_rows = 0;        // rows of D (the last tile may stop short)
+  bool immediate = false;        // wait for a tile's stores right after them (else at the next tile)
+};
+
 #if defined(__CUDACC__)
 
 __device__ __forceinline__ uint64_t GlobalTimerNs() {
@@ -126,6 +138,22 @@ __device__ __forceinline__ void WaitRows(const RowGate& g, int32_t row0, int32_t
   }
   // TMA (async proxy) reads of data another agent wrote follow this wait.
   asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+// After this thread's TMA stores (cp.async.bulk) of an output tile: wait until
+// they are written (not only read from shared memory), then raise the counter
+// of every piece that rows [row0, row0 + rows) touch. Release at GPU scope: the
+// copy engine that waits on the counter reads the rows from the same device.
+__device__ __forceinline__ void SignalTileStored(const TileSignal& s, int32_t row0, int32_t rows) {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+  __syncwarp();
+  if ((threadIdx.x & 31) != 0) return;
+  const int32_t last = (row0 + rows < s.total_rows ? row0 + rows : s.total_rows) - 1;
+  if (last < row0) return;
+  for (int32_t q = row0 / s.rows_per_piece; q <= last / s.rows_per_piece; ++q) {
+    asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(s.counters + q) : "memory");
+  }
 }
 
 #endif  // __CUDACC__

@@ -10,7 +10,9 @@
 //                    chunk read A straight from the caller's buffer through a
 //                    second TMA descriptor (no local copy).
 //  GatedEpilogue     the epilogue producer waits on the flags of a tile's C rows
-//                    (received partial sums) before loading C.
+//                    (received partial sums) before loading C; optionally the
+//                    epilogue raises per-piece tile counters once a tile's D
+//                    stores are written (a copy stream waits on them).
 //
 // Consumers (the MMA warpgroups) never poll. Only cluster 1x1 is supported.
 #pragma once
@@ -228,17 +230,30 @@ struct GatedMainloop : Base {
 };
 
 // ---------------------------------------------------------------------------
-// Epilogue: gate the C (source) loads of a tile on its row-piece flags.
+// Epilogue: gate the C (source) loads of a tile on its row-piece flags; raise
+// the tile counters of its D rows once they are written (TileSignal).
+//
+// The counters: warp 0 of the consumers issues the tile's TMA stores. With
+// `immediate` it waits for them right after the tile (the next tile's MMAs of
+// that warpgroup start ~1 us later); otherwise at the start of the next tile's
+// epilogue, when they finished long ago (the piece is signalled one tile
+// later), and for the last tile in store_tail.
 // ---------------------------------------------------------------------------
 template <class Base>
 struct GatedEpilogue : Base {
+  using typename Base::LoadPipeline;
+  using typename Base::LoadPipelineState;
+  using typename Base::StorePipeline;
+  using typename Base::StorePipelineState;
   using typename Base::TensorStorage;
 
   struct Arguments : Base::Arguments {
     RowGate gate;
+    TileSignal signal;
   };
   struct Params : Base::Params {
     RowGate gate;
+    TileSignal signal;
   };
 
   template <class ProblemShape>
@@ -248,11 +263,12 @@ struct GatedEpilogue : Base {
     static_cast<typename Base::Params&>(params) =
         Base::to_underlying_arguments(problem_shape, args, workspace);
     params.gate = args.gate;
+    params.signal = args.signal;
     return params;
   }
 
   CUTLASS_HOST_DEVICE GatedEpilogue(Params const& params, TensorStorage& shared_tensors)
-      : Base(params, shared_tensors), gate_(&params.gate) {}
+      : Base(params, shared_tensors), gate_(&params.gate), signal_(&params.signal) {}
 
   template <class ProblemShapeMNKL, class TileShapeMNK, class TileCoordMNKL, class TiledMma,
             class... Rest>
@@ -270,8 +286,52 @@ struct GatedEpilogue : Base {
                       tile_coord_mnkl, tiled_mma, thread_idx, shared_tensors, rest...);
   }
 
+  // Consumer warpgroups, once per work tile; warp 0 (thread_idx < 32) issues the TMA stores.
+  template <class ProblemShapeMNKL, class TileShapeMNK, class TileCoordMNKL, class Accumulators,
+            class TiledMma, class... Rest>
+  CUTLASS_DEVICE auto store(LoadPipeline load_pipeline, LoadPipelineState load_pipe_consumer_state,
+                            StorePipeline store_pipeline, StorePipelineState store_pipe_producer_state,
+                            ProblemShapeMNKL problem_shape_mnkl, TileShapeMNK tile_shape_MNK,
+                            TileCoordMNKL tile_coord_mnkl, Accumulators accumulators, TiledMma tiled_mma,
+                            int thread_idx, TensorStorage& shared_tensors, Rest... rest) {
+    const bool signals = signal_->counters != nullptr && thread_idx < 32;
+    const int block_m = cute::size<0>(tile_shape_MNK);
+    if (signals && pending_row0_ >= 0) {  // the previous tile's stores: long written by now
+      SignalTileStored(*signal_, pending_row0_, block_m);
+      pending_row0_ = -1;
+    }
+    auto states = Base::store(load_pipeline, load_pipe_consumer_state, store_pipeline,
+                              store_pipe_producer_state, problem_shape_mnkl, tile_shape_MNK,
+                              tile_coord_mnkl, accumulators, tiled_mma, thread_idx, shared_tensors,
+                              rest...);
+    if (signals) {
+      const int row0 = static_cast<int>(cute::get<0>(tile_coord_mnkl)) * block_m;
+      if (signal_->immediate) {
+        SignalTileStored(*signal_, row0, block_m);
+      } else {
+        pending_row0_ = row0;
+      }
+    }
+    return states;
+  }
+
+  // Consumer warpgroups, after their last tile.
+  CUTLASS_DEVICE auto store_tail(LoadPipeline load_pipeline, LoadPipelineState load_pipe_consumer_state,
+                                 StorePipeline store_pipeline, StorePipelineState store_pipe_producer_state) {
+    auto states = Base::store_tail(load_pipeline, load_pipe_consumer_state, store_pipeline,
+                                   store_pipe_producer_state);
+    if (pending_row0_ >= 0) {  // only warp 0 of a signalling epilogue ever sets it
+      SignalTileStored(*signal_, pending_row0_, kTileRows);
+      pending_row0_ = -1;
+    }
+    return states;
+  }
+
  private:
+  static constexpr int kTileRows = cute::size<0>(typename Base::CtaTileMNK{});
   RowGate const* gate_;
+  TileSignal const* signal_;
+  int pending_row0_ = -1;
 };
 
 }  // namespace flux_jax::cuda

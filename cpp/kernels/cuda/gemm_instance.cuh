@@ -76,6 +76,7 @@ Status RunGemmInstance(const GemmPlan& p, cudaStream_t stream, int device, int s
   ep.ptr_D = static_cast<Element*>(p.d);
   ep.dD = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, cute::make_shape(m, n, 1));
   ep.gate = p.gate_c;
+  ep.signal = p.signal_d;
 
   args.hw_info.device_id = device;
   args.hw_info.sm_count = sm_count;

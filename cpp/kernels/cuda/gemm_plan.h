@@ -37,6 +37,7 @@ struct GemmPlan {
   const float* alpha_ptr = nullptr;  // device scalar (1.0f, NaN once poisoned)
   RowGate gate_a;                    // waits before A loads (AllGather)
   RowGate gate_c;                    // waits before C loads (ReduceScatter)
+  TileSignal signal_d;               // per-piece counters raised as D tiles are written
   int32_t rotate_m_tiles = 0;
   int32_t group_m_tiles = 1;  // M tiles swept together across N (L2 reuse; gated_gemm.cuh)
   int32_t block_n = kGemmBlockN;  // tile columns: kGemmBlockN, or kGemmBlockNNarrow where built

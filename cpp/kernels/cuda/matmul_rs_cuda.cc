@@ -12,6 +12,16 @@
 // Config.gpu_rs_stage_launches splits stage 0 into launches of whole pieces, each
 // pushed when it ends (S: [GEMM q0..q1) [GEMM q1..q2) ...; C: push q0..q1, ...),
 // so the push starts after the first launch instead of the whole stage.
+// Config.gpu_rs_tile_signal instead releases each piece of stage 0 as soon as its
+// output tiles are written, inside one launch: the epilogue raises a per-piece
+// tile counter (TileSignal) and C waits for it (cuStreamWaitValue64):
+//
+//   S: [GEMM stage 0 ......................][GEMM own rows + recv ..........]
+//          tiles of piece 0 done ^   piece 1 ^   piece 2 ^   piece 3 ^
+//   C:                        [wait|push 0][wait|push 1][wait|push 2][push 3]
+//
+// Those waits are on our own ungated GEMM, which always finishes, so they are
+// safe unbounded.
 // TP = 2: rank r computes the peer's rows, pushes them, then its own rows plus
 // the peer's partial. Chunk c is summed in the fixed order c+1, c+2, ..., c:
 // bitwise reproducible.
@@ -98,15 +108,27 @@ Status RunMatmulRsCuda(const MatmulRsParams& p, const TpGroup& group, const Comm
       part.m = row1 - row0;
       part.a = a_chunk + row0 * p.k * elt;
       part.d = d_slot + row0 * out_row_bytes;
+      const bool tile_signal = j == 0 && cfg.rs_tile_signal != 0;
+      if (tile_signal) {
+        part.signal_d = TileSignal{ws->tiles_done + q0, piece_rows, static_cast<int32_t>(part.m),
+                                   cfg.rs_tile_signal == 2};
+      }
       FLUX_JAX_RETURN_IF_ERROR(RunGemm(part, p.dtype, S, device, ws->sm_count));
 
-      // Reusing the event is safe: each wait takes the record enqueued just before it.
-      FLUX_CUDA_TRY(cudaEventRecord(ws->ev_step[j], S));
-      FLUX_CUDA_TRY(cudaStreamWaitEvent(ws->comm, ws->ev_step[j], 0));
+      if (!tile_signal) {
+        // Reusing the event is safe: each wait takes the record enqueued just before it.
+        FLUX_CUDA_TRY(cudaEventRecord(ws->ev_step[j], S));
+        FLUX_CUDA_TRY(cudaStreamWaitEvent(ws->comm, ws->ev_step[j], 0));
+      }
       if (j == 0 && q0 == 0) FLUX_JAX_RETURN_IF_ERROR(StreamWriteValue64(ws->comm, ws->cells + 1, epoch));
       for (int q = q0; q < q1; ++q) {
         const int64_t p0 = static_cast<int64_t>(q) * piece_rows;
         const size_t bytes = static_cast<size_t>(std::min<int64_t>(piece_rows, m_out - p0)) * out_row_bytes;
+        if (tile_signal) {
+          ws->tiles_done_expected[q] += TilesTouchingRows(p0 - row0, p0 - row0 + bytes / out_row_bytes, part.n,
+                                                          plan.block_n);
+          FLUX_JAX_RETURN_IF_ERROR(StreamWaitValue64Geq(ws->comm, ws->tiles_done + q, ws->tiles_done_expected[q]));
+        }
         uint64_t* flag = cfg.drop_rank == r ? nullptr : ws->peers[next].arrived + j * pieces + q;
         FLUX_JAX_RETURN_IF_ERROR(PushPiece(*ws, ws->peers[next].data + j * slot_bytes + p0 * out_row_bytes,
                                            stage + j * slot_bytes + p0 * out_row_bytes, bytes, flag));

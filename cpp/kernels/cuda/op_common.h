@@ -65,6 +65,14 @@ inline int32_t ChooseBlockN(const CommConfig& cfg, DType dtype, bool b_kmajor, i
   return span(kGemmBlockNNarrow) * 11 < span(kGemmBlockN) * 10 ? kGemmBlockNNarrow : kGemmBlockN;
 }
 
+// Output tiles (kGemmBlockM x block_n) whose rows meet rows [row0, row1) of a launch:
+// what a TileSignal counter of that piece reaches once the launch has written them.
+inline uint64_t TilesTouchingRows(int64_t row0, int64_t row1, int64_t n, int32_t block_n) {
+  if (row1 <= row0) return 0;
+  const int64_t row_tiles = (row1 - 1) / kGemmBlockM - row0 / kGemmBlockM + 1;
+  return static_cast<uint64_t>(row_tiles * ((n + block_n - 1) / block_n));
+}
+
 inline int32_t TileGroupM(const CommConfig& cfg) {
   return cfg.tile_group_m > 0 ? static_cast<int32_t>(cfg.tile_group_m) : kDefaultTileGroupM;
 }

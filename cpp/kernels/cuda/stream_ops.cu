@@ -9,23 +9,29 @@
 namespace flux_jax::cuda {
 namespace {
 
-using WriteValue64Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+// cuStreamWriteValue64 and cuStreamWaitValue64 share this signature.
+using StreamValue64Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
 
-Status ResolveWriteValue64(WriteValue64Fn* fn) {
-  static WriteValue64Fn resolved = nullptr;
+// The driver entry point `name`, resolved once per name (Tag tells the two apart).
+template <int Tag>
+Status ResolveStreamValue64(const char* name, StreamValue64Fn* fn) {
+  static StreamValue64Fn resolved = nullptr;
   static cudaError_t err = cudaSuccess;
   static std::once_flag once;
-  std::call_once(once, [] {
+  std::call_once(once, [name] {
     void* p = nullptr;
     cudaDriverEntryPointQueryResult query{};
-    err = cudaGetDriverEntryPointByVersion("cuStreamWriteValue64", &p, 12000, cudaEnableDefault,
-                                           &query);
+    err = cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &query);
     if (err == cudaSuccess && query != cudaDriverEntryPointSuccess) err = cudaErrorSymbolNotFound;
-    resolved = reinterpret_cast<WriteValue64Fn>(p);
+    resolved = reinterpret_cast<StreamValue64Fn>(p);
   });
   *fn = resolved;
-  return CudaStatus(err, "cudaGetDriverEntryPointByVersion(cuStreamWriteValue64)", __FILE__, __LINE__);
+  return CudaStatus(err, (std::string("cudaGetDriverEntryPointByVersion(") + name + ")").c_str(), __FILE__,
+                    __LINE__);
 }
+
+Status ResolveWriteValue64(StreamValue64Fn* fn) { return ResolveStreamValue64<0>("cuStreamWriteValue64", fn); }
+Status ResolveWaitValue64(StreamValue64Fn* fn) { return ResolveStreamValue64<1>("cuStreamWaitValue64", fn); }
 
 __global__ void PresenceHandshakeKernel(PresenceSignal signal, const uint64_t* present, int tp,
                                         WaitContext ctx) {
@@ -40,7 +46,7 @@ __global__ void PresenceHandshakeKernel(PresenceSignal signal, const uint64_t* p
 }  // namespace
 
 Status StreamWriteValue64(cudaStream_t stream, uint64_t* addr, uint64_t value) {
-  WriteValue64Fn fn = nullptr;
+  StreamValue64Fn fn = nullptr;
   FLUX_JAX_RETURN_IF_ERROR(ResolveWriteValue64(&fn));
   CUresult r = fn(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(addr), value, 0);
   if (r != CUDA_SUCCESS) {
@@ -49,11 +55,23 @@ Status StreamWriteValue64(cudaStream_t stream, uint64_t* addr, uint64_t value) {
   return Status::Ok();
 }
 
+Status StreamWaitValue64Geq(cudaStream_t stream, const uint64_t* addr, uint64_t value) {
+  StreamValue64Fn fn = nullptr;
+  FLUX_JAX_RETURN_IF_ERROR(ResolveWaitValue64(&fn));
+  CUresult r = fn(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(addr), value,
+                  CU_STREAM_WAIT_VALUE_GEQ);
+  if (r != CUDA_SUCCESS) {
+    return Status::Internal("flux_jax: cuStreamWaitValue64 failed with CUresult " + std::to_string(r));
+  }
+  return Status::Ok();
+}
+
 Status PreloadStreamOps() {
   cudaFuncAttributes attrs;
   FLUX_CUDA_TRY(cudaFuncGetAttributes(&attrs, PresenceHandshakeKernel));
-  WriteValue64Fn fn = nullptr;
-  return ResolveWriteValue64(&fn);
+  StreamValue64Fn fn = nullptr;
+  FLUX_JAX_RETURN_IF_ERROR(ResolveWriteValue64(&fn));
+  return ResolveWaitValue64(&fn);
 }
 
 Status LaunchPresenceHandshake(cudaStream_t stream, const PresenceSignal& signal,

@@ -18,6 +18,11 @@ inline constexpr int kMaxPresenceRanks = 32;  // one lane per rank
 // by the GPU front end, not by an SM). `addr` is this device's memory.
 Status StreamWriteValue64(cudaStream_t stream, uint64_t* addr, uint64_t value);
 
+// `stream` waits until *addr >= value (cuStreamWaitValue64, GEQ; the GPU front end polls).
+// Unbounded: only for cells that our own GEMM raises whatever its peers do (the tile
+// counters of an ungated launch, TileSignal), never for a peer's flag.
+Status StreamWaitValue64Geq(cudaStream_t stream, const uint64_t* addr, uint64_t value);
+
 // Where a rank announces that it reached a fused op: peer_slot[p] is rank p's
 // present[rank] (through peer access or CUDA IPC); null where p == rank.
 struct PresenceSignal {

@@ -17,7 +17,7 @@ namespace flux_jax::cuda {
 namespace {
 
 constexpr int kMaxDevices = 64;
-constexpr size_t kCtrlWords = kMaxTp + kMaxFlags + 2 + kMaxTp * kMaxLatencyBlocks;
+constexpr size_t kCtrlWords = kMaxTp + kMaxFlags + 2 + kMaxTp * kMaxLatencyBlocks + kMaxPieces;
 constexpr size_t kGrowGranule = size_t{64} << 20;  // grow in 64 MiB steps
 
 // Host-side rendezvous of the group's handler threads (one per device; XLA
@@ -132,7 +132,8 @@ Status InitMember(const TpGroup& g, GroupWorkspace* w) {
   w->arrived = w->present + kMaxTp;
   w->cells = w->arrived + kMaxFlags;
   w->block_arrived = w->cells + 2;
-  w->alpha = reinterpret_cast<float*>(w->block_arrived + kMaxTp * kMaxLatencyBlocks);
+  w->tiles_done = w->block_arrived + kMaxTp * kMaxLatencyBlocks;
+  w->alpha = reinterpret_cast<float*>(w->tiles_done + kMaxPieces);
   const float one = 1.0f;
   FLUX_CUDA_TRY(cudaMemcpy(w->alpha, &one, sizeof(one), cudaMemcpyHostToDevice));
   int least = 0, greatest = 0;

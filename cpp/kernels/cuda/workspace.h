@@ -5,7 +5,7 @@
 // every member's pointers visible to the others. Layout of each member:
 //
 //   ctrl (device, fixed): present[kMaxTp] | arrived[kMaxFlags] | cells[2] |
-//                         block_arrived[kMaxTp][kMaxLatencyBlocks]
+//                         block_arrived[kMaxTp][kMaxLatencyBlocks] | tiles_done[kMaxPieces]
 //   alpha (device float): 1.0, NaN once a wait timed out (poisons results)
 //   data (device, grows): receive / staging buffers of the overlapped (large-M) ops
 //   slots (device, grows): receive slots of the latency-path collectives,
@@ -59,6 +59,10 @@ struct GroupWorkspace {
   uint64_t* arrived = nullptr;  // [kMaxFlags]: row pieces of the current call
   uint64_t* cells = nullptr;    // [2]: cells[1] = epoch, the source of copy-engine flag writes
   uint64_t* block_arrived = nullptr;  // [kMaxTp][kMaxLatencyBlocks]: latency collectives
+  // [kMaxPieces]: output tiles written per piece of rows (TileSignal; only grow), and
+  // the totals the launches enqueued so far will have raised them to (host side).
+  uint64_t* tiles_done = nullptr;
+  uint64_t tiles_done_expected[kMaxPieces] = {};
   float* alpha = nullptr;
   char* data = nullptr;
   size_t capacity = 0;
