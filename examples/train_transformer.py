@@ -40,6 +40,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flux_jax
+from flux_jax._config import parse_overrides
 from flux_jax.flax import GPT, GPTConfig, check_config, check_tokens_shape
 from training.checkpoint import TrainCheckpoints
 from training.profile import StepTracer
@@ -79,6 +80,8 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
                         "exercise the protocol; auto on GPU, fused only where measured faster)")
     g.add_argument("--remat", action=argparse.BooleanOptionalAction, default=None,
                    help="recompute block activations in the backward pass (the 8B preset's default)")
+    g.add_argument("--flux-config", default="",
+                   help="flux_jax.Config fields for the whole run, e.g. 'gpu_tile_group_m=16' (GPU tuning)")
     g.add_argument("--attention", choices=["auto", "xla", "cudnn"], default="auto",
                    help="jax.nn.dot_product_attention backend (auto: cuDNN flash attention on GPU "
                         "with bf16/f16, XLA otherwise; XLA materializes the [T, T] scores)")
@@ -355,7 +358,8 @@ def main(argv=None) -> dict:
     runs = {}
     for impl in impls:
         try:
-            runs[impl] = train(args, mesh, vocab, data[:split], data[split:], impl)
+            with flux_jax.config(**parse_overrides(args.flux_config)):
+                runs[impl] = train(args, mesh, vocab, data[:split], data[split:], impl)
         except flux_jax.FusedUnavailableError as e:
             raise SystemExit(f"error: {e}\n(use --impl auto to fall back to the XLA twin)")
         r = runs[impl]
