@@ -168,3 +168,46 @@ def test_grad_mode_times_the_training_step_and_checks_dx(op):
         out = np.asarray(jax.jit(built.step)(*built.args))
         assert built.check(out) < 2e-2
         assert built.check(out * 2) > 0.5  # a wrong dx fails
+
+
+def test_loop_anatomy_reads_a_trace_and_flags_a_host_bound_profile(tmp_path):
+    """tools/loop_anatomy.py on a synthetic trace of 2 calls: per device the span, busy time and
+    gaps per call, copies apart from kernels, and the host time per call of the busiest loop
+    thread; the summary warns when that host time reaches the traced time per call (the
+    profiler's host overhead shapes the timeline then) and stays quiet when it is far below."""
+    import gzip
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "tools" / "loop_anatomy.py"
+    spec = importlib.util.spec_from_file_location("loop_anatomy", path)
+    anatomy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(anatomy)
+
+    def trace(host_us_per_call):
+        meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+                {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "host"}}]
+        gpu = []
+        for call in range(2):  # each call: gemm 0-80 us, copy 10-40 (overlapping), gemm 85-95; period 100
+            t = 100 * call
+            gpu += [{"ph": "X", "pid": 1, "tid": 7, "name": "gemm", "ts": t, "dur": 80},
+                    {"ph": "X", "pid": 1, "tid": 9, "name": "MemcpyP2P", "ts": t + 10, "dur": 30},
+                    {"ph": "X", "pid": 1, "tid": 7, "name": "gemm", "ts": t + 85, "dur": 10}]
+        host = [{"ph": "X", "pid": 2, "tid": tid, "name": "while.3", "ts": 0, "dur": 2 * us}
+                for tid, us in ((1, host_us_per_call), (2, host_us_per_call / 2))]
+        run_dir = tmp_path / f"host{host_us_per_call}" / "plugins" / "profile" / "run"
+        run_dir.mkdir(parents=True)
+        with gzip.open(run_dir / "perfetto_trace.json.gz", "wt") as f:
+            json.dump({"traceEvents": meta + gpu + host}, f)
+        return str(tmp_path / f"host{host_us_per_call}")
+
+    quiet = anatomy.read_trace(trace(30.0), calls=2)
+    dev = quiet["devices"]["/device:GPU:0"]
+    assert dev["per_call_us"] == 97.5 and dev["busy_per_call_us"] == 90.0 and dev["gap_per_call_us"] == 7.5
+    assert dev["copies"] == [{"name": "MemcpyP2P", "per_call": 1.0, "mean_us": 30.0}]
+    assert quiet["host_loop_per_call_us"] == 30.0
+    row = {"case": "rs:8x8x8", "variant": "flux_overlap", "loop_us": 96.0, **quiet}
+    assert "HOST-BOUND" not in anatomy.summary_line(row)
+    bound = anatomy.read_trace(trace(120.0), calls=2)
+    assert bound["host_loop_per_call_us"] == 120.0  # the busier of the two threads
+    assert "HOST-BOUND UNDER THE PROFILER" in anatomy.summary_line({**row, **bound})

@@ -44,6 +44,7 @@ def read_trace(trace_dir: str, calls: int) -> dict:
             by_pid[ev["pid"]].append(ev)
     result = {"devices": {}, "host_top": []}
     host_totals = collections.Counter()
+    loop_by_thread = collections.Counter()
     for pid, evs in by_pid.items():
         pname = names.get(pid, str(pid))
         if "GPU" in pname or "gpu" in pname:
@@ -87,7 +88,15 @@ def read_trace(trace_dir: str, calls: int) -> dict:
             for e in evs:
                 if not e["name"].startswith("$"):  # Python frames: the tool's own calls
                     host_totals[e["name"][:70]] += e["dur"]
+                if e["name"].startswith("while"):  # XLA's loop thunk, one per device thread
+                    loop_by_thread[(pid, e.get("tid"))] += e["dur"]
     result["host_top"] = [{"name": n, "us_per_call": round(t / calls, 2)} for n, t in host_totals.most_common(12)]
+    # The host time one device thread spends per call in the loop (enqueueing the body, then
+    # waiting for the predicate). CUPTI makes every CUDA API call slower, so a variant with
+    # many API calls per call (ours) can be host-bound under the profiler only: its timeline
+    # then shows the profiler's host lag, not the loop's (loop_us is timed without it).
+    if loop_by_thread:
+        result["host_loop_per_call_us"] = round(max(loop_by_thread.values()) / calls, 2)
     return result
 
 
@@ -97,6 +106,10 @@ def summary_line(row: dict) -> str:
     copies = "; ".join(f"{c['name']} x{c['per_call']}/call {c['mean_us']}us"
                        for c in dev.get("copies", []))
     copies = f"| copies {copies}" if copies else ""
+    host = row.get("host_loop_per_call_us")
+    if host and dev.get("per_call_us") and host >= 0.9 * dev["per_call_us"]:
+        copies += (f" | HOST-BOUND UNDER THE PROFILER (host {host} us per call per device thread): the trace's "
+                   "gaps and late starts are profiler overhead, compare with loop_us")
     return (f"ANATOMY {row['case']:>18} {row['variant']:>14} {row.get('config', '')} loop {row.get('loop_us', '-')} us | trace/call "
             f"{dev.get('per_call_us')} busy {dev.get('busy_per_call_us')} gap {dev.get('gap_per_call_us')} | "
             f"{kernels} {copies} {row.get('error', '')}")
