@@ -114,6 +114,13 @@ Status RunMatmulRsCuda(const MatmulRsParams& p, const TpGroup& group, const Comm
                                    cfg.rs_tile_signal == 2};
       }
       FLUX_JAX_RETURN_IF_ERROR(RunGemm(part, p.dtype, S, device, ws->sm_count));
+      if (tile_signal) {  // the launch raises every piece's counter, whatever fails below
+        for (int q = q0; q < q1; ++q) {
+          const int64_t p0 = static_cast<int64_t>(q) * piece_rows - row0;
+          ws->tiles_done_expected[q] += TilesTouchingRows(p0, std::min<int64_t>(p0 + piece_rows, part.m), part.n,
+                                                          plan.block_n);
+        }
+      }
 
       if (!tile_signal) {
         // Reusing the event is safe: each wait takes the record enqueued just before it.
@@ -125,8 +132,6 @@ Status RunMatmulRsCuda(const MatmulRsParams& p, const TpGroup& group, const Comm
         const int64_t p0 = static_cast<int64_t>(q) * piece_rows;
         const size_t bytes = static_cast<size_t>(std::min<int64_t>(piece_rows, m_out - p0)) * out_row_bytes;
         if (tile_signal) {
-          ws->tiles_done_expected[q] += TilesTouchingRows(p0 - row0, p0 - row0 + bytes / out_row_bytes, part.n,
-                                                          plan.block_n);
           FLUX_JAX_RETURN_IF_ERROR(StreamWaitValue64Geq(ws->comm, ws->tiles_done + q, ws->tiles_done_expected[q]));
         }
         uint64_t* flag = cfg.drop_rank == r ? nullptr : ws->peers[next].arrived + j * pieces + q;
