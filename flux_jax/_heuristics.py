@@ -4,7 +4,8 @@ Measured with the harness (dispatch-free device time, 2x H200, TP=2, bf16, 2026-
 benchmarks/data/harness_*_2026-11-29.json); rows marked (11-30) with tools/perf_probe.py after the
 overlap GEMM got its grouped tile order (benchmarks/data/probe_2026-11-30*.json; the RS rows at
 M <= 2048 with the gated launch's smaller groups, probe_2026-11-30_rs_groups.json); the row marked
-(s6) with the harness, 5 shuffled samples per variant (harness_llama8b-tp2_ag_2026-11-30_s6.json). Speedup over the
+(s6) with the harness, 5 shuffled samples per variant (harness_llama8b-tp2_ag_2026-11-30_s6.json; its s9
+note from harness_llama8b-tp2_ag_m2048-4096_2026-11-30_s9.json). Speedup over the
 twin (xla_shard_map), global shapes, AG: n = N/2 per rank; RS: k = K/2 per rank:
 
   op  M      K      N      twin us  overlap  latency
@@ -16,7 +17,8 @@ twin (xla_shard_map), global shapes, AG: n = N/2 per rank; RS: k = K/2 per rank:
   ag  256    8192   57344    236.8   0.88     1.14
   ag  1024   4096   6144      76.8   0.85     1.20
   ag  1024   8192   57344    749.1   0.84     1.09
-  ag  2048   4096   6144     133.2   1.26     1.18 (s6; 192 tiles; 1.11 / 1.16 before the one-kernel handshake)
+  ag  2048   4096   6144     133.2   1.26     1.18 (s6; 192 tiles; 1.11 / 1.16 before the one-kernel handshake;
+                                    s9 with 128x192 tiles: 133.1 us, overlap 1.45)
   ag  2048   14336  4096     316.2   0.97     1.10 (11-30; 128 tiles: one wave)
   ag  2048   4096   28672    400.8   1.10     1.03 (11-30)
   ag  2048   28672  8192     894.9   1.22     1.05 (11-30; 256 tiles)
