@@ -353,12 +353,17 @@ def main(argv=None) -> dict:
         check_tokens_shape((args.batch, args.seq), mesh)
     except ValueError as e:
         parser.error(str(e))
+    try:  # a misspelled or out-of-range --flux-config field: a usage error now, not after compiling
+        flux_overrides = parse_overrides(args.flux_config)
+        dataclasses.replace(flux_jax.get_config(), **flux_overrides)
+    except (ValueError, TypeError) as e:
+        parser.error(f"--flux-config: {e}")
     print(describe(args, len(vocab)))
 
     runs = {}
     for impl in impls:
         try:
-            with flux_jax.config(**parse_overrides(args.flux_config)):
+            with flux_jax.config(**flux_overrides):
                 runs[impl] = train(args, mesh, vocab, data[:split], data[split:], impl)
         except flux_jax.FusedUnavailableError as e:
             raise SystemExit(f"error: {e}\n(use --impl auto to fall back to the XLA twin)")
