@@ -18,7 +18,7 @@ from flux_jax._distributed import initialize as initialize_distributed  # noqa: 
 from flux_jax._errors import FusedUnavailableError  # noqa: E402
 from flux_jax._heuristics import explain as explain_auto  # noqa: E402
 from flux_jax._native import build_info  # noqa: E402
-from flux_jax._state import device_errors, reset, workspace_bytes  # noqa: E402
+from flux_jax._state import HandlerHostTime, device_errors, handler_host_time, reset, workspace_bytes  # noqa: E402
 from flux_jax.ag_matmul import ag_matmul  # noqa: E402
 from flux_jax.matmul_rs import matmul_rs  # noqa: E402
 from flux_jax.sharding import ag_matmul_sharded, matmul_rs_sharded  # noqa: E402
@@ -29,6 +29,7 @@ __version__ = build_info()["version"]
 __all__ = [
     "Config",
     "FusedUnavailableError",
+    "HandlerHostTime",
     "ag_matmul",
     "ag_matmul_sharded",
     "ag_matmul_xla",
@@ -38,6 +39,7 @@ __all__ = [
     "explain_auto",
     "initialize_distributed",
     "get_config",
+    "handler_host_time",
     "matmul_rs",
     "matmul_rs_sharded",
     "matmul_rs_xla",

@@ -1,5 +1,7 @@
 """Process-wide state controls."""
 
+import dataclasses
+
 from flux_jax import _native
 
 
@@ -50,3 +52,33 @@ def workspace_bytes() -> dict[int, int]:
 
     return {d.local_hardware_id: ext.cuda_workspace_bytes(d.local_hardware_id)
             for d in jax.local_devices() if d.platform == "gpu"}
+
+
+@dataclasses.dataclass(frozen=True)
+class HandlerHostTime:
+    """Host time spent inside one op's FFI handler (all devices' threads together)."""
+
+    calls: int
+    total_us: float
+    max_us: float
+
+    @property
+    def mean_us(self) -> float:
+        return self.total_us / self.calls if self.calls else 0.0
+
+
+def handler_host_time(reset: bool = False) -> dict[str, HandlerHostTime]:
+    """Host time the fused ops' FFI handlers have taken since the last reset, per op.
+
+    On GPU a handler decodes its attributes, plans and enqueues the launches and copies; the
+    kernels run later, so this is what a call costs the host thread that drives the device, not
+    the GPU. XLA drives each device from one thread: when that thread needs longer per call than
+    the GPU (small shapes), the GPU idles between calls. On CPU the handler does the whole
+    computation. Counters are process-wide and always on; `reset=True` zeroes them after reading.
+    """
+    ext = _native.extension()
+    stats = {op: HandlerHostTime(calls, total_ns / 1e3, max_ns / 1e3)
+             for op, (calls, total_ns, max_ns) in ext.handler_host_stats().items()}
+    if reset:
+        ext.reset_handler_host_stats()
+    return stats

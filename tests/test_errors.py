@@ -115,10 +115,11 @@ def test_config_validation():
         with pytest.raises(ValueError, match="gpu_tile_n"):
             flux_jax.Config(gpu_tile_n=bad)
     assert flux_jax.Config(gpu_tile_n=192).gpu_tile_n == 192
-    for bad in (-1, 3, True, 1.0):
+    for bad in (-2, 3, True, 1.0):
         with pytest.raises(ValueError, match="gpu_rs_tile_signal"):
             flux_jax.Config(gpu_rs_tile_signal=bad)
     assert flux_jax.Config(gpu_rs_tile_signal=2).gpu_rs_tile_signal == 2
+    assert flux_jax.Config().gpu_rs_tile_signal == -1  # automatic
 
 
 def test_gpu_tuning_fields_reach_the_kernel_attributes():

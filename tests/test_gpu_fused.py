@@ -206,7 +206,7 @@ def test_rs_first_stage_settings_are_bitwise_the_default(gpus, shape, piece_byte
     Config.gpu_rs_stage_launches (launches of whole pieces) and gpu_rs_tile_signal (pieces
     released by tile counters the epilogue raises; 250-row pieces make tiles straddle two)
     give, over 3 calls each (the counters only grow), the oracle and bitwise the result
-    of one launch released by its end."""
+    of one launch released by its end; -1 (automatic) picks 2 at these small K."""
     M, K, N = shape
     mesh = _mesh(gpus)
     rng = np.random.default_rng()
@@ -215,7 +215,7 @@ def test_rs_first_stage_settings_are_bitwise_the_default(gpus, shape, piece_byte
     xs, ws = place(mesh, x, specs[0]), place(mesh, w, specs[1])
     twin = t(xs, ws)
     results = {}
-    for launches, signal in ((1, 0), (0, 0), (3, 0), (16, 0), (1, 1), (1, 2), (3, 1), (0, 2)):
+    for launches, signal in ((1, 0), (0, 0), (3, 0), (16, 0), (1, 1), (1, 2), (3, 1), (0, 2), (1, -1)):
         with flux_jax.config(fused_path="overlap", gpu_rs_stage_launches=launches, gpu_piece_bytes=piece_bytes,
                              gpu_rs_tile_signal=signal, debug_poison_outputs=True):
             f, _ = _op_fn("rs", mesh, "fused")

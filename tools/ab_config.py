@@ -4,7 +4,8 @@ For each case, builds one variant once per setting (each traced under its own
 `flux_jax.config(...)`), checks that the compiled programs differ where the settings differ
 (a cached trace would silently time the same program twice), then times all of them in
 shuffled, pre-heated rounds with the harness's loop timer (benchmarks/timing.py). Prints the
-median per setting and its ratio to the first; one process keeps the GPU's clock and power
+median per setting and its ratio to the first (and, where the variant calls our ops, the host
+time per handler call, `flux_jax.handler_host_time`); one process keeps the GPU's clock and power
 state comparable across settings, which separate processes did not (up to 5-8% drift).
 
   python tools/ab_config.py --cases rs:2048x4096x4096,ag:2048x4096x6144 \
@@ -59,11 +60,17 @@ def ab_case(case: Case, variant: str, settings: list[str], rounds: int, grad: bo
     same = [t for t in timers if t != settings[0] and settings[0] in programs
             and programs.get(t) == programs[settings[0]]]
     samples = {t: [] for t in timers}
+    host_us = {t: [] for t in timers}  # mean host time per fused-op handler call, per sample
     order = list(timers)
     for _ in range(rounds):
         random.shuffle(order)
         for t in order:
+            flux_jax.handler_host_time(reset=True)
             samples[t].append(timers[t].sample())
+            stats = flux_jax.handler_host_time(reset=True).values()
+            calls = sum(s.calls for s in stats)
+            if calls:
+                host_us[t].append(sum(s.total_us for s in stats) / calls)
     row = {"case": f"{case.op}:{case.M}x{case.K}x{case.N}", "variant": variant, "grad": grad,
            "errors": errors, "same_program_as_first": same, "settings": {}}
     base = float(np.median(samples[settings[0]])) if settings[0] in samples else None
@@ -72,11 +79,14 @@ def ab_case(case: Case, variant: str, settings: list[str], rounds: int, grad: bo
             print(f"AB {row['case']:>20} {t:<36} FAILED {errors[t]}", flush=True)
             continue
         med = float(np.median(samples[t]))
-        row["settings"][t] = {"median_us": med * 1e6, "samples_us": [s * 1e6 for s in samples[t]]}
+        host = float(np.median(host_us[t])) if host_us[t] else None
+        row["settings"][t] = {"median_us": med * 1e6, "samples_us": [s * 1e6 for s in samples[t]],
+                              "handler_host_us_per_call": host}
         ratio = f"{med / base:.3f}" if base else "-"
         flag = " SAME-PROGRAM" if t in same else ""
         print(f"AB {row['case']:>20} {t:<36} {med * 1e6:9.1f} us  x{ratio}  "
-              f"spread {1e6 * (max(samples[t]) - min(samples[t])):.1f}  err {errors[t]:.2e}{flag}",
+              f"spread {1e6 * (max(samples[t]) - min(samples[t])):.1f}  err {errors[t]:.2e}"
+              f"{f'  host {host:.1f} us/call' if host is not None else ''}{flag}",
               flush=True)
     return row
 

@@ -4,6 +4,7 @@
 
 #include "ffi_common.h"
 #include "flux_jax/ag_matmul.h"
+#include "handler_stats.h"
 #include "handlers.h"
 
 namespace flux_jax::ffi_adapter {
@@ -48,6 +49,7 @@ Status MakeParams(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer
 ffi::Error AgMatmul(void* stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
                     ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> out,
                     ffi::RemainingRets extra, ffi::Dictionary attrs) {
+  ScopedHandlerTimer timer(HandlerOp::kAgMatmul);
   std::optional<int32_t> host_rank;
   if (stream == nullptr) host_rank = rank.typed_data()[0];
   TpGroup group;

@@ -4,6 +4,7 @@
 
 #include "ffi_common.h"
 #include "flux_jax/collectives.h"
+#include "handler_stats.h"
 #include "handlers.h"
 
 namespace flux_jax::ffi_adapter {
@@ -35,6 +36,7 @@ Status MakeParams(Collective op, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> o
 template <Collective op>
 ffi::Error Run(void* stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank,
                ffi::Result<ffi::AnyBuffer> out, ffi::Dictionary attrs) {
+  ScopedHandlerTimer timer(op == Collective::kAllGather ? HandlerOp::kAllGather : HandlerOp::kReduceScatter);
   std::optional<int32_t> host_rank;
   if (stream == nullptr) host_rank = rank.typed_data()[0];  // on GPU it is device memory
   TpGroup group;

@@ -4,6 +4,7 @@
 
 #include "ffi_common.h"
 #include "flux_jax/matmul_rs.h"
+#include "handler_stats.h"
 #include "handlers.h"
 
 namespace flux_jax::ffi_adapter {
@@ -37,6 +38,7 @@ Status MakeParams(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer
 ffi::Error MatmulRs(void* stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
                     ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> out,
                     ffi::Dictionary attrs) {
+  ScopedHandlerTimer timer(HandlerOp::kMatmulRs);
   std::optional<int32_t> host_rank;
   if (stream == nullptr) host_rank = rank.typed_data()[0];
   TpGroup group;

@@ -10,6 +10,7 @@
 #include "flux_jax/cpu_channels.h"
 #include "flux_jax/process.h"
 #include "flux_jax/tile_order.h"
+#include "handler_stats.h"
 #include "handlers.h"
 #include "xla/ffi/api/c_api.h"
 
@@ -89,6 +90,21 @@ NB_MODULE(_flux_jax_ffi, m) {
       },
       nb::arg("platform"), nb::arg("ordinal_to_id"),
       "Map local device ordinals (what handlers see) to global device ids (the mesh table).");
+  m.def(
+      "handler_host_stats",
+      [] {
+        namespace fa = flux_jax::ffi_adapter;
+        nb::dict out;
+        for (int i = 0; i < static_cast<int>(fa::HandlerOp::kCount); ++i) {
+          const auto op = static_cast<fa::HandlerOp>(i);
+          const fa::HandlerStat s = fa::GetHandlerStat(op);
+          out[fa::HandlerOpName(op)] = nb::make_tuple(s.calls, s.total_ns, s.max_ns);
+        }
+        return out;
+      },
+      "{op: (calls, total host ns, max host ns)} of the FFI handlers since the last reset.");
+  m.def("reset_handler_host_stats", &flux_jax::ffi_adapter::ResetHandlerStats,
+        "Zero the handlers' host-time counters.");
   m.def(
       "grouped_tile_order",
       [](int tiles_m, int tiles_n, int group, int rotate) {

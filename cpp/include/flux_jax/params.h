@@ -47,8 +47,9 @@ struct CommConfig {
   int64_t tile_group_m = 0;         // GPU: M tiles the GEMM sweeps together (0: default)
   int64_t rs_stage_launches = 1;    // GPU: launches of a pushed ReduceScatter stage
                                     // (1: one; 0: about one wave of tiles each)
-  int64_t rs_tile_signal = 0;       // GPU: pushed RS pieces released by launch end (0) or by
-                                    // tile counters (1: at the next tile, 2: right after)
+  int64_t rs_tile_signal = -1;      // GPU: pushed RS pieces released by launch end (0) or by
+                                    // tile counters (1: at the next tile, 2: right after);
+                                    // -1: by the per-rank K (ChooseRsTileSignal)
   int64_t tile_n = 0;               // GPU: output tile width, 256 or 192 (0: by waves)
 };
 

@@ -46,6 +46,7 @@ Status RunMatmulRsCuda(const MatmulRsParams& p, const TpGroup& group, const Comm
   if (cfg.poison_outputs) FLUX_CUDA_TRY(cudaMemsetAsync(p.out, 0xFF, slot_bytes, S));
 
   GemmPlan plan = BasePlan(m_out, p.n, p.k, p.w, p.w_transposed, cfg);
+  const int64_t signal_mode = ChooseRsTileSignal(cfg, p.k);
 
   GroupWorkspace* ws = nullptr;
   // recv[0 .. tp-2] then stage[0 .. tp-2]
@@ -108,10 +109,10 @@ Status RunMatmulRsCuda(const MatmulRsParams& p, const TpGroup& group, const Comm
       part.m = row1 - row0;
       part.a = a_chunk + row0 * p.k * elt;
       part.d = d_slot + row0 * out_row_bytes;
-      const bool tile_signal = j == 0 && cfg.rs_tile_signal != 0;
+      const bool tile_signal = j == 0 && signal_mode != 0;
       if (tile_signal) {
         part.signal_d = TileSignal{ws->tiles_done + q0, piece_rows, static_cast<int32_t>(part.m),
-                                   cfg.rs_tile_signal == 2};
+                                   signal_mode == 2};
       }
       FLUX_JAX_RETURN_IF_ERROR(RunGemm(part, p.dtype, S, device, ws->sm_count));
       if (tile_signal) {  // the launch raises every piece's counter, whatever fails below

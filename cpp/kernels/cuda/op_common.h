@@ -65,6 +65,20 @@ inline int32_t ChooseBlockN(const CommConfig& cfg, DType dtype, bool b_kmajor, i
   return span(kGemmBlockNNarrow) * 11 < span(kGemmBlockN) * 10 ? kGemmBlockNNarrow : kGemmBlockN;
 }
 
+// When the pieces of the pushed ReduceScatter stage go (Config.gpu_rs_tile_signal;
+// -1 = by K). Tile counters raised right after each tile's stores (2) start the
+// pushes while the launch still runs, which pays where the GEMM does little work
+// per pushed byte (small per-rank K); elsewhere the launch's end (0) is as early
+// in effect and costs no stream waits. Measured on 2x H200 (2026-11-30, sessions
+// 9-10, one process, 5-7 rounds each): at per-rank K = 2048 (Llama-8B out-projection)
+// setting 2 took 0.92-1.00x the time at M = 2048-8192 (13 A/Bs, median 0.97), 0.95 and
+// 1.02x at 16384; at K >= 4096 0.98-1.02x, within the +-3.5% that identical programs spread.
+inline constexpr int64_t kRsTileSignalMaxK = 2048;
+inline int64_t ChooseRsTileSignal(const CommConfig& cfg, int64_t k_local) {
+  if (cfg.rs_tile_signal >= 0) return cfg.rs_tile_signal;
+  return k_local <= kRsTileSignalMaxK ? 2 : 0;
+}
+
 // Output tiles (kGemmBlockM x block_n) whose rows meet rows [row0, row1) of a launch:
 // what a TileSignal counter of that piece reaches once the launch has written them.
 inline uint64_t TilesTouchingRows(int64_t row0, int64_t row1, int64_t n, int32_t block_n) {
