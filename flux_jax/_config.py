@@ -44,9 +44,10 @@ class Config:
         stream wait per piece; each tile counted when the CTA's next tile
         reaches its epilogue); 2 = the same, each tile counted right after its
         stores (earlier, but the warp waits for them); -1 (default) = 2 where
-        the per-rank K is at most 2048 (little GEMM per pushed byte, e.g. the
-        Llama-8B attention output projection at TP=2: 3-5% faster on 2x H200),
-        else 0. Results are bitwise the same.
+        the per-rank K is at most 2048 and the pushed stage at most 16 MiB
+        (little GEMM per pushed byte, a short stage: the Llama-8B attention
+        output projection at TP=2 and M <= 4096, 3-5% faster on 2x H200), else
+        0. Results are bitwise the same.
       gpu_tile_n: GPU tuning (experimental): width of the overlap GEMM's output
         tiles, 256 or 192 (bfloat16 with a row-major weight only; other inputs
         keep 256); 0 = by waves: 192 where the 128x256 tiles fill at least one

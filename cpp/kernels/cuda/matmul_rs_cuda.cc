@@ -46,7 +46,7 @@ Status RunMatmulRsCuda(const MatmulRsParams& p, const TpGroup& group, const Comm
   if (cfg.poison_outputs) FLUX_CUDA_TRY(cudaMemsetAsync(p.out, 0xFF, slot_bytes, S));
 
   GemmPlan plan = BasePlan(m_out, p.n, p.k, p.w, p.w_transposed, cfg);
-  const int64_t signal_mode = ChooseRsTileSignal(cfg, p.k);
+  const int64_t signal_mode = ChooseRsTileSignal(cfg, p.k, static_cast<int64_t>(slot_bytes));
 
   GroupWorkspace* ws = nullptr;
   // recv[0 .. tp-2] then stage[0 .. tp-2]

@@ -66,17 +66,21 @@ inline int32_t ChooseBlockN(const CommConfig& cfg, DType dtype, bool b_kmajor, i
 }
 
 // When the pieces of the pushed ReduceScatter stage go (Config.gpu_rs_tile_signal;
-// -1 = by K). Tile counters raised right after each tile's stores (2) start the
-// pushes while the launch still runs, which pays where the GEMM does little work
-// per pushed byte (small per-rank K); elsewhere the launch's end (0) is as early
-// in effect and costs no stream waits. Measured on 2x H200 (2026-11-30, sessions
-// 9-10, one process, 5-7 rounds each): at per-rank K = 2048 (Llama-8B out-projection)
-// setting 2 took 0.92-1.00x the time at M = 2048-8192 (13 A/Bs, median 0.97), 0.95 and
-// 1.02x at 16384; at K >= 4096 0.98-1.02x, within the +-3.5% that identical programs spread.
+// -1 = by shape). Tile counters raised right after each tile's stores (2) start
+// the pushes while the launch still runs, which pays where the GEMM does little
+// work per pushed byte (small per-rank K) and the stage is short; every tile's
+// storing warp waits for its stores and each piece costs a stream wait, so on long
+// stages the launch's end (0) is better. Measured on 2x H200 (2026-11-30, sessions
+// 9-10, one process, 5-7 rounds each), setting 2 against 0 at per-rank K = 2048
+// (Llama-8B out-projection), by stage size (rows per rank x N x 2 bytes):
+//   8 MiB (M = 2048): 0.95-0.99x in 4 A/Bs     16 MiB (4096): 0.92-0.97x in 6
+//   32 MiB (8192):    0.96-1.00x in 6          64 MiB (16384): 0.95, 1.02, 1.05x
+// At K >= 4096: 0.98-1.02x, within the +-3.5% that identical programs spread.
 inline constexpr int64_t kRsTileSignalMaxK = 2048;
-inline int64_t ChooseRsTileSignal(const CommConfig& cfg, int64_t k_local) {
+inline constexpr int64_t kRsTileSignalMaxStageBytes = int64_t{16} << 20;
+inline int64_t ChooseRsTileSignal(const CommConfig& cfg, int64_t k_local, int64_t stage_bytes) {
   if (cfg.rs_tile_signal >= 0) return cfg.rs_tile_signal;
-  return k_local <= kRsTileSignalMaxK ? 2 : 0;
+  return k_local <= kRsTileSignalMaxK && stage_bytes <= kRsTileSignalMaxStageBytes ? 2 : 0;
 }
 
 // Output tiles (kGemmBlockM x block_n) whose rows meet rows [row0, row1) of a launch:
