@@ -1,0 +1,94 @@
+// Shared by the GEMM probes: a plain CUTLASS sm90 cooperative GEMM (no flux_jax hooks), its
+// arguments for packed tensors, a cudaEvent timer and a random fill.
+#pragma once
+
+#include <algorithm>
+#include <cstdio>
+
+#include <cuda_runtime.h>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/util/packed_stride.hpp"
+
+using E = cutlass::bfloat16_t;
+using RM = cutlass::layout::RowMajor;
+using CM = cutlass::layout::ColumnMajor;
+
+// D = A * B in bf16 with f32 accumulation; layouts in CUTLASS 2.x terms (for A RowMajor = K-major,
+// for B ColumnMajor = K-major), TM x TN x 64 tiles, a ClusterM x 1 cluster.
+template <class LA, class LB, class LC, int TM, int TN, int ClusterM, class TileScheduler = void>
+struct PlainGemm {
+  using Tile = cute::Shape<cute::Int<TM>, cute::Int<TN>, cute::_64>;
+  using Cluster = cute::Shape<cute::Int<ClusterM>, cute::_1, cute::_1>;
+  using Epi = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, E, LC, 8, E, LC, 8,
+      cutlass::epilogue::TmaWarpSpecializedCooperative>::CollectiveOp;
+  using Main = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, E, LA, 8, E, LB, 8, float, Tile, Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epi::SharedStorage))>,
+      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Main, Epi, TileScheduler>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+};
+
+// Arguments of the CUTLASS problem (m, n, k) over packed tensors a, b, d (alpha 1, beta 0).
+template <class Kernel>
+typename Kernel::Arguments PlainArguments(int m, int n, int k, const E* a, const E* b, E* d) {
+  typename Kernel::Arguments args{};
+  args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
+  args.problem_shape = {m, n, k, 1};
+  args.mainloop.ptr_A = a;
+  args.mainloop.dA = cutlass::make_cute_packed_stride(typename Kernel::StrideA{}, {m, k, 1});
+  args.mainloop.ptr_B = b;
+  args.mainloop.dB = cutlass::make_cute_packed_stride(typename Kernel::StrideB{}, {n, k, 1});
+  args.epilogue.thread.alpha = 1.f;
+  args.epilogue.thread.beta = 0.f;
+  args.epilogue.ptr_C = d;
+  args.epilogue.dC = cutlass::make_cute_packed_stride(typename Kernel::StrideC{}, {m, n, 1});
+  args.epilogue.ptr_D = d;
+  args.epilogue.dD = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, {m, n, 1});
+  cudaDeviceProp prop;
+  cudaGetDeviceProperties(&prop, 0);
+  args.hw_info.sm_count = prop.multiProcessorCount;
+  return args;
+}
+
+// Microseconds per call of f: 5 warm-up calls, then the best of `rounds` loops of `iters` calls
+// between two events (back to back on the default stream: no host gaps inside a loop).
+template <class F>
+float BestUsPerCall(F&& f, int iters, int rounds) {
+  for (int i = 0; i < 5; ++i) f();
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  float best = 1e30f;
+  for (int r = 0; r < rounds; ++r) {
+    cudaEventRecord(e0);
+    for (int i = 0; i < iters; ++i) f();
+    cudaEventRecord(e1);
+    cudaEventSynchronize(e1);
+    float ms;
+    cudaEventElapsedTime(&ms, e0, e1);
+    best = std::min(best, ms * 1000.f / iters);
+  }
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) printf("cuda error %s\n", cudaGetErrorString(err));
+  return best;
+}
+
+// Hash-based values in [-0.5, 0.5): random-looking, never zero everywhere, reproducible.
+__global__ void Fill(E* p, size_t n, unsigned seed) {
+  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    unsigned h = (unsigned)i * 2654435761u ^ seed;
+    h ^= h >> 13;
+    h *= 0x5bd1e995;
+    h ^= h >> 15;
+    p[i] = E((float)(h & 0xffff) / 65536.f - 0.5f);
+  }
+}
