@@ -49,7 +49,7 @@ struct CommConfig {
                                     // (1: one; 0: about one wave of tiles each)
   int64_t rs_tile_signal = -1;      // GPU: pushed RS pieces released by launch end (0) or by
                                     // tile counters (1: at the next tile, 2: right after);
-                                    // -1: by the per-rank K (ChooseRsTileSignal)
+                                    // -1: by shape (ChooseRsTileSignal)
   int64_t tile_n = 0;               // GPU: output tile width, 256 or 192 (0: by waves)
 };
 
