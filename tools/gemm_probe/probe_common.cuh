@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <type_traits>
 
 #include <cuda_runtime.h>
 
@@ -20,19 +21,26 @@ using RM = cutlass::layout::RowMajor;
 using CM = cutlass::layout::ColumnMajor;
 
 // D = A * B in bf16 with f32 accumulation; layouts in CUTLASS 2.x terms (for A RowMajor = K-major,
-// for B ColumnMajor = K-major), TM x TN x 64 tiles, a ClusterM x 1 cluster.
-template <class LA, class LB, class LC, int TM, int TN, int ClusterM, class TileScheduler = void>
+// for B ColumnMajor = K-major), TM x TN x 64 tiles, a ClusterM x 1 cluster. Cooperative: both
+// consumer warpgroups share a tile and store it together (the tensor cores idle meanwhile);
+// ping-pong: each warpgroup owns a tile, one's epilogue runs under the other's mainloop.
+template <class LA, class LB, class LC, int TM, int TN, int ClusterM, class TileScheduler = void,
+          bool kPingpong = false>
 struct PlainGemm {
+  using MainSchedule = std::conditional_t<kPingpong, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
+                                          cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
+  using EpiSchedule = std::conditional_t<kPingpong, cutlass::epilogue::TmaWarpSpecialized,
+                                         cutlass::epilogue::TmaWarpSpecializedCooperative>;
   using Tile = cute::Shape<cute::Int<TM>, cute::Int<TN>, cute::_64>;
   using Cluster = cute::Shape<cute::Int<ClusterM>, cute::_1, cute::_1>;
   using Epi = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, E, LC, 8, E, LC, 8,
-      cutlass::epilogue::TmaWarpSpecializedCooperative>::CollectiveOp;
+      EpiSchedule>::CollectiveOp;
   using Main = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, E, LA, 8, E, LB, 8, float, Tile, Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epi::SharedStorage))>,
-      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+      MainSchedule>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Main, Epi, TileScheduler>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
