@@ -12,6 +12,9 @@ import dataclasses
 OPS = ("ag", "rs")
 M_SWEEP = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 M_DECODE = (1, 8, 16, 32, 64, 128, 256, 512, 1024)
+# Held-out M values: none is in M_SWEEP or M_DECODE, none a power of two, two not multiples of
+# 128 (row-tile tails); for checking that `impl="auto"` and the kernels generalize.
+M_HOLDOUT = (96, 320, 1000, 3000, 6144, 12288)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,12 +59,18 @@ class Preset:
     fixed: tuple = ()  # (op, M, K, N, label): exact shapes, not swept
 
 
+# hidden, ffn, query heads, KV heads, head dim
+_MODELS = {
+    "70B": (8192, 28672, 64, 8, 128),  # LLaMA-3 70B
+    "8B": (4096, 14336, 32, 8, 128),  # LLaMA-3 8B
+    "Qwen14B": (5120, 13824, 40, 8, 128),  # Qwen2.5-14B-like: K and N not powers of two
+    "Phi3mini": (3072, 8192, 32, 32, 96),  # Phi-3-mini-like: head dim 96, no GQA
+}
+
+
 def _llama_layers(model: str) -> tuple:
-    """LLaMA-3 TP layer GEMMs: QKV (ag), out-proj (rs), gate+up (ag), down (rs)."""
-    hidden, ffn, q_heads, kv_heads, head_dim = {
-        "70B": (8192, 28672, 64, 8, 128),
-        "8B": (4096, 14336, 32, 8, 128),
-    }[model]
+    """A decoder's TP layer GEMMs: QKV (ag), out-proj (rs), gate+up (ag), down (rs)."""
+    hidden, ffn, q_heads, kv_heads, head_dim = _MODELS[model]
     qkv = (q_heads + 2 * kv_heads) * head_dim
     return (
         ("ag", hidden, qkv, f"{model} qkv"),
@@ -103,6 +112,11 @@ def _build_presets() -> dict[str, Preset]:
         # flux_gemm_only (our GEMM alone) vs gemm_only (XLA's jnp.dot).
         "gemm-8192-tp2": Preset(
             "gemm-8192-tp2", 2, "bfloat16", (), (), (("ag", 8192, 8192, 16384, "8192^3 per GPU"),)
+        ),
+        # Shapes no kernel or rule was tuned on (models and M values not in the other presets).
+        "holdout-tp2": Preset(
+            "holdout-tp2", 2, "bfloat16", _llama_layers("Qwen14B") + _llama_layers("Phi3mini"),
+            M_HOLDOUT,
         ),
         "cpu-smoke": Preset(
             "cpu-smoke", None, "bfloat16", (), (),
