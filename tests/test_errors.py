@@ -207,6 +207,11 @@ def test_auto_gpu_policy_follows_the_measured_table():
     assert choose("ag_matmul", rows=256, k=8192, n=5120) == "latency"  # 1.21x
     assert choose("ag_matmul", rows=256, k=4096, n=3072) == "xla"  # latency 0.86x
     assert choose("ag_matmul", rows=16, k=8192, n=28672) == "xla"  # latency 1.00x
+    assert choose("ag_matmul", rows=320, k=3072, n=4608) == "xla"  # held out: latency 0.91x
+    assert choose("ag_matmul", rows=320, k=5120, n=3584) == "latency"  # held out: 1.18x
+    assert choose("ag_matmul", rows=12288, k=5120, n=13824) == "xla"  # held out: overlap 0.97-1.01x
+    assert choose("ag_matmul", rows=8192, k=4096, n=14336) == "overlap"  # 1.02-1.21x
+    assert choose("ag_matmul", rows=16384, k=8192, n=28672) == "overlap"  # 70B gate+up: 1.03x
     assert choose("matmul_rs", rows=4096, k=4096, n=8192) == "overlap"  # 1.42x
     assert choose("matmul_rs", rows=1024, k=4096, n=8192) == "overlap"  # 1.24x (latency 1.10x)
     assert choose("matmul_rs", rows=1024, k=2048, n=4096) == "latency"  # 1.23x (overlap 0.77x)
