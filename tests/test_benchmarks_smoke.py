@@ -211,3 +211,24 @@ def test_loop_anatomy_reads_a_trace_and_flags_a_host_bound_profile(tmp_path):
     bound = anatomy.read_trace(trace(120.0), calls=2)
     assert bound["host_loop_per_call_us"] == 120.0  # the busier of the two threads
     assert "HOST-BOUND UNDER THE PROFILER" in anatomy.summary_line({**row, **bound})
+
+
+def test_presets_expand_to_shardable_cases_and_the_holdout_is_disjoint():
+    from benchmarks.presets import M_DECODE, M_SWEEP, OPS, PRESETS, select_cases
+
+    for name, preset in PRESETS.items():
+        tp = preset.tp or 8
+        cases, skipped = select_cases(preset, tp, OPS, None, None)
+        assert all(case.invalid_reason() is None for case in cases), name
+        # only decode's M = 1 cannot be sharded (documented in benchmarks/README.md)
+        assert all(s["M"] == 1 for s in skipped), (name, skipped)
+    holdout, _ = select_cases(PRESETS["holdout-tp2"], 2, OPS, None, None)
+    tuned = {
+        (c.op, c.K, c.N)
+        for name in ("llama8b-tp2", "llama70b-tp2", "baselines-tp2", "decode-8192-tp2", "gemm-8192-tp2")
+        for c in select_cases(PRESETS[name], 2, OPS, None, None)[0]
+    }
+    assert len(holdout) == 48
+    assert not {c.M for c in holdout} & (set(M_SWEEP) | set(M_DECODE))
+    assert not {(c.op, c.K, c.N) for c in holdout} & tuned
+    assert any(c.M % 128 for c in holdout)  # row-tile tails
