@@ -11,6 +11,19 @@ import warnings
 
 import jax
 
+def _differing_sources(checkout_dir: str, installed_dir: str) -> list[str]:
+    """The .py files of the installed package whose text differs from the checkout's."""
+    differing = []
+    for name in sorted(os.listdir(installed_dir)):
+        mine = os.path.join(checkout_dir, name)
+        if not name.endswith(".py") or not os.path.isfile(mine):
+            continue
+        with open(mine, "rb") as a, open(os.path.join(installed_dir, name), "rb") as b:
+            if a.read() != b.read():
+                differing.append(name)
+    return differing
+
+
 def _load_installed_extension():
     """The extension of an installed flux_jax, when this package is the source checkout.
 
@@ -30,6 +43,14 @@ def _load_installed_extension():
                 module = importlib.util.module_from_spec(spec)
                 spec.loader.exec_module(module)
                 sys.modules["flux_jax._flux_jax_ffi"] = module
+                differing = _differing_sources(here, candidate_dir)
+                if differing:  # e.g. another branch's wheel under this checkout's Python
+                    warnings.warn(
+                        f"flux_jax: running the Python of {here} with the extension installed in "
+                        f"{candidate_dir}, whose Python differs ({', '.join(differing[:3])}"
+                        f"{', ...' if len(differing) > 3 else ''}): they may not belong together; "
+                        "install this checkout (pip install .) or run from outside it",
+                        stacklevel=2)
                 return module
     return None
 
