@@ -11,5 +11,7 @@ mkdir -p .whl/probe
 nvcc "${flags[@]}" tools/gemm_probe/gemm_orient.cu -o .whl/probe/gemm_orient & orient=$!
 nvcc "${flags[@]}" tools/gemm_probe/gemm_ours.cu "$build/cpp/libflux_jax_cuda.a" "$build/cpp/libflux_jax_kernels.a" \
   -o .whl/probe/gemm_ours & ours=$!
-wait "$orient"; wait "$ours"
-ls -la .whl/probe/gemm_orient .whl/probe/gemm_ours
+nvcc "${flags[@]}" tools/gemm_probe/gemm_cublas.cu "$build/cpp/libflux_jax_cuda.a" "$build/cpp/libflux_jax_kernels.a" \
+  -ldl -o .whl/probe/gemm_cublas & cublas=$!
+wait "$orient"; wait "$ours"; wait "$cublas"
+ls -la .whl/probe/gemm_orient .whl/probe/gemm_ours .whl/probe/gemm_cublas

@@ -1,0 +1,157 @@
+// Probe: cuBLAS (what XLA's jnp.dot calls) next to our GEMM and plain CUTLASS, in one process on
+// one GPU, at the held-out shapes where our GEMM alone took 1.01-1.16x XLA's time in session 11
+// (RESULTS sections 15-17) and at three LLaMA shapes for reference. Same timer for every column.
+//
+// cuBLAS is loaded with dlopen (no cuBLAS headers or libraries on the build machine): set
+// FLUX_PROBE_CUBLAS to libcublas.so.N (the JAX CUDA plugin ships one) and put its directory on
+// LD_LIBRARY_PATH so it finds libcublasLt. cublasGemmEx takes cuBLAS's own heuristic; XLA also
+// autotunes among cuBLASLt algorithms, so XLA may be faster still.
+//
+// Row-major D[m, n] = X[m, k] W[k, n] is column-major D^T = W^T X^T: cuBLAS gets (n, m, k) with
+// W as its A (leading dimension n) and X as its B (leading dimension k). The first pass checks
+// that cuBLAS and our kernel agree on every shape (max |difference| over max |value|).
+#include <dlfcn.h>
+#include <library_types.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "gemm_plan.h"
+#include "probe_common.cuh"
+
+namespace {
+
+// The few cuBLAS declarations used (ABI-stable since CUDA 11).
+using CublasHandle = void*;
+using CreateFn = int (*)(CublasHandle*);
+using SetStreamFn = int (*)(CublasHandle, cudaStream_t);
+using GemmExFn = int (*)(CublasHandle, int, int, int, int, int, const void*, const void*, cudaDataType, int,
+                         const void*, cudaDataType, int, const void*, void*, cudaDataType, int, int, int);
+constexpr int kOpN = 0;                // CUBLAS_OP_N
+constexpr int kCompute32F = 68;        // CUBLAS_COMPUTE_32F
+constexpr int kGemmDefault = -1;       // CUBLAS_GEMM_DEFAULT
+
+struct Cublas {
+  CublasHandle handle = nullptr;
+  GemmExFn gemm = nullptr;
+  bool Load() {
+    const char* path = std::getenv("FLUX_PROBE_CUBLAS");
+    void* lib = dlopen(path ? path : "libcublas.so", RTLD_NOW | RTLD_GLOBAL);
+    if (lib == nullptr) {
+      printf("cuBLAS not loaded (%s): set FLUX_PROBE_CUBLAS and LD_LIBRARY_PATH\n", dlerror());
+      return false;
+    }
+    auto create = reinterpret_cast<CreateFn>(dlsym(lib, "cublasCreate_v2"));
+    auto set_stream = reinterpret_cast<SetStreamFn>(dlsym(lib, "cublasSetStream_v2"));
+    gemm = reinterpret_cast<GemmExFn>(dlsym(lib, "cublasGemmEx"));
+    if (!create || !set_stream || !gemm || create(&handle) != 0 || set_stream(handle, nullptr) != 0) {
+      printf("cuBLAS symbols or handle missing\n");
+      return false;
+    }
+    return true;
+  }
+  int Run(int m, int n, int k, const E* x, const E* w, E* d) const {
+    const float one = 1.f, zero = 0.f;
+    return gemm(handle, kOpN, kOpN, n, m, k, &one, w, CUDA_R_16BF, n, x, CUDA_R_16BF, k, &zero, d, CUDA_R_16BF, n,
+                kCompute32F, kGemmDefault);
+  }
+};
+
+template <int TN>
+using Plain = PlainGemm<RM, RM, RM, 128, TN, 1, cutlass::gemm::PersistentScheduler>;
+
+template <class I>
+float TimePlain(int m, int n, int k, const E* a, const E* b, E* d, int iters, void* ws, int swizzle, bool along_n) {
+  using K = typename I::Kernel;
+  auto args = PlainArguments<K>(m, n, k, a, b, d);
+  args.scheduler.max_swizzle_size = swizzle;
+  using R = typename K::TileScheduler::RasterOrderOptions;
+  args.scheduler.raster_order = along_n ? R::AlongN : R::AlongM;
+  typename I::Gemm g;
+  if (g.can_implement(args) != cutlass::Status::kSuccess) return -1;
+  if (g.initialize(args, ws) != cutlass::Status::kSuccess) return -2;
+  return BestUsPerCall([&] { g.run(); }, iters, 7);
+}
+
+bool RunOurs(int m, int n, int k, const E* a, const E* b, E* d, const float* one, int bn, int sms) {
+  flux_jax::cuda::GemmPlan p;
+  p.m = m; p.n = n; p.k = k; p.a = a; p.b = b; p.d = d; p.alpha_ptr = one;
+  p.group_m_tiles = 8; p.block_n = bn;
+  return flux_jax::cuda::RunGemm(p, flux_jax::DType::kBF16, 0, 0, sms).ok();
+}
+
+// max |a - b| / max |b| over n elements (one block-stride pass, atomics on float bits: values >= 0).
+__global__ void MaxDiff(const E* a, const E* b, size_t n, unsigned* diff, unsigned* mag) {
+  float dl = 0.f, ml = 0.f;
+  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    dl = fmaxf(dl, fabsf(float(a[i]) - float(b[i])));
+    ml = fmaxf(ml, fabsf(float(b[i])));
+  }
+  atomicMax(diff, __float_as_uint(dl));
+  atomicMax(mag, __float_as_uint(ml));
+}
+
+}  // namespace
+
+int main() {
+  // Per-GPU GEMMs (M x K x N) at TP = 2: AG layers compute all M rows against N / 2 columns,
+  // RS layers all M rows against K / 2.
+  struct Shape { int m, k, n; const char* what; };
+  const std::vector<Shape> shapes = {
+      {3000, 3072, 4608, "Phi3 qkv 3000"},     {12288, 3072, 8192, "Phi3 gate+up 12288"},
+      {3000, 5120, 3584, "Qwen qkv 3000"},     {12288, 5120, 13824, "Qwen gate+up 12288"},
+      {3000, 2560, 5120, "Qwen out 3000"},     {12288, 2560, 5120, "Qwen out 12288"},
+      {6144, 6912, 5120, "Qwen down 6144"},    {12288, 1536, 3072, "Phi3 out 12288"},
+      {16384, 2048, 4096, "8B out 16384"},     {16384, 4096, 14336, "8B gate+up 16384"},
+      {8192, 8192, 8192, "8192^3"},
+  };
+  size_t maxe = 0;
+  for (auto& s : shapes) maxe = std::max({maxe, (size_t)s.m * s.k, (size_t)s.k * s.n, (size_t)s.m * s.n});
+  E *x, *w, *d, *d2; void* ws; float* one; unsigned* acc;
+  cudaMalloc(&x, maxe * 2); cudaMalloc(&w, maxe * 2); cudaMalloc(&d, maxe * 2); cudaMalloc(&d2, maxe * 2);
+  cudaMalloc(&ws, 64 << 20); cudaMalloc(&one, 4); cudaMalloc(&acc, 8);
+  float h1 = 1.f; cudaMemcpy(one, &h1, 4, cudaMemcpyHostToDevice);
+  Fill<<<1024, 256>>>(x, maxe, 1); Fill<<<1024, 256>>>(w, maxe, 2);
+  cudaDeviceProp prop; cudaGetDeviceProperties(&prop, 0);
+  const int sms = prop.multiProcessorCount;
+  Cublas cublas;
+  const bool have_cublas = cublas.Load();
+
+  printf("us per call, best of 7 loops; ratio = column / cuBLAS\n");
+  printf("%-19s %-17s %8s | %8s %8s | %8s %8s | %6s %6s | %s\n", "layer", "MxKxN", "cuBLAS", "ours256", "ours192",
+         "coop sw8", "coopN sw8", "o256/c", "best/c", "check");
+  for (int pass = 0; pass < 2; ++pass) {
+    for (auto& s : shapes) {
+      const int M = s.m, K = s.k, N = s.n;
+      const int it = std::max(3, (int)(20.0 * 8192.0 * 8192 * 8192 / ((double)M * N * K)));
+      char check[64] = "-";
+      if (pass == 0 && have_cublas) {  // cuBLAS and ours on the same inputs, poisoned outputs
+        cudaMemset(d, 0xff, (size_t)M * N * 2); cudaMemset(d2, 0xff, (size_t)M * N * 2); cudaMemset(acc, 0, 8);
+        const bool ok = cublas.Run(M, N, K, x, w, d) == 0 && RunOurs(M, N, K, x, w, d2, one, 256, sms);
+        MaxDiff<<<1024, 256>>>(d2, d, (size_t)M * N, acc, acc + 1);
+        unsigned h[2]; cudaMemcpy(h, acc, 8, cudaMemcpyDeviceToHost);
+        float df, mg; memcpy(&df, &h[0], 4); memcpy(&mg, &h[1], 4);
+        snprintf(check, sizeof check, ok ? "%.1e of %.2f" : "FAILED", df / mg, mg);
+      }
+      float t[5];
+      auto run = [&](int c) {
+        switch (c) {
+          case 0: t[0] = have_cublas ? BestUsPerCall([&] { cublas.Run(M, N, K, x, w, d); }, it, 7) : -1; break;
+          case 1: t[1] = BestUsPerCall([&] { RunOurs(M, N, K, x, w, d, one, 256, sms); }, it, 7); break;
+          case 2: t[2] = BestUsPerCall([&] { RunOurs(M, N, K, x, w, d, one, 192, sms); }, it, 7); break;
+          case 3: t[3] = TimePlain<Plain<256>>(M, N, K, x, w, d, it, ws, 8, false); break;
+          case 4: t[4] = TimePlain<Plain<256>>(M, N, K, x, w, d, it, ws, 8, true); break;
+        }
+      };
+      // The second pass in reverse column order, so drifting clocks favour no column.
+      for (int c = 0; c < 5; ++c) run(pass == 0 ? c : 4 - c);
+      const float best = std::min({t[1], t[2], t[3], t[4]});
+      printf("%-19s %5dx%5dx%5d %8.1f | %8.1f %8.1f | %8.1f %8.1f | %6.3f %6.3f | %s\n", s.what, M, K, N, t[0],
+             t[1], t[2], t[3], t[4], t[1] / t[0], best / t[0], check);
+    }
+  }
+  const cudaError_t err = cudaDeviceSynchronize();
+  printf("%s\n", cudaGetErrorString(err));
+  return 0;
+}
