@@ -61,19 +61,6 @@ struct Cublas {
 template <int TN>
 using Plain = PlainGemm<RM, RM, RM, 128, TN, 1, cutlass::gemm::PersistentScheduler>;
 
-template <class I>
-float TimePlain(int m, int n, int k, const E* a, const E* b, E* d, int iters, void* ws, int swizzle, bool along_n) {
-  using K = typename I::Kernel;
-  auto args = PlainArguments<K>(m, n, k, a, b, d);
-  args.scheduler.max_swizzle_size = swizzle;
-  using R = typename K::TileScheduler::RasterOrderOptions;
-  args.scheduler.raster_order = along_n ? R::AlongN : R::AlongM;
-  typename I::Gemm g;
-  if (g.can_implement(args) != cutlass::Status::kSuccess) return -1;
-  if (g.initialize(args, ws) != cutlass::Status::kSuccess) return -2;
-  return BestUsPerCall([&] { g.run(); }, iters, 7);
-}
-
 bool RunOurs(int m, int n, int k, const E* a, const E* b, E* d, const float* one, int bn, int sms) {
   flux_jax::cuda::GemmPlan p;
   p.m = m; p.n = n; p.k = k; p.a = a; p.b = b; p.d = d; p.alpha_ptr = one;

@@ -90,6 +90,20 @@ float BestUsPerCall(F&& f, int iters, int rounds) {
   return best;
 }
 
+// Microseconds per call of plain CUTLASS GEMM I on (m, n, k) with a swizzle and raster order.
+template <class I>
+float TimePlain(int m, int n, int k, const E* a, const E* b, E* d, int iters, void* ws, int swizzle, bool along_n) {
+  using K = typename I::Kernel;
+  auto args = PlainArguments<K>(m, n, k, a, b, d);
+  args.scheduler.max_swizzle_size = swizzle;
+  using R = typename K::TileScheduler::RasterOrderOptions;
+  args.scheduler.raster_order = along_n ? R::AlongN : R::AlongM;
+  typename I::Gemm g;
+  if (g.can_implement(args) != cutlass::Status::kSuccess) return -1;
+  if (g.initialize(args, ws) != cutlass::Status::kSuccess) return -2;
+  return BestUsPerCall([&] { g.run(); }, iters, 7);
+}
+
 // Hash-based values in [-0.5, 0.5): random-looking, never zero everywhere, reproducible.
 __global__ void Fill(E* p, size_t n, unsigned seed) {
   for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
