@@ -2,7 +2,7 @@
 # One call on the lent GPU host: install flux_jax, record build facts, run the
 # GPU tests and the benchmarks, leave everything under $OUT.
 #
-#   run(command="bash tools/gpu_session.sh [tests|bench|probe|train|trainmp|trainsweep|multiprocess|anatomy|ab|install|all] [args...]", carry=[".whl"])
+#   run(command="bash tools/gpu_session.sh [tests|bench|probe|train|trainmp|trainsweep|multiprocess|anatomy|ab|gemmgap|install|all] [args...]", carry=[".whl"])
 #
 # .whl/ holds the wheel built here (pip wheel . -w .whl) and, as a fallback,
 # cutlass_headers.tgz to build from source there. WHEEL=path picks another wheel
@@ -80,6 +80,18 @@ if [[ $what == ab ]]; then
   (cd /tmp && PYTHONPATH=/tmp/site:$REPO timeout ${AB_TIMEOUT:-500} python3 "$REPO/tools/ab_config.py" \
      --cases "$AB_CASES" --configs "$configs" --variant ${AB_VARIANT:-flux_overlap} --rounds ${AB_ROUNDS:-5} \
      --out "$OUT/ab_$(date +%s).json" "$@" 2>&1 | grep -E "^AB|Error|error" | head -60)
+fi
+if [[ $what == gemmgap ]]; then
+  # Our GEMM vs cuBLAS / XLA at the held-out shapes (tools/gpu_next_session.md item 1): the
+  # standalone probe (bash tools/gemm_probe/build.sh first) and the kernels XLA picks.
+  echo "== gemm_cublas probe (GPU 0)"
+  lib=$(find / -name 'libcublas.so.1[0-9]*' ! -name '*Lt*' 2>/dev/null | head -1); echo "cuBLAS: $lib"
+  CUDA_VISIBLE_DEVICES=0 FLUX_PROBE_CUBLAS=$lib LD_LIBRARY_PATH=$(dirname "$lib"):${LD_LIBRARY_PATH:-} \
+    timeout 120 ./.whl/probe/gemm_cublas 2>&1 | tee "$OUT/gemm_cublas.txt"
+  echo "== XLA's kernels at the held-out shapes (one call's timeline)"
+  (cd /tmp && PYTHONPATH=/tmp/site:$REPO timeout ${ANATOMY_TIMEOUT:-150} python3 "$REPO/tools/loop_anatomy.py" \
+     --cases "${GAP_CASES:-ag:3000x3072x9216,ag:12288x3072x16384,ag:3000x5120x7168,rs:3000x5120x5120}" \
+     --variants gemm_only,flux_gemm_only --calls 20 --timeline --out "$OUT/anatomy_gemmgap.json" 2>&1 | tail -60)
 fi
 if [[ $what == train ]]; then
   echo "== 8B-like layer stack, fused vs xla"
