@@ -185,6 +185,39 @@ def test_1000_back_to_back_calls_with_xla_collectives_in_between(gpus, paths):
     assert not flux_jax.device_errors()
 
 
+def test_back_to_back_latency_calls_of_different_sizes(gpus):
+    """ag (1 MiB chunks) -> rs (0.5 MiB chunks) on the latency path, 500 times back to back:
+    each smaller call follows a larger one, whose slots the peer may still be reading (the
+    parity halves of the slot area must not overlap across sizes)."""
+    mesh = _mesh(gpus)
+    rng = np.random.default_rng()
+    x = random_array(rng, (1024, 1024), "bfloat16")  # per rank [512, 1024]: 1 MiB gathered chunks
+    w1 = random_array(rng, (1024, 1024), "bfloat16", scale=1 / 32)
+    w2 = random_array(rng, (1024, 512), "bfloat16", scale=1 / 32)  # rs chunks [512, 512]: 0.5 MiB
+
+    def program(impl):
+        def body(h, w1, w2):
+            def step(h, _):
+                y = flux_jax.ag_matmul(h, w1, axis_name="tp", impl=impl)
+                r = flux_jax.matmul_rs(jnp.tanh(y), w2, axis_name="tp", impl=impl)
+                return jnp.tanh(jnp.concatenate([r, -r], axis=1)), None
+
+            with flux_jax.config(fused_path="latency"):
+                return jax.lax.scan(step, h, None, length=500)[0]
+
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(None, "tp"), P("tp")),
+                                     out_specs=P("tp")))
+
+    args = (place(mesh, x, P("tp")), place(mesh, w1, P(None, "tp")), place(mesh, w2, P("tp")))
+    fused = program("fused")
+    assert "flux_jax_all_gather" in fused.lower(*args).as_text()
+    out = np.asarray(fused(*args), np.float32)
+    assert np.all(np.isfinite(out))
+    ref = np.asarray(program("xla")(*args), np.float32)
+    assert np.mean(np.abs(out - ref)) < 0.05, np.mean(np.abs(out - ref))
+    assert not flux_jax.device_errors()
+
+
 @pytest.mark.parametrize("path", ["overlap", "latency"])
 def test_rs_is_bitwise_deterministic(gpus, path):
     mesh = _mesh(gpus)
