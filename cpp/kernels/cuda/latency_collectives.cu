@@ -21,7 +21,7 @@
 // kernel e (the last reader of slot[b]) has finished on its stream.
 // The two parities are the two fixed halves of the slot area, whatever a call's
 // size: with a size-dependent stride (tp * chunk bytes, until 2026-11-30) a call
-// e+1 smaller than call e by 1.5-4x wrote into the part of parity 0 that the
+// e+1 at least 1.5x smaller than call e wrote into the part of parity 0 that the
 // peer's kernel e may still be reading. The halves cannot move under a call:
 // the area only grows with every member drained (workspace.h), and every member
 // has the same capacity (same requests in one process; the smallest in IPC).
