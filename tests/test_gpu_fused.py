@@ -188,8 +188,7 @@ def test_1000_back_to_back_calls_with_xla_collectives_in_between(gpus, paths):
 def test_back_to_back_latency_calls_of_different_sizes(gpus):
     """ag (1 MiB chunks) -> rs (0.5 MiB chunks) on the latency path, 300 times, with only
     8-column GEMMs in between: each smaller call follows a larger one, whose slots the peer may
-    still be reading, so the two parities' slots must not overlap across sizes (they can on
-    main: a known race, fixed on branch fix/latency-slot-parity, docs/kernels.md).
+    still be reading, so the parity halves of the slot area must not overlap across sizes.
     Small integers keep every product and sum exact, so the result must equal the twin's bit
     for bit (a balanced loop rarely loses the old race; correct data at mixed sizes is what
     this checks for sure)."""

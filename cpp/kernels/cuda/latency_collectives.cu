@@ -19,12 +19,12 @@
 // call e+2 without asking: it starts call e+2 only after its call e+1 saw the
 // peer's flags of e+1, which the peer raises in its kernel e+1, i.e. after its
 // kernel e (the last reader of slot[b]) has finished on its stream.
-// KNOWN RACE (2026-11-30, found by reading, not yet seen in a test): the parity
-// stride below is the call's own tp * chunk bytes, so a call more than 1.5x
-// smaller than the call before it writes into the part of parity 0 the peer's
-// kernel e may still be reading. The fix (fixed halves of the slot area) is on
-// branch fix/latency-slot-parity, waiting for a GPU run; equal-size calls (a
-// transformer's layers at one M) are not affected.
+// The two parities are the two fixed halves of the slot area, whatever a call's
+// size: with a size-dependent stride (tp * chunk bytes, until 2026-11-30) a call
+// e+1 at least 1.5x smaller than call e wrote into the part of parity 0 that the
+// peer's kernel e may still be reading. The halves cannot move under a call:
+// the area only grows with every member drained (workspace.h), and every member
+// has the same capacity (same requests in one process; the smallest in IPC).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -260,7 +260,7 @@ Status Run(Kind kind, const CollectiveParams& p, const TpGroup& group, const Com
   ws->epoch += 1;  // every rank counts every fused call of the group: epochs agree
   if (cfg.poison_outputs) FLUX_CUDA_TRY(cudaMemsetAsync(p.out, 0xFF, out_bytes, S));
 
-  const size_t parity_offset = (ws->epoch & 1) * tp * chunk_bytes;
+  const size_t parity_offset = (ws->epoch & 1) * (ws->slots_capacity / 2);  // >= tp * chunk_bytes
   CollectiveArgs a{};
   a.x = static_cast<const uint4*>(p.x);
   a.out = static_cast<uint4*>(p.out);
