@@ -33,6 +33,13 @@ twin (xla_shard_map), global shapes, AG: n = N/2 per rank; RS: k = K/2 per rank:
   ag  12288  5120   27648   2568.0   1.01     1.00   (auto 0.99x; 0.97x in a second run)
   ag  16384  4096   28672   2889.0   1.03          (8B gate+up: auto 1.15 / 1.03 / 0.98 / 1.01x in s5-s8)
   rs  16     4096   4096      38.4   0.54     1.86
+  Decode preset, all M (s12, harness_decode-tp2_rs_2026-11-30_s12.json, 3 samples), latency / twin:
+  rs  8-64   4096   4096      31-37           1.64-1.86  (8B out-proj, weight k*N = 8.4M)
+  rs  128    4096   4096      28.8            1.08       (twin sample low: 37-39 us at M = 64, 256)
+  rs  8-128  14336  4096      31-40           0.94-1.07  (8B down, 29M; 1.13 / 0.96 on 11-29)
+  rs  8-128  8192   8192      32-48           0.92-1.02  (70B out-proj, 34M; 1.04 / 0.98 on 11-29)
+  rs  96     8192   3072      38.7            1.34       (held out, s11: Phi-3-mini down, 12.6M)
+  rs  96     5120   5120      40.5            1.32       (held out, s11: Qwen out-proj, 13.1M)
   rs  16     28672  8192      73.1   0.25     0.97   <- GEMM-bound: the twin
   rs  64     4096   4096      37.6   0.55     1.67
   rs  64     8192   8192      40.9   0.37     0.98
@@ -79,7 +86,11 @@ _AG_OVERLAP_MIN_TILES = 192  # AG overlap needs > 1 wave of 128x256 tiles (128 t
 _AG_LATENCY_MIN_MACS = 5e9  # AG with M >= 64: below this the twin (3.2e9: 0.86x, 4.5e9: 0.91x)
 # AG at M >= 12288 with a wide per-rank n and K <= 6144: the twin (see the table's s11 rows).
 _AG_WIDE_MIN_ROWS, _AG_WIDE_MIN_N, _AG_WIDE_MAX_K = 12288, 12288, 6144
-_RS_SMALL_M_MAX_MACS = 1e9  # RS with M < 256: above this the twin (rs 16x28672x8192: 1.9e9, 0.97x)
+# RS with M < 256: the latency path where the per-rank weight (k * n elements) is at most this.
+# Its GEMM is then short enough that the collective hides under the call's fixed cost: 1.32-1.86x
+# at 4.7-13.1M; at 29-117M (8B down, 70B out-proj / down) the GEMM is long, both paths pay their
+# collective in full, and latency / twin read 0.92-1.13x in three runs: a tie, so the twin.
+_RS_SMALL_M_MAX_WEIGHT = 1 << 24
 
 
 def _tiles(rows: int, n: int) -> int:
@@ -114,7 +125,7 @@ def choose(op: str, tp: int, rows: int, k: int, n: int, dtype) -> str:
         return "latency" if rows >= 64 and macs >= _AG_LATENCY_MIN_MACS else "xla"
     if rows >= 2048 or (rows >= 1024 and n >= 8192):
         return "overlap"
-    if rows >= 256 or macs <= _RS_SMALL_M_MAX_MACS:
+    if rows >= 256 or k * n <= _RS_SMALL_M_MAX_WEIGHT:
         return "latency"
     return "xla"
 
@@ -166,6 +177,9 @@ def explain(op: str, M: int, K: int, N: int, tp: int, dtype="bfloat16") -> str:
         why = "no float32 kernels"
     elif tp != 2:
         why = f"tp={tp} has not been measured on GPUs yet"
+    elif op == "matmul_rs" and M < 256:
+        why = (f"at this M the per-rank GEMM reads a {2 * k * n / 2**20:.0f} MiB weight (16-bit), long "
+               "enough that the latency path pays its collective in full: measured 0.92-1.13x, a tie")
     elif op == "ag_matmul" and _ag_wide_gemm(M, k, n):
         why = ("the gather is a small share of this wide GEMM and XLA's GEMM is 1-6% faster than ours "
                "here: the overlap measured 0.97-1.03x")

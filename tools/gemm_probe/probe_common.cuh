@@ -104,6 +104,23 @@ float TimePlain(int m, int n, int k, const E* a, const E* b, E* d, int iters, vo
   return BestUsPerCall([&] { g.run(); }, iters, 7);
 }
 
+// Microseconds per call of plain CUTLASS GEMM I whose scheduler is CUTLASS's stream-K
+// (cutlass::gemm::StreamKScheduler) in `mode`: initialize() runs inside every call, since it
+// zeroes the reduction locks the kernel counts up and never resets. ws holds ws_bytes.
+template <class I, class Mode>
+float TimeStreamK(int m, int n, int k, const E* a, const E* b, E* d, int iters, void* ws, size_t ws_bytes,
+                  Mode mode) {
+  using K = typename I::Kernel;
+  auto args = PlainArguments<K>(m, n, k, a, b, d);
+  args.scheduler.max_swizzle_size = 8;
+  args.scheduler.decomposition_mode = mode;
+  typename I::Gemm g;
+  if (g.can_implement(args) != cutlass::Status::kSuccess) return -1;
+  if (I::Gemm::get_workspace_size(args) > ws_bytes) return -3;
+  if (g.initialize(args, ws) != cutlass::Status::kSuccess) return -2;
+  return BestUsPerCall([&] { g.initialize(args, ws); g.run(); }, iters, 7);
+}
+
 // Hash-based values in [-0.5, 0.5): random-looking, never zero everywhere, reproducible.
 __global__ void Fill(E* p, size_t n, unsigned seed) {
   for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
