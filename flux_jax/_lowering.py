@@ -96,12 +96,12 @@ def _twin_lowering(prim_name, transpose_w, axis_name, outs):
     return mlir.lower_fun(twin, multiple_results=True)
 
 
-def _latency_lowering(prim_name, transpose_w, tp_size, outs, attrs):
+def _latency_lowering(prim_name, transpose_w, tp_size, outs, attrs, pass_rank):
     """The latency path: our NVLink collective (one custom call) and XLA's GEMM."""
 
     def collective(target, x, rank, shape):
         result = jax.typeof(x).update(shape=shape)  # keeps the manual-axis type of x
-        return jax.ffi.ffi_call(target, result)(x, rank, **attrs)
+        return jax.ffi.ffi_call(target, result)(*((x, rank) if pass_rank else (x,)), **attrs)
 
     def latency(x, w, rank):
         w = w.T if transpose_w else w
@@ -167,9 +167,15 @@ def register_fused_lowering(prim, target: str, cuda_available) -> None:
         x_aval, w_aval = ctx.avals_in[0], ctx.avals_in[1]
         path = choose_path(prim.name, platform, config, x_aval.shape, w_aval.shape, tp_size,
                            transpose_w, x_aval.dtype)
+        # The rank operand (lax.axis_index) is cross-checked by the CPU handlers only: on GPU it
+        # would sit in device memory, so the CUDA handlers take none, and XLA drops the unused
+        # axis_index (a ~1 us convert kernel per call, measured in the decode loop).
+        pass_rank = platform == "cpu"
         if path == "latency":
-            lower = _latency_lowering(prim.name, transpose_w, tp_size, len(ctx.avals_out), attrs)
+            lower = _latency_lowering(prim.name, transpose_w, tp_size, len(ctx.avals_out), attrs, pass_rank)
             return lower(ctx, *operands)
+        if not pass_rank:
+            ctx, operands = ctx.replace(avals_in=ctx.avals_in[:2]), operands[:2]
         return jax.ffi.ffi_lowering(target)(ctx, *operands, **attrs)
 
     def cuda_rule(ctx, *operands, **params):

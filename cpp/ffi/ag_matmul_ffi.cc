@@ -44,14 +44,13 @@ Status MakeParams(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer
   return AgMatmulCanImplement(*p, group);
 }
 
-// `stream` is null on CPU. On GPU the rank operand lives in device memory, so
-// the host trusts the mesh table (the kernels cross-check it).
-ffi::Error AgMatmul(void* stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                    ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> out,
-                    ffi::RemainingRets extra, ffi::Dictionary attrs) {
+// `stream` is null on CPU. `host_rank` is lax.axis_index, cross-checked against
+// the mesh table: on CPU only. On GPU the rank would live in device memory, so the
+// GPU lowering does not pass it (computing it cost a ~1 us convert kernel per call).
+ffi::Error AgMatmul(void* stream, int32_t device_ordinal, std::optional<int32_t> host_rank, ffi::AnyBuffer x,
+                    ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out, ffi::RemainingRets extra,
+                    ffi::Dictionary attrs) {
   ScopedHandlerTimer timer(HandlerOp::kAgMatmul);
-  std::optional<int32_t> host_rank;
-  if (stream == nullptr) host_rank = rank.typed_data()[0];
   TpGroup group;
   CommConfig cfg;
   AgMatmulParams p;
@@ -65,7 +64,12 @@ ffi::Error AgMatmul(void* stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi:
 ffi::Error AgMatmulCpu(int32_t device_ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
                        ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> out,
                        ffi::RemainingRets extra, ffi::Dictionary attrs) {
-  return AgMatmul(nullptr, device_ordinal, x, w, rank, out, extra, attrs);
+  return AgMatmul(nullptr, device_ordinal, rank.typed_data()[0], x, w, out, extra, attrs);
+}
+
+ffi::Error AgMatmulCuda(void* stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                        ffi::Result<ffi::AnyBuffer> out, ffi::RemainingRets extra, ffi::Dictionary attrs) {
+  return AgMatmul(stream, device_ordinal, std::nullopt, x, w, out, extra, attrs);
 }
 
 }  // namespace
@@ -84,13 +88,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FluxJaxAgMatmulCpu, flux_jax::ffi_adapter::AgMatmu
                                   .Attrs());
 
 #ifdef FLUX_JAX_WITH_CUDA
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FluxJaxAgMatmulCuda, flux_jax::ffi_adapter::AgMatmul,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FluxJaxAgMatmulCuda, flux_jax::ffi_adapter::AgMatmulCuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<void*>>()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()         // x [m_local, k]
                                   .Arg<ffi::AnyBuffer>()         // w [k, n] or [n, k]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // rank = lax.axis_index
                                   .Ret<ffi::AnyBuffer>()         // out [tp*m_local, n]
                                   .RemainingRets()               // gathered x, optional
                                   .Attrs());

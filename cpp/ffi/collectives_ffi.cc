@@ -33,12 +33,11 @@ Status MakeParams(Collective op, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> o
   return CheckElements("reduce_scatter out", out->element_count(), p->rows / group.size * p->cols);
 }
 
+// `stream` is null on CPU; `host_rank` only there (see ag_matmul_ffi.cc).
 template <Collective op>
-ffi::Error Run(void* stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank,
+ffi::Error Run(void* stream, int32_t device_ordinal, std::optional<int32_t> host_rank, ffi::AnyBuffer x,
                ffi::Result<ffi::AnyBuffer> out, ffi::Dictionary attrs) {
   ScopedHandlerTimer timer(op == Collective::kAllGather ? HandlerOp::kAllGather : HandlerOp::kReduceScatter);
-  std::optional<int32_t> host_rank;
-  if (stream == nullptr) host_rank = rank.typed_data()[0];  // on GPU it is device memory
   TpGroup group;
   CommConfig cfg;
   CollectiveParams p;
@@ -58,7 +57,13 @@ ffi::Error Run(void* stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::Buff
 template <Collective op>
 ffi::Error RunCpu(int32_t device_ordinal, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank,
                   ffi::Result<ffi::AnyBuffer> out, ffi::Dictionary attrs) {
-  return Run<op>(nullptr, device_ordinal, x, rank, out, attrs);
+  return Run<op>(nullptr, device_ordinal, rank.typed_data()[0], x, out, attrs);
+}
+
+template <Collective op>
+ffi::Error RunCuda(void* stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
+                   ffi::Dictionary attrs) {
+  return Run<op>(stream, device_ordinal, std::nullopt, x, out, attrs);
 }
 
 }  // namespace
@@ -67,24 +72,32 @@ ffi::Error RunCpu(int32_t device_ordinal, ffi::AnyBuffer x, ffi::Buffer<ffi::S32
 namespace ffi = xla::ffi;
 using flux_jax::ffi_adapter::Collective;
 
-#define FLUX_JAX_COLLECTIVE_BINDING(...)                                  \
+// CPU: x, rank (= lax.axis_index, cross-checked); CUDA: x only (see ag_matmul_ffi.cc).
+#define FLUX_JAX_CPU_COLLECTIVE_BINDING()                                 \
   ffi::Ffi::Bind()                                                        \
-      __VA_ARGS__.Ctx<ffi::DeviceOrdinal>()                               \
+      .Ctx<ffi::DeviceOrdinal>()                                          \
       .Arg<ffi::AnyBuffer>()         /* x */                              \
       .Arg<ffi::Buffer<ffi::S32>>()  /* rank = lax.axis_index */          \
+      .Ret<ffi::AnyBuffer>()         /* gathered / reduced rows */        \
+      .Attrs()
+#define FLUX_JAX_CUDA_COLLECTIVE_BINDING()                                \
+  ffi::Ffi::Bind()                                                        \
+      .Ctx<ffi::PlatformStream<void*>>()                                  \
+      .Ctx<ffi::DeviceOrdinal>()                                          \
+      .Arg<ffi::AnyBuffer>()         /* x */                              \
       .Ret<ffi::AnyBuffer>()         /* gathered / reduced rows */        \
       .Attrs()
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FluxJaxAllGatherCpu,
                               flux_jax::ffi_adapter::RunCpu<Collective::kAllGather>,
-                              FLUX_JAX_COLLECTIVE_BINDING());
+                              FLUX_JAX_CPU_COLLECTIVE_BINDING());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FluxJaxReduceScatterCpu,
                               flux_jax::ffi_adapter::RunCpu<Collective::kReduceScatter>,
-                              FLUX_JAX_COLLECTIVE_BINDING());
+                              FLUX_JAX_CPU_COLLECTIVE_BINDING());
 #ifdef FLUX_JAX_WITH_CUDA
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FluxJaxAllGatherCuda, flux_jax::ffi_adapter::Run<Collective::kAllGather>,
-                              FLUX_JAX_COLLECTIVE_BINDING(.Ctx<ffi::PlatformStream<void*>>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FluxJaxAllGatherCuda, flux_jax::ffi_adapter::RunCuda<Collective::kAllGather>,
+                              FLUX_JAX_CUDA_COLLECTIVE_BINDING());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FluxJaxReduceScatterCuda,
-                              flux_jax::ffi_adapter::Run<Collective::kReduceScatter>,
-                              FLUX_JAX_COLLECTIVE_BINDING(.Ctx<ffi::PlatformStream<void*>>()));
+                              flux_jax::ffi_adapter::RunCuda<Collective::kReduceScatter>,
+                              FLUX_JAX_CUDA_COLLECTIVE_BINDING());
 #endif

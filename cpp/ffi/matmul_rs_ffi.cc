@@ -34,13 +34,10 @@ Status MakeParams(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer
   return CheckElements("matmul_rs out", out->element_count(), p->m / group.size * p->n);
 }
 
-// `stream` is null on CPU (see ag_matmul_ffi.cc).
-ffi::Error MatmulRs(void* stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                    ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> out,
-                    ffi::Dictionary attrs) {
+// `stream` is null on CPU; `host_rank` only there (see ag_matmul_ffi.cc).
+ffi::Error MatmulRs(void* stream, int32_t device_ordinal, std::optional<int32_t> host_rank, ffi::AnyBuffer x,
+                    ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out, ffi::Dictionary attrs) {
   ScopedHandlerTimer timer(HandlerOp::kMatmulRs);
-  std::optional<int32_t> host_rank;
-  if (stream == nullptr) host_rank = rank.typed_data()[0];
   TpGroup group;
   CommConfig cfg;
   MatmulRsParams p;
@@ -54,7 +51,12 @@ ffi::Error MatmulRs(void* stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi:
 ffi::Error MatmulRsCpu(int32_t device_ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
                        ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> out,
                        ffi::Dictionary attrs) {
-  return MatmulRs(nullptr, device_ordinal, x, w, rank, out, attrs);
+  return MatmulRs(nullptr, device_ordinal, rank.typed_data()[0], x, w, out, attrs);
+}
+
+ffi::Error MatmulRsCuda(void* stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                        ffi::Result<ffi::AnyBuffer> out, ffi::Dictionary attrs) {
+  return MatmulRs(stream, device_ordinal, std::nullopt, x, w, out, attrs);
 }
 
 }  // namespace
@@ -72,13 +74,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FluxJaxMatmulRsCpu, flux_jax::ffi_adapter::MatmulR
                                   .Attrs());
 
 #ifdef FLUX_JAX_WITH_CUDA
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FluxJaxMatmulRsCuda, flux_jax::ffi_adapter::MatmulRs,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FluxJaxMatmulRsCuda, flux_jax::ffi_adapter::MatmulRsCuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<void*>>()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()         // x [m, k_local]
                                   .Arg<ffi::AnyBuffer>()         // w [k_local, n] or [n, k_local]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // rank = lax.axis_index
                                   .Ret<ffi::AnyBuffer>()         // out [m/tp, n]
                                   .Attrs());
 #endif
