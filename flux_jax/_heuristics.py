@@ -40,6 +40,12 @@ twin (xla_shard_map), global shapes, AG: n = N/2 per rank; RS: k = K/2 per rank:
   rs  8-128  8192   8192      32-48           0.92-1.02  (70B out-proj, 34M; 1.04 / 0.98 on 11-29)
   rs  96     8192   3072      38.7            1.34       (held out, s11: Phi-3-mini down, 12.6M)
   rs  96     5120   5120      40.5            1.32       (held out, s11: Qwen out-proj, 13.1M)
+  Then the CUDA lowering stopped computing the rank operand (s12, one run, 5 samples,
+  harness_decode-tp2_m8-64-256_{rank,no_rank}_operand_2026-11-30_s12.json): the latency path
+  took 0.85-0.96x its time at 17 of 21 decode shapes (2.5-6 us less per call), latency / twin:
+  rs  8-256  14336  4096      33-54           1.12-1.26  (8B down, 29M)
+  rs  8-256  8192   8192      35-64           1.15-1.43  (70B out-proj, 34M)
+  ag  8-256  all four decode layers            1.01-1.31  (1.01-1.02 at M = 8 with K = 8192 or N = 28672)
   rs  16     28672  8192      73.1   0.25     0.97   <- GEMM-bound: the twin
   rs  64     4096   4096      37.6   0.55     1.67
   rs  64     8192   8192      40.9   0.37     0.98
@@ -87,10 +93,11 @@ _AG_LATENCY_MIN_MACS = 5e9  # AG with M >= 64: below this the twin (3.2e9: 0.86x
 # AG at M >= 12288 with a wide per-rank n and K <= 6144: the twin (see the table's s11 rows).
 _AG_WIDE_MIN_ROWS, _AG_WIDE_MIN_N, _AG_WIDE_MAX_K = 12288, 12288, 6144
 # RS with M < 256: the latency path where the per-rank weight (k * n elements) is at most this.
-# Its GEMM is then short enough that the collective hides under the call's fixed cost: 1.32-1.86x
-# at 4.7-13.1M; at 29-117M (8B down, 70B out-proj / down) the GEMM is long, both paths pay their
-# collective in full, and latency / twin read 0.92-1.13x in three runs: a tie, so the twin.
-_RS_SMALL_M_MAX_WEIGHT = 1 << 24
+# Where the GEMM is short the collective hides under the call's fixed cost: 1.32-1.86x at
+# 4.7-13.1M. At 29-34M (8B down, 70B out-proj) latency / twin read 0.92-1.13x in three runs
+# while the rank operand was still computed, 1.12-1.19x in one run without it (s12). 70B down
+# (117M) read 0.96-1.02x with it and has not been measured without it: the twin there.
+_RS_SMALL_M_MAX_WEIGHT = 1 << 26
 
 
 def _tiles(rows: int, n: int) -> int:
@@ -179,7 +186,7 @@ def explain(op: str, M: int, K: int, N: int, tp: int, dtype="bfloat16") -> str:
         why = f"tp={tp} has not been measured on GPUs yet"
     elif op == "matmul_rs" and M < 256:
         why = (f"at this M the per-rank GEMM reads a {2 * k * n / 2**20:.0f} MiB weight (16-bit), long "
-               "enough that the latency path pays its collective in full: measured 0.92-1.13x, a tie")
+               "enough that the latency path pays its collective in full: measured 0.96-1.02x at 224 MiB")
     elif op == "ag_matmul" and _ag_wide_gemm(M, k, n):
         why = ("the gather is a small share of this wide GEMM and XLA's GEMM is 1-6% faster than ours "
                "here: the overlap measured 0.97-1.03x")
