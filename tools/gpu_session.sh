@@ -88,6 +88,11 @@ if [[ $what == gemmgap ]]; then
   lib=$(find / -name 'libcublas.so.1[0-9]*' ! -name '*Lt*' 2>/dev/null | head -1); echo "cuBLAS: $lib"
   CUDA_VISIBLE_DEVICES=0 FLUX_PROBE_CUBLAS=$lib LD_LIBRARY_PATH=$(dirname "$lib"):${LD_LIBRARY_PATH:-} \
     timeout 120 ./.whl/probe/gemm_cublas 2>&1 | tee "$OUT/gemm_cublas.txt"
+  if [[ -x .whl/probe/gemm_widths ]]; then
+    echo "== gemm_widths probe (GPU 0): wave-filling tile widths against cuBLAS"
+    CUDA_VISIBLE_DEVICES=0 FLUX_PROBE_CUBLAS=$lib LD_LIBRARY_PATH=$(dirname "$lib"):${LD_LIBRARY_PATH:-} \
+      timeout 150 ./.whl/probe/gemm_widths 2>&1 | tee "$OUT/gemm_widths.txt"
+  fi
   echo "== XLA's kernels at the held-out shapes (one call's timeline)"
   (cd /tmp && PYTHONPATH=/tmp/site:$REPO timeout ${ANATOMY_TIMEOUT:-150} python3 "$REPO/tools/loop_anatomy.py" \
      --cases "${GAP_CASES:-ag:3000x3072x9216,ag:12288x3072x16384,ag:3000x5120x7168,rs:3000x5120x5120}" \

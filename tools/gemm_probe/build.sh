@@ -14,4 +14,5 @@ nvcc "${flags[@]}" tools/gemm_probe/gemm_ours.cu "$build/cpp/libflux_jax_cuda.a"
 nvcc "${flags[@]}" tools/gemm_probe/gemm_cublas.cu "$build/cpp/libflux_jax_cuda.a" "$build/cpp/libflux_jax_kernels.a" \
   -ldl -o .whl/probe/gemm_cublas & cublas=$!
 wait "$orient"; wait "$ours"; wait "$cublas"
-ls -la .whl/probe/gemm_orient .whl/probe/gemm_ours .whl/probe/gemm_cublas
+nvcc "${flags[@]}" tools/gemm_probe/gemm_widths.cu -ldl -o .whl/probe/gemm_widths
+ls -la .whl/probe/gemm_orient .whl/probe/gemm_ours .whl/probe/gemm_cublas .whl/probe/gemm_widths

@@ -7,56 +7,14 @@
 // LD_LIBRARY_PATH so it finds libcublasLt. cublasGemmEx takes cuBLAS's own heuristic; XLA also
 // autotunes among cuBLASLt algorithms, so XLA may be faster still.
 //
-// Row-major D[m, n] = X[m, k] W[k, n] is column-major D^T = W^T X^T: cuBLAS gets (n, m, k) with
-// W as its A (leading dimension n) and X as its B (leading dimension k). The first pass checks
-// that cuBLAS and our kernel agree on every shape (max |difference| over max |value|).
-#include <dlfcn.h>
-#include <library_types.h>
-
-#include <cstdlib>
-#include <cstring>
+// The first pass checks that cuBLAS and our kernel agree on every shape (max |difference| over
+// max |value|).
 #include <vector>
 
+#include "cublas_loader.cuh"
 #include "gemm_plan.h"
-#include "probe_common.cuh"
 
 namespace {
-
-// The few cuBLAS declarations used (ABI-stable since CUDA 11).
-using CublasHandle = void*;
-using CreateFn = int (*)(CublasHandle*);
-using SetStreamFn = int (*)(CublasHandle, cudaStream_t);
-using GemmExFn = int (*)(CublasHandle, int, int, int, int, int, const void*, const void*, cudaDataType, int,
-                         const void*, cudaDataType, int, const void*, void*, cudaDataType, int, int, int);
-constexpr int kOpN = 0;                // CUBLAS_OP_N
-constexpr int kCompute32F = 68;        // CUBLAS_COMPUTE_32F
-constexpr int kGemmDefault = -1;       // CUBLAS_GEMM_DEFAULT
-
-struct Cublas {
-  CublasHandle handle = nullptr;
-  GemmExFn gemm = nullptr;
-  bool Load() {
-    const char* path = std::getenv("FLUX_PROBE_CUBLAS");
-    void* lib = dlopen(path ? path : "libcublas.so", RTLD_NOW | RTLD_GLOBAL);
-    if (lib == nullptr) {
-      printf("cuBLAS not loaded (%s): set FLUX_PROBE_CUBLAS and LD_LIBRARY_PATH\n", dlerror());
-      return false;
-    }
-    auto create = reinterpret_cast<CreateFn>(dlsym(lib, "cublasCreate_v2"));
-    auto set_stream = reinterpret_cast<SetStreamFn>(dlsym(lib, "cublasSetStream_v2"));
-    gemm = reinterpret_cast<GemmExFn>(dlsym(lib, "cublasGemmEx"));
-    if (!create || !set_stream || !gemm || create(&handle) != 0 || set_stream(handle, nullptr) != 0) {
-      printf("cuBLAS symbols or handle missing\n");
-      return false;
-    }
-    return true;
-  }
-  int Run(int m, int n, int k, const E* x, const E* w, E* d) const {
-    const float one = 1.f, zero = 0.f;
-    return gemm(handle, kOpN, kOpN, n, m, k, &one, w, CUDA_R_16BF, n, x, CUDA_R_16BF, k, &zero, d, CUDA_R_16BF, n,
-                kCompute32F, kGemmDefault);
-  }
-};
 
 template <int TN>
 using Plain = PlainGemm<RM, RM, RM, 128, TN, 1, cutlass::gemm::PersistentScheduler>;
@@ -69,17 +27,6 @@ bool RunOurs(int m, int n, int k, const E* a, const E* b, E* d, const float* one
   p.m = m; p.n = n; p.k = k; p.a = a; p.b = b; p.d = d; p.alpha_ptr = one;
   p.group_m_tiles = 8; p.block_n = bn;
   return flux_jax::cuda::RunGemm(p, flux_jax::DType::kBF16, 0, 0, sms).ok();
-}
-
-// max |a - b| / max |b| over n elements (one block-stride pass, atomics on float bits: values >= 0).
-__global__ void MaxDiff(const E* a, const E* b, size_t n, unsigned* diff, unsigned* mag) {
-  float dl = 0.f, ml = 0.f;
-  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
-    dl = fmaxf(dl, fabsf(float(a[i]) - float(b[i])));
-    ml = fmaxf(ml, fabsf(float(b[i])));
-  }
-  atomicMax(diff, __float_as_uint(dl));
-  atomicMax(mag, __float_as_uint(ml));
 }
 
 }  // namespace
