@@ -33,19 +33,6 @@ twin (xla_shard_map), global shapes, AG: n = N/2 per rank; RS: k = K/2 per rank:
   ag  12288  5120   27648   2568.0   1.01     1.00   (auto 0.99x; 0.97x in a second run)
   ag  16384  4096   28672   2889.0   1.03          (8B gate+up: auto 1.15 / 1.03 / 0.98 / 1.01x in s5-s8)
   rs  16     4096   4096      38.4   0.54     1.86
-  Decode preset, all M (s12, harness_decode-tp2_rs_2026-11-30_s12.json, 3 samples), latency / twin:
-  rs  8-64   4096   4096      31-37           1.64-1.86  (8B out-proj, weight k*N = 8.4M)
-  rs  128    4096   4096      28.8            1.08       (twin sample low: 37-39 us at M = 64, 256)
-  rs  8-128  14336  4096      31-40           0.94-1.07  (8B down, 29M; 1.13 / 0.96 on 11-29)
-  rs  8-128  8192   8192      32-48           0.92-1.02  (70B out-proj, 34M; 1.04 / 0.98 on 11-29)
-  rs  96     8192   3072      38.7            1.34       (held out, s11: Phi-3-mini down, 12.6M)
-  rs  96     5120   5120      40.5            1.32       (held out, s11: Qwen out-proj, 13.1M)
-  Then the CUDA lowering stopped computing the rank operand (s12, one run, 5 samples,
-  harness_decode-tp2_m8-64-256_{rank,no_rank}_operand_2026-11-30_s12.json): the latency path
-  took 0.85-0.96x its time at 17 of 21 decode shapes (2.5-6 us less per call), latency / twin:
-  rs  8-256  14336  4096      33-54           1.12-1.26  (8B down, 29M)
-  rs  8-256  8192   8192      35-64           1.15-1.43  (70B out-proj, 34M)
-  ag  8-256  all four decode layers            1.01-1.31  (1.01-1.02 at M = 8 with K = 8192 or N = 28672)
   rs  16     28672  8192      73.1   0.25     0.97   <- GEMM-bound: the twin
   rs  64     4096   4096      37.6   0.55     1.67
   rs  64     8192   8192      40.9   0.37     0.98
@@ -66,6 +53,19 @@ twin (xla_shard_map), global shapes, AG: n = N/2 per rank; RS: k = K/2 per rank:
   rs  8192   8192   16384   2063.4   1.13     1.02 (11-30)
   rs  8192   4096   28672   2217.0   1.15     1.02 (11-30)
   rs  8192   8192   28672   3605.8   1.09     1.00 (11-30)
+  Decode preset, all M (s12, harness_decode-tp2_rs_2026-11-30_s12.json, 3 samples), latency / twin:
+  rs  8-64   4096   4096      31-37           1.64-1.86  (8B out-proj, weight k*N = 8.4M)
+  rs  128    4096   4096      28.8            1.08       (twin sample low: 37-39 us at M = 64, 256)
+  rs  8-128  14336  4096      31-40           0.94-1.07  (8B down, 29M; 1.13 / 0.96 on 11-29)
+  rs  8-128  8192   8192      32-48           0.92-1.02  (70B out-proj, 34M; 1.04 / 0.98 on 11-29)
+  rs  96     8192   3072      38.7            1.34       (held out, s11: Phi-3-mini down, 12.6M)
+  rs  96     5120   5120      40.5            1.32       (held out, s11: Qwen out-proj, 13.1M)
+  Then the CUDA lowering stopped computing the rank operand (s12, one run, 5 samples,
+  harness_decode-tp2_m8-64-256_{rank,no_rank}_operand_2026-11-30_s12.json): the latency path
+  took 0.85-0.96x its time at 17 of 21 decode shapes (2.5-6 us less per call), latency / twin:
+  rs  8-256  14336  4096      33-54           1.12-1.26  (8B down, 29M)
+  rs  8-256  8192   8192      35-64           1.15-1.43  (70B out-proj, 34M)
+  ag  8-256  all four decode layers            1.01-1.31  (1.01-1.02 at M = 8 with K = 8192 or N = 28672)
 
 Reading: the overlap kernel wins once there are enough row tiles to hide the transfer (M >=
 2048; RS already at M = 1024 with N = 8192), at every per-rank N measured (up to 28672) since its

@@ -9,8 +9,10 @@
 #include <dlfcn.h>
 #include <library_types.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #include "probe_common.cuh"
 
@@ -62,5 +64,37 @@ __global__ void MaxDiff(const E* a, const E* b, size_t n, unsigned* diff, unsign
   atomicMax(diff, __float_as_uint(dl));
   atomicMax(mag, __float_as_uint(ml));
 }
+
+// max |a - b| / max |b| over n elements, on the host; acc: two unsigned of device scratch.
+float RelativeDiff(const E* a, const E* b, size_t n, unsigned* acc) {
+  cudaMemset(acc, 0, 8);
+  MaxDiff<<<1024, 256>>>(a, b, n, acc, acc + 1);
+  unsigned h[2];
+  cudaMemcpy(h, acc, 8, cudaMemcpyDeviceToHost);
+  float df, mg;
+  memcpy(&df, &h[0], 4);
+  memcpy(&mg, &h[1], 4);
+  return df / mg;
+}
+
+// A per-GPU GEMM (M x K x N) of a probe.
+struct Shape { int m, k, n; const char* what; };
+
+// Device buffers for the largest of `shapes`: random x and w, outputs d and d2, a CUTLASS
+// workspace of ws_bytes and 8 bytes of scratch (acc). Freed at exit.
+struct ProbeBuffers {
+  E *x = nullptr, *w = nullptr, *d = nullptr, *d2 = nullptr;
+  void* ws = nullptr;
+  unsigned* acc = nullptr;
+  size_t ws_bytes = 0;
+  ProbeBuffers(const std::vector<Shape>& shapes, size_t workspace_bytes) : ws_bytes(workspace_bytes) {
+    size_t maxe = 0;
+    for (auto& s : shapes) maxe = std::max({maxe, (size_t)s.m * s.k, (size_t)s.k * s.n, (size_t)s.m * s.n});
+    cudaMalloc(&x, maxe * 2); cudaMalloc(&w, maxe * 2); cudaMalloc(&d, maxe * 2); cudaMalloc(&d2, maxe * 2);
+    cudaMalloc(&ws, ws_bytes); cudaMalloc(&acc, 8);
+    Fill<<<1024, 256>>>(x, maxe, 1);
+    Fill<<<1024, 256>>>(w, maxe, 2);
+  }
+};
 
 }  // namespace

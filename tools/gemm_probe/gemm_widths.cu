@@ -45,7 +45,6 @@ double Span(int m, int n, int width, int sms) {
 }  // namespace
 
 int main() {
-  struct Shape { int m, k, n; const char* what; };
   const std::vector<Shape> shapes = {
       {3000, 3072, 4608, "Phi3 qkv 3000"},   {3000, 5120, 3584, "Qwen qkv 3000"},
       {3000, 2560, 5120, "Qwen out 3000"},   {6144, 6912, 5120, "Qwen down 6144"},
@@ -54,12 +53,9 @@ int main() {
       {2048, 4096, 3072, "8B qkv 2048"},     {4096, 4096, 3072, "8B qkv 4096"},
       {8192, 8192, 8192, "8192^3"},
   };
-  size_t maxe = 0;
-  for (auto& s : shapes) maxe = std::max({maxe, (size_t)s.m * s.k, (size_t)s.k * s.n, (size_t)s.m * s.n});
-  E *x, *w, *d, *d2; void* ws; unsigned* acc;
-  cudaMalloc(&x, maxe * 2); cudaMalloc(&w, maxe * 2); cudaMalloc(&d, maxe * 2); cudaMalloc(&d2, maxe * 2);
-  cudaMalloc(&ws, 64 << 20); cudaMalloc(&acc, 8);
-  Fill<<<1024, 256>>>(x, maxe, 1); Fill<<<1024, 256>>>(w, maxe, 2);
+  const ProbeBuffers buf(shapes, size_t{64} << 20);
+  E *x = buf.x, *w = buf.w, *d = buf.d, *d2 = buf.d2;
+  void* ws = buf.ws;
   cudaDeviceProp prop; cudaGetDeviceProperties(&prop, 0);
   const int sms = prop.multiProcessorCount;
   Cublas cublas;
@@ -77,12 +73,10 @@ int main() {
       if (pass == 0 && have_cublas) {  // every width against cuBLAS on the same inputs, outputs poisoned
         cublas.Run(M, N, K, x, w, d);
         for (int c = 0; c < kColumns; ++c) {
-          cudaMemset(d2, 0xff, (size_t)M * N * 2); cudaMemset(acc, 0, 8);
+          cudaMemset(d2, 0xff, (size_t)M * N * 2);
           TimeWidth(c, M, N, K, x, w, d2, 1, ws);
-          MaxDiff<<<1024, 256>>>(d2, d, (size_t)M * N, acc, acc + 1);
-          unsigned h[2]; cudaMemcpy(h, acc, 8, cudaMemcpyDeviceToHost);
-          float df, mg; memcpy(&df, &h[0], 4); memcpy(&mg, &h[1], 4);
-          worst = std::max(worst, std::isfinite(df / mg) ? df / mg : 1e30f);
+          const float rel = RelativeDiff(d2, d, (size_t)M * N, buf.acc);
+          worst = std::max(worst, std::isfinite(rel) ? rel : 1e30f);
         }
       }
       float t[kColumns + 1];
