@@ -62,7 +62,9 @@ twin (xla_shard_map), global shapes, AG: n = N/2 per rank; RS: k = K/2 per rank:
   rs  96     5120   5120      40.5            1.32       (held out, s11: Qwen out-proj, 13.1M)
   Then the CUDA lowering stopped computing the rank operand (s12, one run, 5 samples,
   harness_decode-tp2_m8-64-256_{rank,no_rank}_operand_2026-11-30_s12.json): the latency path
-  took 0.85-0.96x its time at 17 of 21 decode shapes (2.5-6 us less per call), latency / twin:
+  took 0.61-0.96x its time at 16 of 21 decode shapes (2.5-6 us less per call at most), 0.98-1.00x
+  at 70B gate+up (120-215 us calls) and 1.18 / 1.52x at 8B out-proj M = 64 / 8 (its twin read
+  1.06 / 1.52x slower than in the first run too), latency / twin:
   rs  8-256  14336  4096      33-54           1.12-1.26  (8B down, 29M)
   rs  8-256  8192   8192      35-64           1.15-1.43  (70B out-proj, 34M)
   ag  8-256  all four decode layers            1.01-1.31  (1.01-1.02 at M = 8 with K = 8192 or N = 28672)
