@@ -4,8 +4,9 @@ The same HLO runs on every device, so per-device facts cannot be attributes.
 What *is* the same everywhere is the mesh: at lowering time the shard_map's
 concrete mesh is known, so we pass the global device ids of every TP group
 (`tp_devices[g * tp + r]`) and their processes; each device finds itself in it
-at run time (its local ordinal mapped to a global id, registered here) and
-cross-checks its rank against lax.axis_index, passed as an operand.
+at run time (its local ordinal mapped to a global id, registered here). On CPU
+it cross-checks its rank against lax.axis_index, passed as an operand; the CUDA
+lowering drops that operand (unread there, and it cost a kernel per call).
 
 Lowering is also where the mesh's topology is known: a TP group the fused
 kernels cannot serve (spanning hosts; GPU processes that cannot map each
