@@ -84,14 +84,16 @@ fi
 if [[ $what == gemmgap ]]; then
   # Our GEMM vs cuBLAS / XLA at the held-out shapes (tools/gpu_next_session.md item 1): the
   # standalone probe (bash tools/gemm_probe/build.sh first) and the kernels XLA picks.
-  echo "== gemm_cublas probe (GPU 0)"
   lib=$(find / -name 'libcublas.so.1[0-9]*' ! -name '*Lt*' 2>/dev/null | head -1); echo "cuBLAS: $lib"
-  CUDA_VISIBLE_DEVICES=0 FLUX_PROBE_CUBLAS=$lib LD_LIBRARY_PATH=$(dirname "$lib"):${LD_LIBRARY_PATH:-} \
-    timeout 120 ./.whl/probe/gemm_cublas 2>&1 | tee "$OUT/gemm_cublas.txt"
+  probe() {  # $1: a probe in .whl/probe, $2: its time limit; on GPU 0 with the JAX plugin's cuBLAS
+    CUDA_VISIBLE_DEVICES=0 FLUX_PROBE_CUBLAS=$lib LD_LIBRARY_PATH=$(dirname "$lib"):${LD_LIBRARY_PATH:-} \
+      timeout "$2" "./.whl/probe/$1" 2>&1 | tee "$OUT/$1.txt"
+  }
+  echo "== gemm_cublas probe (GPU 0)"
+  probe gemm_cublas 120
   if [[ -x .whl/probe/gemm_widths ]]; then
     echo "== gemm_widths probe (GPU 0): wave-filling tile widths against cuBLAS"
-    CUDA_VISIBLE_DEVICES=0 FLUX_PROBE_CUBLAS=$lib LD_LIBRARY_PATH=$(dirname "$lib"):${LD_LIBRARY_PATH:-} \
-      timeout 150 ./.whl/probe/gemm_widths 2>&1 | tee "$OUT/gemm_widths.txt"
+    probe gemm_widths 150
   fi
   echo "== XLA's kernels at the held-out shapes (one call's timeline)"
   (cd /tmp && PYTHONPATH=/tmp/site:$REPO timeout ${ANATOMY_TIMEOUT:-150} python3 "$REPO/tools/loop_anatomy.py" \
