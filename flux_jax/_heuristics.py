@@ -68,6 +68,15 @@ twin (xla_shard_map), global shapes, AG: n = N/2 per rank; RS: k = K/2 per rank:
   rs  8-256  14336  4096      33-54           1.12-1.26  (8B down, 29M)
   rs  8-256  8192   8192      35-64           1.15-1.43  (70B out-proj, 34M)
   ag  8-256  all four decode layers            1.01-1.31  (1.01-1.02 at M = 8 with K = 8192 or N = 28672)
+  Rank-free decode preset over the whole M list (s13, harness_decode-tp2_2026-11-30_s13.json,
+  5 samples), latency / twin where the s12 rule still took the twin:
+  ag  8-256  4096   6144      31-39           1.08-1.56  (8B qkv; M = 256 is 3.2e9 MACs, 0.86 in s3)
+  ag  8-64   4096   28672     42-51           1.02-1.12  (8B gate+up)
+  ag  8-64   8192   10240     35-52           1.02-1.19  (70B qkv)
+  ag  8-32   8192   57344    124-135          1.01-1.05  (70B gate+up)
+  rs  8-32   28672  8192      72-80           1.04-1.07  (70B down, 117M elements)
+  and at every other decode shape 1.04-1.56 (RS) / 1.05-1.37 (AG below M = 1024); the only
+  readings under 1.00 were 70B gate+up M = 1024 (0.99) and twins that read 0.98-1.00 against auto.
 
 Reading: the overlap kernel wins once there are enough row tiles to hide the transfer (M >=
 2048; RS already at M = 1024 with N = 8192), at every per-rank N measured (up to 28672) since its
@@ -91,15 +100,13 @@ import numpy as np
 # Thresholds from the table above: AG overlap tiles, then M * k * n (per-rank multiply-adds)
 # of the latency path.
 _AG_OVERLAP_MIN_TILES = 192  # AG overlap needs > 1 wave of 128x256 tiles (128 tiles: 0.97x; 192: 1.26x)
-_AG_LATENCY_MIN_MACS = 5e9  # AG with M >= 64: below this the twin (3.2e9: 0.86x, 4.5e9: 0.91x)
 # AG at M >= 12288 with a wide per-rank n and K <= 6144: the twin (see the table's s11 rows).
 _AG_WIDE_MIN_ROWS, _AG_WIDE_MIN_N, _AG_WIDE_MAX_K = 12288, 12288, 6144
-# RS with M < 256: the latency path where the per-rank weight (k * n elements) is at most this.
-# Where the GEMM is short the collective hides under the call's fixed cost: 1.32-1.86x at
-# 4.7-13.1M. At 29-34M (8B down, 70B out-proj) latency / twin read 0.92-1.13x in three runs
-# while the rank operand was still computed, 1.12-1.19x in one run without it (s12). 70B down
-# (117M) read 0.96-1.02x with it and has not been measured without it: the twin there.
-_RS_SMALL_M_MAX_WEIGHT = 1 << 26
+# Below the overlap region both ops take the latency path at every M and weight size. The
+# thresholds that kept the twin there (AG below M = 64 or 5e9 multiply-adds; RS below M = 256 with
+# a per-rank weight over 64M elements) were fitted while the CUDA lowering still computed the rank
+# operand before each call; without it (s12, s13) the latency path read 1.01-1.56x the twin at
+# every decode shape they covered, the 1.01-1.07 of the longest GEMMs being ties at worst.
 
 
 def _tiles(rows: int, n: int) -> int:
@@ -125,18 +132,15 @@ def choose(op: str, tp: int, rows: int, k: int, n: int, dtype) -> str:
     """
     if np.dtype(dtype) == np.float32 or tp != 2:
         return "xla"  # no float32 kernels; TP > 2 not measured yet (issue 7)
-    macs = float(rows) * k * n
     if op == "ag_matmul":
         if _ag_wide_gemm(rows, k, n):
             return "xla"
         if _ag_overlap_fits(rows, n):
             return "overlap"
-        return "latency" if rows >= 64 and macs >= _AG_LATENCY_MIN_MACS else "xla"
+        return "latency"
     if rows >= 2048 or (rows >= 1024 and n >= 8192):
         return "overlap"
-    if rows >= 256 or k * n <= _RS_SMALL_M_MAX_WEIGHT:
-        return "latency"
-    return "xla"
+    return "latency"
 
 
 def best_fused_path(op: str, tp: int, rows: int, k: int, n: int, dtype) -> str:
@@ -186,9 +190,6 @@ def explain(op: str, M: int, K: int, N: int, tp: int, dtype="bfloat16") -> str:
         why = "no float32 kernels"
     elif tp != 2:
         why = f"tp={tp} has not been measured on GPUs yet"
-    elif op == "matmul_rs" and M < 256:
-        why = (f"at this M the per-rank GEMM reads a {2 * k * n / 2**20:.0f} MiB weight (16-bit), long "
-               "enough that the latency path pays its collective in full: measured 0.96-1.02x at 224 MiB")
     elif op == "ag_matmul" and _ag_wide_gemm(M, k, n):
         why = ("the gather is a small share of this wide GEMM and XLA's GEMM is 1-6% faster than ours "
                "here: the overlap measured 0.97-1.03x")
