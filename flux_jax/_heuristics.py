@@ -12,7 +12,7 @@ twin (xla_shard_map), global shapes, AG: n = N/2 per rank; RS: k = K/2 per rank:
   ag  16     8192   57344    128.0   0.69     1.00
   ag  64     8192   10240     49.2   0.44     1.09
   ag  64     8192   57344    130.7   0.78     1.03
-  ag  256    4096   6144      47.3   0.64     0.86   <- small GEMM: the twin
+  ag  256    4096   6144      47.3   0.64     0.86   (rank operand; rank-free 1.11, s13)
   ag  256    8192   10240     73.4   0.62     1.21
   ag  256    8192   57344    236.8   0.88     1.14
   ag  1024   4096   6144      76.8   0.85     1.20
@@ -29,11 +29,11 @@ twin (xla_shard_map), global shapes, AG: n = N/2 per rank; RS: k = K/2 per rank:
   ag  8192   8192   16384   1819.9   1.07          (11-30)
   ag  8192   8192   28672   3077.6   1.03     1.01 (11-30; 0.90 before the tile order)
   Held-out shapes (s11, harness_holdout-tp2_*_2026-11-30_s11.json, 3 samples; auto / twin):
-  ag  320    3072   9216      41.0   0.64     0.91   <- latency lost: 4.5e9 MACs, below the new 5e9
+  ag  320    3072   9216      41.0   0.64     0.91   (rank operand; rank-free 1.17, s13)
   ag  12288  5120   27648   2568.0   1.01     1.00   (auto 0.99x; 0.97x in a second run)
   ag  16384  4096   28672   2889.0   1.03          (8B gate+up: auto 1.15 / 1.03 / 0.98 / 1.01x in s5-s8)
   rs  16     4096   4096      38.4   0.54     1.86
-  rs  16     28672  8192      73.1   0.25     0.97   <- GEMM-bound: the twin
+  rs  16     28672  8192      73.1   0.25     0.97   (rank operand; rank-free 1.06, s13)
   rs  64     4096   4096      37.6   0.55     1.67
   rs  64     8192   8192      40.9   0.37     0.98
   rs  256    8192   8192      62.4   0.55     1.27
@@ -77,6 +77,11 @@ twin (xla_shard_map), global shapes, AG: n = N/2 per rank; RS: k = K/2 per rank:
   rs  8-32   28672  8192      72-80           1.04-1.07  (70B down, 117M elements)
   and at every other decode shape 1.04-1.56 (RS) / 1.05-1.37 (AG below M = 1024); the only
   readings under 1.00 were 70B gate+up M = 1024 (0.99) and twins that read 0.98-1.00 against auto.
+  With the latency path at every M below the overlap region (s13, 5 samples), auto / twin:
+  held-out M = 96 / 320 (Qwen2.5-14B, Phi-3-mini; harness_holdout-tp2_m96-320_newrule_*_s13)
+  1.06-1.42 at 16 of 16; the decode preset (harness_decode-tp2_{rs,ag}_auto_newrule_*_s13) RS
+  1.01-1.31 at 31 of 31, AG 1.01-1.26 at 25 of 26 and 0.99 at 8B qkv M = 256 (samples overlap;
+  1.11 in the run before).
 
 Reading: the overlap kernel wins once there are enough row tiles to hide the transfer (M >=
 2048; RS already at M = 1024 with N = 8192), at every per-rank N measured (up to 28672) since its
