@@ -80,7 +80,7 @@ twin (xla_shard_map), global shapes, AG: n = N/2 per rank; RS: k = K/2 per rank:
   With the latency path at every M below the overlap region (s13, 5 samples), auto / twin:
   held-out M = 96 / 320 (Qwen2.5-14B, Phi-3-mini; harness_holdout-tp2_m96-320_newrule_*_s13)
   1.06-1.42 at 16 of 16; the decode preset (harness_decode-tp2_{rs,ag}_auto_newrule_*_s13) RS
-  1.01-1.31 at 31 of 31, AG 1.01-1.26 at 25 of 26 and 0.99 at 8B qkv M = 256 (samples overlap;
+  1.01-1.32 at 31 of 31, AG 1.01-1.26 at 25 of 26 and 0.99 at 8B qkv M = 256 (samples overlap;
   1.11 in the run before).
 
 Reading: the overlap kernel wins once there are enough row tiles to hide the transfer (M >=
