@@ -102,8 +102,7 @@ from __future__ import annotations
 
 import numpy as np
 
-# Thresholds from the table above: AG overlap tiles, then M * k * n (per-rank multiply-adds)
-# of the latency path.
+# Thresholds from the table above (where the overlap kernel pays, and where it loses to XLA's GEMM).
 _AG_OVERLAP_MIN_TILES = 192  # AG overlap needs > 1 wave of 128x256 tiles (128 tiles: 0.97x; 192: 1.26x)
 # AG at M >= 12288 with a wide per-rank n and K <= 6144: the twin (see the table's s11 rows).
 _AG_WIDE_MIN_ROWS, _AG_WIDE_MIN_N, _AG_WIDE_MAX_K = 12288, 12288, 6144
