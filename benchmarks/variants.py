@@ -190,6 +190,11 @@ def flux_latency(ctx: CaseContext) -> Built:
     return _flux(ctx, "fused", "latency")
 
 
+def flux_decode(ctx: CaseContext) -> Built:
+    """The decode path (ag_matmul: rows pushed under the weight stream; else the latency path)."""
+    return _flux(ctx, "fused", "decode")
+
+
 def xla_jit(ctx: CaseContext) -> Built:
     """Plain jit on the Auto mesh: XLA's partitioner inserts the collective itself."""
     ctx.require_forward("not built for --grad")
@@ -384,10 +389,11 @@ BUILDERS = {
     "flux_gemm_only": flux_gemm_only,
     "flux_overlap": flux_overlap,
     "flux_latency": flux_latency,
+    "flux_decode": flux_decode,
     "comm_only": comm_only,
 }
 # All variants in report order; xla_windowed_einsum runs in a subprocess (benchmarks/windowed.py).
 VARIANTS = (
-    "flux_fused", "flux_auto", "flux_overlap", "flux_latency", "xla_shard_map", "xla_jit", "xla_windowed_einsum",
+    "flux_fused", "flux_auto", "flux_overlap", "flux_latency", "flux_decode", "xla_shard_map", "xla_jit", "xla_windowed_einsum",
     "jax_ring", "jax_ring_bidi", "pallas_mgpu", "gemm_only", "flux_gemm_only", "comm_only",
 )

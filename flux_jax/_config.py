@@ -13,6 +13,8 @@ import dataclasses
 import threading
 from typing import Iterator
 
+FUSED_PATHS = ("auto", "overlap", "latency", "decode")
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:
@@ -58,8 +60,16 @@ class Config:
         which the GEMM consumes rows as they arrive -- the bandwidth path for
         large M), "latency" (our one-kernel NVLink collective next to XLA's own
         GEMM -- the small-M path, where the collective's latency is the cost),
-        or "auto" (on GPU the faster of the two for the shape, from
+        "decode" (ag_matmul at decode sizes: one kernel pushes the rows over
+        NVLink while a GEMM in the weight's orientation already streams the
+        weight and waits for them; bfloat16, the untransposed weight, 2..8
+        ranks and at most 128 rows in all, other calls -- and matmul_rs -- take
+        "latency"), or "auto" (on GPU the fastest for the shape, from
         measurements in flux_jax/_heuristics.py; on CPU "overlap").
+      gpu_decode_early_launch: GPU tuning: 1 (default) = the decode path's GEMM
+        launches while the rows are still being pushed (programmatic dependent
+        launch; it waits for their flags, not for the push kernel's end);
+        0 = after the push kernel.
     """
 
     timeout_s: float = 60.0
@@ -72,6 +82,7 @@ class Config:
     gpu_rs_tile_signal: int = -1
     gpu_tile_n: int = 0
     fused_path: str = "auto"
+    gpu_decode_early_launch: int = 1
 
     def __post_init__(self):
         if not (isinstance(self.timeout_s, (int, float)) and 0 < self.timeout_s <= 24 * 3600):
@@ -91,8 +102,11 @@ class Config:
                              f"got {self.gpu_rs_tile_signal!r}")
         if type(self.gpu_tile_n) is not int or self.gpu_tile_n not in (0, 192, 256):
             raise ValueError(f"Config.gpu_tile_n must be 0 (by waves), 192 or 256, got {self.gpu_tile_n!r}")
-        if self.fused_path not in ("auto", "overlap", "latency"):
-            raise ValueError(f'Config.fused_path must be "auto", "overlap" or "latency", got {self.fused_path!r}')
+        if self.fused_path not in FUSED_PATHS:
+            raise ValueError('Config.fused_path must be one of "' + '", "'.join(FUSED_PATHS) +
+                             f'", got {self.fused_path!r}')
+        if type(self.gpu_decode_early_launch) is not int or self.gpu_decode_early_launch not in (0, 1):
+            raise ValueError(f"Config.gpu_decode_early_launch must be 0 or 1, got {self.gpu_decode_early_launch!r}")
         if not isinstance(self.debug_poison_outputs, bool):
             raise ValueError(f"Config.debug_poison_outputs must be a bool, got {self.debug_poison_outputs!r}")
 

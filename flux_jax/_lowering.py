@@ -118,7 +118,7 @@ def _latency_lowering(prim_name, transpose_w, tp_size, outs, attrs, pass_rank):
 
 def choose_path(prim_name: str, platform: str, config: Config, x_shape, w_shape, tp_size: int,
                 transpose_w: bool, dtype) -> str:
-    """"overlap" or "latency" for one fused call (Config.fused_path, else measurements)."""
+    """"overlap", "latency" or "decode" for one fused call (Config.fused_path, else measurements)."""
     if config.fused_path != "auto":
         return config.fused_path
     if platform == "cpu":
@@ -127,6 +127,17 @@ def choose_path(prim_name: str, platform: str, config: Config, x_shape, w_shape,
     rows = tp_size * x_shape[0] if op == "ag_matmul" else x_shape[0]
     n = w_shape[0] if transpose_w else w_shape[1]
     return _heuristics.best_fused_path(op, tp_size, rows, x_shape[1], n, np.dtype(dtype))
+
+
+# What the decode path's kernels take (cpp/kernels/cuda/decode_gemm.h, ag_matmul_decode.cu).
+DECODE_MAX_ROWS = 128
+DECODE_MAX_TP = 8
+
+
+def decode_supported(prim_name: str, tp_size: int, x_shape, transpose_w: bool, dtype) -> bool:
+    """Whether Config.fused_path="decode" runs the decode kernels for this call (else "latency")."""
+    return (prim_name == "flux_jax_ag_matmul" and 2 <= tp_size <= DECODE_MAX_TP and not transpose_w
+            and np.dtype(dtype) == jnp.bfloat16 and 1 <= tp_size * x_shape[0] <= DECODE_MAX_ROWS)
 
 
 def register_fused_lowering(prim, target: str, cuda_available) -> None:
@@ -164,6 +175,8 @@ def register_fused_lowering(prim, target: str, cuda_available) -> None:
             rs_stage_launches=np.int64(config.gpu_rs_stage_launches),
             rs_tile_signal=np.int64(config.gpu_rs_tile_signal),
             tile_n=np.int64(config.gpu_tile_n),
+            decode_path=False,
+            decode_early_launch=np.int64(config.gpu_decode_early_launch),
         )
         x_aval, w_aval = ctx.avals_in[0], ctx.avals_in[1]
         path = choose_path(prim.name, platform, config, x_aval.shape, w_aval.shape, tp_size,
@@ -172,6 +185,11 @@ def register_fused_lowering(prim, target: str, cuda_available) -> None:
         # would sit in device memory, so the CUDA handlers take none, and XLA drops the unused
         # axis_index (a ~1 us convert kernel per call, measured in the decode loop).
         pass_rank = platform == "cpu"
+        if path == "decode":
+            if decode_supported(prim.name, tp_size, x_aval.shape, transpose_w, x_aval.dtype):
+                attrs["decode_path"] = True
+            else:
+                path = "latency"
         if path == "latency":
             lower = _latency_lowering(prim.name, transpose_w, tp_size, len(ctx.avals_out), attrs, pass_rank)
             return lower(ctx, *operands)

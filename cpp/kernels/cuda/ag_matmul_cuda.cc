@@ -15,6 +15,7 @@
 //
 // Pushes start as soon as the peer is present and overlap the local tiles;
 // for TP > 2 rank r pushes to r-1 first (the rank that needs chunk r soonest).
+#include "ag_matmul_decode.h"
 #include "flux_jax/ag_matmul.h"
 #include "op_common.h"
 
@@ -28,6 +29,7 @@ Status RunAgMatmulCuda(const AgMatmulParams& p, const TpGroup& group, const Comm
   const int tp = group.size, r = group.rank;
   const int device = group.ordinals[r];
   DeviceGuard guard(device);
+  if (cfg.decode_path && tp > 1) return RunAgMatmulDecode(p, group, cfg, S);
   const size_t elt = DTypeBytes(p.dtype);
   const int64_t rows = tp * p.m_local;
   const size_t row_bytes = static_cast<size_t>(p.k) * elt;

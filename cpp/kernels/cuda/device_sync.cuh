@@ -17,6 +17,7 @@ enum WaitSite : int32_t {
   kSiteEpilogueC = 3,
   kSiteAllGather = 4,      // latency path; piece = thread block
   kSiteReduceScatter = 5,  // latency path; piece = thread block
+  kSiteDecodeRows = 6,     // decode path's GEMM; piece = push block
 };
 
 // Host-visible error record, one per device (cudaHostAllocMapped).
@@ -55,6 +56,17 @@ struct RowGate {
   int32_t peer_of_chunk0 = 0;       // for diagnostics: rank that sends chunk c = c + this (mod tp)
   int32_t tp = 1;
   int32_t site = kSiteGemmA;
+  WaitContext ctx;
+};
+
+// The decode path's row pushes (ag_matmul_decode.cu): block i of sender q
+// raises flags[q * stride + i] to ctx.epoch once its slice of q's rows is in
+// place, for q < senders, i < blocks (the sender's own rank included).
+struct PushGate {
+  const uint64_t* flags = nullptr;  // null: nothing to wait for
+  int32_t senders = 0;
+  int32_t blocks = 0;
+  int32_t stride = 0;
   WaitContext ctx;
 };
 
@@ -137,6 +149,21 @@ __device__ __forceinline__ void WaitRows(const RowGate& g, int32_t row0, int32_t
     row = min(next_piece_row, (chunk + 1) * g.rows_per_chunk);
   }
   // TMA (async proxy) reads of data another agent wrote follow this wait.
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+// The whole warp waits for every flag of a PushGate, each lane for its share
+// (senders * blocks <= 64 flags: one or two acquire loads per lane, in
+// parallel, instead of one thread polling them in turn).
+__device__ __forceinline__ void WarpWaitPushes(const PushGate& g) {
+  if (g.flags == nullptr) return;
+  const int32_t lane = threadIdx.x & 31;
+  for (int32_t j = lane; j < g.senders * g.blocks; j += 32) {
+    const int32_t q = j / g.blocks, i = j - q * g.blocks;
+    if (!WaitFlag(g.flags + q * g.stride + i, g.ctx, kSiteDecodeRows, q, q, i)) break;
+  }
+  __syncwarp();
+  // TMA (async proxy) reads of the rows other agents wrote follow this wait.
   asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 

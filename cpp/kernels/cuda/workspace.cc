@@ -9,6 +9,7 @@
 #include <string>
 #include <tuple>
 
+#include "ag_matmul_decode.h"
 #include "cuda_util.h"
 #include "gemm_plan.h"
 #include "stream_ops.h"
@@ -147,6 +148,7 @@ Status InitMember(const TpGroup& g, GroupWorkspace* w) {
   FLUX_JAX_RETURN_IF_ERROR(PreloadGemmKernels());
   FLUX_JAX_RETURN_IF_ERROR(PreloadStreamOps());
   FLUX_JAX_RETURN_IF_ERROR(PreloadLatencyCollectives());
+  FLUX_JAX_RETURN_IF_ERROR(PreloadAgMatmulDecode());
   Status st;
   DeviceError* records = ErrorRecords(&st);
   FLUX_JAX_RETURN_IF_ERROR(st);
@@ -398,6 +400,7 @@ Status CheckDeviceError(int device) {
     case kSiteEpilogueC: os << " waited for partial sums, piece " << e.piece << ", from rank " << e.peer; break;
     case kSiteAllGather: os << " waited in all_gather for block " << e.piece << " of the rows of rank " << e.peer; break;
     case kSiteReduceScatter: os << " waited in reduce_scatter for block " << e.piece << " of the partial sums of rank " << e.peer; break;
+    case kSiteDecodeRows: os << " waited in ag_matmul's decode GEMM for push block " << e.piece << " of the rows of rank " << e.peer; break;
     default: os << " waited on an unknown site"; break;
   }
   os << "; epoch " << e.epoch << ", flag value seen " << e.seen

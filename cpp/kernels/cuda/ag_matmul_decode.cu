@@ -1,0 +1,161 @@
+// ag_matmul's decode path (at most kDecodeMaxRows rows in all): the rows
+// pushed by SM stores, and a GEMM that streams the weight while they arrive.
+//
+// At decode M the GEMM reads a weight of tens of MB for a few hundred KB of
+// rows, so a separate gather before it (the latency path) is pure waiting,
+// ~9.5 us per call. Here the gather runs under the weight stream:
+//
+//   rank r, stream S (XLA's)
+//   push kernel, blocks i < P:  x[slice i] -> G_q[b][chunk r][slice i] on every rank q
+//                               (own G included; NVLink stores to peers),
+//                               fence.sys; flag_q[r][i] = e on every rank q
+//     | programmatic launch: the GEMM starts while the pushes run
+//   decode GEMM (decode_gemm.cuh): each CTA issues its first S stages of W
+//     loads, waits flag[q][i] >= e for all q, i (one warp, bounded), then
+//     loads its rows of G[b]; out = G[b] @ w
+//   [gathered = G[b], if requested]
+//
+// G[b] is the parity half b = e & 1 of the slot area, so it shares the latency
+// collectives' reuse argument (latency_collectives.cu): a rank writes G[b] of
+// call e+2 only after its call e+1 saw the peer's flags of e+1, which the peer
+// raises in its push kernel e+1, launched after its GEMM e (the last reader of
+// G[b]) finished. The push kernel is an ordinary launch for that reason; only
+// the GEMM after it launches early. The flags are the latency collectives'
+// block_arrived rows, indexed by sender, so both paths keep one epoch sequence.
+#include <algorithm>
+
+#include "ag_matmul_decode.h"
+#include "cuda_util.h"
+#include "decode_gemm.h"
+#include "workspace.h"
+
+namespace flux_jax::cuda {
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kMaxRanks = 8;
+// Push blocks: one per 16 KiB of the chunk, and the GEMM's waiting warp polls
+// tp * blocks flags, at most 64 (two per lane).
+constexpr int64_t kBytesPerBlock = 16 << 10;
+constexpr int kMaxGateFlags = 64;
+constexpr int kMaxBlocks = 32;
+
+struct PushArgs {
+  const uint4* x;
+  uint4* dst[kMaxRanks];        // chunk r of G[b] on rank q (own included)
+  uint64_t* flag[kMaxRanks];    // block_arrived[r][.] on rank q
+  int64_t chunk_vecs;
+  int32_t tp, rank;
+  bool signal_peers;            // false: debug_drop_rank (tests the timeout path)
+  uint64_t epoch;
+};
+
+__device__ __forceinline__ void StoreReleaseSys(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__global__ void __launch_bounds__(kThreads) PushRowsKernel(PushArgs a) {
+  // The GEMM may launch now: it waits for our flags, not for our end.
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  const int64_t per = (a.chunk_vecs + gridDim.x - 1) / gridDim.x;
+  const int64_t lo = std::min<int64_t>(per * blockIdx.x, a.chunk_vecs);
+  const int64_t hi = std::min<int64_t>(lo + per, a.chunk_vecs);
+  constexpr int kBatch = 4;  // loads in flight per thread before the stores
+  for (int64_t base = lo + threadIdx.x; base < hi; base += int64_t{kThreads} * kBatch) {
+    uint4 val[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int64_t v = base + int64_t{u} * kThreads;
+      if (v < hi) val[u] = __ldg(a.x + v);
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int64_t v = base + int64_t{u} * kThreads;
+      if (v >= hi) continue;
+#pragma unroll
+      for (int q = 0; q < kMaxRanks; ++q) {
+        if (q < a.tp) a.dst[q][v] = val[u];
+      }
+    }
+  }
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int q = 0; q < kMaxRanks; ++q) {
+      if (q < a.tp && (q == a.rank || a.signal_peers)) StoreReleaseSys(a.flag[q] + blockIdx.x, a.epoch);
+    }
+  }
+}
+
+}  // namespace
+
+bool AgMatmulDecodeSupported(const AgMatmulParams& p, const TpGroup& group) {
+  return group.size >= 2 && group.size <= kMaxRanks && HasDecodeGemm(p.dtype, p.w_transposed, group.size * p.m_local);
+}
+
+Status RunAgMatmulDecode(const AgMatmulParams& p, const TpGroup& group, const CommConfig& cfg, cudaStream_t S) {
+  const int tp = group.size, r = group.rank;
+  if (!AgMatmulDecodeSupported(p, group)) {
+    return Status::InvalidArgument(
+        "flux_jax: ag_matmul's decode path takes bfloat16, the untransposed weight, 2.." +
+        std::to_string(kMaxRanks) + " ranks and at most " + std::to_string(kDecodeMaxRows) +
+        " rows in all; got " + std::to_string(tp * p.m_local) + " rows (use fused_path=\"latency\")");
+  }
+  const int device = group.ordinals[r];
+  const size_t elt = DTypeBytes(p.dtype);
+  const int64_t rows = tp * p.m_local;
+  const size_t chunk_bytes = static_cast<size_t>(p.m_local * p.k) * elt;  // k % 8 == 0: whole vectors
+  if (cfg.poison_outputs) {
+    FLUX_CUDA_TRY(cudaMemsetAsync(p.out, 0xFF, rows * p.n * elt, S));
+    if (p.gathered) FLUX_CUDA_TRY(cudaMemsetAsync(p.gathered, 0xFF, rows * p.k * elt, S));
+  }
+  GroupWorkspace* ws = nullptr;
+  FLUX_JAX_RETURN_IF_ERROR(AcquireWorkspace(group, 0, cfg, S, &ws, 2 * tp * chunk_bytes));
+  ws->epoch += 1;  // every rank counts every fused call of the group: epochs agree
+  const size_t parity_offset = (ws->epoch & 1) * (ws->slots_capacity / 2);  // >= tp * chunk_bytes
+
+  const int64_t want = (static_cast<int64_t>(chunk_bytes) + kBytesPerBlock - 1) / kBytesPerBlock;
+  const int blocks = static_cast<int>(std::clamp<int64_t>(want, 1, std::min(kMaxBlocks, kMaxGateFlags / tp)));
+  PushArgs a{};
+  a.x = static_cast<const uint4*>(p.x);
+  for (int q = 0; q < tp; ++q) {
+    a.dst[q] = reinterpret_cast<uint4*>(ws->peers[q].slots + parity_offset + r * chunk_bytes);
+    a.flag[q] = ws->peers[q].block_arrived + r * kMaxLatencyBlocks;
+  }
+  a.chunk_vecs = static_cast<int64_t>(chunk_bytes / sizeof(uint4));
+  a.tp = tp;
+  a.rank = r;
+  a.signal_peers = cfg.drop_rank != r;
+  a.epoch = ws->epoch;
+  PushRowsKernel<<<blocks, kThreads, 0, S>>>(a);
+  FLUX_CUDA_TRY(cudaGetLastError());
+
+  DecodeGemmPlan plan;
+  plan.rows = rows;
+  plan.n = p.n;
+  plan.k = p.k;
+  plan.x = ws->slots + parity_offset;
+  plan.w = p.w;
+  plan.d = p.out;
+  plan.alpha_ptr = ws->alpha;
+  plan.gate.flags = ws->block_arrived;
+  plan.gate.senders = tp;
+  plan.gate.blocks = blocks;
+  plan.gate.stride = kMaxLatencyBlocks;
+  plan.gate.ctx = ws->Wait(cfg.timeout_us);
+  plan.early_launch = cfg.decode_early_launch;
+  FLUX_JAX_RETURN_IF_ERROR(RunDecodeGemm(plan, p.dtype, S, device, ws->sm_count));
+  if (p.gathered) {
+    FLUX_CUDA_TRY(cudaMemcpyAsync(p.gathered, plan.x, tp * chunk_bytes, cudaMemcpyDeviceToDevice, S));
+  }
+  return Status::Ok();
+}
+
+Status PreloadAgMatmulDecode() {
+  cudaFuncAttributes attrs;
+  FLUX_CUDA_TRY(cudaFuncGetAttributes(&attrs, PushRowsKernel));
+  return PreloadDecodeGemmKernels();
+}
+
+}  // namespace flux_jax::cuda

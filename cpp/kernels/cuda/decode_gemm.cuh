@@ -1,0 +1,198 @@
+// The decode path's GEMM (ag_matmul at M <= 128 rows): CUTLASS sm90 ping-pong
+// kernel in cuBLAS/nvjet's orientation, whose producer streams the weight
+// before the gathered rows have arrived. Included only by the instantiation
+// unit gemm_decode_bf16.cu.
+//
+// Orientation: out[M, N] = X[M, K] W[K, N] is computed as out^T = W^T X^T, so
+// the weight's N columns run along the tile's 64-wide M and X's rows along
+// its N (64 or 128): at M = 64 no MMA row is wasted, and N / 64 tiles (80 at
+// N = 5120, 128 at 8192) put the weight stream on that many SMs. Measured
+// alone on one H200 (benchmarks/data/gemm_decode_2026-11-30_s14.txt):
+// 26.5 us at 64 x 8192 x 5120 against cuBLAS's 29.7, 28.2 vs 28.3 at 128 rows.
+//
+// Schedule of one CTA (producer warp; the MMA warpgroups are CUTLASS's):
+//
+//   stage:   0    1    2   ..  S-1   S    S+1 ..
+//   A (W):   |----|----|--..--|      (issued at once: the weight streams)
+//   wait:                      [push flags of every rank >= epoch]
+//   B (X):   |----|----|--..--|----|----|..   (then A and B together)
+//
+// Each stage's full barrier expects A + B bytes, so a stage whose A landed
+// before the rows did simply completes later; no MMA reads a stage early.
+#pragma once
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/util/packed_stride.hpp"
+#include "decode_gemm.h"
+#include "device_sync.cuh"
+
+namespace flux_jax::cuda {
+
+// Mainloop whose first tile of each CTA issues the weight (A) loads of every
+// pipeline stage, then waits for the pushed rows (PushGate), then loads X (B).
+template <class Base>
+struct DeferredRowsMainloop : Base {
+  using ClusterShape = typename Base::DispatchPolicy::ClusterShape;
+  using typename Base::MainloopPipeline;
+  using typename Base::PipelineState;
+  using typename Base::SmemLayoutA;
+  using typename Base::SmemLayoutB;
+  using typename Base::TensorStorage;
+  static_assert(cute::size(ClusterShape{}) == 1, "DeferredRowsMainloop supports cluster 1x1 only");
+  static constexpr int kStages = Base::K_PIPE_MAX;
+
+  struct Arguments : Base::Arguments {
+    PushGate gate;
+  };
+  struct Params : Base::Params {
+    PushGate gate;
+  };
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args,
+                                        void* workspace) {
+    Params params;
+    static_cast<typename Base::Params&>(params) = Base::to_underlying_arguments(problem_shape, args, workspace);
+    params.gate = args.gate;
+    return params;
+  }
+
+  // Producer warp, once per work tile (the whole warp enters).
+  template <class TensorA, class TensorB, class KTileIterator, class BlockCoord>
+  CUTLASS_DEVICE void load(Params const& params, MainloopPipeline pipeline, PipelineState smem_pipe_write,
+                           cute::tuple<TensorA, TensorB> const& load_inputs, BlockCoord const& blk_coord,
+                           KTileIterator k_tile_iter, int k_tile_count, int /*thread_idx*/,
+                           uint32_t /*block_rank_in_cluster*/, TensorStorage& shared_tensors) {
+    using namespace cute;
+    const bool leader = cute::elect_one_sync();
+    Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
+    auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
+    auto block_tma_a = params.tma_load_a.get_slice(0);
+    auto block_tma_b = params.tma_load_b.get_slice(0);
+    Tensor tAgA = block_tma_a.partition_S(get<0>(load_inputs)(_, _, m_coord, _, l_coord));
+    Tensor tAsA = block_tma_a.partition_D(sA);
+    Tensor tBgB = block_tma_b.partition_S(get<1>(load_inputs)(_, _, n_coord, _, l_coord));
+    Tensor tBsB = block_tma_b.partition_D(sB);
+
+    if (!rows_ready_) {
+      rows_ready_ = true;
+      const int deferred = k_tile_count < kStages ? k_tile_count : kStages;
+      PipelineState write = smem_pipe_write;
+      KTileIterator k_iter = k_tile_iter;
+      for (int j = 0; j < deferred; ++j, ++write, ++k_iter) {
+        if (leader) {
+          pipeline.producer_acquire(write);
+          copy(params.tma_load_a.with(*pipeline.producer_get_barrier(write), 0), tAgA(_, _, _, *k_iter),
+               tAsA(_, _, _, write.index()));
+        }
+      }
+      __syncwarp();
+      WarpWaitPushes(params.gate);
+      for (int j = 0; j < deferred; ++j, ++smem_pipe_write, ++k_tile_iter) {
+        if (leader) {
+          copy(params.tma_load_b.with(*pipeline.producer_get_barrier(smem_pipe_write), 0),
+               tBgB(_, _, _, *k_tile_iter), tBsB(_, _, _, smem_pipe_write.index()));
+        }
+      }
+      k_tile_count -= deferred;
+    }
+    if (!leader) return;
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (; k_tile_count > 0; --k_tile_count, ++smem_pipe_write, ++k_tile_iter) {
+      pipeline.producer_acquire(smem_pipe_write);
+      auto* barrier = pipeline.producer_get_barrier(smem_pipe_write);
+      copy(params.tma_load_a.with(*barrier, 0), tAgA(_, _, _, *k_tile_iter), tAsA(_, _, _, smem_pipe_write.index()));
+      copy(params.tma_load_b.with(*barrier, 0), tBgB(_, _, _, *k_tile_iter), tBsB(_, _, _, smem_pipe_write.index()));
+    }
+  }
+
+ private:
+  bool rows_ready_ = false;  // per CTA: only its first tile waits
+};
+
+// out^T[N, M] = W^T[N, K] X^T: CUTLASS problem (N, M, K). In CUTLASS 2.x layout
+// terms: A = W^T column-major (w[k, n] row-major as it comes), B = X K-major
+// (ColumnMajor), D = out^T column-major (out[m, n] row-major).
+template <class Element, int kRowsPerTile>
+struct DecodeGemmInstance {
+  using Layout = cutlass::layout::ColumnMajor;
+  static constexpr int kAlignment = 8;  // 16 bytes: K and N multiples of 8
+  using TileShape = cute::Shape<cute::_64, cute::Int<kRowsPerTile>, cute::_64>;
+  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
+
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, Element, Layout, kAlignment, Element,
+      Layout, kAlignment, cutlass::epilogue::TmaWarpSpecialized>::CollectiveOp;
+
+  using BaseMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, Layout, kAlignment, Element, Layout,
+      kAlignment, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      cutlass::gemm::KernelTmaWarpSpecializedPingpong>::CollectiveOp;
+
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>,
+                                                      DeferredRowsMainloop<BaseMainloop>, Epilogue,
+                                                      cutlass::gemm::PersistentScheduler>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+};
+
+template <class Instance>
+Status RunDecodeGemmInstance(const DecodeGemmPlan& p, cudaStream_t stream, int device, int sm_count) {
+  using Kernel = typename Instance::Kernel;
+  using Element = typename Kernel::ElementA;
+  const int rows = static_cast<int>(p.rows), n = static_cast<int>(p.n), k = static_cast<int>(p.k);
+
+  typename Kernel::Arguments args{};
+  args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
+  args.problem_shape = {n, rows, k, 1};
+  auto& ml = args.mainloop;
+  ml.ptr_A = static_cast<Element const*>(p.w);
+  ml.dA = cutlass::make_cute_packed_stride(typename Kernel::StrideA{}, cute::make_shape(n, k, 1));
+  ml.ptr_B = static_cast<Element const*>(p.x);
+  ml.dB = cutlass::make_cute_packed_stride(typename Kernel::StrideB{}, cute::make_shape(rows, k, 1));
+  ml.gate = p.gate;
+  auto& ep = args.epilogue;
+  ep.thread.alpha = 1.0f;
+  ep.thread.alpha_ptr = p.alpha_ptr;
+  ep.thread.beta = 0.0f;
+  ep.ptr_C = static_cast<Element const*>(p.d);
+  ep.dC = cutlass::make_cute_packed_stride(typename Kernel::StrideC{}, cute::make_shape(n, rows, 1));
+  ep.ptr_D = static_cast<Element*>(p.d);
+  ep.dD = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, cute::make_shape(n, rows, 1));
+  args.hw_info.device_id = device;
+  args.hw_info.sm_count = sm_count;
+
+  typename Instance::Gemm gemm;
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
+    return Status::InvalidArgument("flux_jax: CUTLASS cannot implement the decode GEMM rows=" +
+                                   std::to_string(rows) + " n=" + std::to_string(n) + " k=" + std::to_string(k) +
+                                   " (K and N must be multiples of 8)");
+  }
+  cutlass::Status st = gemm.initialize(args, nullptr, stream);
+  if (st == cutlass::Status::kSuccess) st = gemm.run(stream, nullptr, p.early_launch);
+  if (st != cutlass::Status::kSuccess) {
+    return Status::Internal(std::string("flux_jax: decode GEMM launch failed: ") +
+                            cutlass::cutlassGetStatusString(st) + " / " + cudaGetErrorString(cudaGetLastError()));
+  }
+  return Status::Ok();
+}
+
+template <class Instance>
+Status PreloadDecodeGemmInstance() {
+  using Kernel = typename Instance::Kernel;
+  cudaError_t err = cudaFuncSetAttribute(cutlass::device_kernel<Kernel>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(Kernel::SharedStorageSize));
+  if (err != cudaSuccess) {
+    return Status::Internal(std::string("flux_jax: loading the decode GEMM failed: ") + cudaGetErrorString(err));
+  }
+  return Status::Ok();
+}
+
+}  // namespace flux_jax::cuda

@@ -1,0 +1,25 @@
+// The decode path's GEMM instances: bfloat16, 64 weight columns x 64 or 128 rows per tile.
+#include "decode_gemm.cuh"
+
+namespace flux_jax::cuda {
+
+using DecodeGemm64 = DecodeGemmInstance<cutlass::bfloat16_t, 64>;
+using DecodeGemm128 = DecodeGemmInstance<cutlass::bfloat16_t, 128>;
+
+Status RunDecodeGemm(const DecodeGemmPlan& plan, DType dtype, cudaStream_t stream, int device, int sm_count) {
+  if (dtype != DType::kBF16 || plan.rows < 1 || plan.rows > kDecodeMaxRows) {
+    return Status::InvalidArgument("flux_jax: the decode GEMM takes bfloat16 and 1.." +
+                                   std::to_string(kDecodeMaxRows) + " rows, got rows=" + std::to_string(plan.rows));
+  }
+  if (plan.rows <= 64) {
+    return RunDecodeGemmInstance<DecodeGemm64>(plan, stream, device, sm_count);
+  }
+  return RunDecodeGemmInstance<DecodeGemm128>(plan, stream, device, sm_count);
+}
+
+Status PreloadDecodeGemmKernels() {
+  FLUX_JAX_RETURN_IF_ERROR(PreloadDecodeGemmInstance<DecodeGemm64>());
+  return PreloadDecodeGemmInstance<DecodeGemm128>();
+}
+
+}  // namespace flux_jax::cuda
