@@ -161,6 +161,10 @@ Status RunDecodeGemmInstance(const DecodeGemmPlan& p, cudaStream_t stream, int d
   auto& ep = args.epilogue;
   ep.thread.alpha = 1.0f;
   ep.thread.alpha_ptr = p.alpha_ptr;
+  // A wait that times out poisons alpha after the epilogue would have read it once at kernel
+  // start: a nonzero batch stride makes it read alpha per tile (batch 0 only), so the tile
+  // whose rows never came (its epilogue runs after its loads) comes out NaN.
+  ep.thread.dAlpha = {cute::_0{}, cute::_0{}, 1};
   ep.thread.beta = 0.0f;
   ep.ptr_C = static_cast<Element const*>(p.d);
   ep.dC = cutlass::make_cute_packed_stride(typename Kernel::StrideC{}, cute::make_shape(n, rows, 1));
