@@ -82,7 +82,7 @@ def test_decode_back_to_back_with_other_paths_bitwise(gpus):
     hlo = fused.lower(*args).as_text()
     assert re.search(r"decode_path = true", hlo) and "flux_jax_reduce_scatter" in hlo
     out, ref = np.asarray(fused(*args)), np.asarray(program("xla")(*args))
-    assert np.abs(ref).max() > 100  # not trivially zero
+    assert np.count_nonzero(ref) > ref.size // 2  # not trivially zero
     np.testing.assert_array_equal(out, ref)
     assert not flux_jax.device_errors()
 

@@ -221,7 +221,9 @@ def test_back_to_back_latency_calls_of_different_sizes(gpus):
     hlo = fused.lower(*args).as_text()
     assert "flux_jax_all_gather" in hlo and "flux_jax_reduce_scatter" in hlo
     out, ref = np.asarray(fused(*args)), np.asarray(program("xla")(*args))
-    assert np.abs(ref).max() > 100  # not trivially zero
+    # Not trivially zero (a max-magnitude bound flaked: a random walk of 300 signed steps can stay
+    # under 100 everywhere, e.g. 54 on 2026-11-30).
+    assert np.count_nonzero(ref) > ref.size // 2
     np.testing.assert_array_equal(out, ref)
     assert not flux_jax.device_errors()
 

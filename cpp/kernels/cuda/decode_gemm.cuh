@@ -21,6 +21,11 @@
 // before the rows did simply completes later; no MMA reads a stage early.
 #pragma once
 
+#include <cstring>
+#include <mutex>
+#include <utility>
+#include <vector>
+
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
@@ -143,12 +148,55 @@ struct DecodeGemmInstance {
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 
+// What a launch's kernel parameters are built from, less the epoch (patched per call).
+struct DecodeGemmKey {
+  const void* x;
+  const void* w;
+  void* d;
+  const float* alpha_ptr;
+  const uint64_t* flags;
+  DeviceError* error;
+  int64_t rows, n, k;
+  int32_t senders, blocks, stride, device, sm_count;
+  bool operator==(const DecodeGemmKey& o) const { return std::memcmp(this, &o, sizeof(*this)) == 0; }
+};
+
+// The kernel parameters of the last few distinct launches. Building them costs ~10 us of host time
+// per call (TMA descriptors through the driver's entry-point lookup), and in a loop that waits for
+// its predicate every iteration (XLA's while) the GPU sits idle for it; a decode layer's launches
+// repeat the same few pointers. Shared by the devices' handler threads, hence the lock.
+template <class Params>
+class DecodeParamsCache {
+ public:
+  // Returns a copy of the cached parameters for `key`, built by `build` on a miss.
+  template <class Build>
+  cutlass::Status Get(const DecodeGemmKey& key, Build&& build, Params* out) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [k, params] : entries_) {
+      if (k == key) {
+        *out = params;
+        return cutlass::Status::kSuccess;
+      }
+    }
+    const cutlass::Status st = build(out);
+    if (st != cutlass::Status::kSuccess) return st;
+    if (entries_.size() == kEntries) entries_.erase(entries_.begin());
+    entries_.emplace_back(key, *out);
+    return st;
+  }
+
+ private:
+  static constexpr size_t kEntries = 32;
+  std::mutex mu_;
+  std::vector<std::pair<DecodeGemmKey, Params>> entries_;
+};
+
+// CUTLASS arguments of a launch (built on a cache miss only).
 template <class Instance>
-Status RunDecodeGemmInstance(const DecodeGemmPlan& p, cudaStream_t stream, int device, int sm_count) {
+typename Instance::Kernel::Arguments DecodeArguments(const DecodeGemmPlan& p, int device, int sm_count) {
   using Kernel = typename Instance::Kernel;
   using Element = typename Kernel::ElementA;
   const int rows = static_cast<int>(p.rows), n = static_cast<int>(p.n), k = static_cast<int>(p.k);
-
   typename Kernel::Arguments args{};
   args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
   args.problem_shape = {n, rows, k, 1};
@@ -172,18 +220,48 @@ Status RunDecodeGemmInstance(const DecodeGemmPlan& p, cudaStream_t stream, int d
   ep.dD = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, cute::make_shape(n, rows, 1));
   args.hw_info.device_id = device;
   args.hw_info.sm_count = sm_count;
+  return args;
+}
 
-  typename Instance::Gemm gemm;
-  if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
-    return Status::InvalidArgument("flux_jax: CUTLASS cannot implement the decode GEMM rows=" +
-                                   std::to_string(rows) + " n=" + std::to_string(n) + " k=" + std::to_string(k) +
+template <class Instance>
+Status RunDecodeGemmInstance(const DecodeGemmPlan& p, cudaStream_t stream, int device, int sm_count) {
+  using Kernel = typename Instance::Kernel;
+  using Params = typename Kernel::Params;
+  DecodeGemmKey key;
+  std::memset(&key, 0, sizeof(key));  // padding too: keys compare as bytes
+  key.x = p.x;
+  key.w = p.w;
+  key.d = p.d;
+  key.alpha_ptr = p.alpha_ptr;
+  key.flags = p.gate.flags;
+  key.error = p.gate.ctx.error;
+  key.rows = p.rows;
+  key.n = p.n;
+  key.k = p.k;
+  key.senders = p.gate.senders;
+  key.blocks = p.gate.blocks;
+  key.stride = p.gate.stride;
+  key.device = device;
+  key.sm_count = sm_count;
+  static DecodeParamsCache<Params> cache;
+  Params params;
+  cutlass::Status st = cache.Get(key, [&](Params* out) {
+    const auto args = DecodeArguments<Instance>(p, device, sm_count);
+    if (Instance::Gemm::can_implement(args) != cutlass::Status::kSuccess) return cutlass::Status::kErrorInvalidProblem;
+    *out = Kernel::to_underlying_arguments(args, nullptr);  // the persistent scheduler takes no workspace
+    return cutlass::Status::kSuccess;
+  }, &params);
+  if (st == cutlass::Status::kErrorInvalidProblem) {
+    return Status::InvalidArgument("flux_jax: CUTLASS cannot implement the decode GEMM rows=" + std::to_string(p.rows) +
+                                   " n=" + std::to_string(p.n) + " k=" + std::to_string(p.k) +
                                    " (K and N must be multiples of 8)");
   }
-  cutlass::Status st = gemm.initialize(args, nullptr, stream);
-  if (st == cutlass::Status::kSuccess) st = gemm.run(stream, nullptr, p.early_launch);
+  params.mainloop.gate = p.gate;  // this call's epoch and timeout
+  // The kernel's shared-memory size was set once per device (PreloadDecodeGemmInstance).
+  if (st == cutlass::Status::kSuccess) st = Instance::Gemm::run(params, stream, nullptr, p.early_launch);
   if (st != cutlass::Status::kSuccess) {
-    return Status::Internal(std::string("flux_jax: decode GEMM launch failed: ") +
-                            cutlass::cutlassGetStatusString(st) + " / " + cudaGetErrorString(cudaGetLastError()));
+    return Status::Internal(std::string("flux_jax: decode GEMM launch failed: ") + cutlass::cutlassGetStatusString(st) +
+                            " / " + cudaGetErrorString(cudaGetLastError()));
   }
   return Status::Ok();
 }
