@@ -17,9 +17,12 @@
 // The stream-K variants re-initialize every call (their locks count up and never reset); the
 // "init" line times that alone, so it can be subtracted: a fused kernel would use epoch flags.
 // Every variant's first call is checked against cuBLAS (poisoned output, max |diff| / max |value|).
+// `--small-m`: M = 8-128 with the ping-pong variants only.
+#include <string>
 #include <vector>
 
 #include "cublas_loader.cuh"
+#include "decode_gemm.h"
 #include "gemm_plan.h"
 
 namespace {
@@ -55,6 +58,14 @@ bool RunOurs(int m, int n, int k, const E* a, const E* b, E* d, const float* one
   p.m = m; p.n = n; p.k = k; p.a = a; p.b = b; p.d = d; p.alpha_ptr = one;
   p.group_m_tiles = 8; p.block_n = 256;
   return flux_jax::cuda::RunGemm(p, flux_jax::DType::kBF16, 0, 0, sms).ok();
+}
+
+// The decode path's own GEMM (decode_gemm.cuh), nothing to wait for.
+bool RunDecode(int m, int n, int k, const E* x, const E* w, E* d, const float* one, int sms) {
+  flux_jax::cuda::DecodeGemmPlan p;
+  p.rows = m; p.n = n; p.k = k; p.x = x; p.w = w; p.d = d; p.alpha_ptr = one;
+  p.x_rows_readable = flux_jax::cuda::DecodeRowsReadable(m);  // x holds that many rows
+  return flux_jax::cuda::RunDecodeGemm(p, flux_jax::DType::kBF16, 0, 0, sms).ok();
 }
 
 // A CUTLASS variant set up once: plain persistent, or stream-K in a mode with `splits`.
@@ -98,15 +109,22 @@ struct Row {
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
   // Per-GPU GEMMs at TP = 2 (AG: all M rows x N / 2 columns; RS: all M rows x K / 2).
   std::vector<Shape> shapes;
-  for (int m : {64, 128, 256, 512, 1024}) shapes.push_back({m, 8192, 5120, "70B qkv"});
-  for (int m : {64, 128, 256, 512, 1024}) shapes.push_back({m, 4096, 8192, "70B out"});
-  for (int m : {64, 256, 1024}) shapes.push_back({m, 4096, 3072, "8B qkv"});
-  for (int m : {64, 256}) shapes.push_back({m, 2048, 4096, "8B out"});
-  for (int m : {64, 256}) shapes.push_back({m, 8192, 28672, "70B gate+up"});
-  for (int m : {64, 256}) shapes.push_back({m, 14336, 8192, "70B down"});
+  const bool small_m = argc > 1 && std::string(argv[1]) == "--small-m";
+  if (small_m) {  // how the time moves below 64 rows (the decode path at M = 8-32)
+    for (int m : {8, 16, 32, 64, 128}) shapes.push_back({m, 8192, 5120, "70B qkv"});
+    for (int m : {8, 16, 64}) shapes.push_back({m, 8192, 28672, "70B gate+up"});
+    for (int m : {8, 64}) shapes.push_back({m, 4096, 3072, "8B qkv"});
+  } else {
+    for (int m : {64, 128, 256, 512, 1024}) shapes.push_back({m, 8192, 5120, "70B qkv"});
+    for (int m : {64, 128, 256, 512, 1024}) shapes.push_back({m, 4096, 8192, "70B out"});
+    for (int m : {64, 256, 1024}) shapes.push_back({m, 4096, 3072, "8B qkv"});
+    for (int m : {64, 256}) shapes.push_back({m, 2048, 4096, "8B out"});
+    for (int m : {64, 256}) shapes.push_back({m, 8192, 28672, "70B gate+up"});
+    for (int m : {64, 256}) shapes.push_back({m, 14336, 8192, "70B down"});
+  }
   constexpr size_t kWsBytes = size_t{512} << 20;
   const ProbeBuffers buf(shapes, kWsBytes);
   E *x = buf.x, *w = buf.w, *d = buf.d, *d2 = buf.d2;
@@ -120,6 +138,7 @@ int main() {
   const int sms = prop.multiProcessorCount;
   Cublas cublas;
   if (!cublas.Load()) return 1;
+  if (!flux_jax::cuda::PreloadDecodeGemmKernels().ok()) return 1;
 
   printf("# %s, %d SMs; us per call = best of 7 loops of back-to-back launches\n", prop.name, sms);
   printf("%-12s %5s %5s %5s  %-12s %8s %7s %7s  %s\n", "layer", "M", "K", "N", "variant", "us", "/cuBLAS",
@@ -161,17 +180,24 @@ int main() {
         if (v.stream_k && splits == 2 && !heuristic && swap)
           rows.push_back({"  (SK init)", BestUsPerCall([&] { v.Init(); }, it, 7), -1.f});
       };
-      add(Tag<SwapSK64>{}, "swapSK64 h", true, 1, true);
-      add(Tag<SwapSK64>{}, "swapSK64 s2", true, 2, false);
-      add(Tag<SwapSK64>{}, "swapSK64 s4", true, 4, false);
-      add(Tag<SwapSK128>{}, "swapSK128 h", true, 1, true);
-      add(Tag<SwapSK128>{}, "swapSK128 s2", true, 2, false);
-      add(Tag<SwapPP64>{}, "swapPP64", true, 1, false);
-      add(Tag<SwapPP128>{}, "swapPP128", true, 1, false);
-      add(Tag<Swap256>{}, "swap256", true, 1, false);
-      add(Tag<OursSK64>{}, "oursSK64 h", false, 1, true);
-      add(Tag<OursSK64>{}, "oursSK64 s2", false, 2, false);
-      add(Tag<OursSK128>{}, "oursSK128 h", false, 1, true);
+      if (small_m) {
+        const float c = check([&] { RunDecode(M, N, K, x, w, d2, one, sms); });
+        rows.push_back({"decode gemm", BestUsPerCall([&] { RunDecode(M, N, K, x, w, d, one, sms); }, it, 7), c});
+        add(Tag<SwapPP64>{}, "swapPP64", true, 1, false);
+        add(Tag<SwapPP128>{}, "swapPP128", true, 1, false);
+      } else {
+        add(Tag<SwapSK64>{}, "swapSK64 h", true, 1, true);
+        add(Tag<SwapSK64>{}, "swapSK64 s2", true, 2, false);
+        add(Tag<SwapSK64>{}, "swapSK64 s4", true, 4, false);
+        add(Tag<SwapSK128>{}, "swapSK128 h", true, 1, true);
+        add(Tag<SwapSK128>{}, "swapSK128 s2", true, 2, false);
+        add(Tag<SwapPP64>{}, "swapPP64", true, 1, false);
+        add(Tag<SwapPP128>{}, "swapPP128", true, 1, false);
+        add(Tag<Swap256>{}, "swap256", true, 1, false);
+        add(Tag<OursSK64>{}, "oursSK64 h", false, 1, true);
+        add(Tag<OursSK64>{}, "oursSK64 s2", false, 2, false);
+        add(Tag<OursSK128>{}, "oursSK128 h", false, 1, true);
+      }
       const float base = rows[0].us;
       for (const Row& r : rows) {
         char c[32] = "";

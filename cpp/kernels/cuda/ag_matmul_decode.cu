@@ -110,10 +110,13 @@ Status RunAgMatmulDecode(const AgMatmulParams& p, const TpGroup& group, const Co
     FLUX_CUDA_TRY(cudaMemsetAsync(p.out, 0xFF, rows * p.n * elt, S));
     if (p.gathered) FLUX_CUDA_TRY(cudaMemsetAsync(p.gathered, 0xFF, rows * p.k * elt, S));
   }
+  // The GEMM reads whole row tiles of G[b] (DecodeRowsReadable): the tail past the gathered rows
+  // is read, never used, and stays inside the parity half.
+  const size_t half_bytes = std::max(tp * chunk_bytes, static_cast<size_t>(DecodeRowsReadable(rows) * p.k) * elt);
   GroupWorkspace* ws = nullptr;
-  FLUX_JAX_RETURN_IF_ERROR(AcquireWorkspace(group, 0, cfg, S, &ws, 2 * tp * chunk_bytes));
+  FLUX_JAX_RETURN_IF_ERROR(AcquireWorkspace(group, 0, cfg, S, &ws, 2 * half_bytes));
   ws->epoch += 1;  // every rank counts every fused call of the group: epochs agree
-  const size_t parity_offset = (ws->epoch & 1) * (ws->slots_capacity / 2);  // >= tp * chunk_bytes
+  const size_t parity_offset = (ws->epoch & 1) * (ws->slots_capacity / 2);  // >= half_bytes
 
   const int64_t want = (static_cast<int64_t>(chunk_bytes) + kBytesPerBlock - 1) / kBytesPerBlock;
   const int blocks = static_cast<int>(std::clamp<int64_t>(want, 1, std::min(kMaxBlocks, kMaxGateFlags / tp)));
@@ -136,6 +139,7 @@ Status RunAgMatmulDecode(const AgMatmulParams& p, const TpGroup& group, const Co
   plan.n = p.n;
   plan.k = p.k;
   plan.x = ws->slots + parity_offset;
+  plan.x_rows_readable = DecodeRowsReadable(rows);
   plan.w = p.w;
   plan.d = p.out;
   plan.alpha_ptr = ws->alpha;
