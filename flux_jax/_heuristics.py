@@ -1,4 +1,4 @@
-"""Which implementation runs on GPU: the overlap kernel, the latency path, or the XLA twin.
+"""Which implementation runs on GPU: the overlap kernel, the latency path, the decode path, or the twin.
 
 Measured with the harness (dispatch-free device time, 2x H200, TP=2, bf16, 2026-11-29; data in
 benchmarks/data/harness_*_2026-11-29.json); rows marked (11-30) with tools/perf_probe.py after the
@@ -82,6 +82,15 @@ twin (xla_shard_map), global shapes, AG: n = N/2 per rank; RS: k = K/2 per rank:
   1.06-1.42 at 16 of 16; the decode preset (harness_decode-tp2_{rs,ag}_auto_newrule_*_s13) RS
   1.01-1.32 at 31 of 31, AG 1.01-1.26 at 25 of 26 and 0.99 at 8B qkv M = 256 (samples overlap;
   1.11 in the run before).
+  ag_matmul's decode path (s14, harness_decode-tp2_ag_decode_path_2026-11-30_s14.json, 5 samples,
+  commit 91f24d7; bf16, at most 128 rows), decode / twin and latency / twin:
+  ag  8-128  4096   6144      35-44   1.28-1.55  1.02-1.12  (8B qkv, n = 3072)
+  ag  8-128  8192   10240     37-54   1.13-1.38  1.08-1.17  (70B qkv, n = 5120)
+  ag  8-128  4096   28672     43-50   0.98-1.18  1.03-1.06  (8B gate+up, n = 14336)
+  ag  8-32   8192   57344    123-130  0.93-0.98  1.01-1.03  (70B gate+up, n = 28672)
+  Its GEMM streams a weight up to ~8192 columns per rank at or above cuBLAS's speed and trails it
+  by ~10% on the widest (gemm_decode*_s14.txt), so the decode path for AG at <= 128 rows with a
+  per-rank n <= 8192, the latency path elsewhere below the overlap region.
 
 Reading: the overlap kernel wins once there are enough row tiles to hide the transfer (M >=
 2048; RS already at M = 1024 with N = 8192), at every per-rank N measured (up to 28672) since its
@@ -100,17 +109,23 @@ M = 96-12288) auto was 1.01-1.65x the twin.
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 # Thresholds from the table above (where the overlap kernel pays, and where it loses to XLA's GEMM).
 _AG_OVERLAP_MIN_TILES = 192  # AG overlap needs > 1 wave of 128x256 tiles (128 tiles: 0.97x; 192: 1.26x)
 # AG at M >= 12288 with a wide per-rank n and K <= 6144: the twin (see the table's s11 rows).
 _AG_WIDE_MIN_ROWS, _AG_WIDE_MIN_N, _AG_WIDE_MAX_K = 12288, 12288, 6144
+# ag_matmul's decode path: at most this many rows in all and this per-rank n (s14 rows above).
+_AG_DECODE_MAX_ROWS, _AG_DECODE_MAX_N = 128, 8192
 # Below the overlap region both ops take the latency path at every M and weight size. The
 # thresholds that kept the twin there (AG below M = 64 or 5e9 multiply-adds; RS below M = 256 with
 # a per-rank weight over 64M elements) were fitted while the CUDA lowering still computed the rank
 # operand before each call; without it (s12, s13) the latency path read 1.01-1.56x the twin at
 # every decode shape they covered, the 1.01-1.07 of the longest GEMMs being ties at worst.
+
+
+_BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def _tiles(rows: int, n: int) -> int:
@@ -128,8 +143,17 @@ def _ag_overlap_fits(rows: int, n: int) -> bool:
     return rows >= 2048 and _tiles(rows, n) >= _AG_OVERLAP_MIN_TILES
 
 
+def _ag_decode_pays(rows: int, n: int, dtype) -> bool:
+    """AG at decode sizes where the decode path measured faster than the latency path."""
+    return np.dtype(dtype) == _BF16 and rows <= _AG_DECODE_MAX_ROWS and n <= _AG_DECODE_MAX_N
+
+
 def choose(op: str, tp: int, rows: int, k: int, n: int, dtype) -> str:
-    """"overlap", "latency" or "xla" for a global GEMM of `rows` rows.
+    """"overlap", "latency", "decode" or "xla" for a global GEMM of `rows` rows.
+
+    "decode" is ag_matmul's decode path where its kernels exist (bfloat16, the untransposed
+    weight); the lowering takes the latency path for calls it cannot serve (e.g. a backward's
+    transposed weight).
 
     `k`, `n`: the per-rank GEMM's contraction size and output columns (AG: K and N/tp;
     RS: K/tp and N).
@@ -141,7 +165,7 @@ def choose(op: str, tp: int, rows: int, k: int, n: int, dtype) -> str:
             return "xla"
         if _ag_overlap_fits(rows, n):
             return "overlap"
-        return "latency"
+        return "decode" if _ag_decode_pays(rows, n, dtype) else "latency"
     if rows >= 2048 or (rows >= 1024 and n >= 8192):
         return "overlap"
     return "latency"
@@ -183,6 +207,10 @@ def explain(op: str, M: int, K: int, N: int, tp: int, dtype="bfloat16") -> str:
     if choice == "overlap":
         return (f"{where}: fused, overlap path (enough row tiles to hide the transfer: measured "
                 "1.03-1.42x over the twin in that region)")
+    if choice == "decode":
+        return (f"{where}: fused, decode path (the rows pushed over NVLink while a GEMM in the weight's "
+                "orientation already streams the weight; measured 1.13-1.55x over the twin at <= 128 rows "
+                f"with a per-rank n <= {_AG_DECODE_MAX_N}; a transposed weight takes the latency path)")
     if choice == "latency":
         if op == "ag_matmul" and M >= 2048:
             return (f"{where}: fused, latency path (the per-rank GEMM has {_tiles(M, n)} output tiles, "

@@ -70,10 +70,11 @@ def operands(op, M, K, N, seed=7):
 
 result = {"process": process_id}
 if scenario == "ops":  # both paths, both ops, forward and gradients, against the twin
-    for path in ("overlap", "latency"):
+    for path in ("overlap", "latency", "decode"):
+        M = 64 if path == "decode" else 1024  # decode: ag_matmul's kernels take <= 128 rows (rs: latency)
         for op in ("ag", "rs"):
-            x, w = operands(op, 1024, 1024, 2048)
-            c = global_array(P(), np.random.default_rng(3).standard_normal((1024, 2048)).astype(np.float32))
+            x, w = operands(op, M, 1024, 2048)
+            c = global_array(P(), np.random.default_rng(3).standard_normal((M, 2048)).astype(np.float32))
             outs = {}
             for impl in ("fused", "xla"):
                 f, _ = op_fn(op, impl, path)

@@ -24,7 +24,7 @@ needs_cuda_build = pytest.mark.skipif(not flux_jax._native.has_cuda_kernel("ag_m
                                       reason="built without CUDA kernels")
 
 
-def _lowered_for_cuda(op, m, k, n, dtype, tp=2, grad=False):
+def _lowered_for_cuda(op, m, k, n, dtype, tp=2, grad=False, path="decode"):
     """StableHLO of the op lowered for CUDA (global shapes m x k @ k x n, TP = tp)."""
     mesh = cpu_mesh((tp,), ("tp",))
     rng = np.random.default_rng(0)
@@ -39,7 +39,7 @@ def _lowered_for_cuda(op, m, k, n, dtype, tp=2, grad=False):
         f = jax.grad(lambda x, w: jnp.sum(op_fn(x, w).astype(jnp.float32) ** 2), argnums=(0, 1))
     x = place(mesh, random_array(rng, (m, k), dtype), specs[0])
     w = place(mesh, random_array(rng, (k, n), dtype), specs[1])
-    with flux_jax.config(fused_path="decode"):
+    with flux_jax.config(fused_path=path):
         return jax.jit(f).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -74,6 +74,15 @@ def test_backward_of_decode_ag_takes_the_latency_path():
     text = _lowered_for_cuda("ag", 64, 64, 32, "bfloat16", grad=True)
     assert _decode_calls(text) == 1
     assert "flux_jax_reduce_scatter" in text
+
+
+@needs_cuda_build
+def test_auto_takes_the_decode_path_where_it_measured_faster():
+    """impl="fused" with fused_path="auto": decode at <= 128 rows and a per-rank n <= 8192 (bf16),
+    the latency path for a wider weight (_heuristics.py, s14)."""
+    assert _decode_calls(_lowered_for_cuda("ag", 64, 64, 2 * 4096, "bfloat16", path="auto")) == 1
+    wide = _lowered_for_cuda("ag", 64, 64, 2 * 14336, "bfloat16", path="auto")
+    assert _decode_calls(wide) == 0 and "flux_jax_all_gather" in wide
 
 
 def test_decode_supported_matches_the_kernels():

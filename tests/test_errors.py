@@ -206,8 +206,12 @@ def test_auto_gpu_policy_follows_the_measured_table():
     assert choose("matmul_rs", rows=2048, k=2048, n=28672) == "overlap"  # 1.15x (latency 1.03x)
     assert choose("ag_matmul", rows=256, k=8192, n=5120) == "latency"  # 1.21x
     assert choose("ag_matmul", rows=256, k=4096, n=3072) == "latency"  # 8B qkv: 1.11x (0.86x with the rank operand)
-    assert choose("ag_matmul", rows=64, k=4096, n=3072) == "latency"  # 8B qkv: 1.56x (s13)
-    assert choose("ag_matmul", rows=16, k=8192, n=28672) == "latency"  # 70B gate+up: 1.05x (s13)
+    assert choose("ag_matmul", rows=64, k=4096, n=3072) == "decode"  # 8B qkv: 1.29x, latency 1.12x (s14)
+    assert choose("ag_matmul", rows=8, k=8192, n=5120) == "decode"  # 70B qkv: 1.14x, latency 1.09x (s14)
+    assert choose("ag_matmul", rows=128, k=8192, n=5120) == "decode"  # 70B qkv: 1.35x, latency 1.17x (s14)
+    assert choose("ag_matmul", rows=64, k=4096, n=14336) == "latency"  # 8B gate+up: decode 0.98-1.18x (s14)
+    assert choose("ag_matmul", rows=16, k=8192, n=28672) == "latency"  # 70B gate+up: 1.05x, decode 0.98x (s14)
+    assert choose("ag_matmul", rows=64, k=4096, n=3072, dtype=np.dtype(np.float16)) == "latency"  # no f16 decode
     assert choose("ag_matmul", rows=320, k=5120, n=3584) == "latency"  # held out: 1.18x
     assert choose("ag_matmul", rows=12288, k=5120, n=13824) == "xla"  # held out: overlap 0.97-1.01x
     assert choose("ag_matmul", rows=8192, k=4096, n=14336) == "overlap"  # 1.02-1.21x
@@ -232,6 +236,7 @@ def test_auto_gpu_policy_follows_the_measured_table():
 def test_explain_auto_names_the_choice_and_the_reason():
     assert "fused, overlap path" in flux_jax.explain_auto("ag_matmul", 4096, 8192, 8192, 2)
     assert "fused, latency path" in flux_jax.explain_auto("matmul_rs", 16, 4096, 4096, 2)
+    assert "fused, decode path" in flux_jax.explain_auto("ag_matmul", 64, 8192, 10240, 2)
     assert "128 output tiles" in flux_jax.explain_auto("ag_matmul", 2048, 14336, 4096, 2)
     assert "tp=8 has not been measured" in flux_jax.explain_auto("ag_matmul", 8192, 8192, 57344, 8)
     assert "no float32 kernels" in flux_jax.explain_auto("ag_matmul", 4096, 8192, 8192, 2, "float32")

@@ -61,7 +61,7 @@ def test_both_ops_both_paths_forward_and_backward_match_the_twin():
     results, _ = run_workers("ops")
     for pid in (0, 1):
         r = results[pid]
-        for path in ("overlap", "latency"):
+        for path in ("overlap", "latency", "decode"):
             for key in ("ag_fwd", "ag_dx", "ag_dw", "rs_fwd", "rs_dx", "rs_dw"):
                 diff, finite = r[f"{path}_{key}"]
                 assert finite, f"process {pid} {path} {key}: NaN (an element was not written)"
