@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import flux_jax
 from helpers import assert_matches, place, random_array, to64
-from test_gpu_fused import _mesh, _op_fn, gpus  # noqa: F401  (gpus: the fixture)
+from test_gpu_fused import _mesh, _op_fn, gpus, missing_peer_times_out_then_reset  # noqa: F401  (gpus: the fixture)
 
 
 def _is_decode(f, *args):
@@ -119,19 +119,5 @@ def test_decode_gathered_and_gradients(gpus):
 
 
 def test_decode_missing_peer_times_out_then_reset(gpus):
-    mesh = _mesh(gpus)
-    rng = np.random.default_rng()
-    x, w = random_array(rng, (64, 256), "bfloat16"), random_array(rng, (256, 256), "bfloat16")
-    with flux_jax.config(timeout_s=0.5, debug_drop_rank=1, fused_path="decode"):
-        f, specs = _op_fn("ag", mesh, "fused")
-        xs, ws = place(mesh, x, specs[0]), place(mesh, w, specs[1])
-        out = np.asarray(f(xs, ws), np.float32)
-    assert np.isnan(out).any(), "a timed-out call must not return plausible numbers"
-    errors = flux_jax.device_errors()
-    assert errors and any("decode GEMM for push block" in e and "rows of rank 1" in e for e in errors.values()), errors
-    flux_jax.reset()
-    assert not flux_jax.device_errors()
-    with flux_jax.config(fused_path="decode"):
-        good, _ = _op_fn("ag", mesh, "fused")
-    twin, _ = _op_fn("ag", mesh, "xla")
-    assert_matches(good(xs, ws), to64(x) @ to64(w), twin(xs, ws), "bfloat16", "after reset")
+    missing_peer_times_out_then_reset(gpus, "ag", "decode", 64,
+                                      "waited in ag_matmul's decode GEMM for push block")
