@@ -36,7 +36,7 @@ cuobjdump --dump-resource-usage "$so" 2>/dev/null | grep -E "REG|STACK" | sort |
 if [[ $what == tests || $what == all ]]; then
   echo "== GPU tests"
   tlog="$OUT/gpu_tests${FLUX_JAX_TEST_TUNING:+_tuned}.log"; echo "tuning: ${FLUX_JAX_TEST_TUNING:-default}"
-  FLUX_JAX_REQUIRE_GPU=1 timeout 300 pytest -q -o timeout=90 -p no:cacheprovider tests/test_gpu_fused.py ${GPU_TEST_K:+-k "$GPU_TEST_K"} > "$tlog" 2>&1
+  FLUX_JAX_REQUIRE_GPU=1 timeout 300 pytest -q -o timeout=90 -p no:cacheprovider tests/test_gpu_fused.py tests/test_gpu_decode.py ${GPU_TEST_K:+-k "$GPU_TEST_K"} > "$tlog" 2>&1
   grep -E "passed|failed|^FAILED|^E " "$tlog" | head -40
 fi
 if [[ $what == multiprocess ]]; then
