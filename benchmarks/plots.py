@@ -180,6 +180,6 @@ def write_plots(rows: list[dict], out_dir: Path, stem: str) -> list[Path]:
     speedup_plot(rows, speedup, stem)
     time_plot(rows, times, stem)
     present = {row["variant"] for row in rows}
-    fused = next((v for v in ("flux_fused", "flux_auto", "flux_latency", "flux_overlap") if v in present), "flux_fused")
+    fused = next((v for v in ("flux_fused", "flux_auto", "flux_decode", "flux_latency", "flux_overlap") if v in present), "flux_fused")
     time_split_plot(rows, split, stem, fused)
     return [speedup, times, split]
