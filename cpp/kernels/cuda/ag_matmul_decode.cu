@@ -27,6 +27,7 @@
 #include "ag_matmul_decode.h"
 #include "cuda_util.h"
 #include "decode_gemm.h"
+#include "nvlink_stores.cuh"
 #include "workspace.h"
 
 namespace flux_jax::cuda {
@@ -50,34 +51,19 @@ struct PushArgs {
   uint64_t epoch;
 };
 
-__device__ __forceinline__ void StoreReleaseSys(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
 __global__ void __launch_bounds__(kThreads) PushRowsKernel(PushArgs a) {
   // The GEMM may launch now: it waits for our flags, not for our end.
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  const int64_t per = (a.chunk_vecs + gridDim.x - 1) / gridDim.x;
-  const int64_t lo = std::min<int64_t>(per * blockIdx.x, a.chunk_vecs);
-  const int64_t hi = std::min<int64_t>(lo + per, a.chunk_vecs);
-  constexpr int kBatch = 4;  // loads in flight per thread before the stores
-  for (int64_t base = lo + threadIdx.x; base < hi; base += int64_t{kThreads} * kBatch) {
-    uint4 val[kBatch];
+  int64_t lo, hi;
+  BlockRange(a.chunk_vecs, &lo, &hi);
+  BatchedCopy<kThreads, /*kBatch=*/4>(
+      lo, hi, [&](int64_t v) { return __ldg(a.x + v); },
+      [&](int64_t v, uint4 val) {
 #pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int64_t v = base + int64_t{u} * kThreads;
-      if (v < hi) val[u] = __ldg(a.x + v);
-    }
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int64_t v = base + int64_t{u} * kThreads;
-      if (v >= hi) continue;
-#pragma unroll
-      for (int q = 0; q < kMaxRanks; ++q) {
-        if (q < a.tp) a.dst[q][v] = val[u];
-      }
-    }
-  }
+        for (int q = 0; q < kMaxRanks; ++q) {
+          if (q < a.tp) a.dst[q][v] = val;
+        }
+      });
   __threadfence_system();
   __syncthreads();
   if (threadIdx.x == 0) {

@@ -33,6 +33,7 @@
 #include "cuda_util.h"
 #include "device_sync.cuh"
 #include "flux_jax/collectives.h"
+#include "nvlink_stores.cuh"
 #include "workspace.h"
 
 namespace flux_jax::cuda {
@@ -65,17 +66,6 @@ struct CollectiveArgs {
   WaitContext ctx;
 };
 
-__device__ __forceinline__ void StoreReleaseSys(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-__device__ __forceinline__ void BlockRange(int64_t chunk_vecs, int64_t* lo, int64_t* hi) {
-  const int64_t blocks = gridDim.x, block = blockIdx.x;
-  const int64_t per = (chunk_vecs + blocks - 1) / blocks;
-  *lo = per * block < chunk_vecs ? per * block : chunk_vecs;
-  *hi = *lo + per < chunk_vecs ? *lo + per : chunk_vecs;
-}
-
 // After this block's stores: raise its flag on every peer.
 __device__ __forceinline__ void SignalPeers(const CollectiveArgs& a) {
   __threadfence_system();
@@ -104,24 +94,9 @@ __device__ __forceinline__ bool WaitSender(const CollectiveArgs& a, int q) {
 
 __device__ __forceinline__ uint4 NaN16() { return make_uint4(~0u, ~0u, ~0u, ~0u); }  // bf16/f16 NaN
 
-// Calls load(v) for up to kBatch vectors of this thread in [lo, hi), then
-// store(v, value) for each: every load of a batch is issued before the first
-// store (the compiler cannot reorder them itself: the pointers may alias).
 template <class Load, class Store>
 __device__ __forceinline__ void BatchedCopy(int64_t lo, int64_t hi, Load load, Store store) {
-  for (int64_t base = lo + threadIdx.x; base < hi; base += int64_t{kThreads} * kBatch) {
-    uint4 val[kBatch];
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int64_t v = base + int64_t{u} * kThreads;
-      if (v < hi) val[u] = load(v);
-    }
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int64_t v = base + int64_t{u} * kThreads;
-      if (v < hi) store(v, val[u]);
-    }
-  }
+  cuda::BatchedCopy<kThreads, kBatch>(lo, hi, load, store);
 }
 
 __global__ void __launch_bounds__(kThreads) AllGatherKernel(CollectiveArgs a) {

@@ -1,0 +1,45 @@
+// Device pieces of the kernels that move rows with SM stores over NVLink: the
+// latency collectives (latency_collectives.cu) and the decode path's row push
+// (ag_matmul_decode.cu).
+#pragma once
+
+#include <cstdint>
+
+namespace flux_jax::cuda {
+
+// A flag write that publishes this thread's earlier stores system-wide.
+__device__ __forceinline__ void StoreReleaseSys(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// This block's share [lo, hi) of `vecs` 16-byte vectors: every rank launches the
+// same grid over the same chunk, so block i owns the same range on every rank.
+__device__ __forceinline__ void BlockRange(int64_t vecs, int64_t* lo, int64_t* hi) {
+  const int64_t blocks = gridDim.x, block = blockIdx.x;
+  const int64_t per = (vecs + blocks - 1) / blocks;
+  *lo = per * block < vecs ? per * block : vecs;
+  *hi = *lo + per < vecs ? *lo + per : vecs;
+}
+
+// Calls load(v) for up to kBatch vectors of this thread in [lo, hi), then
+// store(v, value) for each: every load of a batch is issued before the first
+// store (the compiler cannot reorder them itself: the pointers may alias).
+// kThreads: the block size the kernel is launched with.
+template <int kThreads, int kBatch, class Load, class Store>
+__device__ __forceinline__ void BatchedCopy(int64_t lo, int64_t hi, Load load, Store store) {
+  for (int64_t base = lo + threadIdx.x; base < hi; base += int64_t{kThreads} * kBatch) {
+    uint4 val[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int64_t v = base + int64_t{u} * kThreads;
+      if (v < hi) val[u] = load(v);
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int64_t v = base + int64_t{u} * kThreads;
+      if (v < hi) store(v, val[u]);
+    }
+  }
+}
+
+}  // namespace flux_jax::cuda
