@@ -84,9 +84,9 @@ twin (xla_shard_map), global shapes, AG: n = N/2 per rank; RS: k = K/2 per rank:
   1.11 in the run before).
   ag_matmul's decode path (s14, harness_decode-tp2_ag_decode_path_2026-11-30_s14.json, 5 samples,
   commit 91f24d7; bf16, at most 128 rows), decode / twin and latency / twin:
-  ag  8-128  4096   6144      35-44   1.28-1.55  1.02-1.12  (8B qkv, n = 3072)
-  ag  8-128  8192   10240     37-54   1.13-1.38  1.08-1.17  (70B qkv, n = 5120)
-  ag  8-128  4096   28672     43-50   0.98-1.18  1.03-1.06  (8B gate+up, n = 14336)
+  ag  8-128  4096   6144      35-44   1.28-1.55  1.02-1.21  (8B qkv, n = 3072)
+  ag  8-128  8192   10240     37-54   1.13-1.37  1.03-1.17  (70B qkv, n = 5120)
+  ag  8-128  4096   28672     43-50   0.98-1.18  1.00-1.06  (8B gate+up, n = 14336)
   ag  8-32   8192   57344    123-130  0.93-0.98  1.01-1.03  (70B gate+up, n = 28672)
   Its GEMM streams a weight up to ~8192 columns per rank at or above cuBLAS's speed and trails it
   by ~10% on the widest (gemm_decode*_s14.txt), so the decode path for AG at <= 128 rows with a
