@@ -1,6 +1,8 @@
 // One launch of the decode path's GEMM (decode_gemm.cuh), without CUTLASS types:
 // out[rows, n] = x[rows, k] @ w[k, n], all row-major, w N-major only (the
 // forward weight; the transposed weight of a backward pass is not built).
+// With a DecodeExchange its epilogue also reduce-scatters the result across the
+// TP group, tile by tile (matmul_rs's decode path, matmul_rs_decode.cu).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -16,6 +18,31 @@ namespace flux_jax::cuda {
 // Rows the decode GEMM takes (its widest tile, X's rows along the tile's N).
 inline constexpr int64_t kDecodeMaxRows = 128;
 
+// Ranks the exchanging epilogue serves (its peer tables are indexed with
+// compile-time indices only, so the kernel parameters stay in constant space).
+inline constexpr int kDecodeMaxRanks = 8;
+
+// matmul_rs's decode path: the GEMM's D is this rank's partial P[rows, n]; once
+// a tile of P is written, its epilogue stores the rows of P that rank q owns
+// (rows q*rows_per_rank ..) into q's receive area, raises q's flag of the tile,
+// waits for every peer's flag of the tile and writes its own rows of
+// out = sum over ranks q = 0..tp-1, in that order, in float32, rounded once.
+struct DecodeExchange {
+  int32_t tp = 0;  // 0: no exchange (the plain GEMM: ag_matmul's decode path)
+  int32_t rank = 0;
+  int32_t rows_per_rank = 0;
+  int32_t n = 0;
+  const void* partial = nullptr;                 // P = D, [rows, n] (this rank's workspace)
+  void* out = nullptr;                           // [rows_per_rank, n]
+  const void* recv = nullptr;                    // [tp][rows_per_rank][n]: partials sent to me
+  void* peer_recv[kDecodeMaxRanks] = {};         // rank q's recv + rank * rows_per_rank * n
+  uint64_t* peer_flag[kDecodeMaxRanks] = {};     // rank q's flags from me, one per tile
+  const uint64_t* my_flags = nullptr;            // [sender * flag_stride + tile]
+  int32_t flag_stride = 0;
+  bool signal_peers = true;                      // false: debug_drop_rank (tests the timeout)
+  WaitContext ctx;
+};
+
 struct DecodeGemmPlan {
   int64_t rows = 0, n = 0, k = 0;
   const void* x = nullptr;           // the gathered rows (written by the pushes)
@@ -25,6 +52,7 @@ struct DecodeGemmPlan {
   const float* alpha_ptr = nullptr;  // device scalar (1.0f; NaN once a wait timed out)
   PushGate gate;                     // flags to wait for before the first row load
   bool early_launch = false;         // programmatic dependent launch after the push kernel
+  DecodeExchange exchange;           // tp == 0: none
 };
 
 // Rows of x the GEMM may read for `rows` rows: the row tile (64 or 128) rounded up, so no TMA

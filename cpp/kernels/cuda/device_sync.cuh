@@ -18,6 +18,7 @@ enum WaitSite : int32_t {
   kSiteAllGather = 4,      // latency path; piece = thread block
   kSiteReduceScatter = 5,  // latency path; piece = thread block
   kSiteDecodeRows = 6,     // decode path's GEMM; piece = push block
+  kSiteDecodeSums = 7,     // matmul_rs's decode GEMM epilogue; piece = output tile
 };
 
 // Host-visible error record, one per device (cudaHostAllocMapped).
@@ -97,9 +98,11 @@ __device__ __forceinline__ uint64_t LoadAcquireSys(const uint64_t* p) {
 }
 
 // Spins until *flag >= ctx.epoch. Returns false (after recording) on timeout,
-// or at once if another wait on this device already failed.
-static __device__ __noinline__ bool WaitFlag(const uint64_t* flag, const WaitContext& ctx, int32_t site,
-                                      int32_t peer, int32_t chunk, int32_t piece) {
+// or at once if another wait on this device already failed. Inlined where a
+// call is not an option (a consumer warpgroup after setmaxnreg: ptxas failed to
+// allocate the 232 registers of the decode GEMM with the call); else WaitFlag.
+__device__ __forceinline__ bool WaitFlagInline(const uint64_t* flag, const WaitContext& ctx, int32_t site,
+                                               int32_t peer, int32_t chunk, int32_t piece) {
   uint64_t start = 0;
   for (uint32_t i = 0;; ++i) {
     const uint64_t seen = LoadAcquireSys(flag);
@@ -127,6 +130,11 @@ static __device__ __noinline__ bool WaitFlag(const uint64_t* flag, const WaitCon
       return false;
     }
   }
+}
+
+static __device__ __noinline__ bool WaitFlag(const uint64_t* flag, const WaitContext& ctx, int32_t site,
+                                             int32_t peer, int32_t chunk, int32_t piece) {
+  return WaitFlagInline(flag, ctx, site, peer, chunk, piece);
 }
 
 // Waits for every piece that covers rows [row0, row0 + rows) (clamped).

@@ -18,7 +18,7 @@ namespace flux_jax::cuda {
 namespace {
 
 constexpr int kMaxDevices = 64;
-constexpr size_t kCtrlWords = kMaxTp + kMaxFlags + 2 + kMaxTp * kMaxLatencyBlocks + kMaxPieces;
+constexpr size_t kCtrlWords = kMaxTp + kMaxFlags + 2 + kMaxTp * kFlagsPerSender + kMaxPieces;
 constexpr size_t kGrowGranule = size_t{64} << 20;  // grow in 64 MiB steps
 
 // Host-side rendezvous of the group's handler threads (one per device; XLA
@@ -133,7 +133,7 @@ Status InitMember(const TpGroup& g, GroupWorkspace* w) {
   w->arrived = w->present + kMaxTp;
   w->cells = w->arrived + kMaxFlags;
   w->block_arrived = w->cells + 2;
-  w->tiles_done = w->block_arrived + kMaxTp * kMaxLatencyBlocks;
+  w->tiles_done = w->block_arrived + kMaxTp * kFlagsPerSender;
   w->alpha = reinterpret_cast<float*>(w->tiles_done + kMaxPieces);
   const float one = 1.0f;
   FLUX_CUDA_TRY(cudaMemcpy(w->alpha, &one, sizeof(one), cudaMemcpyHostToDevice));
@@ -401,6 +401,7 @@ Status CheckDeviceError(int device) {
     case kSiteAllGather: os << " waited in all_gather for block " << e.piece << " of the rows of rank " << e.peer; break;
     case kSiteReduceScatter: os << " waited in reduce_scatter for block " << e.piece << " of the partial sums of rank " << e.peer; break;
     case kSiteDecodeRows: os << " waited in ag_matmul's decode GEMM for push block " << e.piece << " of the rows of rank " << e.peer; break;
+    case kSiteDecodeSums: os << " waited in matmul_rs's decode GEMM for the partial sums of output tile " << e.piece << " from rank " << e.peer; break;
     default: os << " waited on an unknown site"; break;
   }
   os << "; epoch " << e.epoch << ", flag value seen " << e.seen

@@ -5,7 +5,7 @@
 // every member's pointers visible to the others. Layout of each member:
 //
 //   ctrl (device, fixed): present[kMaxTp] | arrived[kMaxFlags] | cells[2] |
-//                         block_arrived[kMaxTp][kMaxLatencyBlocks] | tiles_done[kMaxPieces]
+//                         block_arrived[kMaxTp][kFlagsPerSender] | tiles_done[kMaxPieces]
 //   alpha (device float): 1.0, NaN once a wait timed out (poisons results)
 //   data (device, grows): receive / staging buffers of the overlapped (large-M) ops
 //   slots (device, grows): receive slots of the latency-path collectives,
@@ -37,6 +37,8 @@ inline constexpr int kMaxTp = 16;
 inline constexpr int kMaxPieces = 16;
 inline constexpr int kMaxFlags = kMaxTp * kMaxPieces;
 inline constexpr int kMaxLatencyBlocks = 128;  // thread blocks of one latency collective
+// block_arrived flags per sender: latency blocks, decode push blocks, or matmul_rs decode tiles.
+inline constexpr int kFlagsPerSender = 512;
 
 // What one member can see of another (device pointers valid in its own space
 // through peer access).
@@ -58,7 +60,7 @@ struct GroupWorkspace {
   uint64_t* present = nullptr;  // [kMaxTp]: present[p] = last epoch rank p reached
   uint64_t* arrived = nullptr;  // [kMaxFlags]: row pieces of the current call
   uint64_t* cells = nullptr;    // [2]: cells[1] = epoch, the source of copy-engine flag writes
-  uint64_t* block_arrived = nullptr;  // [kMaxTp][kMaxLatencyBlocks]: latency collectives
+  uint64_t* block_arrived = nullptr;  // [kMaxTp][kFlagsPerSender]: latency and decode paths
   // [kMaxPieces]: output tiles written per piece of rows (TileSignal; only grow), and
   // the totals the launches enqueued so far will have raised them to (host side).
   uint64_t* tiles_done = nullptr;
