@@ -20,6 +20,8 @@
 // path (every call of every path waits, before it ends, for a flag of every
 // peer raised by that peer's kernel of the same call).
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
 #include "cuda_util.h"
 #include "decode_gemm.h"
@@ -29,6 +31,16 @@
 namespace flux_jax::cuda {
 namespace {
 constexpr int64_t kTileCols = 64;  // decode_gemm.cuh: 64 weight columns per tile
+
+// Diagnostics only (tools/loop_anatomy.py): FLUX_JAX_DEBUG_RS_DECODE_NO_EXCHANGE=1 runs the GEMM
+// without its exchange, so the output is never written (wrong results), to time the GEMM alone.
+bool DebugNoExchange() {
+  static const bool value = [] {
+    const char* v = std::getenv("FLUX_JAX_DEBUG_RS_DECODE_NO_EXCHANGE");
+    return v != nullptr && std::strcmp(v, "1") == 0;
+  }();
+  return value;
+}
 }  // namespace
 
 bool MatmulRsDecodeSupported(const MatmulRsParams& p, const TpGroup& group) {
@@ -94,6 +106,7 @@ Status RunMatmulRsDecode(const MatmulRsParams& p, const TpGroup& group, const Co
   e.flag_stride = kFlagsPerSender;
   e.signal_peers = cfg.drop_rank != r;
   e.ctx = ws->Wait(cfg.timeout_us);
+  if (DebugNoExchange()) e.tp = 0;
   return RunDecodeGemm(plan, p.dtype, S, device, ws->sm_count);
 }
 
