@@ -110,7 +110,7 @@ Status RunAgMatmulDecode(const AgMatmulParams& p, const TpGroup& group, const Co
   a.x = static_cast<const uint4*>(p.x);
   for (int q = 0; q < tp; ++q) {
     a.dst[q] = reinterpret_cast<uint4*>(ws->peers[q].slots + parity_offset + r * chunk_bytes);
-    a.flag[q] = ws->peers[q].block_arrived + r * kFlagsPerSender;
+    a.flag[q] = ws->peers[q].block_arrived + r * kMaxLatencyBlocks;
   }
   a.chunk_vecs = static_cast<int64_t>(chunk_bytes / sizeof(uint4));
   a.tp = tp;
@@ -132,7 +132,7 @@ Status RunAgMatmulDecode(const AgMatmulParams& p, const TpGroup& group, const Co
   plan.gate.flags = ws->block_arrived;
   plan.gate.senders = tp;
   plan.gate.blocks = blocks;
-  plan.gate.stride = kFlagsPerSender;
+  plan.gate.stride = kMaxLatencyBlocks;
   plan.gate.ctx = ws->Wait(cfg.timeout_us);
   plan.early_launch = cfg.decode_early_launch;
   FLUX_JAX_RETURN_IF_ERROR(RunDecodeGemm(plan, p.dtype, S, device, ws->sm_count));

@@ -4,23 +4,28 @@
 // One output tile (64 columns of N x all M rows: M <= the row tile) of rank r,
 // after CUTLASS's epilogue has stored it into P with TMA:
 //
-//   consumer warpgroup (128 threads)
+//   consumer warpgroup (128 threads), thread t
 //   warp 0: wait for the tile's TMA stores to be written; fence.proxy.async
-//   for q != r:  q.recv[r][rows of q][cols] = P[rows of q][cols]   (NVLink stores)
-//   fence.sys;   q.flag[r][tile] = epoch                           (st.release.sys)
-//   wait flag[q][tile] >= epoch for every q != r                   (bounded)
-//   out[rows of r][cols] = sum over q = 0..tp-1 of (q == r ? P : recv[q])
-//                          in float32, rank order, rounded once
+//   for q != r:  q.ll[b][r][rows of q][cols] = {P[..], e} words    (NVLink stores)
+//   out[rows of r][cols] = sum over q = 0..tp-1 of (q == r ? P : ll[b][q] once
+//                          its words carry epoch e), in float32, rank order,
+//                          rounded once
+//
+// The low-latency format (NCCL's "LL"): each 8-byte word holds 4 bytes of data
+// and the low 32 bits of the call's epoch, written by one store, so a reader
+// polls the data itself: no fence and no separate flag, one NVLink trip
+// instead of a store, a system fence and a flag behind it. Thread t writes
+// exactly the words that thread t of the receiver's warpgroup reads (same
+// tile, same index), so each thread only ever waits for its own words. The
+// area is written by nothing else and zeroed when allocated, so a stale word
+// carries an older epoch (until the epoch wraps at 2^32 calls).
 //
 // Every rank runs the same grid over the same tiles, and a tile only ever
-// waits for the same tile of its peers, which raise their flag before they
-// wait: no cycle. The tile is one wave's worth of work, so the exchange costs
-// each tile a few microseconds of NVLink latency instead of a separate
-// collective kernel after the GEMM (the latency path's ~9.5 us).
-//
-// Why a rank may overwrite q.recv (parity b = epoch & 1) of call e+2: its call
-// e+1 waited, for this very tile, for q's flag of e+1, which q raises after its
-// call e (the last reader of that slot) finished on q's stream.
+// waits for the same tile of its peers, which write before they wait: no
+// cycle. Why a rank may overwrite q's slots (parity b = epoch & 1) in call
+// e+2: its call e+1 waited for words that q's call e+1 wrote, after q's call e
+// (the last reader of those slots) finished on q's stream; every path's call
+// waits for every peer (latency_collectives.cu).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -28,91 +33,107 @@
 #include "cutlass/arch/barrier.h"
 #include "decode_gemm.h"
 #include "device_sync.cuh"
-#include "nvlink_stores.cuh"
 
 namespace flux_jax::cuda {
 
-// bar.red.and over a named barrier: every participant gets the AND of `pred`.
-template <uint32_t kId, uint32_t kThreads>
-__device__ __forceinline__ bool NamedBarrierAnd(bool pred) {
-  uint32_t result;
-  asm volatile(
-      "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.and.pred q, %2, %3, p;\n"
-      " selp.u32 %0, 1, 0, q;\n}"
-      : "=r"(result)
-      : "r"(static_cast<uint32_t>(pred)), "n"(kId), "n"(kThreads)
-      : "memory");
-  return result != 0;
+// One 16-byte low-latency word: data words d0, d1 with the epoch after each.
+__device__ __forceinline__ void StoreLL(uint4* p, uint32_t d0, uint32_t d1, uint32_t epoch) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(d0), "r"(epoch), "r"(d1),
+               "r"(epoch)
+               : "memory");
 }
 
-// The exchange of one output tile by one consumer warpgroup (thread t < 128).
+// Spins until both halves of the word at p carry `epoch`; false (recorded) on timeout.
+__device__ __forceinline__ bool LoadLL(const uint4* p, uint32_t epoch, uint32_t* d0, uint32_t* d1,
+                                       const WaitContext& ctx, int32_t peer, int32_t tile) {
+  WaitDeadline deadline;
+  for (;;) {
+    uint4 v;
+    asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p)
+                 : "memory");
+    if (v.y == epoch && v.w == epoch) {
+      *d0 = v.x;
+      *d1 = v.z;
+      return true;
+    }
+    if (deadline.Expired(ctx)) {
+      if (*reinterpret_cast<volatile int32_t*>(&ctx.error->code) == 0) {
+        RecordTimeout(ctx, kSiteDecodeSums, peer, -1, tile, v.y != epoch ? v.y : v.w);
+      }
+      return false;
+    }
+  }
+}
+
+__device__ __forceinline__ void AddBf16x8(float* acc, uint4 v) {
+  const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 f = __bfloat1622float2(h[j]);
+    acc[2 * j] += f.x;
+    acc[2 * j + 1] += f.y;
+  }
+}
+
+// The exchange of one output tile by one consumer warpgroup (thread t < 128). Inlined: a call
+// from the consumer warpgroup (after setmaxnreg) made ptxas fail to allocate its 232 registers.
 template <int kTileCols>
 __device__ __forceinline__ void ExchangeTile(const DecodeExchange& e, int32_t tile, int t) {
   constexpr int kThreads = 128;
-  constexpr uint32_t kBarrier = static_cast<uint32_t>(cutlass::arch::ReservedNamedBarriers::EpilogueBarrier);
-  using Vec = uint4;  // 8 bf16
   if (t < 32) {  // the warp that issued the tile's TMA stores: wait until they are written
     asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
     asm volatile("fence.proxy.async.global;" ::: "memory");
   }
-  cutlass::arch::NamedBarrier::sync(kThreads, kBarrier);
-  const int64_t n = e.n;
-  const int32_t c0 = tile * kTileCols;
-  const int32_t vecs = (min(kTileCols, e.n - c0)) / 8;  // n % 8 == 0
+  cutlass::arch::NamedBarrier::sync(kThreads, cutlass::arch::ReservedNamedBarriers::EpilogueBarrier);
+  const int64_t row_vecs = e.n / 8;  // 16-byte vectors per row (n % 8 == 0)
+  const int32_t c0 = tile * (kTileCols / 8);
+  const int32_t vecs = min(kTileCols / 8, static_cast<int32_t>(row_vecs) - c0);
   const int32_t rpr = e.rows_per_rank;
-  const auto* partial = static_cast<const __nv_bfloat16*>(e.partial);
+  const uint32_t epoch = static_cast<uint32_t>(e.ctx.epoch);
+  const auto* partial = static_cast<const uint4*>(e.partial);
 
-#pragma unroll
-  for (int q = 0; q < kDecodeMaxRanks; ++q) {
-    if (q >= e.tp || q == e.rank) continue;
-    auto* dst = static_cast<__nv_bfloat16*>(e.peer_recv[q]);
-    for (int32_t i = t; i < rpr * vecs; i += kThreads) {
-      const int32_t row = i / vecs, v = i - row * vecs;
-      const Vec val = __ldcg(reinterpret_cast<const Vec*>(partial + (q * rpr + row) * n + c0) + v);
-      reinterpret_cast<Vec*>(dst + row * n + c0)[v] = val;
-    }
-  }
-  __threadfence_system();
-  cutlass::arch::NamedBarrier::sync(kThreads, kBarrier);
-  if (t == 0 && e.signal_peers) {
+  if (e.signal_peers) {
 #pragma unroll
     for (int q = 0; q < kDecodeMaxRanks; ++q) {
-      if (q < e.tp && q != e.rank) StoreReleaseSys(e.peer_flag[q] + tile, e.ctx.epoch);
+      if (q >= e.tp || q == e.rank) continue;
+      auto* dst = static_cast<uint4*>(e.peer_recv[q]);
+      for (int32_t i = t; i < rpr * vecs; i += kThreads) {
+        const int32_t row = i / vecs, v = c0 + (i - row * vecs);
+        const uint4 val = __ldcg(partial + (q * rpr + row) * row_vecs + v);
+        uint4* word = dst + 2 * (row * row_vecs + v);
+        StoreLL(word, val.x, val.y, epoch);
+        StoreLL(word + 1, val.z, val.w, epoch);
+      }
     }
   }
 
-  bool ok = true;
-  if (t == 0) {
-    for (int q = 0; q < e.tp; ++q) {
-      if (q != e.rank) ok = WaitFlagInline(e.my_flags + q * e.flag_stride + tile, e.ctx, kSiteDecodeSums, q, -1, tile) && ok;
-    }
-  }
-  ok = NamedBarrierAnd<kBarrier, kThreads>(ok);
-
-  const auto* recv = static_cast<const __nv_bfloat16*>(e.recv);
-  auto* out = static_cast<__nv_bfloat16*>(e.out);
+  const auto* recv = static_cast<const uint4*>(e.recv);
+  auto* out = static_cast<uint4*>(e.out);
   for (int32_t i = t; i < rpr * vecs; i += kThreads) {
-    const int32_t row = i / vecs, v = i - row * vecs;
+    const int32_t row = i / vecs, v = c0 + (i - row * vecs);
     float acc[8] = {};
+    bool ok = true;
 #pragma unroll
     for (int q = 0; q < kDecodeMaxRanks; ++q) {  // rank order: the same sum on every rank, every run
       if (q >= e.tp) continue;
-      const __nv_bfloat16* src = q == e.rank ? partial + (e.rank * rpr + row) * n : recv + (q * rpr + row) * n;
-      Vec val = __ldcg(reinterpret_cast<const Vec*>(src + c0) + v);
-      const auto* h = reinterpret_cast<const __nv_bfloat162*>(&val);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float2 f = __bfloat1622float2(h[j]);
-        acc[2 * j] += f.x;
-        acc[2 * j + 1] += f.y;
+      uint4 val = make_uint4(0, 0, 0, 0);
+      if (q == e.rank) {
+        val = __ldcg(partial + (e.rank * rpr + row) * row_vecs + v);
+      } else {
+        const uint4* word = recv + 2 * ((q * rpr + row) * row_vecs + v);
+        ok = ok && LoadLL(word, epoch, &val.x, &val.y, e.ctx, q, tile) &&
+             LoadLL(word + 1, epoch, &val.z, &val.w, e.ctx, q, tile);
       }
+      AddBf16x8(acc, val);
     }
-    Vec result;
+    uint4 result;
     auto* r = reinterpret_cast<__nv_bfloat162*>(&result);
 #pragma unroll
     for (int j = 0; j < 4; ++j) r[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
     if (!ok) result = make_uint4(~0u, ~0u, ~0u, ~0u);  // bf16 NaN
-    reinterpret_cast<Vec*>(out + row * n + c0)[v] = result;
+    out[row * row_vecs + v] = result;
   }
 }
 

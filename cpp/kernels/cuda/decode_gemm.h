@@ -24,24 +24,26 @@ inline constexpr int kDecodeMaxRanks = 8;
 
 // matmul_rs's decode path: the GEMM's D is this rank's partial P[rows, n]; once
 // a tile of P is written, its epilogue stores the rows of P that rank q owns
-// (rows q*rows_per_rank ..) into q's receive area, raises q's flag of the tile,
-// waits for every peer's flag of the tile and writes its own rows of
-// out = sum over ranks q = 0..tp-1, in that order, in float32, rounded once.
+// (rows q*rows_per_rank ..) into q's low-latency receive area, each 4 bytes of
+// data next to the call's epoch, waits for every peer's words of the tile and
+// writes its own rows of out = sum over ranks q = 0..tp-1, in that order, in
+// float32, rounded once (decode_exchange.cuh).
 struct DecodeExchange {
   int32_t tp = 0;  // 0: no exchange (the plain GEMM: ag_matmul's decode path)
   int32_t rank = 0;
   int32_t rows_per_rank = 0;
   int32_t n = 0;
-  const void* partial = nullptr;                 // P = D, [rows, n] (this rank's workspace)
-  void* out = nullptr;                           // [rows_per_rank, n]
-  const void* recv = nullptr;                    // [tp][rows_per_rank][n]: partials sent to me
-  void* peer_recv[kDecodeMaxRanks] = {};         // rank q's recv + rank * rows_per_rank * n
-  uint64_t* peer_flag[kDecodeMaxRanks] = {};     // rank q's flags from me, one per tile
-  const uint64_t* my_flags = nullptr;            // [sender * flag_stride + tile]
-  int32_t flag_stride = 0;
-  bool signal_peers = true;                      // false: debug_drop_rank (tests the timeout)
+  const void* partial = nullptr;          // P = D, [rows, n] (this rank's workspace)
+  void* out = nullptr;                    // [rows_per_rank, n]
+  const void* recv = nullptr;             // my low-latency slots: [sender][rows_per_rank][n / 8][2] x 16 B
+  void* peer_recv[kDecodeMaxRanks] = {};  // rank q's low-latency slots of sender `rank`
+  bool signal_peers = true;               // false: debug_drop_rank (tests the timeout)
   WaitContext ctx;
 };
+
+// Bytes of one parity of the low-latency receive area for `rows` rows of n columns, tp ranks:
+// every 16-byte vector of data travels as two 16-byte words (data, epoch, data, epoch).
+inline size_t DecodeExchangeBytes(int64_t rows, int64_t n) { return static_cast<size_t>(rows * n) * 2 * 2; }
 
 struct DecodeGemmPlan {
   int64_t rows = 0, n = 0, k = 0;

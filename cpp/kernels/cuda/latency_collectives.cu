@@ -83,7 +83,7 @@ __device__ __forceinline__ bool WaitSender(const CollectiveArgs& a, int q) {
   __shared__ int ok;
   if (threadIdx.x == 0) {
     const WaitContext ctx = a.ctx;  // WaitFlag takes a reference: copy only this, not all of `a`
-    ok = WaitFlag(a.my_flags + q * kFlagsPerSender + blockIdx.x, ctx, a.site, q, -1,
+    ok = WaitFlag(a.my_flags + q * kMaxLatencyBlocks + blockIdx.x, ctx, a.site, q, -1,
                   static_cast<int32_t>(blockIdx.x));
   }
   __syncthreads();
@@ -242,7 +242,7 @@ Status Run(Kind kind, const CollectiveParams& p, const TpGroup& group, const Com
   for (int q = 0; q < tp; ++q) {
     if (q == r) continue;
     a.peer_slot[q] = reinterpret_cast<uint4*>(ws->peers[q].slots + parity_offset + r * chunk_bytes);
-    a.peer_flag[q] = ws->peers[q].block_arrived + r * kFlagsPerSender;
+    a.peer_flag[q] = ws->peers[q].block_arrived + r * kMaxLatencyBlocks;
   }
   a.my_slots = reinterpret_cast<const uint4*>(ws->slots + parity_offset);
   a.my_flags = ws->block_arrived;

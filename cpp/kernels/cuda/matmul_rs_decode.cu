@@ -8,17 +8,16 @@
 //   rank r, stream S (XLA's)
 //   [x staged into whole row tiles, if rows % tile != 0: a TMA box past the
 //    end of its tensor takes a slow path]
-//   decode GEMM (decode_gemm.cuh), P[b] = x @ w, one tile = 64 columns x all rows;
+//   decode GEMM (decode_gemm.cuh), P = x @ w, one tile = 64 columns x all rows;
 //   its epilogue, per tile (decode_exchange.cuh):
-//     rows of q != r -> q.recv[b][r]; fence.sys; q.flag[r][tile] = e
-//     wait flag[q][tile] >= e for all q != r
-//     out[rows of r] = sum over q in rank order of (q == r ? P[b] : recv[b][q])
+//     rows of q != r -> q.ll[b][r] as (data, epoch) words
+//     out[rows of r] = sum over q in rank order of (q == r ? P : ll[b][q]),
+//                      each word taken once it carries epoch e
 //
-// recv[b], P[b] and the staged rows live in the parity half b = e & 1 of the
-// slot area and the flags are block_arrived rows indexed by sender: the same
-// epochs and reuse argument as the latency collectives and ag_matmul's decode
-// path (every call of every path waits, before it ends, for a flag of every
-// peer raised by that peer's kernel of the same call).
+// ll[b] is the parity half b = e & 1 of the low-latency area, P and the staged
+// rows the parity half b of this rank's slot area (read by no peer; written by
+// the peers' slot-area paths only in calls of the same parity, e+2 at the
+// earliest, which cannot start before this rank's call e+1 has answered them).
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -30,8 +29,6 @@
 
 namespace flux_jax::cuda {
 namespace {
-constexpr int64_t kTileCols = 64;  // decode_gemm.cuh: 64 weight columns per tile
-
 // Diagnostics only (tools/loop_anatomy.py): FLUX_JAX_DEBUG_RS_DECODE_NO_EXCHANGE=1 runs the GEMM
 // without its exchange, so the output is never written (wrong results), to time the GEMM alone.
 bool DebugNoExchange() {
@@ -44,9 +41,8 @@ bool DebugNoExchange() {
 }  // namespace
 
 bool MatmulRsDecodeSupported(const MatmulRsParams& p, const TpGroup& group) {
-  const int64_t tiles = (p.n + kTileCols - 1) / kTileCols;
   return group.size >= 2 && group.size <= kDecodeMaxRanks && p.m % group.size == 0 &&
-         tiles <= kFlagsPerSender && HasDecodeGemm(p.dtype, p.w_transposed, p.m);
+         HasDecodeGemm(p.dtype, p.w_transposed, p.m);
 }
 
 Status RunMatmulRsDecode(const MatmulRsParams& p, const TpGroup& group, const CommConfig& cfg, cudaStream_t S) {
@@ -54,9 +50,8 @@ Status RunMatmulRsDecode(const MatmulRsParams& p, const TpGroup& group, const Co
   if (!MatmulRsDecodeSupported(p, group)) {
     return Status::InvalidArgument(
         "flux_jax: matmul_rs's decode path takes bfloat16, the untransposed weight, 2.." +
-        std::to_string(kDecodeMaxRanks) + " ranks, at most " + std::to_string(kDecodeMaxRows) + " rows and n <= " +
-        std::to_string(kFlagsPerSender * kTileCols) + "; got m=" + std::to_string(p.m) + " n=" + std::to_string(p.n) +
-        " (use fused_path=\"latency\")");
+        std::to_string(kDecodeMaxRanks) + " ranks and at most " + std::to_string(kDecodeMaxRows) +
+        " rows, divisible by the ranks; got m=" + std::to_string(p.m) + " (use fused_path=\"latency\")");
   }
   const int device = group.ordinals[r];
   const size_t elt = DTypeBytes(p.dtype);
@@ -66,13 +61,17 @@ Status RunMatmulRsDecode(const MatmulRsParams& p, const TpGroup& group, const Co
   if (p.m == 0) return Status::Ok();
   const int64_t readable = DecodeRowsReadable(p.m);
   const bool stage_x = readable != p.m;
-  const size_t part_bytes = static_cast<size_t>(p.m * p.n) * elt;  // recv and P each (n % 8 == 0: whole vectors)
-  const size_t half_bytes = 2 * part_bytes + (stage_x ? static_cast<size_t>(readable * p.k) * elt : 0);
+  const size_t part_bytes = static_cast<size_t>(p.m * p.n) * elt;  // P (n % 8 == 0: whole vectors)
+  const size_t own_bytes = part_bytes + (stage_x ? static_cast<size_t>(readable * p.k) * elt : 0);
+  const size_t ll_half = DecodeExchangeBytes(p.m, p.n);
   GroupWorkspace* ws = nullptr;
-  FLUX_JAX_RETURN_IF_ERROR(AcquireWorkspace(group, 0, cfg, S, &ws, 2 * half_bytes));
+  FLUX_JAX_RETURN_IF_ERROR(AcquireWorkspace(group, 0, cfg, S, &ws, 2 * own_bytes, 2 * ll_half));
   ws->epoch += 1;  // every rank counts every fused call of the group: epochs agree
-  const size_t parity_offset = (ws->epoch & 1) * (ws->slots_capacity / 2);  // >= half_bytes
-  char* half = ws->slots + parity_offset;
+  const size_t ll_offset = (ws->epoch & 1) * (ws->ll_capacity / 2);  // >= ll_half
+  // P and the staged rows: this call's parity half of the slot area, which a peer's slot-area
+  // path (latency collectives, ag_matmul's decode push) writes in calls e+2, e+4, ... only: a
+  // peer that ran ahead to call e+1 writes the other half while this rank may still read P.
+  char* own = ws->slots + (ws->epoch & 1) * (ws->slots_capacity / 2);  // >= own_bytes
 
   DecodeGemmPlan plan;
   plan.rows = p.m;
@@ -81,13 +80,13 @@ Status RunMatmulRsDecode(const MatmulRsParams& p, const TpGroup& group, const Co
   plan.x = p.x;
   plan.x_rows_readable = p.m;
   if (stage_x) {  // rows past m are read (any values) and never stored
-    void* staged = half + 2 * part_bytes;
+    void* staged = own + part_bytes;
     FLUX_CUDA_TRY(cudaMemcpyAsync(staged, p.x, static_cast<size_t>(p.m * p.k) * elt, cudaMemcpyDeviceToDevice, S));
     plan.x = staged;
     plan.x_rows_readable = readable;
   }
   plan.w = p.w;
-  plan.d = half + part_bytes;  // P
+  plan.d = own;  // P
   plan.alpha_ptr = ws->alpha;
   DecodeExchange& e = plan.exchange;
   e.tp = tp;
@@ -96,14 +95,10 @@ Status RunMatmulRsDecode(const MatmulRsParams& p, const TpGroup& group, const Co
   e.n = static_cast<int32_t>(p.n);
   e.partial = plan.d;
   e.out = p.out;
-  e.recv = half;
+  e.recv = ws->ll + ll_offset;
   for (int q = 0; q < tp; ++q) {
-    if (q == r) continue;
-    e.peer_recv[q] = ws->peers[q].slots + parity_offset + static_cast<size_t>(r * rpr * p.n) * elt;
-    e.peer_flag[q] = ws->peers[q].block_arrived + r * kFlagsPerSender;
+    if (q != r) e.peer_recv[q] = ws->peers[q].ll + ll_offset + DecodeExchangeBytes(r * rpr, p.n);
   }
-  e.my_flags = ws->block_arrived;
-  e.flag_stride = kFlagsPerSender;
   e.signal_peers = cfg.drop_rank != r;
   e.ctx = ws->Wait(cfg.timeout_us);
   if (DebugNoExchange()) e.tp = 0;
