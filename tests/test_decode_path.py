@@ -106,6 +106,15 @@ def test_auto_takes_the_decode_path_where_it_measured_faster():
     assert _decode_calls(wide) == 0 and "flux_jax_all_gather" in wide
 
 
+@needs_cuda_build
+def test_auto_takes_the_rs_decode_path_where_it_measured_faster():
+    """matmul_rs: decode at <= 64 rows, and at 128 only for a per-rank weight <= 16M elements (s15)."""
+    assert _decode_calls(_lowered_for_cuda("rs", 64, 2 * 64, 32, "bfloat16", path="auto"), "rs") == 1
+    assert _decode_calls(_lowered_for_cuda("rs", 128, 2 * 64, 32, "bfloat16", path="auto"), "rs") == 1
+    big = _lowered_for_cuda("rs", 128, 2 * 4096, 4104, "bfloat16", path="auto")  # 16.8M > 16M
+    assert _decode_calls(big, "rs") == 0 and "flux_jax_reduce_scatter" in big
+
+
 def test_decode_supported_matches_the_kernels():
     ag, rs, bf16 = "flux_jax_ag_matmul", "flux_jax_matmul_rs", jnp.bfloat16
     w = (8192, 4096)
