@@ -66,8 +66,9 @@ __device__ __forceinline__ void AddBf16x8(float* acc, uint4 v) {
 // The exchange of one output tile by one consumer warpgroup (thread t < 128). Inlined: a call
 // from the consumer warpgroup (after setmaxnreg) made ptxas fail to allocate its 232 registers.
 // A thread handles up to kPer vectors of a row block and issues all their loads before it uses
-// any (one memory latency per step instead of one per vector: the first version, a loop of
-// dependent loads, cost 13 us per tile at 128 rows against 6 at 64).
+// any (one memory latency per step instead of one per vector). Measured in the kernel on 2x H200
+// (64 x 4096 x 8192 per GPU): the exchange adds 4.5 us at 64 rows (6.0 as a loop of dependent
+// loads), 12.3 at 128 rows (13.1), where each thread has four vectors.
 template <int kTileCols>
 __device__ __forceinline__ void ExchangeTile(const DecodeExchange& e, int32_t tile, int t) {
   constexpr int kThreads = 128;

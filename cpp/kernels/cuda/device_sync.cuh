@@ -133,8 +133,8 @@ struct WaitDeadline {
 
 // Spins until *flag >= ctx.epoch. Returns false (after recording) on timeout,
 // or at once if another wait on this device already failed.
-__device__ __forceinline__ bool WaitFlagInline(const uint64_t* flag, const WaitContext& ctx, int32_t site,
-                                               int32_t peer, int32_t chunk, int32_t piece) {
+static __device__ __noinline__ bool WaitFlag(const uint64_t* flag, const WaitContext& ctx, int32_t site,
+                                             int32_t peer, int32_t chunk, int32_t piece) {
   WaitDeadline deadline;
   for (;;) {
     const uint64_t seen = LoadAcquireSys(flag);
@@ -144,11 +144,6 @@ __device__ __forceinline__ bool WaitFlagInline(const uint64_t* flag, const WaitC
       return false;
     }
   }
-}
-
-static __device__ __noinline__ bool WaitFlag(const uint64_t* flag, const WaitContext& ctx, int32_t site,
-                                             int32_t peer, int32_t chunk, int32_t piece) {
-  return WaitFlagInline(flag, ctx, site, peer, chunk, piece);
 }
 
 // Waits for every piece that covers rows [row0, row0 + rows) (clamped).
