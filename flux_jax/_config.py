@@ -60,12 +60,14 @@ class Config:
         which the GEMM consumes rows as they arrive -- the bandwidth path for
         large M), "latency" (our one-kernel NVLink collective next to XLA's own
         GEMM -- the small-M path, where the collective's latency is the cost),
-        "decode" (ag_matmul at decode sizes: one kernel pushes the rows over
-        NVLink while a GEMM in the weight's orientation already streams the
-        weight and waits for them; bfloat16, the untransposed weight, 2..8
-        ranks and at most 128 rows in all, other calls -- and matmul_rs -- take
-        "latency"), or "auto" (on GPU the fastest for the shape, from
-        measurements in flux_jax/_heuristics.py; on CPU "overlap").
+        "decode" (decode sizes: a GEMM in the weight's orientation streams the
+        weight from its first microsecond; for ag_matmul one kernel pushes the
+        rows over NVLink meanwhile and the GEMM waits for them, for matmul_rs
+        the GEMM's epilogue reduce-scatters each output tile over NVLink;
+        bfloat16, the untransposed weight, 2..8 ranks and at most 128 rows in
+        all (matmul_rs: n <= 32768); other calls take "latency"), or "auto" (on
+        GPU the fastest for the shape, from measurements in
+        flux_jax/_heuristics.py; on CPU "overlap").
       gpu_decode_early_launch: GPU tuning: 1 (default) = the decode path's GEMM
         launches while the rows are still being pushed (programmatic dependent
         launch; it waits for their flags, not for the push kernel's end);

@@ -43,7 +43,7 @@ def initialize(host_id: str | None = None, gpu_workspace_mib: int | None = None)
     process's host (default: socket.gethostname()); processes with equal host ids
     may share fused TP groups, others fall back to the XLA twin. `gpu_workspace_mib`
     sizes the GPU workspace of a TP group that spans processes (allocated once, it
-    cannot grow; default 320 MiB per GPU, outside XLA's memory pool).
+    cannot grow; default 384 MiB per GPU, outside XLA's memory pool).
     """
     global _host_override
     if gpu_workspace_mib is not None:

@@ -91,6 +91,25 @@ twin (xla_shard_map), global shapes, AG: n = N/2 per rank; RS: k = K/2 per rank:
   Its GEMM streams a weight up to ~8192 columns per rank at or above cuBLAS's speed and trails it
   by ~10% on the widest (gemm_decode*_s14.txt), so the decode path for AG at <= 128 rows with a
   per-rank n <= 8192, the latency path elsewhere below the overlap region.
+  matmul_rs's decode path (s15, harness_decode-tp2_rs_decode_path_2026-11-30_s15.json with the
+  low-latency exchange at M = 8-128, and _batched_m64-128_ with its loads batched, the final code;
+  5 samples, bf16, at most 128 rows), decode / twin and latency / twin:
+  rs  8-32   4096   4096      1.30-1.40  1.21-1.28  (8B out-proj, k = 2048)
+  rs  64-128 4096   4096      1.45-1.71  1.22-1.35
+  rs  8-32   14336  4096      1.16-1.28  1.15-1.26  (8B down, k = 7168)
+  rs  64     14336  4096      1.18-1.34  1.09-1.15
+  rs  128    14336  4096      1.03-1.13  1.14-1.16
+  rs  8-32   8192   8192      1.14-1.17  1.11-1.15  (70B out-proj, k = 4096)
+  rs  64     8192   8192      1.27-1.36  1.13-1.16
+  rs  128    8192   8192      1.18-1.20  1.21-1.23
+  rs  8-32   28672  8192      1.05-1.12  1.04-1.06  (70B down, k = 14336)
+  rs  64     28672  8192      1.15-1.18  1.08-1.09
+  rs  128    28672  8192      1.08-1.12  1.12-1.14
+  Its GEMM and the exchange in its epilogue run in one wave, so the exchange adds its whole chain
+  after the GEMM; at 128 rows (the 128-row tile, twice the data per thread) that chain cost
+  ~12 us in the kernel against ~4.5 at 64, and only the shortest GEMM (8B out-proj) still came out
+  ahead. So the decode path for RS at <= 64 rows, and at <= 128 rows for a per-rank weight of at
+  most 16M elements; the latency path elsewhere below the overlap region.
 
 Reading: the overlap kernel wins once there are enough row tiles to hide the transfer (M >=
 2048; RS already at M = 1024 with N = 8192), at every per-rank N measured (up to 28672) since its
@@ -118,6 +137,8 @@ _AG_OVERLAP_MIN_TILES = 192  # AG overlap needs > 1 wave of 128x256 tiles (128 t
 _AG_WIDE_MIN_ROWS, _AG_WIDE_MIN_N, _AG_WIDE_MAX_K = 12288, 12288, 6144
 # ag_matmul's decode path: at most this many rows in all and this per-rank n (s14 rows above).
 _AG_DECODE_MAX_ROWS, _AG_DECODE_MAX_N = 128, 8192
+# matmul_rs's decode path: at most 64 rows, or 128 with a per-rank weight (k * n) this small (s15).
+_RS_DECODE_MAX_ROWS, _RS_DECODE_SMALL_WEIGHT_MAX_ROWS, _RS_DECODE_SMALL_WEIGHT = 64, 128, 1 << 24
 # Below the overlap region both ops take the latency path at every M and weight size. The
 # thresholds that kept the twin there (AG below M = 64 or 5e9 multiply-adds; RS below M = 256 with
 # a per-rank weight over 64M elements) were fitted while the CUDA lowering still computed the rank
@@ -148,12 +169,20 @@ def _ag_decode_pays(rows: int, n: int, dtype) -> bool:
     return np.dtype(dtype) == _BF16 and rows <= _AG_DECODE_MAX_ROWS and n <= _AG_DECODE_MAX_N
 
 
+def _rs_decode_pays(rows: int, k: int, n: int, dtype) -> bool:
+    """RS at decode sizes where the decode path measured faster than the latency path."""
+    if np.dtype(dtype) != _BF16:
+        return False
+    return rows <= _RS_DECODE_MAX_ROWS or (rows <= _RS_DECODE_SMALL_WEIGHT_MAX_ROWS
+                                          and k * n <= _RS_DECODE_SMALL_WEIGHT)
+
+
 def choose(op: str, tp: int, rows: int, k: int, n: int, dtype) -> str:
     """"overlap", "latency", "decode" or "xla" for a global GEMM of `rows` rows.
 
-    "decode" is ag_matmul's decode path where its kernels exist (bfloat16, the untransposed
-    weight); the lowering takes the latency path for calls it cannot serve (e.g. a backward's
-    transposed weight).
+    "decode" is the decode path where its kernels exist (bfloat16, the untransposed weight); the
+    lowering takes the latency path for calls it cannot serve (e.g. a backward's transposed
+    weight).
 
     `k`, `n`: the per-rank GEMM's contraction size and output columns (AG: K and N/tp;
     RS: K/tp and N).
@@ -168,7 +197,7 @@ def choose(op: str, tp: int, rows: int, k: int, n: int, dtype) -> str:
         return "decode" if _ag_decode_pays(rows, n, dtype) else "latency"
     if rows >= 2048 or (rows >= 1024 and n >= 8192):
         return "overlap"
-    return "latency"
+    return "decode" if _rs_decode_pays(rows, k, n, dtype) else "latency"
 
 
 def best_fused_path(op: str, tp: int, rows: int, k: int, n: int, dtype) -> str:
@@ -207,10 +236,14 @@ def explain(op: str, M: int, K: int, N: int, tp: int, dtype="bfloat16") -> str:
     if choice == "overlap":
         return (f"{where}: fused, overlap path (enough row tiles to hide the transfer: measured "
                 "1.03-1.42x over the twin in that region)")
-    if choice == "decode":
+    if choice == "decode" and op == "ag_matmul":
         return (f"{where}: fused, decode path (the rows pushed over NVLink while a GEMM in the weight's "
                 "orientation already streams the weight; measured 1.13-1.55x over the twin at <= 128 rows "
                 f"with a per-rank n <= {_AG_DECODE_MAX_N}; a transposed weight takes the latency path)")
+    if choice == "decode":
+        return (f"{where}: fused, decode path (one GEMM in the weight's orientation whose epilogue "
+                "reduce-scatters each output tile over NVLink; measured 1.14-1.71x over the twin at <= 64 "
+                "rows, and at 128 with a small weight; a transposed weight takes the latency path)")
     if choice == "latency":
         if op == "ag_matmul" and M >= 2048:
             return (f"{where}: fused, latency path (the per-rank GEMM has {_tiles(M, n)} output tiles, "

@@ -18,7 +18,9 @@ from flux_jax import _distributed, _native
 from flux_jax._errors import FusedUnavailableError
 
 _KEY = "flux_jax/v1/ipc/{session}/{generation}/{group}/{rank}"
-DEFAULT_WORKSPACE_MIB = 320  # 256 MiB for the overlap kernels' buffers + 64 MiB of latency slots
+# 256 MiB for the overlap kernels' buffers + 64 MiB of latency / decode slots + 64 MiB of
+# low-latency slots (matmul_rs's decode path)
+DEFAULT_WORKSPACE_MIB = 384
 
 _workspace_mib = DEFAULT_WORKSPACE_MIB
 _ready: set[tuple[int, ...]] = set()
@@ -28,8 +30,9 @@ _generation = 0  # bumped by flux_jax.reset(): fresh keys for the next setup
 
 def set_workspace_mib(mib: int) -> None:
     global _workspace_mib
-    if not (isinstance(mib, int) and mib >= 128):
-        raise ValueError(f"gpu_workspace_mib must be an int >= 128, got {mib!r}")
+    if not (isinstance(mib, int) and mib >= 192):
+        raise ValueError(f"gpu_workspace_mib must be an int >= 192 (128 MiB of slots and >= 64 for the "
+                         f"overlap buffers), got {mib!r}")
     if _ready:
         raise RuntimeError("gpu_workspace_mib must be set before the first fused op")
     _workspace_mib = mib
@@ -80,8 +83,8 @@ def _setup(row, key: tuple[int, ...], timeout_s: float) -> None:
     client = _distributed._client()
     ids = [int(d.id) for d in row]
     procs = [int(d.process_index) for d in row]
-    slot_bytes = 64 << 20
-    data_bytes = (_workspace_mib << 20) - slot_bytes
+    slot_bytes = 64 << 20  # the slot area, and as much again for the low-latency area
+    data_bytes = (_workspace_mib << 20) - 2 * slot_bytes
     name = lambda rank: _KEY.format(session=info.session, generation=_generation,  # noqa: E731
                                     group="-".join(map(str, key)), rank=rank)
     local = [(r, int(d.local_hardware_id)) for r, d in enumerate(row) if d.process_index == info.index]

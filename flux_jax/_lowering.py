@@ -15,8 +15,10 @@ for impl="fused". GPU groups that span processes of one host get their CUDA IPC
 workspace here (flux_jax/_ipc.py), before anything runs.
 
 And it is where the fused *path* is picked (Config.fused_path): "overlap", the
-one custom call whose GEMM consumes rows as they arrive, or "latency", our
-one-kernel NVLink collective custom call next to XLA's own GEMM (small M).
+one custom call whose GEMM consumes rows as they arrive, "latency", our
+one-kernel NVLink collective custom call next to XLA's own GEMM (small M), or
+"decode", one custom call whose weight-streaming GEMM moves the rows itself
+(at most 128 rows; other calls take "latency").
 """
 
 from __future__ import annotations
@@ -129,15 +131,20 @@ def choose_path(prim_name: str, platform: str, config: Config, x_shape, w_shape,
     return _heuristics.best_fused_path(op, tp_size, rows, x_shape[1], n, np.dtype(dtype))
 
 
-# What the decode path's kernels take (cpp/kernels/cuda/decode_gemm.h, ag_matmul_decode.cu).
+# What the decode paths' kernels take (cpp/kernels/cuda/decode_gemm.h, {ag_matmul,matmul_rs}_decode.cu).
 DECODE_MAX_ROWS = 128
 DECODE_MAX_TP = 8
+DECODE_RS_MAX_N = 512 * 64  # matmul_rs: one flag per 64-column output tile, 512 per sender
 
 
-def decode_supported(prim_name: str, tp_size: int, x_shape, transpose_w: bool, dtype) -> bool:
+def decode_supported(prim_name: str, tp_size: int, x_shape, w_shape, transpose_w: bool, dtype) -> bool:
     """Whether Config.fused_path="decode" runs the decode kernels for this call (else "latency")."""
-    return (prim_name == "flux_jax_ag_matmul" and 2 <= tp_size <= DECODE_MAX_TP and not transpose_w
-            and np.dtype(dtype) == jnp.bfloat16 and 1 <= tp_size * x_shape[0] <= DECODE_MAX_ROWS)
+    if not (2 <= tp_size <= DECODE_MAX_TP and not transpose_w and np.dtype(dtype) == jnp.bfloat16):
+        return False
+    if prim_name == "flux_jax_ag_matmul":
+        return 1 <= tp_size * x_shape[0] <= DECODE_MAX_ROWS
+    rows, n = x_shape[0], w_shape[1]
+    return 1 <= rows <= DECODE_MAX_ROWS and rows % tp_size == 0 and n <= DECODE_RS_MAX_N
 
 
 def register_fused_lowering(prim, target: str, cuda_available) -> None:
@@ -186,7 +193,7 @@ def register_fused_lowering(prim, target: str, cuda_available) -> None:
         # axis_index (a ~1 us convert kernel per call, measured in the decode loop).
         pass_rank = platform == "cpu"
         if path == "decode":
-            if decode_supported(prim.name, tp_size, x_aval.shape, transpose_w, x_aval.dtype):
+            if decode_supported(prim.name, tp_size, x_aval.shape, w_aval.shape, transpose_w, x_aval.dtype):
                 attrs["decode_path"] = True
             else:
                 path = "latency"

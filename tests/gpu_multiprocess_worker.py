@@ -71,7 +71,7 @@ def operands(op, M, K, N, seed=7):
 result = {"process": process_id}
 if scenario == "ops":  # both paths, both ops, forward and gradients, against the twin
     for path in ("overlap", "latency", "decode"):
-        M = 64 if path == "decode" else 1024  # decode: ag_matmul's kernels take <= 128 rows (rs: latency)
+        M = 64 if path == "decode" else 1024  # decode: the kernels take <= 128 rows
         for op in ("ag", "rs"):
             x, w = operands(op, M, 1024, 2048)
             c = global_array(P(), np.random.default_rng(3).standard_normal((M, 2048)).astype(np.float32))

@@ -1,8 +1,9 @@
 """The decode path (Config.fused_path="decode"): which calls take it, and that they compute the op.
 
 On GPU ag_matmul's decode path pushes the rows with SM stores while a GEMM in the weight's
-orientation streams the weight (cpp/kernels/cuda/ag_matmul_decode.cu); the kernels are tested in
-test_gpu_decode.py. Here: the lowering (for CUDA, on CPU devices: only shapes matter) picks the
+orientation streams the weight (cpp/kernels/cuda/ag_matmul_decode.cu), and matmul_rs's runs the
+same GEMM with an epilogue that reduce-scatters each output tile over NVLink
+(matmul_rs_decode.cu); the kernels are tested in test_gpu_decode.py. Here: the lowering (for CUDA, on CPU devices: only shapes matter) picks the
 decode kernels exactly where they exist and the latency path elsewhere, and on CPU, whose handler
 ignores the attribute, the results and gradients are the op's.
 """
@@ -43,8 +44,9 @@ def _lowered_for_cuda(op, m, k, n, dtype, tp=2, grad=False, path="decode"):
         return jax.jit(f).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def _decode_calls(text):
-    return len(re.findall(r"custom_call @flux_jax_ag_matmul\(.*decode_path = true", text))
+def _decode_calls(text, op="ag"):
+    target = "flux_jax_ag_matmul" if op == "ag" else "flux_jax_matmul_rs"
+    return len(re.findall(rf"custom_call @{target}\(.*decode_path = true", text))
 
 
 @needs_cuda_build
@@ -56,15 +58,24 @@ def test_decode_lowering_where_the_kernels_exist(m):
 
 
 @needs_cuda_build
+@pytest.mark.parametrize("m", [2, 8, 64, 128])
+def test_rs_decode_lowering_where_the_kernels_exist(m):
+    text = _lowered_for_cuda("rs", m, 64, 32, "bfloat16")
+    assert _decode_calls(text, "rs") == 1, text
+    assert "flux_jax_reduce_scatter" not in text and "dot_general" not in text
+
+
+@needs_cuda_build
 @pytest.mark.parametrize("op, m, dtype, tp", [
     ("ag", 256, "bfloat16", 2),     # more rows than the widest decode tile
     ("ag", 64, "float16", 2),       # no float16 instance
     ("ag", 64, "float32", 2),
-    ("rs", 64, "bfloat16", 2),      # no decode kernel for matmul_rs yet
+    ("rs", 256, "bfloat16", 2),
+    ("rs", 64, "float16", 2),
 ])
 def test_latency_lowering_elsewhere(op, m, dtype, tp):
     text = _lowered_for_cuda(op, m, 64, 32 * tp, dtype, tp=tp)
-    assert _decode_calls(text) == 0
+    assert _decode_calls(text, op) == 0
     assert ("flux_jax_all_gather" if op == "ag" else "flux_jax_reduce_scatter") in text
 
 
@@ -73,7 +84,17 @@ def test_backward_of_decode_ag_takes_the_latency_path():
     """The backward's matmul_rs (transposed weight) has no decode kernel: the latency path."""
     text = _lowered_for_cuda("ag", 64, 64, 32, "bfloat16", grad=True)
     assert _decode_calls(text) == 1
+    assert _decode_calls(text, "rs") == 0
     assert "flux_jax_reduce_scatter" in text
+
+
+@needs_cuda_build
+def test_backward_of_decode_rs_takes_the_latency_path():
+    """The backward's ag_matmul (transposed weight) has no decode kernel: the latency path."""
+    text = _lowered_for_cuda("rs", 64, 64, 32, "bfloat16", grad=True)
+    assert _decode_calls(text, "rs") == 1
+    assert _decode_calls(text, "ag") == 0
+    assert "flux_jax_all_gather" in text
 
 
 @needs_cuda_build
@@ -85,40 +106,67 @@ def test_auto_takes_the_decode_path_where_it_measured_faster():
     assert _decode_calls(wide) == 0 and "flux_jax_all_gather" in wide
 
 
+@needs_cuda_build
+def test_auto_takes_the_rs_decode_path_where_it_measured_faster():
+    """matmul_rs: decode at <= 64 rows, and at 128 only for a per-rank weight <= 16M elements (s15)."""
+    assert _decode_calls(_lowered_for_cuda("rs", 64, 2 * 64, 32, "bfloat16", path="auto"), "rs") == 1
+    assert _decode_calls(_lowered_for_cuda("rs", 128, 2 * 64, 32, "bfloat16", path="auto"), "rs") == 1
+    big = _lowered_for_cuda("rs", 128, 2 * 4096, 4104, "bfloat16", path="auto")  # 16.8M > 16M
+    assert _decode_calls(big, "rs") == 0 and "flux_jax_reduce_scatter" in big
+
+
 def test_decode_supported_matches_the_kernels():
-    ag, bf16 = "flux_jax_ag_matmul", jnp.bfloat16
-    assert _lowering.decode_supported(ag, 2, (64, 8192), False, bf16)
-    assert _lowering.decode_supported(ag, 8, (16, 8192), False, bf16)
-    assert not _lowering.decode_supported(ag, 2, (65, 8192), False, bf16)  # 130 rows
-    assert not _lowering.decode_supported(ag, 2, (64, 8192), True, bf16)
-    assert not _lowering.decode_supported(ag, 1, (64, 8192), False, bf16)
-    assert not _lowering.decode_supported(ag, 16, (8, 8192), False, bf16)  # more ranks than it serves
-    assert not _lowering.decode_supported("flux_jax_matmul_rs", 2, (64, 8192), False, bf16)
+    ag, rs, bf16 = "flux_jax_ag_matmul", "flux_jax_matmul_rs", jnp.bfloat16
+    w = (8192, 4096)
+    assert _lowering.decode_supported(ag, 2, (64, 8192), w, False, bf16)
+    assert _lowering.decode_supported(ag, 8, (16, 8192), w, False, bf16)
+    assert not _lowering.decode_supported(ag, 2, (65, 8192), w, False, bf16)  # 130 rows
+    assert not _lowering.decode_supported(ag, 2, (64, 8192), w, True, bf16)
+    assert not _lowering.decode_supported(ag, 1, (64, 8192), w, False, bf16)
+    assert not _lowering.decode_supported(ag, 16, (8, 8192), w, False, bf16)  # more ranks than it serves
+    # matmul_rs: x holds all rows (its K is sharded); n up to one flag per 64 columns, 512 of them
+    assert _lowering.decode_supported(rs, 2, (128, 4096), (4096, 8192), False, bf16)
+    assert _lowering.decode_supported(rs, 8, (8, 4096), (4096, 32768), False, bf16)
+    assert not _lowering.decode_supported(rs, 2, (130, 4096), (4096, 8192), False, bf16)
+    assert not _lowering.decode_supported(rs, 2, (64, 4096), (4096, 32776), False, bf16)
+    assert not _lowering.decode_supported(rs, 2, (64, 4096), (8192, 4096), True, bf16)
+    assert not _lowering.decode_supported(rs, 2, (64, 4096), (4096, 8192), False, jnp.float16)
 
 
+@pytest.mark.parametrize("op", ["ag", "rs"])
 @pytest.mark.parametrize("m_local", [1, 5, 16])
-def test_cpu_results_and_gradients_with_decode_config(m_local):
+def test_cpu_results_and_gradients_with_decode_config(op, m_local):
     """The configuration reaches the CPU handler (which ignores it): the op and its VJP unchanged."""
     rng = np.random.default_rng()
     mesh = cpu_mesh((8,), ("tp",))
-    x = random_array(rng, (8 * m_local, 24), jnp.bfloat16)
-    w = random_array(rng, (24, 64), jnp.bfloat16)
+    if op == "ag":
+        x = random_array(rng, (8 * m_local, 24), jnp.bfloat16)
+        w = random_array(rng, (24, 64), jnp.bfloat16)
+        fn_, specs, out_spec = flux_jax.ag_matmul, (P("tp", None), P(None, "tp")), P(None, "tp")
+    else:
+        x = random_array(rng, (8 * m_local, 64), jnp.bfloat16)
+        w = random_array(rng, (64, 24), jnp.bfloat16)
+        fn_, specs, out_spec = flux_jax.matmul_rs, (P(None, "tp"), P("tp", None)), P("tp", None)
 
     def fn(impl):
-        body = functools.partial(flux_jax.ag_matmul, axis_name="tp", impl=impl)
-        return jax.shard_map(body, mesh=mesh, in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp"))
+        body = functools.partial(fn_, axis_name="tp", impl=impl)
+        return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_spec)
 
-    xs, ws = place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp"))
+    xs, ws = place(mesh, x, specs[0]), place(mesh, w, specs[1])
+    ct = jnp.asarray(rng.standard_normal((x.shape[0], w.shape[1])), jnp.float32)
+
+    def grads(impl):
+        loss = lambda a, b: jnp.sum(fn(impl)(a, b).astype(jnp.float32) * ct)  # noqa: E731
+        return jax.jit(jax.grad(loss, argnums=(0, 1)))(xs, ws)
+
     with flux_jax.config(fused_path="decode", debug_poison_outputs=True):
-        fused = jax.jit(fn("fused"))
-        out = fused(xs, ws)
-        grads = jax.jit(jax.grad(lambda a, b: jnp.sum(fn("fused")(a, b).astype(jnp.float32) ** 2),
-                                 argnums=(0, 1)))(xs, ws)
-    twin = jax.jit(fn("xla"))
-    assert_matches(out, to64(x) @ to64(w), twin(xs, ws), "bfloat16", "ag, decode config")
-    want = jax.jit(jax.grad(lambda a, b: jnp.sum(fn("xla")(a, b).astype(jnp.float32) ** 2), argnums=(0, 1)))(xs, ws)
-    for g, t in zip(grads, want):
-        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(t, np.float32), rtol=2e-2, atol=2e-2)
+        out = jax.jit(fn("fused"))(xs, ws)
+        dx, dw = grads("fused")
+    assert_matches(out, to64(x) @ to64(w), jax.jit(fn("xla"))(xs, ws), "bfloat16", f"{op}, decode config")
+    tdx, tdw = grads("xla")
+    ct64 = np.asarray(ct, np.float64)
+    assert_matches(dx, ct64 @ to64(w).T, tdx, "bfloat16", f"{op} dx, decode config")
+    assert_matches(dw, to64(x).T @ ct64, tdw, "bfloat16", f"{op} dw, decode config")
 
 
 def test_config_validates_decode_settings():

@@ -219,12 +219,17 @@ def test_auto_gpu_policy_follows_the_measured_table():
     assert choose("matmul_rs", rows=4096, k=4096, n=8192) == "overlap"  # 1.42x
     assert choose("matmul_rs", rows=1024, k=4096, n=8192) == "overlap"  # 1.24x (latency 1.10x)
     assert choose("matmul_rs", rows=1024, k=2048, n=4096) == "latency"  # 1.23x (overlap 0.77x)
-    assert choose("matmul_rs", rows=16, k=2048, n=4096) == "latency"  # 1.86x
-    assert choose("matmul_rs", rows=16, k=14336, n=8192) == "latency"  # 70B down: 1.06x (s13; 0.97x with the rank operand)
-    assert choose("matmul_rs", rows=128, k=2048, n=4096) == "latency"  # 8B out-proj: 1.08x (1.72 at 64)
-    assert choose("matmul_rs", rows=96, k=2560, n=5120) == "latency"  # held out: 1.32x
-    assert choose("matmul_rs", rows=64, k=4096, n=8192) == "latency"  # 70B out-proj: 1.16x (s12)
-    assert choose("matmul_rs", rows=8, k=7168, n=4096) == "latency"  # 8B down: 1.19x (s12)
+    assert choose("matmul_rs", rows=16, k=2048, n=4096) == "decode"  # 8B out-proj: 1.30x, latency 1.22x (s15)
+    assert choose("matmul_rs", rows=16, k=14336, n=8192) == "decode"  # 70B down: 1.08x, latency 1.06x (s15)
+    assert choose("matmul_rs", rows=128, k=2048, n=4096) == "decode"  # 8B out-proj: 1.45-1.53x, latency 1.22-1.25x
+    assert choose("matmul_rs", rows=128, k=4096, n=8192) == "latency"  # 70B out-proj: 1.21-1.23x, decode 1.18-1.20x
+    assert choose("matmul_rs", rows=128, k=7168, n=4096) == "latency"  # 8B down: 1.14-1.16x, decode 1.03-1.13x
+    assert choose("matmul_rs", rows=96, k=2560, n=5120) == "decode"  # held out: latency 1.32x (s12); weight 13M
+    assert choose("matmul_rs", rows=96, k=2560, n=8192) == "latency"  # weight 21M: as at 128 rows
+    assert choose("matmul_rs", rows=64, k=4096, n=8192) == "decode"  # 70B out-proj: 1.27-1.36x, latency 1.13-1.16x
+    assert choose("matmul_rs", rows=8, k=7168, n=4096) == "decode"  # 8B down: 1.19x, latency 1.21x (a tie, s15)
+    assert choose("matmul_rs", rows=64, k=4096, n=8192, dtype=np.dtype(np.float16)) == "latency"  # no f16 decode
+    assert choose("matmul_rs", rows=256, k=4096, n=8192) == "latency"  # 1.38-1.40x (s13)
     assert _heuristics.fused_is_faster("matmul_rs", 2, 64, 2048, 4096, bf16)
     assert not _heuristics.fused_is_faster("ag_matmul", 4, 8192, 8192, 2048, bf16)  # never measured
     assert not _heuristics.fused_is_faster("ag_matmul", 2, 8192, 8192, 4096, np.dtype(np.float32))
@@ -235,13 +240,14 @@ def test_auto_gpu_policy_follows_the_measured_table():
 
 def test_explain_auto_names_the_choice_and_the_reason():
     assert "fused, overlap path" in flux_jax.explain_auto("ag_matmul", 4096, 8192, 8192, 2)
-    assert "fused, latency path" in flux_jax.explain_auto("matmul_rs", 16, 4096, 4096, 2)
+    assert "fused, latency path" in flux_jax.explain_auto("matmul_rs", 256, 4096, 4096, 2)
     assert "fused, decode path" in flux_jax.explain_auto("ag_matmul", 64, 8192, 10240, 2)
+    assert "reduce-scatters each output tile" in flux_jax.explain_auto("matmul_rs", 64, 8192, 8192, 2)
     assert "128 output tiles" in flux_jax.explain_auto("ag_matmul", 2048, 14336, 4096, 2)
     assert "tp=8 has not been measured" in flux_jax.explain_auto("ag_matmul", 8192, 8192, 57344, 8)
     assert "no float32 kernels" in flux_jax.explain_auto("ag_matmul", 4096, 8192, 8192, 2, "float32")
     assert "multiples of 8" in flux_jax.explain_auto("ag_matmul", 4096, 8192, 8196, 2)
-    assert "fused, latency path" in flux_jax.explain_auto("matmul_rs", 16, 28672, 8192, 2)  # 70B down
+    assert "fused, latency path" in flux_jax.explain_auto("matmul_rs", 128, 28672, 8192, 2)  # 70B down
     assert "small share of this wide GEMM" in flux_jax.explain_auto("ag_matmul", 12288, 5120, 27648, 2)
     with pytest.raises(ValueError, match="cannot shard"):
         flux_jax.explain_auto("matmul_rs", 4096, 8191, 8192, 2)

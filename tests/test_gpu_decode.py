@@ -1,4 +1,4 @@
-"""ag_matmul's decode path on real GPUs (cpp/kernels/cuda/ag_matmul_decode.cu, decode_gemm.cuh).
+"""The decode paths on real GPUs (cpp/kernels/cuda/{ag_matmul,matmul_rs}_decode.cu, decode_gemm.cuh).
 
 Skipped like test_gpu_fused.py (FLUX_JAX_REQUIRE_GPU=1 turns the skip into a failure). Every check
 compares with a float64 oracle on fresh random data, outputs poisoned with NaN first, and checks
@@ -19,8 +19,9 @@ from helpers import assert_matches, place, random_array, to64
 from test_gpu_fused import _mesh, _op_fn, gpus, missing_peer_times_out_then_reset  # noqa: F401  (gpus: the fixture)
 
 
-def _is_decode(f, *args):
-    return re.search(r"flux_jax_ag_matmul\(.*decode_path = true", f.lower(*args).as_text()) is not None
+def _is_decode(f, *args, op="ag"):
+    target = "flux_jax_ag_matmul" if op == "ag" else "flux_jax_matmul_rs"
+    return re.search(rf"{target}\(.*decode_path = true", f.lower(*args).as_text()) is not None
 
 
 @pytest.mark.parametrize("early_launch", [1, 0], ids=["early_launch", "after_push"])
@@ -43,10 +44,56 @@ def test_decode_matches_oracle(gpus, early_launch):
     assert not flux_jax.device_errors()
 
 
+def test_rs_decode_matches_oracle(gpus):
+    """matmul_rs at 2..128 rows (staged rows where they do not fill a row tile), random K and N
+    (multiples of 8), and the LLaMA-70B out-projection at M = 64: the epilogue's tile-by-tile
+    reduce-scatter against the float64 oracle."""
+    mesh = _mesh(gpus)
+    rng = np.random.default_rng()
+    shapes = [(M, *(int(v) * 8 for v in rng.integers(1, 700, size=2))) for M in (2, 8, 16, 30, 64, 66, 100, 128)]
+    shapes.append((64, 4096, 8192))
+    for M, K, N in shapes:
+        K *= 2  # global K: per-rank K a multiple of 8
+        x, w = random_array(rng, (M, K), "bfloat16"), random_array(rng, (K, N), "bfloat16", scale=1 / np.sqrt(K))
+        with flux_jax.config(fused_path="decode", debug_poison_outputs=True):
+            f, specs = _op_fn("rs", mesh, "fused")
+        t, _ = _op_fn("rs", mesh, "xla")
+        xs, ws = place(mesh, x, specs[0]), place(mesh, w, specs[1])
+        assert _is_decode(f, xs, ws, op="rs"), (M, K, N)
+        assert_matches(f(xs, ws), to64(x) @ to64(w), t(xs, ws), "bfloat16", f"rs decode M={M} K={K} N={N}")
+    assert not flux_jax.device_errors()
+
+
+def test_rs_decode_deterministic_and_gradients(gpus):
+    """Two runs bitwise equal; the VJP (its ag_matmul on the latency path) against the twin."""
+    mesh = _mesh(gpus)
+    rng = np.random.default_rng()
+    x, w = random_array(rng, (96, 1024), "bfloat16"), random_array(rng, (1024, 768), "bfloat16", scale=1 / 32)
+    with flux_jax.config(fused_path="decode"):
+        f, specs = _op_fn("rs", mesh, "fused")
+    xs, ws = place(mesh, x, specs[0]), place(mesh, w, specs[1])
+    first, second = np.asarray(f(xs, ws)), np.asarray(f(xs, ws))
+    np.testing.assert_array_equal(first, second)
+
+    ct = jnp.asarray(rng.standard_normal((96, 768)), jnp.float32)
+
+    def grads(impl):
+        g, _ = _op_fn("rs", mesh, impl)
+        loss = lambda a, b: jnp.sum(g(a, b).astype(jnp.float32) * ct)  # noqa: E731
+        return jax.jit(jax.grad(loss, argnums=(0, 1)))(xs, ws)
+
+    with flux_jax.config(fused_path="decode"):
+        dx, dw = grads("fused")
+    tdx, tdw = grads("xla")
+    assert_matches(dx, np.asarray(ct, np.float64) @ to64(w).T, tdx, "bfloat16", "dx")
+    assert_matches(dw, to64(x).T @ np.asarray(ct, np.float64), tdw, "bfloat16", "dw")
+    assert not flux_jax.device_errors()
+
+
 def test_decode_back_to_back_with_other_paths_bitwise(gpus):
-    """300 steps of ag (decode, 128 rows) -> rs (latency) -> ag (overlap) -> psum: every op shares the
-    slot area's parity halves and one epoch sequence with the others. Small integers keep every
-    product and sum exact, so the result must equal the twin's bit for bit."""
+    """300 steps of ag (decode, 128 rows) -> rs (decode and latency) -> ag (overlap) -> psum: every
+    op shares the slot area's parity halves and one epoch sequence with the others. Small integers
+    keep every product and sum exact, so the result must equal the twin's bit for bit."""
     mesh = _mesh(gpus)
     rng = np.random.default_rng()
     x = rng.integers(-1, 2, (128, 1024)).astype(jnp.bfloat16)
@@ -63,8 +110,10 @@ def test_decode_back_to_back_with_other_paths_bitwise(gpus):
             def step(acc, sign):
                 with flux_jax.config(fused_path="decode"):
                     y = flux_jax.ag_matmul(x * sign, w1, axis_name="tp", impl=impl)  # [128, 8]
+                with flux_jax.config(fused_path="decode"):
+                    r = flux_jax.matmul_rs(y, w2, axis_name="tp", impl=impl)  # [64, 1024], |r| <= 64
                 with flux_jax.config(fused_path="latency"):
-                    r = flux_jax.matmul_rs(y, w2, axis_name="tp", impl=impl)  # [64, 1024]
+                    r = r + flux_jax.matmul_rs(y, -w2, axis_name="tp", impl=impl) + r
                 with flux_jax.config(fused_path="overlap"):
                     z = flux_jax.ag_matmul(jnp.sign(r), w3, axis_name="tp", impl=impl)  # [128, 128]
                 z = z + jax.lax.psum(jnp.sign(z[:1, :1]), "tp").astype(z.dtype)
@@ -80,7 +129,8 @@ def test_decode_back_to_back_with_other_paths_bitwise(gpus):
             place(mesh, w3, P(None, "tp")))
     fused = program("fused")
     hlo = fused.lower(*args).as_text()
-    assert re.search(r"decode_path = true", hlo) and "flux_jax_reduce_scatter" in hlo
+    assert re.search(r"flux_jax_ag_matmul\(.*decode_path = true", hlo)
+    assert re.search(r"flux_jax_matmul_rs\(.*decode_path = true", hlo) and "flux_jax_reduce_scatter" in hlo
     out, ref = np.asarray(fused(*args)), np.asarray(program("xla")(*args))
     assert np.count_nonzero(ref) > ref.size // 2  # not trivially zero
     np.testing.assert_array_equal(out, ref)
@@ -121,3 +171,8 @@ def test_decode_gathered_and_gradients(gpus):
 def test_decode_missing_peer_times_out_then_reset(gpus):
     missing_peer_times_out_then_reset(gpus, "ag", "decode", 64,
                                       "waited in ag_matmul's decode GEMM for push block")
+
+
+def test_rs_decode_missing_peer_times_out_then_reset(gpus):
+    missing_peer_times_out_then_reset(gpus, "rs", "decode", 64,
+                                      "waited in matmul_rs's decode GEMM for the partial sums of output tile")

@@ -51,7 +51,7 @@ struct CommConfig {
                                     // tile counters (1: at the next tile, 2: right after);
                                     // -1: by shape (ChooseRsTileSignal)
   int64_t tile_n = 0;               // GPU: output tile width, 256 or 192 (0: by waves)
-  bool decode_path = false;         // GPU: ag_matmul runs its decode path (ag_matmul_decode.cu)
+  bool decode_path = false;         // GPU: the op runs its decode path ({ag_matmul,matmul_rs}_decode.cu)
   bool decode_early_launch = true;  // GPU: the decode GEMM launches while the rows are pushed
 };
 

@@ -33,6 +33,7 @@
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
+#include "decode_exchange.cuh"
 #include "decode_gemm.h"
 #include "device_sync.cuh"
 
@@ -145,10 +146,12 @@ struct DecodeGemmInstance {
   using TileShape = cute::Shape<cute::_64, cute::Int<kRowsPerTile>, cute::_64>;
   using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
 
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+  using BaseEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, Element, Layout, kAlignment, Element,
       Layout, kAlignment, cutlass::epilogue::TmaWarpSpecialized>::CollectiveOp;
+  // One kernel for both decode paths: the exchange runs only when the plan has one (matmul_rs).
+  using Epilogue = ExchangingEpilogue<BaseEpilogue>;
 
   using BaseMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, Layout, kAlignment, Element, Layout,
@@ -233,6 +236,7 @@ typename Instance::Kernel::Arguments DecodeArguments(const DecodeGemmPlan& p, in
   ep.dC = cutlass::make_cute_packed_stride(typename Kernel::StrideC{}, cute::make_shape(n, rows, 1));
   ep.ptr_D = static_cast<Element*>(p.d);
   ep.dD = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, cute::make_shape(n, rows, 1));
+  ep.exchange = p.exchange;
   args.hw_info.device_id = device;
   args.hw_info.sm_count = sm_count;
   return args;
@@ -272,7 +276,8 @@ Status RunDecodeGemmInstance(const DecodeGemmPlan& p, cudaStream_t stream, int d
                                    " n=" + std::to_string(p.n) + " k=" + std::to_string(p.k) +
                                    " (K and N must be multiples of 8)");
   }
-  params.mainloop.gate = p.gate;  // this call's epoch and timeout
+  params.mainloop.gate = p.gate;          // this call's epoch and timeout
+  params.epilogue.exchange = p.exchange;  // this call's epoch, output and receive slots
   // The kernel's shared-memory size was set once per device (PreloadDecodeGemmInstance).
   if (st == cutlass::Status::kSuccess) st = Instance::Gemm::run(params, stream, nullptr, p.early_launch);
   if (st != cutlass::Status::kSuccess) {

@@ -1,6 +1,8 @@
 // One launch of the decode path's GEMM (decode_gemm.cuh), without CUTLASS types:
 // out[rows, n] = x[rows, k] @ w[k, n], all row-major, w N-major only (the
 // forward weight; the transposed weight of a backward pass is not built).
+// With a DecodeExchange its epilogue also reduce-scatters the result across the
+// TP group, tile by tile (matmul_rs's decode path, matmul_rs_decode.cu).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -16,6 +18,33 @@ namespace flux_jax::cuda {
 // Rows the decode GEMM takes (its widest tile, X's rows along the tile's N).
 inline constexpr int64_t kDecodeMaxRows = 128;
 
+// Ranks the exchanging epilogue serves (its peer tables are indexed with
+// compile-time indices only, so the kernel parameters stay in constant space).
+inline constexpr int kDecodeMaxRanks = 8;
+
+// matmul_rs's decode path: the GEMM's D is this rank's partial P[rows, n]; once
+// a tile of P is written, its epilogue stores the rows of P that rank q owns
+// (rows q*rows_per_rank ..) into q's low-latency receive area, each 4 bytes of
+// data next to the call's epoch, waits for every peer's words of the tile and
+// writes its own rows of out = sum over ranks q = 0..tp-1, in that order, in
+// float32, rounded once (decode_exchange.cuh).
+struct DecodeExchange {
+  int32_t tp = 0;  // 0: no exchange (the plain GEMM: ag_matmul's decode path)
+  int32_t rank = 0;
+  int32_t rows_per_rank = 0;
+  int32_t n = 0;
+  const void* partial = nullptr;          // P = D, [rows, n] (this rank's workspace)
+  void* out = nullptr;                    // [rows_per_rank, n]
+  const void* recv = nullptr;             // my low-latency slots: [sender][rows_per_rank][n / 8][2] x 16 B
+  void* peer_recv[kDecodeMaxRanks] = {};  // rank q's low-latency slots of sender `rank`
+  bool signal_peers = true;               // false: debug_drop_rank (tests the timeout)
+  WaitContext ctx;
+};
+
+// Bytes of one parity of the low-latency receive area for `rows` rows of n columns, tp ranks:
+// every 16-byte vector of data travels as two 16-byte words (data, epoch, data, epoch).
+inline size_t DecodeExchangeBytes(int64_t rows, int64_t n) { return static_cast<size_t>(rows * n) * 2 * 2; }
+
 struct DecodeGemmPlan {
   int64_t rows = 0, n = 0, k = 0;
   const void* x = nullptr;           // the gathered rows (written by the pushes)
@@ -25,6 +54,7 @@ struct DecodeGemmPlan {
   const float* alpha_ptr = nullptr;  // device scalar (1.0f; NaN once a wait timed out)
   PushGate gate;                     // flags to wait for before the first row load
   bool early_launch = false;         // programmatic dependent launch after the push kernel
+  DecodeExchange exchange;           // tp == 0: none
 };
 
 // Rows of x the GEMM may read for `rows` rows: the row tile (64 or 128) rounded up, so no TMA

@@ -18,6 +18,7 @@ enum WaitSite : int32_t {
   kSiteAllGather = 4,      // latency path; piece = thread block
   kSiteReduceScatter = 5,  // latency path; piece = thread block
   kSiteDecodeRows = 6,     // decode path's GEMM; piece = push block
+  kSiteDecodeSums = 7,     // matmul_rs's decode GEMM epilogue; piece = output tile
 };
 
 // Host-visible error record, one per device (cudaHostAllocMapped).
@@ -96,34 +97,50 @@ __device__ __forceinline__ uint64_t LoadAcquireSys(const uint64_t* p) {
   return v;
 }
 
+// Records a wait that gave up (the first failure on this device fills the
+// record) and poisons alpha, so the GEMM tiles computed from now on are NaN.
+__device__ __forceinline__ void RecordTimeout(const WaitContext& ctx, int32_t site, int32_t peer, int32_t chunk,
+                                              int32_t piece, uint64_t seen) {
+  if (atomicCAS(&ctx.error->code, 0, -1) == 0) {
+    ctx.error->site = site;
+    ctx.error->device = ctx.device;
+    ctx.error->rank = ctx.rank;
+    ctx.error->peer = peer;
+    ctx.error->chunk = chunk;
+    ctx.error->piece = piece;
+    ctx.error->epoch = ctx.epoch;
+    ctx.error->seen = seen;
+    __threadfence_system();
+    atomicExch(&ctx.error->code, 1);
+  }
+  *reinterpret_cast<volatile float*>(ctx.alpha) = __int_as_float(0x7fc00000);
+  __threadfence();
+}
+
+// A deadline for a spinning wait: Expired() every 256 polls reads the clock,
+// and gives up at once if another wait on this device already failed.
+struct WaitDeadline {
+  uint64_t start = 0;
+  uint32_t polls = 0;
+  __device__ __forceinline__ bool Expired(const WaitContext& ctx) {
+    if ((++polls & 255u) != 0) return false;
+    if (*reinterpret_cast<volatile int32_t*>(&ctx.error->code) != 0) return true;
+    const uint64_t now = GlobalTimerNs();
+    if (start == 0) start = now;
+    return static_cast<int64_t>(now - start) > ctx.timeout_ns;
+  }
+};
+
 // Spins until *flag >= ctx.epoch. Returns false (after recording) on timeout,
 // or at once if another wait on this device already failed.
 static __device__ __noinline__ bool WaitFlag(const uint64_t* flag, const WaitContext& ctx, int32_t site,
-                                      int32_t peer, int32_t chunk, int32_t piece) {
-  uint64_t start = 0;
-  for (uint32_t i = 0;; ++i) {
+                                             int32_t peer, int32_t chunk, int32_t piece) {
+  WaitDeadline deadline;
+  for (;;) {
     const uint64_t seen = LoadAcquireSys(flag);
     if (seen >= ctx.epoch) return true;
-    if ((i & 255u) != 255u) continue;
-    if (*reinterpret_cast<volatile int32_t*>(&ctx.error->code) != 0) return false;
-    const uint64_t now = GlobalTimerNs();
-    if (start == 0) {
-      start = now;
-    } else if (static_cast<int64_t>(now - start) > ctx.timeout_ns) {
-      if (atomicCAS(&ctx.error->code, 0, -1) == 0) {  // first failure on this device fills the record
-        ctx.error->site = site;
-        ctx.error->device = ctx.device;
-        ctx.error->rank = ctx.rank;
-        ctx.error->peer = peer;
-        ctx.error->chunk = chunk;
-        ctx.error->piece = piece;
-        ctx.error->epoch = ctx.epoch;
-        ctx.error->seen = seen;
-        __threadfence_system();
-        atomicExch(&ctx.error->code, 1);
-      }
-      *reinterpret_cast<volatile float*>(ctx.alpha) = __int_as_float(0x7fc00000);
-      __threadfence();
+    if (deadline.Expired(ctx)) {
+      if (*reinterpret_cast<volatile int32_t*>(&ctx.error->code) == 0) RecordTimeout(ctx, site, peer, chunk, piece, seen);
       return false;
     }
   }

@@ -26,6 +26,7 @@
 // the peer's partial. Chunk c is summed in the fixed order c+1, c+2, ..., c:
 // bitwise reproducible.
 #include "flux_jax/matmul_rs.h"
+#include "matmul_rs_decode.h"
 #include "op_common.h"
 
 namespace flux_jax {
@@ -38,6 +39,7 @@ Status RunMatmulRsCuda(const MatmulRsParams& p, const TpGroup& group, const Comm
   const int tp = group.size, r = group.rank;
   const int device = group.ordinals[r];
   DeviceGuard guard(device);
+  if (cfg.decode_path && tp > 1) return RunMatmulRsDecode(p, group, cfg, S);
   const size_t elt = DTypeBytes(p.dtype);
   const int64_t m_out = p.m / tp;
   const size_t out_row_bytes = static_cast<size_t>(p.n) * elt;

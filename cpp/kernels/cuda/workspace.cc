@@ -1,5 +1,6 @@
 #include "workspace.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -164,7 +165,7 @@ void RefreshPeers(Group& group, GroupWorkspace* w) {
       continue;
     }
     const GroupWorkspace& m = *group.members[r];
-    w->peers[r] = PeerView{m.present, m.arrived, m.block_arrived, m.data, m.slots};
+    w->peers[r] = PeerView{m.present, m.arrived, m.block_arrived, m.data, m.slots, m.ll};
   }
 }
 
@@ -173,6 +174,7 @@ void FreeMember(GroupWorkspace* w) {
   cudaDeviceSynchronize();
   if (w->data) cudaFree(w->data);
   if (w->slots) cudaFree(w->slots);
+  if (w->ll) cudaFree(w->ll);
   if (w->present) cudaFree(w->present);
   if (w->comm) cudaStreamDestroy(w->comm);
   for (cudaEvent_t ev : {w->ev_start, w->ev_comm_done}) {
@@ -206,8 +208,8 @@ void PropagateError(const std::vector<int32_t>& devices, int device) {
 
 // What one member publishes: IPC handles of its three allocations.
 struct IpcBlob {
-  cudaIpcMemHandle_t ctrl, data, slots;
-  uint64_t data_bytes, slot_bytes;
+  cudaIpcMemHandle_t ctrl, data, slots, ll;
+  uint64_t data_bytes, slot_bytes, ll_bytes;
 };
 
 std::shared_ptr<Group> GroupOf(const TpGroup& g, bool create) {
@@ -220,7 +222,7 @@ std::shared_ptr<Group> GroupOf(const TpGroup& g, bool create) {
   return group;
 }
 
-Status AcquireIpcWorkspace(const TpGroup& g, size_t data_bytes, size_t slot_bytes,
+Status AcquireIpcWorkspace(const TpGroup& g, size_t data_bytes, size_t slot_bytes, size_t ll_bytes,
                            GroupWorkspace** out) {
   std::shared_ptr<Group> group = GroupOf(g, false);
   GroupWorkspace* w = group ? group->members[g.rank].get() : nullptr;
@@ -239,12 +241,12 @@ Status AcquireIpcWorkspace(const TpGroup& g, size_t data_bytes, size_t slot_byte
     std::lock_guard<std::mutex> lock(RegistryMutex());
     RefreshPeers(*group, w);
   }
-  if (data_bytes > w->capacity || slot_bytes > w->slots_capacity) {
+  if (data_bytes > w->capacity || slot_bytes > w->slots_capacity || ll_bytes > w->ll_capacity) {
     return Status::ResourceExhausted(
-        "flux_jax: this call needs " + std::to_string((std::max(data_bytes, slot_bytes) >> 20) + 1) +
+        "flux_jax: this call needs " + std::to_string((std::max({data_bytes, slot_bytes, ll_bytes}) >> 20) + 1) +
         " MiB of workspace but the cross-process workspace of " + g.Describe() + " has " +
         std::to_string(w->capacity >> 20) + " MiB (data) / " + std::to_string(w->slots_capacity >> 20) +
-        " MiB (slots) and cannot grow; raise it with "
+        " MiB (slots) / " + std::to_string(w->ll_capacity >> 20) + " MiB (low-latency slots) and cannot grow; raise it with "
         "flux_jax.initialize_distributed(gpu_workspace_mib=...) before the first fused op");
   }
   *out = w;
@@ -254,14 +256,15 @@ Status AcquireIpcWorkspace(const TpGroup& g, size_t data_bytes, size_t slot_byte
 }  // namespace
 
 Status AcquireWorkspace(const TpGroup& g, size_t data_bytes, const CommConfig& cfg,
-                        cudaStream_t compute_stream, GroupWorkspace** out, size_t slot_bytes) {
+                        cudaStream_t compute_stream, GroupWorkspace** out, size_t slot_bytes,
+                        size_t ll_bytes) {
   const int device = g.ordinals[g.rank];
   if (device < 0 || device >= kMaxDevices) return Status::InvalidArgument("device ordinal out of range");
   if (Status err = CheckDeviceError(device); !err.ok()) {
     PropagateError(g.ordinals, device);
     return err;
   }
-  if (g.cross_process) return AcquireIpcWorkspace(g, data_bytes, slot_bytes, out);
+  if (g.cross_process) return AcquireIpcWorkspace(g, data_bytes, slot_bytes, ll_bytes, out);
   std::shared_ptr<Group> group;
   {
     std::lock_guard<std::mutex> lock(RegistryMutex());
@@ -293,7 +296,8 @@ Status AcquireWorkspace(const TpGroup& g, size_t data_bytes, const CommConfig& c
   // Grows one area of every member: all reach this call, drain what they
   // enqueued (pushes into peers' old buffers included), and only then may
   // anyone free a buffer.
-  auto grow = [&](char** area, size_t* capacity, size_t bytes, const char* name) -> Status {
+  auto grow = [&](char** area, size_t* capacity, size_t bytes, char* PeerView::*peer_area,
+                  const char* name) -> Status {
     if (bytes <= *capacity) return Status::Ok();
     DeviceGuard guard(device);
     const std::string what = std::string(name) + " growth (" + who + ")";
@@ -313,17 +317,21 @@ Status AcquireWorkspace(const TpGroup& g, size_t data_bytes, const CommConfig& c
       return st;
     }
     *capacity = rounded;
+    // Zeroed before any peer can write (the barrier below): the low-latency area's readers take
+    // any word whose epoch matches, and 0 is no call's epoch. Harmless for the other areas.
+    FLUX_CUDA_TRY(cudaMemset(*area, 0, rounded));
     FLUX_JAX_RETURN_IF_ERROR(group->barrier.Arrive(cfg.timeout_us, what + ", reallocation"));
     RefreshPeers(*group, w);
     for (const PeerView& peer : w->peers) {
-      if ((name[0] == 'd' ? peer.data : peer.slots) == nullptr) {
+      if (peer.*peer_area == nullptr) {
         return Status::ResourceExhausted("flux_jax: a peer failed to allocate its workspace");
       }
     }
     return Status::Ok();
   };
-  FLUX_JAX_RETURN_IF_ERROR(grow(&w->data, &w->capacity, data_bytes, "data workspace"));
-  FLUX_JAX_RETURN_IF_ERROR(grow(&w->slots, &w->slots_capacity, slot_bytes, "slot workspace"));
+  FLUX_JAX_RETURN_IF_ERROR(grow(&w->data, &w->capacity, data_bytes, &PeerView::data, "data workspace"));
+  FLUX_JAX_RETURN_IF_ERROR(grow(&w->slots, &w->slots_capacity, slot_bytes, &PeerView::slots, "slot workspace"));
+  FLUX_JAX_RETURN_IF_ERROR(grow(&w->ll, &w->ll_capacity, ll_bytes, &PeerView::ll, "low-latency workspace"));
   *out = w;
   return Status::Ok();
 }
@@ -338,7 +346,8 @@ Status ExportIpcMember(const TpGroup& g, size_t data_bytes, size_t slot_bytes, s
   DeviceGuard guard(device);
   IpcBlob b{};
   for (auto [area, capacity, bytes] : {std::tuple{&w->data, &w->capacity, data_bytes},
-                                       std::tuple{&w->slots, &w->slots_capacity, slot_bytes}}) {
+                                       std::tuple{&w->slots, &w->slots_capacity, slot_bytes},
+                                       std::tuple{&w->ll, &w->ll_capacity, slot_bytes}}) {
     const size_t rounded = std::max<size_t>(kGrowGranule, (bytes + kGrowGranule - 1) / kGrowGranule * kGrowGranule);
     cudaError_t err = cudaMalloc(reinterpret_cast<void**>(area), rounded);
     if (err != cudaSuccess) {
@@ -347,12 +356,15 @@ Status ExportIpcMember(const TpGroup& g, size_t data_bytes, size_t slot_bytes, s
       return AllocationError(device, rounded, err);
     }
     *capacity = rounded;
+    FLUX_CUDA_TRY(cudaMemset(*area, 0, rounded));  // the low-latency area must start at epoch 0
   }
   b.data_bytes = w->capacity;
   b.slot_bytes = w->slots_capacity;
+  b.ll_bytes = w->ll_capacity;
   FLUX_CUDA_TRY(cudaIpcGetMemHandle(&b.ctrl, w->present));
   FLUX_CUDA_TRY(cudaIpcGetMemHandle(&b.data, w->data));
   FLUX_CUDA_TRY(cudaIpcGetMemHandle(&b.slots, w->slots));
+  FLUX_CUDA_TRY(cudaIpcGetMemHandle(&b.ll, w->ll));
   blob->assign(reinterpret_cast<const char*>(&b), sizeof(b));
   std::lock_guard<std::mutex> lock(RegistryMutex());
   group->members[g.rank] = std::move(w);
@@ -370,19 +382,21 @@ Status ImportIpcPeer(const TpGroup& g, int peer, const std::string& blob) {
   std::memcpy(&b, blob.data(), sizeof(b));
   const int device = g.ordinals[g.rank];
   DeviceGuard guard(device);
-  void *ctrl = nullptr, *data = nullptr, *slots = nullptr;
+  void *ctrl = nullptr, *data = nullptr, *slots = nullptr, *ll = nullptr;
   FLUX_CUDA_TRY(cudaIpcOpenMemHandle(&ctrl, b.ctrl, cudaIpcMemLazyEnablePeerAccess));
   FLUX_CUDA_TRY(cudaIpcOpenMemHandle(&data, b.data, cudaIpcMemLazyEnablePeerAccess));
   FLUX_CUDA_TRY(cudaIpcOpenMemHandle(&slots, b.slots, cudaIpcMemLazyEnablePeerAccess));
+  FLUX_CUDA_TRY(cudaIpcOpenMemHandle(&ll, b.ll, cudaIpcMemLazyEnablePeerAccess));
   std::lock_guard<std::mutex> lock(RegistryMutex());
-  for (void* p : {ctrl, data, slots}) group->opened.emplace_back(device, p);
+  for (void* p : {ctrl, data, slots, ll}) group->opened.emplace_back(device, p);
   auto* words = static_cast<uint64_t*>(ctrl);
   group->remote[peer] = PeerView{words, words + kMaxTp, words + kMaxTp + kMaxFlags + 2,
-                                 static_cast<char*>(data), static_cast<char*>(slots)};
+                                 static_cast<char*>(data), static_cast<char*>(slots), static_cast<char*>(ll)};
   // A peer with less room than ours would be overrun: use the smaller capacity.
   GroupWorkspace* w = group->members[g.rank].get();
   w->capacity = std::min<size_t>(w->capacity, b.data_bytes);
   w->slots_capacity = std::min<size_t>(w->slots_capacity, b.slot_bytes);
+  w->ll_capacity = std::min<size_t>(w->ll_capacity, b.ll_bytes);
   return Status::Ok();
 }
 
@@ -401,6 +415,7 @@ Status CheckDeviceError(int device) {
     case kSiteAllGather: os << " waited in all_gather for block " << e.piece << " of the rows of rank " << e.peer; break;
     case kSiteReduceScatter: os << " waited in reduce_scatter for block " << e.piece << " of the partial sums of rank " << e.peer; break;
     case kSiteDecodeRows: os << " waited in ag_matmul's decode GEMM for push block " << e.piece << " of the rows of rank " << e.peer; break;
+    case kSiteDecodeSums: os << " waited in matmul_rs's decode GEMM for the partial sums of output tile " << e.piece << " from rank " << e.peer; break;
     default: os << " waited on an unknown site"; break;
   }
   os << "; epoch " << e.epoch << ", flag value seen " << e.seen
@@ -437,7 +452,7 @@ size_t WorkspaceBytes(int device) {
   for (auto& [devices, group] : Registry()) {
     for (auto& member : group->members) {
       if (member && member->device == device) {
-        total += member->capacity + member->slots_capacity + kCtrlWords * 8;
+        total += member->capacity + member->slots_capacity + member->ll_capacity + kCtrlWords * 8;
       }
     }
   }

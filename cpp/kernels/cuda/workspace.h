@@ -12,6 +12,11 @@
 //                          [parity][sender][chunk]; a separate area because a
 //                          latency call never waits for its peer to finish the
 //                          previous call, whose GEMM may still read `data`
+//   ll (device, grows, zeroed when allocated): matmul_rs's decode-path receive
+//                          slots in the low-latency format (each 8-byte word: 4
+//                          bytes of data and the epoch that wrote them), so a
+//                          reader polls the data itself; nothing else writes
+//                          there, so no stale word can carry a current epoch
 //
 // Flags hold epochs (one per fused call of the group, increasing) and are only
 // compared with >=, so they are never reset. The data area grows when a call
@@ -46,6 +51,7 @@ struct PeerView {
   uint64_t* block_arrived = nullptr;
   char* data = nullptr;
   char* slots = nullptr;
+  char* ll = nullptr;
 };
 
 struct GroupWorkspace {
@@ -58,7 +64,7 @@ struct GroupWorkspace {
   uint64_t* present = nullptr;  // [kMaxTp]: present[p] = last epoch rank p reached
   uint64_t* arrived = nullptr;  // [kMaxFlags]: row pieces of the current call
   uint64_t* cells = nullptr;    // [2]: cells[1] = epoch, the source of copy-engine flag writes
-  uint64_t* block_arrived = nullptr;  // [kMaxTp][kMaxLatencyBlocks]: latency collectives
+  uint64_t* block_arrived = nullptr;  // [kMaxTp][kMaxLatencyBlocks]: latency and decode paths
   // [kMaxPieces]: output tiles written per piece of rows (TileSignal; only grow), and
   // the totals the launches enqueued so far will have raised them to (host side).
   uint64_t* tiles_done = nullptr;
@@ -68,6 +74,8 @@ struct GroupWorkspace {
   size_t capacity = 0;
   char* slots = nullptr;
   size_t slots_capacity = 0;
+  char* ll = nullptr;
+  size_t ll_capacity = 0;
 
   cudaStream_t comm = nullptr;  // high-priority copy stream
   cudaEvent_t ev_start = nullptr, ev_comm_done = nullptr;
@@ -92,14 +100,17 @@ struct GroupWorkspace {
 // at least `data_bytes`. Every member of the group must call it for the same
 // calls in the same order (the same program runs on every device).
 // `compute_stream` is drained (synchronized) only when the workspace grows.
-// `slot_bytes`: size the latency path's slot area needs (0: leave it).
+// `slot_bytes`: size the latency path's slot area needs (0: leave it); `ll_bytes`: the same
+// for the low-latency area.
 Status AcquireWorkspace(const TpGroup& group, size_t data_bytes, const CommConfig& cfg,
-                        cudaStream_t compute_stream, GroupWorkspace** out, size_t slot_bytes = 0);
+                        cudaStream_t compute_stream, GroupWorkspace** out, size_t slot_bytes = 0,
+                        size_t ll_bytes = 0);
 
 // Cross-process TP groups (one process per GPU under jax.distributed): each
 // process allocates its member once, with fixed capacities, and exports CUDA
 // IPC handles (`blob`); Python passes them through jax.distributed's key-value
-// store and every process imports its remote peers' blobs. No growth later.
+// store and every process imports its remote peers' blobs. No growth later
+// (the low-latency area gets `slot_bytes` too).
 Status ExportIpcMember(const TpGroup& group, size_t data_bytes, size_t slot_bytes, std::string* blob);
 Status ImportIpcPeer(const TpGroup& group, int peer_rank, const std::string& blob);
 

@@ -1,0 +1,18 @@
+// matmul_rs's decode path (matmul_rs_decode.cu): for calls of at most
+// kDecodeMaxRows rows, chosen by Config.fused_path = "decode".
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "flux_jax/params.h"
+#include "flux_jax/status.h"
+#include "flux_jax/tp_group.h"
+
+namespace flux_jax::cuda {
+
+// Whether the decode path serves this call (else the caller must not ask for it).
+bool MatmulRsDecodeSupported(const MatmulRsParams& p, const TpGroup& group);
+
+Status RunMatmulRsDecode(const MatmulRsParams& p, const TpGroup& group, const CommConfig& cfg, cudaStream_t stream);
+
+}  // namespace flux_jax::cuda
