@@ -65,7 +65,8 @@ def test_exports_publishes_then_imports_every_remote_rank(fakes):
     store.data["flux_jax/v1/ipc/s3ss10n/0/0-1/1/status"] = "ok"
     groups = np.array([[FakeDevice(0, 0, 0), FakeDevice(1, 1, 0)], [FakeDevice(2, 1, 1), FakeDevice(3, 1, 2)]])
     _ipc.ensure_groups(groups, timeout_s=1.0)
-    assert ext.exports == [((0, 1), (0, 1), 0, (_ipc.DEFAULT_WORKSPACE_MIB - 64) << 20, 64 << 20)]
+    # data, then the slot area; the low-latency area (allocated by the extension) is as large again
+    assert ext.exports == [((0, 1), (0, 1), 0, (_ipc.DEFAULT_WORKSPACE_MIB - 128) << 20, 64 << 20)]
     assert store.data["flux_jax/v1/ipc/s3ss10n/0/0-1/0"] == (b"\x00" * 8).hex()
     assert ext.imports == [((0, 1), 0, 1, b"\x05" * 8)]
     _ipc.ensure_groups(groups, timeout_s=1.0)  # once per group
