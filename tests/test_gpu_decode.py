@@ -24,6 +24,24 @@ def _is_decode(f, *args, op="ag"):
     return re.search(rf"{target}\(.*decode_path = true", f.lower(*args).as_text()) is not None
 
 
+def _decode_gradients_match(mesh, op, x, w, xs, ws, rng):
+    """The VJP of `op` traced with fused_path="decode" (its transposed-weight op on the latency
+    path) against the twin's and the float64 oracle, for a random cotangent."""
+    ct = jnp.asarray(rng.standard_normal((x.shape[0], w.shape[1])), jnp.float32)
+
+    def grads(impl):
+        f, _ = _op_fn(op, mesh, impl)
+        loss = lambda a, b: jnp.sum(f(a, b).astype(jnp.float32) * ct)  # noqa: E731
+        return jax.jit(jax.grad(loss, argnums=(0, 1)))(xs, ws)
+
+    with flux_jax.config(fused_path="decode"):
+        dx, dw = grads("fused")
+    tdx, tdw = grads("xla")
+    assert_matches(dx, np.asarray(ct, np.float64) @ to64(w).T, tdx, "bfloat16", f"{op} dx")
+    assert_matches(dw, to64(x).T @ np.asarray(ct, np.float64), tdw, "bfloat16", f"{op} dw")
+    assert not flux_jax.device_errors()
+
+
 @pytest.mark.parametrize("early_launch", [1, 0], ids=["early_launch", "after_push"])
 def test_decode_matches_oracle(gpus, early_launch):
     """Rows 2..128 in all (both tile widths, partial tiles), random K and N per rank (multiples of 8),
@@ -75,19 +93,7 @@ def test_rs_decode_deterministic_and_gradients(gpus):
     first, second = np.asarray(f(xs, ws)), np.asarray(f(xs, ws))
     np.testing.assert_array_equal(first, second)
 
-    ct = jnp.asarray(rng.standard_normal((96, 768)), jnp.float32)
-
-    def grads(impl):
-        g, _ = _op_fn("rs", mesh, impl)
-        loss = lambda a, b: jnp.sum(g(a, b).astype(jnp.float32) * ct)  # noqa: E731
-        return jax.jit(jax.grad(loss, argnums=(0, 1)))(xs, ws)
-
-    with flux_jax.config(fused_path="decode"):
-        dx, dw = grads("fused")
-    tdx, tdw = grads("xla")
-    assert_matches(dx, np.asarray(ct, np.float64) @ to64(w).T, tdx, "bfloat16", "dx")
-    assert_matches(dw, to64(x).T @ np.asarray(ct, np.float64), tdw, "bfloat16", "dw")
-    assert not flux_jax.device_errors()
+    _decode_gradients_match(mesh, "rs", x, w, xs, ws, rng)
 
 
 def test_decode_back_to_back_with_other_paths_bitwise(gpus):
@@ -153,19 +159,7 @@ def test_decode_gathered_and_gradients(gpus):
     t, _ = _op_fn("ag", mesh, "xla")
     assert_matches(out, to64(x) @ to64(w), t(xs, ws), "bfloat16", "ag decode with the gathered copy")
 
-    ct = jnp.asarray(rng.standard_normal((96, 768)), jnp.float32)
-
-    def grads(impl):
-        f, _ = _op_fn("ag", mesh, impl)
-        loss = lambda a, b: jnp.sum(f(a, b).astype(jnp.float32) * ct)  # noqa: E731
-        return jax.jit(jax.grad(loss, argnums=(0, 1)))(xs, ws)
-
-    with flux_jax.config(fused_path="decode"):
-        dx, dw = grads("fused")
-    tdx, tdw = grads("xla")
-    assert_matches(dx, np.asarray(ct, np.float64) @ to64(w).T, tdx, "bfloat16", "dx")
-    assert_matches(dw, to64(x).T @ np.asarray(ct, np.float64), tdw, "bfloat16", "dw")
-    assert not flux_jax.device_errors()
+    _decode_gradients_match(mesh, "ag", x, w, xs, ws, rng)
 
 
 def test_decode_missing_peer_times_out_then_reset(gpus):

@@ -63,6 +63,15 @@ __device__ __forceinline__ void AddBf16x8(float* acc, uint4 v) {
   }
 }
 
+// This thread's vectors u < mine of a row block of P (L2: TMA wrote them), all loads in flight.
+template <int kPer>
+__device__ __forceinline__ void LoadMine(const uint4* src, const int64_t* offset, int32_t mine, uint4* val) {
+#pragma unroll
+  for (int u = 0; u < kPer; ++u) {
+    if (u < mine) val[u] = __ldcg(src + offset[u]);
+  }
+}
+
 // The exchange of one output tile by one consumer warpgroup (thread t < 128). Inlined: a call
 // from the consumer warpgroup (after setmaxnreg) made ptxas fail to allocate its 232 registers.
 // A thread handles up to kPer vectors of a row block and issues all their loads before it uses
@@ -100,10 +109,7 @@ __device__ __forceinline__ void ExchangeTile(const DecodeExchange& e, int32_t ti
       const uint4* src = partial + q * e.rows_per_rank * row_vecs;
       auto* dst = static_cast<uint4*>(e.peer_recv[q]);
       uint4 val[kPer];
-#pragma unroll
-      for (int u = 0; u < kPer; ++u) {
-        if (u < mine) val[u] = __ldcg(src + offset[u]);
-      }
+      LoadMine<kPer>(src, offset, mine, val);
 #pragma unroll
       for (int u = 0; u < kPer; ++u) {
         if (u < mine) {
@@ -123,10 +129,7 @@ __device__ __forceinline__ void ExchangeTile(const DecodeExchange& e, int32_t ti
     if (q == e.rank) {
       const uint4* src = partial + q * e.rows_per_rank * row_vecs;
       uint4 val[kPer];
-#pragma unroll
-      for (int u = 0; u < kPer; ++u) {
-        if (u < mine) val[u] = __ldcg(src + offset[u]);
-      }
+      LoadMine<kPer>(src, offset, mine, val);
 #pragma unroll
       for (int u = 0; u < kPer; ++u) {
         if (u < mine) AddBf16x8(acc[u], val[u]);
