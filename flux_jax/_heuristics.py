@@ -242,8 +242,9 @@ def explain(op: str, M: int, K: int, N: int, tp: int, dtype="bfloat16") -> str:
                 f"with a per-rank n <= {_AG_DECODE_MAX_N}; a transposed weight takes the latency path)")
     if choice == "decode":
         return (f"{where}: fused, decode path (one GEMM in the weight's orientation whose epilogue "
-                "reduce-scatters each output tile over NVLink; measured 1.14-1.71x over the twin at <= 64 "
-                "rows, and at 128 with a small weight; a transposed weight takes the latency path)")
+                "reduce-scatters each output tile over NVLink; measured 0.97-1.71x over the twin at <= 64 "
+                "rows, the least at 8 rows of the longest GEMMs (ties), and 1.45-1.53x at 128 rows with a "
+                "per-rank weight <= 16M elements; a transposed weight takes the latency path)")
     if choice == "latency":
         if op == "ag_matmul" and M >= 2048:
             return (f"{where}: fused, latency path (the per-rank GEMM has {_tiles(M, n)} output tiles, "
