@@ -41,8 +41,9 @@ struct DecodeExchange {
   WaitContext ctx;
 };
 
-// Bytes of one parity of the low-latency receive area for `rows` rows of n columns, tp ranks:
-// every 16-byte vector of data travels as two 16-byte words (data, epoch, data, epoch).
+// Bytes of low-latency receive slots for `rows` rows of n columns (one parity: all the call's
+// rows, one block per sender): every 16-byte vector of data travels as two 16-byte words (data,
+// epoch, data, epoch).
 inline size_t DecodeExchangeBytes(int64_t rows, int64_t n) { return static_cast<size_t>(rows * n) * 2 * 2; }
 
 struct DecodeGemmPlan {

@@ -18,7 +18,6 @@
 // rows the parity half b of this rank's slot area (read by no peer; written by
 // the peers' slot-area paths only in calls of the same parity, e+2 at the
 // earliest, which cannot start before this rank's call e+1 has answered them).
-#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 

@@ -296,8 +296,10 @@ Status AcquireWorkspace(const TpGroup& g, size_t data_bytes, const CommConfig& c
   // Grows one area of every member: all reach this call, drain what they
   // enqueued (pushes into peers' old buffers included), and only then may
   // anyone free a buffer.
+  // `zeroed`: the low-latency area, whose readers take any word whose epoch matches (0 is no
+  // call's epoch), is cleared before any peer can write to it (the barrier below).
   auto grow = [&](char** area, size_t* capacity, size_t bytes, char* PeerView::*peer_area,
-                  const char* name) -> Status {
+                  const char* name, bool zeroed) -> Status {
     if (bytes <= *capacity) return Status::Ok();
     DeviceGuard guard(device);
     const std::string what = std::string(name) + " growth (" + who + ")";
@@ -317,9 +319,7 @@ Status AcquireWorkspace(const TpGroup& g, size_t data_bytes, const CommConfig& c
       return st;
     }
     *capacity = rounded;
-    // Zeroed before any peer can write (the barrier below): the low-latency area's readers take
-    // any word whose epoch matches, and 0 is no call's epoch. Harmless for the other areas.
-    FLUX_CUDA_TRY(cudaMemset(*area, 0, rounded));
+    if (zeroed) FLUX_CUDA_TRY(cudaMemset(*area, 0, rounded));
     FLUX_JAX_RETURN_IF_ERROR(group->barrier.Arrive(cfg.timeout_us, what + ", reallocation"));
     RefreshPeers(*group, w);
     for (const PeerView& peer : w->peers) {
@@ -329,9 +329,9 @@ Status AcquireWorkspace(const TpGroup& g, size_t data_bytes, const CommConfig& c
     }
     return Status::Ok();
   };
-  FLUX_JAX_RETURN_IF_ERROR(grow(&w->data, &w->capacity, data_bytes, &PeerView::data, "data workspace"));
-  FLUX_JAX_RETURN_IF_ERROR(grow(&w->slots, &w->slots_capacity, slot_bytes, &PeerView::slots, "slot workspace"));
-  FLUX_JAX_RETURN_IF_ERROR(grow(&w->ll, &w->ll_capacity, ll_bytes, &PeerView::ll, "low-latency workspace"));
+  FLUX_JAX_RETURN_IF_ERROR(grow(&w->data, &w->capacity, data_bytes, &PeerView::data, "data workspace", false));
+  FLUX_JAX_RETURN_IF_ERROR(grow(&w->slots, &w->slots_capacity, slot_bytes, &PeerView::slots, "slot workspace", false));
+  FLUX_JAX_RETURN_IF_ERROR(grow(&w->ll, &w->ll_capacity, ll_bytes, &PeerView::ll, "low-latency workspace", true));
   *out = w;
   return Status::Ok();
 }
@@ -356,8 +356,8 @@ Status ExportIpcMember(const TpGroup& g, size_t data_bytes, size_t slot_bytes, s
       return AllocationError(device, rounded, err);
     }
     *capacity = rounded;
-    FLUX_CUDA_TRY(cudaMemset(*area, 0, rounded));  // the low-latency area must start at epoch 0
   }
+  FLUX_CUDA_TRY(cudaMemset(w->ll, 0, w->ll_capacity));  // the low-latency area starts at epoch 0
   b.data_bytes = w->capacity;
   b.slot_bytes = w->slots_capacity;
   b.ll_bytes = w->ll_capacity;
