@@ -64,8 +64,9 @@ class Config:
         weight from its first microsecond; for ag_matmul one kernel pushes the
         rows over NVLink meanwhile and the GEMM waits for them, for matmul_rs
         the GEMM's epilogue reduce-scatters each output tile over NVLink;
-        bfloat16, the untransposed weight, 2..8 ranks and at most 128 rows in
-        all (matmul_rs: n <= 32768); other calls take "latency"), or "auto" (on
+        bfloat16, the untransposed weight, 2..8 ranks and at most 256 rows in
+        all for ag_matmul, 128 for matmul_rs (and n <= 32768); other calls
+        take "latency"), or "auto" (on
         GPU the fastest for the shape, from measurements in
         flux_jax/_heuristics.py; on CPU "overlap").
       gpu_decode_early_launch: GPU tuning: 1 (default) = the decode path's GEMM

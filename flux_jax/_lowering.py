@@ -18,7 +18,7 @@ And it is where the fused *path* is picked (Config.fused_path): "overlap", the
 one custom call whose GEMM consumes rows as they arrive, "latency", our
 one-kernel NVLink collective custom call next to XLA's own GEMM (small M), or
 "decode", one custom call whose weight-streaming GEMM moves the rows itself
-(at most 128 rows; other calls take "latency").
+(AG at most 256 rows, RS 128; other calls take "latency").
 """
 
 from __future__ import annotations
@@ -132,7 +132,8 @@ def choose_path(prim_name: str, platform: str, config: Config, x_shape, w_shape,
 
 
 # What the decode paths' kernels take (cpp/kernels/cuda/decode_gemm.h, {ag_matmul,matmul_rs}_decode.cu).
-DECODE_MAX_ROWS = 128
+DECODE_AG_MAX_ROWS = 256  # the GEMM: one 64-row tile or up to two 128-row tiles
+DECODE_RS_MAX_ROWS = 128  # the exchanging epilogue: one tile holds all rows
 DECODE_MAX_TP = 8
 DECODE_RS_MAX_N = 512 * 64  # matmul_rs: one flag per 64-column output tile, 512 per sender
 
@@ -142,9 +143,9 @@ def decode_supported(prim_name: str, tp_size: int, x_shape, w_shape, transpose_w
     if not (2 <= tp_size <= DECODE_MAX_TP and not transpose_w and np.dtype(dtype) == jnp.bfloat16):
         return False
     if prim_name == "flux_jax_ag_matmul":
-        return 1 <= tp_size * x_shape[0] <= DECODE_MAX_ROWS
+        return 1 <= tp_size * x_shape[0] <= DECODE_AG_MAX_ROWS
     rows, n = x_shape[0], w_shape[1]
-    return 1 <= rows <= DECODE_MAX_ROWS and rows % tp_size == 0 and n <= DECODE_RS_MAX_N
+    return 1 <= rows <= DECODE_RS_MAX_ROWS and rows % tp_size == 0 and n <= DECODE_RS_MAX_N
 
 
 def register_fused_lowering(prim, target: str, cuda_available) -> None:

@@ -120,7 +120,9 @@ def test_decode_supported_matches_the_kernels():
     w = (8192, 4096)
     assert _lowering.decode_supported(ag, 2, (64, 8192), w, False, bf16)
     assert _lowering.decode_supported(ag, 8, (16, 8192), w, False, bf16)
-    assert not _lowering.decode_supported(ag, 2, (65, 8192), w, False, bf16)  # 130 rows
+    assert _lowering.decode_supported(ag, 2, (65, 8192), w, False, bf16)  # 130 rows: two row tiles
+    assert _lowering.decode_supported(ag, 2, (128, 8192), w, False, bf16)
+    assert not _lowering.decode_supported(ag, 2, (129, 8192), w, False, bf16)  # 258 rows
     assert not _lowering.decode_supported(ag, 2, (64, 8192), w, True, bf16)
     assert not _lowering.decode_supported(ag, 1, (64, 8192), w, False, bf16)
     assert not _lowering.decode_supported(ag, 16, (8, 8192), w, False, bf16)  # more ranks than it serves

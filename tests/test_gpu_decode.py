@@ -44,12 +44,12 @@ def _decode_gradients_match(mesh, op, x, w, xs, ws, rng):
 
 @pytest.mark.parametrize("early_launch", [1, 0], ids=["early_launch", "after_push"])
 def test_decode_matches_oracle(gpus, early_launch):
-    """Rows 2..128 in all (both tile widths, partial tiles), random K and N per rank (multiples of 8),
-    and one LLaMA-70B qkv-like shape."""
+    """Rows 2..256 in all (both tile widths, partial tiles, two 128-row tiles whose rows come from
+    one or two senders), random K and N per rank (multiples of 8), and LLaMA-70B qkv-like shapes."""
     mesh = _mesh(gpus)
     rng = np.random.default_rng()
-    shapes = [(M, *(int(v) * 8 for v in rng.integers(1, 700, size=2))) for M in (2, 8, 16, 30, 64, 66, 100, 128)]
-    shapes.append((64, 8192, 2 * 5120))
+    shapes = [(M, *(int(v) * 8 for v in rng.integers(1, 700, size=2))) for M in (2, 8, 16, 30, 64, 66, 100, 128, 130, 196, 256)]
+    shapes += [(64, 8192, 2 * 5120), (256, 8192, 2 * 5120)]
     for M, K, N in shapes:
         N *= 2  # global N: per-rank N a multiple of 8
         x, w = random_array(rng, (M, K), "bfloat16"), random_array(rng, (K, N), "bfloat16", scale=1 / np.sqrt(K))

@@ -1,4 +1,4 @@
-// ag_matmul's decode path (at most kDecodeMaxRows rows in all): the rows
+// ag_matmul's decode path (at most kDecodeMaxRows = 256 rows in all): the rows
 // pushed by SM stores, and a GEMM that streams the weight while they arrive.
 //
 // At decode M the GEMM reads a weight of tens of MB for a few hundred KB of
@@ -9,10 +9,18 @@
 //   push kernel, blocks i < P:  x[slice i] -> G_q[b][chunk r][slice i] on every rank q
 //                               (own G included; NVLink stores to peers),
 //                               fence.sys; flag_q[r][i] = e on every rank q
+//                               (above 128 rows: own copy + own flag first)
 //     | programmatic launch: the GEMM starts while the pushes run
 //   decode GEMM (decode_gemm.cuh): each CTA issues its first S stages of W
-//     loads, waits flag[q][i] >= e for all q, i (one warp, bounded), then
-//     loads its rows of G[b]; out = G[b] @ w
+//     loads, waits flag[q][i] >= e for the senders q of its tile's rows (all
+//     of them up to 128 rows; one warp, bounded), then loads its rows of G[b];
+//     out = G[b] @ w
+//
+// Above 128 rows (two row tiles) the tiles of this rank's own rows start once
+// the local copy is flagged, while the peers' rows cross NVLink:
+//
+//   rank 0 of 2, 256 rows:   row tile 0 (own rows)    |wait local|==== GEMM ====|
+//                            row tile 1 (rank 1 rows) |wait NVLink push ...|==== GEMM ====|
 //   [gathered = G[b], if requested]
 //
 // G[b] is the parity half b = e & 1 of the slot area, so it shares the latency
@@ -48,6 +56,7 @@ struct PushArgs {
   int64_t chunk_vecs;
   int32_t tp, rank;
   bool signal_peers;            // false: debug_drop_rank (tests the timeout path)
+  bool local_first;             // own copy and flag before the peers' (GEMM row tiles per sender)
   uint64_t epoch;
 };
 
@@ -56,20 +65,27 @@ __global__ void __launch_bounds__(kThreads) PushRowsKernel(PushArgs a) {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   int64_t lo, hi;
   BlockRange(a.chunk_vecs, &lo, &hi);
-  BatchedCopy<kThreads, /*kBatch=*/4>(
-      lo, hi, [&](int64_t v) { return __ldg(a.x + v); },
-      [&](int64_t v, uint4 val) {
+  const auto load = [&](int64_t v) { return __ldg(a.x + v); };
+  if (a.local_first) {
+    // The GEMM's tiles of this rank's rows start as soon as the local copy is flagged.
+    BatchedCopy<kThreads, /*kBatch=*/4>(lo, hi, load, [&](int64_t v, uint4 val) { a.dst[a.rank][v] = val; });
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) StoreReleaseSys(a.flag[a.rank] + blockIdx.x, a.epoch);
+  }
+  BatchedCopy<kThreads, /*kBatch=*/4>(lo, hi, load, [&](int64_t v, uint4 val) {
 #pragma unroll
-        for (int q = 0; q < kMaxRanks; ++q) {
-          if (q < a.tp) a.dst[q][v] = val;
-        }
-      });
+    for (int q = 0; q < kMaxRanks; ++q) {
+      if (q < a.tp && !(a.local_first && q == a.rank)) a.dst[q][v] = val;
+    }
+  });
   __threadfence_system();
   __syncthreads();
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int q = 0; q < kMaxRanks; ++q) {
-      if (q < a.tp && (q == a.rank || a.signal_peers)) StoreReleaseSys(a.flag[q] + blockIdx.x, a.epoch);
+      if (q >= a.tp || (a.local_first && q == a.rank)) continue;
+      if (q == a.rank || a.signal_peers) StoreReleaseSys(a.flag[q] + blockIdx.x, a.epoch);
     }
   }
 }
@@ -116,6 +132,8 @@ Status RunAgMatmulDecode(const AgMatmulParams& p, const TpGroup& group, const Co
   a.tp = tp;
   a.rank = r;
   a.signal_peers = cfg.drop_rank != r;
+  // Above one row tile (128 rows) a GEMM tile reads the rows of one or two senders only.
+  a.local_first = rows > kDecodeExchangeMaxRows;
   a.epoch = ws->epoch;
   PushRowsKernel<<<blocks, kThreads, 0, S>>>(a);
   FLUX_CUDA_TRY(cudaGetLastError());
@@ -133,6 +151,7 @@ Status RunAgMatmulDecode(const AgMatmulParams& p, const TpGroup& group, const Co
   plan.gate.senders = tp;
   plan.gate.blocks = blocks;
   plan.gate.stride = kMaxLatencyBlocks;
+  plan.gate.rows_per_sender = static_cast<int32_t>(p.m_local);
   plan.gate.ctx = ws->Wait(cfg.timeout_us);
   plan.early_launch = cfg.decode_early_launch;
   FLUX_JAX_RETURN_IF_ERROR(RunDecodeGemm(plan, p.dtype, S, device, ws->sm_count));

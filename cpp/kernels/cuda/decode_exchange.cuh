@@ -81,7 +81,7 @@ __device__ __forceinline__ void LoadMine(const uint4* src, const int64_t* offset
 template <int kTileCols>
 __device__ __forceinline__ void ExchangeTile(const DecodeExchange& e, int32_t tile, int t) {
   constexpr int kThreads = 128;
-  constexpr int kPer = (kDecodeMaxRows / 2) * (kTileCols / 8) / kThreads;  // rows of a rank <= 64
+  constexpr int kPer = (kDecodeExchangeMaxRows / 2) * (kTileCols / 8) / kThreads;  // rows of a rank <= 64
   if (t < 32) {  // the warp that issued the tile's TMA stores: wait until they are written
     asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
     asm volatile("fence.proxy.async.global;" ::: "memory");

@@ -100,8 +100,9 @@ struct DeferredRowsMainloop : Base {
     Tensor tBgB = block_tma_b.partition_S(get<1>(load_inputs)(_, _, n_coord, _, l_coord));
     Tensor tBsB = block_tma_b.partition_D(sB);
 
-    if (!rows_ready_) {
-      rows_ready_ = true;
+    // Senders whose rows this tile reads (its row tile is mode 1 of the problem), as a mask.
+    const uint32_t needed = SendersOf(params.gate, static_cast<int32_t>(get<1>(blk_coord)));
+    if (needed & ~senders_ready_) {
       const int deferred = k_tile_count < kStages ? k_tile_count : kStages;
       PipelineState write = smem_pipe_write;
       KTileIterator k_iter = k_tile_iter;
@@ -113,7 +114,8 @@ struct DeferredRowsMainloop : Base {
         }
       }
       __syncwarp();
-      WarpWaitPushes(params.gate);
+      WarpWaitPushes(params.gate, __ffs(needed) - 1, 31 - __clz(needed));
+      senders_ready_ |= needed;
       for (int j = 0; j < deferred; ++j, ++smem_pipe_write, ++k_tile_iter) {
         if (leader) {
           copy(params.tma_load_b.with(*pipeline.producer_get_barrier(smem_pipe_write), 0),
@@ -133,7 +135,22 @@ struct DeferredRowsMainloop : Base {
   }
 
  private:
-  bool rows_ready_ = false;  // per CTA: only its first tile waits
+  static constexpr int kTileRows = cute::size<1>(TileShape{});
+
+  // Bit q set: the tile of row tile `row_tile` reads rows that sender q pushes.
+  static CUTLASS_DEVICE uint32_t SendersOf(PushGate const& g, int32_t row_tile) {
+    if (g.flags == nullptr || g.senders <= 0) return 0;
+    const uint32_t all = (g.senders >= 32 ? ~0u : (1u << g.senders) - 1);
+    if (g.rows_per_sender <= 0) return all;
+    const int32_t q_lo = row_tile * kTileRows / g.rows_per_sender;
+    const int32_t q_hi = min(g.senders - 1, (row_tile * kTileRows + kTileRows - 1) / g.rows_per_sender);
+    if (q_lo > q_hi) return 0;  // rows past the last sender's: read, never stored
+    return (all >> q_lo << q_lo) & ((2u << q_hi) - 1);
+  }
+
+  // Per CTA: senders whose flags it has seen this call, so each row tile waits only for its own
+  // rows' senders, and only the first time (at decode sizes every CTA's first tile waits).
+  uint32_t senders_ready_ = 0;
 };
 
 // out^T[N, M] = W^T[N, K] X^T: CUTLASS problem (N, M, K). In CUTLASS 2.x layout

@@ -15,8 +15,11 @@
 
 namespace flux_jax::cuda {
 
-// Rows the decode GEMM takes (its widest tile, X's rows along the tile's N).
-inline constexpr int64_t kDecodeMaxRows = 128;
+// Rows the decode GEMM takes: one 64-row tile, or up to two of its widest tile (128 rows, X's rows
+// along the tile's N). ag_matmul's decode path takes them all.
+inline constexpr int64_t kDecodeMaxRows = 256;
+// Rows matmul_rs's exchanging epilogue takes: one tile holds all rows of its 64 columns.
+inline constexpr int64_t kDecodeExchangeMaxRows = 128;
 
 // Ranks the exchanging epilogue serves (its peer tables are indexed with
 // compile-time indices only, so the kernel parameters stay in constant space).
@@ -58,9 +61,9 @@ struct DecodeGemmPlan {
   DecodeExchange exchange;           // tp == 0: none
 };
 
-// Rows of x the GEMM may read for `rows` rows: the row tile (64 or 128) rounded up, so no TMA
-// box runs past the tensor (a slow path). Rows past `rows` may hold anything.
-inline int64_t DecodeRowsReadable(int64_t rows) { return rows <= 64 ? 64 : kDecodeMaxRows; }
+// Rows of x the GEMM may read for `rows` rows: rounded up to whole row tiles (64, or 128 above
+// that), so no TMA box runs past the tensor (a slow path). Rows past `rows` may hold anything.
+inline int64_t DecodeRowsReadable(int64_t rows) { return rows <= 64 ? 64 : (rows + 127) / 128 * 128; }
 
 // Whether the decode GEMM exists for this input.
 inline bool HasDecodeGemm(DType dtype, bool w_transposed, int64_t rows) {

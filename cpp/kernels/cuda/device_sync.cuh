@@ -68,6 +68,9 @@ struct PushGate {
   int32_t senders = 0;
   int32_t blocks = 0;
   int32_t stride = 0;
+  // Rows each sender pushes (chunk q = rows [q * rows_per_sender, +rows_per_sender)), so a
+  // tile waits only for the senders of its rows; 0: every tile waits for every sender.
+  int32_t rows_per_sender = 0;
   WaitContext ctx;
 };
 
@@ -169,13 +172,13 @@ __device__ __forceinline__ void WaitRows(const RowGate& g, int32_t row0, int32_t
   asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 
-// The whole warp waits for every flag of a PushGate, each lane for its share
-// (senders * blocks <= 64 flags: one or two acquire loads per lane, in
-// parallel, instead of one thread polling them in turn).
-__device__ __forceinline__ void WarpWaitPushes(const PushGate& g) {
+// The whole warp waits for every flag of senders q_lo..q_hi of a PushGate, each
+// lane for its share (senders * blocks <= 64 flags: one or two acquire loads per
+// lane, in parallel, instead of one thread polling them in turn).
+__device__ __forceinline__ void WarpWaitPushes(const PushGate& g, int32_t q_lo, int32_t q_hi) {
   if (g.flags == nullptr) return;
   const int32_t lane = threadIdx.x & 31;
-  for (int32_t j = lane; j < g.senders * g.blocks; j += 32) {
+  for (int32_t j = q_lo * g.blocks + lane; j < (q_hi + 1) * g.blocks; j += 32) {
     const int32_t q = j / g.blocks, i = j - q * g.blocks;
     if (!WaitFlag(g.flags + q * g.stride + i, g.ctx, kSiteDecodeRows, q, q, i)) break;
   }

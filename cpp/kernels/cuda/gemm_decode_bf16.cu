@@ -1,4 +1,5 @@
-// The decode path's GEMM instances: bfloat16, 64 weight columns x 64 or 128 rows per tile.
+// The decode path's GEMM instances: bfloat16, 64 weight columns x 64 or 128 rows per tile
+// (above 128 rows, two tiles of 128 per weight column tile).
 #include "decode_gemm.cuh"
 
 namespace flux_jax::cuda {

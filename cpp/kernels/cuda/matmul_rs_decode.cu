@@ -1,4 +1,4 @@
-// matmul_rs's decode path (at most kDecodeMaxRows rows): one launch, the
+// matmul_rs's decode path (at most kDecodeExchangeMaxRows rows): one launch, the
 // reduce-scatter done tile by tile by the GEMM's own epilogue.
 //
 // At decode M the GEMM streams a weight of tens of MB while its output is a
@@ -41,7 +41,7 @@ bool DebugNoExchange() {
 
 bool MatmulRsDecodeSupported(const MatmulRsParams& p, const TpGroup& group) {
   return group.size >= 2 && group.size <= kDecodeMaxRanks && p.m % group.size == 0 &&
-         HasDecodeGemm(p.dtype, p.w_transposed, p.m);
+         p.m <= kDecodeExchangeMaxRows && HasDecodeGemm(p.dtype, p.w_transposed, p.m);
 }
 
 Status RunMatmulRsDecode(const MatmulRsParams& p, const TpGroup& group, const CommConfig& cfg, cudaStream_t S) {
@@ -49,7 +49,7 @@ Status RunMatmulRsDecode(const MatmulRsParams& p, const TpGroup& group, const Co
   if (!MatmulRsDecodeSupported(p, group)) {
     return Status::InvalidArgument(
         "flux_jax: matmul_rs's decode path takes bfloat16, the untransposed weight, 2.." +
-        std::to_string(kDecodeMaxRanks) + " ranks and at most " + std::to_string(kDecodeMaxRows) +
+        std::to_string(kDecodeMaxRanks) + " ranks and at most " + std::to_string(kDecodeExchangeMaxRows) +
         " rows, divisible by the ranks; got m=" + std::to_string(p.m) + " (use fused_path=\"latency\")");
   }
   const int device = group.ordinals[r];
