@@ -50,7 +50,7 @@ def _decode_calls(text, op="ag"):
 
 
 @needs_cuda_build
-@pytest.mark.parametrize("m", [2, 64, 128])
+@pytest.mark.parametrize("m", [2, 64, 128, 130, 256])
 def test_decode_lowering_where_the_kernels_exist(m):
     text = _lowered_for_cuda("ag", m, 64, 32, "bfloat16")
     assert _decode_calls(text) == 1, text
@@ -67,7 +67,7 @@ def test_rs_decode_lowering_where_the_kernels_exist(m):
 
 @needs_cuda_build
 @pytest.mark.parametrize("op, m, dtype, tp", [
-    ("ag", 256, "bfloat16", 2),     # more rows than the widest decode tile
+    ("ag", 264, "bfloat16", 2),     # more rows than two of the widest decode tiles
     ("ag", 64, "float16", 2),       # no float16 instance
     ("ag", 64, "float32", 2),
     ("rs", 256, "bfloat16", 2),
