@@ -73,10 +73,6 @@ class Config:
         launches while the rows are still being pushed (programmatic dependent
         launch; it waits for their flags, not for the push kernel's end);
         0 = after the push kernel.
-      gpu_decode_l2_prefetch: GPU tuning: k tiles (64 deep) of the weight the
-        decode path's GEMM prefetches into L2 ahead of its loads, so more bytes
-        are in flight per SM than its shared-memory stages hold, and the weight
-        streams while a tile waits for its rows; 0 = no prefetch.
     """
 
     timeout_s: float = 60.0
@@ -90,7 +86,6 @@ class Config:
     gpu_tile_n: int = 0
     fused_path: str = "auto"
     gpu_decode_early_launch: int = 1
-    gpu_decode_l2_prefetch: int = 0
 
     def __post_init__(self):
         if not (isinstance(self.timeout_s, (int, float)) and 0 < self.timeout_s <= 24 * 3600):
@@ -115,9 +110,6 @@ class Config:
                              f'", got {self.fused_path!r}')
         if type(self.gpu_decode_early_launch) is not int or self.gpu_decode_early_launch not in (0, 1):
             raise ValueError(f"Config.gpu_decode_early_launch must be 0 or 1, got {self.gpu_decode_early_launch!r}")
-        if type(self.gpu_decode_l2_prefetch) is not int or not 0 <= self.gpu_decode_l2_prefetch <= 1024:
-            raise ValueError("Config.gpu_decode_l2_prefetch must be an int in [0, 1024], "
-                             f"got {self.gpu_decode_l2_prefetch!r}")
         if not isinstance(self.debug_poison_outputs, bool):
             raise ValueError(f"Config.debug_poison_outputs must be a bool, got {self.debug_poison_outputs!r}")
 

@@ -185,7 +185,6 @@ def register_fused_lowering(prim, target: str, cuda_available) -> None:
             tile_n=np.int64(config.gpu_tile_n),
             decode_path=False,
             decode_early_launch=np.int64(config.gpu_decode_early_launch),
-            decode_l2_prefetch=np.int64(config.gpu_decode_l2_prefetch),
         )
         x_aval, w_aval = ctx.avals_in[0], ctx.avals_in[1]
         path = choose_path(prim.name, platform, config, x_aval.shape, w_aval.shape, tp_size,

@@ -176,9 +176,5 @@ def test_config_validates_decode_settings():
     assert flux_jax.Config(gpu_decode_early_launch=0).gpu_decode_early_launch == 0
     with pytest.raises(ValueError, match="gpu_decode_early_launch"):
         flux_jax.Config(gpu_decode_early_launch=2)
-    assert flux_jax.Config(gpu_decode_l2_prefetch=32).gpu_decode_l2_prefetch == 32
-    for bad in (-1, 1025, 2.0, True):
-        with pytest.raises(ValueError, match="gpu_decode_l2_prefetch"):
-            flux_jax.Config(gpu_decode_l2_prefetch=bad)
     with pytest.raises(ValueError, match='"decode"'):
         flux_jax.Config(fused_path="decoder")

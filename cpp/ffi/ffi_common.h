@@ -51,7 +51,7 @@ Status GetAttr(const ffi::Dictionary& attrs, const char* name, T* out) {
 // Decodes the attributes every fused op carries (see flux_jax/_lowering.py):
 // tp_size, tp_devices, tp_processes, callsite, timeout_us, jitter_us, drop_rank, poison,
 // piece_bytes, tile_group_m, rs_stage_launches, rs_tile_signal, tile_n, decode_path,
-// decode_early_launch, decode_l2_prefetch.
+// decode_early_launch.
 inline Status DecodeCommon(const ffi::Dictionary& attrs, Platform platform, int32_t device_ordinal,
                            std::optional<int32_t> rank_operand, TpGroup* group, CommConfig* cfg) {
   int64_t tp_size = 0;
@@ -76,7 +76,6 @@ inline Status DecodeCommon(const ffi::Dictionary& attrs, Platform platform, int3
   int64_t early_launch = 1;
   FLUX_JAX_RETURN_IF_ERROR(GetAttr(attrs, "decode_early_launch", &early_launch));
   cfg->decode_early_launch = early_launch != 0;
-  FLUX_JAX_RETURN_IF_ERROR(GetAttr(attrs, "decode_l2_prefetch", &cfg->decode_l2_prefetch));
   return ResolveTpGroup(table.begin(), processes.begin(), table.size(), tp_size, platform,
                         device_ordinal, rank_operand, group);
 }

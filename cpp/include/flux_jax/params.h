@@ -53,8 +53,6 @@ struct CommConfig {
   int64_t tile_n = 0;               // GPU: output tile width, 256 or 192 (0: by waves)
   bool decode_path = false;         // GPU: the op runs its decode path ({ag_matmul,matmul_rs}_decode.cu)
   bool decode_early_launch = true;  // GPU: the decode GEMM launches while the rows are pushed
-  int64_t decode_l2_prefetch = 0;   // GPU: k tiles of the weight the decode GEMM prefetches
-                                    // into L2 ahead of its loads (0: none)
 };
 
 // out[tp*m_local, n] = all_gather(x[m_local, k]) @ op(w), op(w) = w or w^T.

@@ -154,7 +154,6 @@ Status RunAgMatmulDecode(const AgMatmulParams& p, const TpGroup& group, const Co
   plan.gate.rows_per_sender = static_cast<int32_t>(p.m_local);
   plan.gate.ctx = ws->Wait(cfg.timeout_us);
   plan.early_launch = cfg.decode_early_launch;
-  plan.l2_prefetch = static_cast<int32_t>(cfg.decode_l2_prefetch);
   FLUX_JAX_RETURN_IF_ERROR(RunDecodeGemm(plan, p.dtype, S, device, ws->sm_count));
   if (p.gathered) {
     FLUX_CUDA_TRY(cudaMemcpyAsync(p.gathered, plan.x, tp * chunk_bytes, cudaMemcpyDeviceToDevice, S));

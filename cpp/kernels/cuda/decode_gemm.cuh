@@ -63,7 +63,6 @@ struct DeferredRowsMainloop : Base {
   };
   struct Params : Base::Params {
     PushGate gate;
-    int32_t l2_prefetch = 0;  // k tiles of W prefetched into L2 ahead of its loads (0: none)
   };
 
   template <class ProblemShape>
@@ -100,17 +99,6 @@ struct DeferredRowsMainloop : Base {
     Tensor tAsA = block_tma_a.partition_D(sA);
     Tensor tBgB = block_tma_b.partition_S(get<1>(load_inputs)(_, _, n_coord, _, l_coord));
     Tensor tBsB = block_tma_b.partition_D(sB);
-    // L2 prefetches of W run params.l2_prefetch k tiles ahead of its loads: the smem stages alone
-    // keep too few bytes in flight per SM for HBM's latency when a GEMM has fewer CTAs than SMs,
-    // and while a tile waits for its rows the weight streams into L2 instead of standing still.
-    const int k_end = static_cast<int>(*k_tile_iter) + k_tile_count;
-    int k_prefetched = static_cast<int>(*k_tile_iter);
-    auto prefetch_w_before = [&](int k_stop) {
-      if (params.l2_prefetch <= 0 || !leader) return;
-      for (k_stop = k_stop < k_end ? k_stop : k_end; k_prefetched < k_stop; ++k_prefetched) {
-        cute::prefetch(params.tma_load_a, tAgA(_, _, _, k_prefetched));
-      }
-    };
 
     // Senders whose rows this tile reads (its row tile is mode 1 of the problem), as a mask.
     const uint32_t needed = SendersOf(params.gate, static_cast<int32_t>(get<1>(blk_coord)));
@@ -125,8 +113,6 @@ struct DeferredRowsMainloop : Base {
                tAsA(_, _, _, write.index()));
         }
       }
-      k_prefetched = static_cast<int>(*k_iter);
-      prefetch_w_before(k_prefetched + params.l2_prefetch);
       __syncwarp();
       WarpWaitPushes(params.gate, __ffs(needed) - 1, 31 - __clz(needed));
       senders_ready_ |= needed;
@@ -145,9 +131,6 @@ struct DeferredRowsMainloop : Base {
       auto* barrier = pipeline.producer_get_barrier(smem_pipe_write);
       copy(params.tma_load_a.with(*barrier, 0), tAgA(_, _, _, *k_tile_iter), tAsA(_, _, _, smem_pipe_write.index()));
       copy(params.tma_load_b.with(*barrier, 0), tBgB(_, _, _, *k_tile_iter), tBsB(_, _, _, smem_pipe_write.index()));
-      const int k_next = static_cast<int>(*k_tile_iter) + 1;
-      if (k_prefetched < k_next) k_prefetched = k_next;
-      prefetch_w_before(k_next + params.l2_prefetch);
     }
   }
 
@@ -311,7 +294,6 @@ Status RunDecodeGemmInstance(const DecodeGemmPlan& p, cudaStream_t stream, int d
                                    " (K and N must be multiples of 8)");
   }
   params.mainloop.gate = p.gate;          // this call's epoch and timeout
-  params.mainloop.l2_prefetch = p.l2_prefetch;
   params.epilogue.exchange = p.exchange;  // this call's epoch, output and receive slots
   // The kernel's shared-memory size was set once per device (PreloadDecodeGemmInstance).
   if (st == cutlass::Status::kSuccess) st = Instance::Gemm::run(params, stream, nullptr, p.early_launch);

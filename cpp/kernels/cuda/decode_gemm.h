@@ -58,7 +58,6 @@ struct DecodeGemmPlan {
   const float* alpha_ptr = nullptr;  // device scalar (1.0f; NaN once a wait timed out)
   PushGate gate;                     // flags to wait for before the first row load
   bool early_launch = false;         // programmatic dependent launch after the push kernel
-  int32_t l2_prefetch = 0;           // k tiles (of 64) of w prefetched into L2 ahead of the loads
   DecodeExchange exchange;           // tp == 0: none
 };
 

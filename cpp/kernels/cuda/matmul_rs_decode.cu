@@ -87,7 +87,6 @@ Status RunMatmulRsDecode(const MatmulRsParams& p, const TpGroup& group, const Co
   plan.w = p.w;
   plan.d = own;  // P
   plan.alpha_ptr = ws->alpha;
-  plan.l2_prefetch = static_cast<int32_t>(cfg.decode_l2_prefetch);
   DecodeExchange& e = plan.exchange;
   e.tp = tp;
   e.rank = r;
