@@ -91,6 +91,19 @@ twin (xla_shard_map), global shapes, AG: n = N/2 per rank; RS: k = K/2 per rank:
   Its GEMM streams a weight up to ~8192 columns per rank at or above cuBLAS's speed and trails it
   by ~10% on the widest (gemm_decode*_s14.txt), so the decode path for AG at <= 128 rows with a
   per-rank n <= 8192, the latency path elsewhere below the overlap region.
+  ag_matmul's decode path at 256 rows (s16, harness_decode-tp2_ag_decode256_m256_2026-11-30_s16.json
+  and harness_decode-8192-tp2_2026-11-30_s16.json, 5 samples; two 128-row tiles per 64 weight
+  columns, each waiting only for its own rows' sender), decode / twin and latency / twin:
+  ag  256    4096   6144      1.54       1.10  (8B qkv, n = 3072: 96 tiles; decode 26.9 us, XLA's GEMM 26.6)
+  ag  256    8192   8192      1.18       1.32  (n = 4096: 128 tiles)
+  ag  256    8192   10240     0.98       1.29  (70B qkv, n = 5120: 160 tiles)
+  ag  256    4096   28672     0.88       1.16  (8B gate+up, 448 tiles)
+  ag  256    8192   57344     0.77       1.07  (70B gate+up)
+  The push kernel's 32 blocks hold their SMs while they run (the GEMM's CTAs take a whole SM's
+  registers), so 128 tiles + 32 blocks overflow the 132 SMs and 28 tiles start late; an L2
+  prefetch of the weight ahead of the loads made it no better (1.04-1.22x slower at 7 of 8
+  decode shapes, ab_decode_l2_prefetch_2026-11-30_s16.json). So above 128 rows the decode path
+  only where it has at most 100 tiles (per-rank n <= 3200).
   matmul_rs's decode path (s15, harness_decode-tp2_rs_decode_path_2026-11-30_s15.json with the
   low-latency exchange at M = 8-128, and _batched_m64-128_ with its loads batched, the final code;
   5 samples, bf16, at most 128 rows), decode / twin and latency / twin:
@@ -137,6 +150,9 @@ _AG_OVERLAP_MIN_TILES = 192  # AG overlap needs > 1 wave of 128x256 tiles (128 t
 _AG_WIDE_MIN_ROWS, _AG_WIDE_MIN_N, _AG_WIDE_MAX_K = 12288, 12288, 6144
 # ag_matmul's decode path: at most this many rows in all and this per-rank n (s14 rows above).
 _AG_DECODE_MAX_ROWS, _AG_DECODE_MAX_N = 128, 8192
+# ... and at 129-256 rows (two 128-row tiles per 64 weight columns) only where those tiles and the
+# push kernel's 32 blocks run at once on an H200's 132 SMs (s16 rows above).
+_AG_DECODE_TWO_TILE_MAX_ROWS, _AG_DECODE_TWO_TILE_MAX_TILES = 256, 100
 # matmul_rs's decode path: at most 64 rows, or 128 with a per-rank weight (k * n) this small (s15).
 _RS_DECODE_MAX_ROWS, _RS_DECODE_SMALL_WEIGHT_MAX_ROWS, _RS_DECODE_SMALL_WEIGHT = 64, 128, 1 << 24
 # Below the overlap region both ops take the latency path at every M and weight size. The
@@ -166,7 +182,11 @@ def _ag_overlap_fits(rows: int, n: int) -> bool:
 
 def _ag_decode_pays(rows: int, n: int, dtype) -> bool:
     """AG at decode sizes where the decode path measured faster than the latency path."""
-    return np.dtype(dtype) == _BF16 and rows <= _AG_DECODE_MAX_ROWS and n <= _AG_DECODE_MAX_N
+    if np.dtype(dtype) != _BF16:
+        return False
+    if rows <= _AG_DECODE_MAX_ROWS:
+        return n <= _AG_DECODE_MAX_N
+    return rows <= _AG_DECODE_TWO_TILE_MAX_ROWS and 2 * -(-n // 64) <= _AG_DECODE_TWO_TILE_MAX_TILES
 
 
 def _rs_decode_pays(rows: int, k: int, n: int, dtype) -> bool:
@@ -239,7 +259,8 @@ def explain(op: str, M: int, K: int, N: int, tp: int, dtype="bfloat16") -> str:
     if choice == "decode" and op == "ag_matmul":
         return (f"{where}: fused, decode path (the rows pushed over NVLink while a GEMM in the weight's "
                 "orientation already streams the weight; measured 1.13-1.55x over the twin at <= 128 rows "
-                f"with a per-rank n <= {_AG_DECODE_MAX_N}; a transposed weight takes the latency path)")
+                f"with a per-rank n <= {_AG_DECODE_MAX_N}, 1.54x at 256 rows with n = 3072, where its "
+                "tiles and the push fit on the GPU at once; a transposed weight takes the latency path)")
     if choice == "decode":
         return (f"{where}: fused, decode path (one GEMM in the weight's orientation whose epilogue "
                 "reduce-scatters each output tile over NVLink; measured 0.97-1.71x over the twin at <= 64 "

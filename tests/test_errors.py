@@ -205,7 +205,11 @@ def test_auto_gpu_policy_follows_the_measured_table():
     assert choose("ag_matmul", rows=2048, k=4096, n=3072) == "overlap"  # 192 tiles: 1.26x, latency 1.18x
     assert choose("matmul_rs", rows=2048, k=2048, n=28672) == "overlap"  # 1.15x (latency 1.03x)
     assert choose("ag_matmul", rows=256, k=8192, n=5120) == "latency"  # 1.21x
-    assert choose("ag_matmul", rows=256, k=4096, n=3072) == "latency"  # 8B qkv: 1.11x (0.86x with the rank operand)
+    assert choose("ag_matmul", rows=256, k=4096, n=3072) == "decode"  # 8B qkv: 1.54x, latency 1.10x (s16)
+    assert choose("ag_matmul", rows=256, k=8192, n=4096) == "latency"  # 128 tiles + push: decode 1.18x, latency 1.32x
+    assert choose("ag_matmul", rows=192, k=4096, n=3200) == "decode"  # 100 tiles
+    assert choose("ag_matmul", rows=192, k=4096, n=3208) == "latency"  # 102 tiles
+    assert choose("ag_matmul", rows=264, k=4096, n=1024) == "latency"  # more rows than two tiles
     assert choose("ag_matmul", rows=64, k=4096, n=3072) == "decode"  # 8B qkv: 1.29x, latency 1.12x (s14)
     assert choose("ag_matmul", rows=8, k=8192, n=5120) == "decode"  # 70B qkv: 1.14x, latency 1.09x (s14)
     assert choose("ag_matmul", rows=128, k=8192, n=5120) == "decode"  # 70B qkv: 1.35x, latency 1.17x (s14)
@@ -234,7 +238,7 @@ def test_auto_gpu_policy_follows_the_measured_table():
     assert not _heuristics.fused_is_faster("ag_matmul", 4, 8192, 8192, 2048, bf16)  # never measured
     assert not _heuristics.fused_is_faster("ag_matmul", 2, 8192, 8192, 4096, np.dtype(np.float32))
     # impl="fused" on a shape where the twin wins still runs the better fused path.
-    assert _heuristics.best_fused_path("ag_matmul", 2, 256, 4096, 3072, bf16) == "latency"
+    assert _heuristics.best_fused_path("ag_matmul", 2, 256, 8192, 5120, bf16) == "latency"
     assert _heuristics.best_fused_path("matmul_rs", 2, 8192, 8192, 8192, bf16) == "overlap"
 
 
