@@ -112,8 +112,12 @@ struct Row {
 int main(int argc, char** argv) {
   // Per-GPU GEMMs at TP = 2 (AG: all M rows x N / 2 columns; RS: all M rows x K / 2).
   std::vector<Shape> shapes;
-  const bool small_m = argc > 1 && std::string(argv[1]) == "--small-m";
-  if (small_m) {  // how the time moves below 64 rows (the decode path at M = 8-32)
+  const bool narrow_n = argc > 1 && std::string(argv[1]) == "--narrow-n";
+  const bool small_m = narrow_n || (argc > 1 && std::string(argv[1]) == "--small-m");
+  if (narrow_n) {  // issue 8's AG at K = N = 8192: 4096 columns per rank, 64 tiles of 64
+    for (int m : {16, 64, 128, 256}) shapes.push_back({m, 8192, 4096, "AG 8192^2"});
+    for (int m : {64, 128}) shapes.push_back({m, 8192, 5120, "70B qkv"});
+  } else if (small_m) {  // how the time moves below 64 rows (the decode path at M = 8-32)
     for (int m : {8, 16, 32, 64, 128}) shapes.push_back({m, 8192, 5120, "70B qkv"});
     for (int m : {8, 16, 64}) shapes.push_back({m, 8192, 28672, "70B gate+up"});
     for (int m : {8, 64}) shapes.push_back({m, 4096, 3072, "8B qkv"});
