@@ -42,7 +42,6 @@ namespace flux_jax::cuda {
 namespace {
 
 constexpr int kThreads = 512;
-constexpr int kMaxRanks = 8;
 // Push blocks: one per 16 KiB of the chunk, and the GEMM's waiting warp polls
 // tp * blocks flags, at most 64 (two per lane).
 constexpr int64_t kBytesPerBlock = 16 << 10;
@@ -51,8 +50,8 @@ constexpr int kMaxBlocks = 32;
 
 struct PushArgs {
   const uint4* x;
-  uint4* dst[kMaxRanks];        // chunk r of G[b] on rank q (own included)
-  uint64_t* flag[kMaxRanks];    // block_arrived[r][.] on rank q
+  uint4* dst[kDecodeMaxRanks];        // chunk r of G[b] on rank q (own included)
+  uint64_t* flag[kDecodeMaxRanks];    // block_arrived[r][.] on rank q
   int64_t chunk_vecs;
   int32_t tp, rank;
   bool signal_peers;            // false: debug_drop_rank (tests the timeout path)
@@ -75,7 +74,7 @@ __global__ void __launch_bounds__(kThreads) PushRowsKernel(PushArgs a) {
   }
   BatchedCopy<kThreads, /*kBatch=*/4>(lo, hi, load, [&](int64_t v, uint4 val) {
 #pragma unroll
-    for (int q = 0; q < kMaxRanks; ++q) {
+    for (int q = 0; q < kDecodeMaxRanks; ++q) {
       if (q < a.tp && !(a.local_first && q == a.rank)) a.dst[q][v] = val;
     }
   });
@@ -83,7 +82,7 @@ __global__ void __launch_bounds__(kThreads) PushRowsKernel(PushArgs a) {
   __syncthreads();
   if (threadIdx.x == 0) {
 #pragma unroll
-    for (int q = 0; q < kMaxRanks; ++q) {
+    for (int q = 0; q < kDecodeMaxRanks; ++q) {
       if (q >= a.tp || (a.local_first && q == a.rank)) continue;
       if (q == a.rank || a.signal_peers) StoreReleaseSys(a.flag[q] + blockIdx.x, a.epoch);
     }
@@ -93,7 +92,7 @@ __global__ void __launch_bounds__(kThreads) PushRowsKernel(PushArgs a) {
 }  // namespace
 
 bool AgMatmulDecodeSupported(const AgMatmulParams& p, const TpGroup& group) {
-  return group.size >= 2 && group.size <= kMaxRanks && HasDecodeGemm(p.dtype, p.w_transposed, group.size * p.m_local);
+  return group.size >= 2 && group.size <= kDecodeMaxRanks && HasDecodeGemm(p.dtype, p.w_transposed, group.size * p.m_local);
 }
 
 Status RunAgMatmulDecode(const AgMatmulParams& p, const TpGroup& group, const CommConfig& cfg, cudaStream_t S) {
@@ -101,7 +100,7 @@ Status RunAgMatmulDecode(const AgMatmulParams& p, const TpGroup& group, const Co
   if (!AgMatmulDecodeSupported(p, group)) {
     return Status::InvalidArgument(
         "flux_jax: ag_matmul's decode path takes bfloat16, the untransposed weight, 2.." +
-        std::to_string(kMaxRanks) + " ranks and at most " + std::to_string(kDecodeMaxRows) +
+        std::to_string(kDecodeMaxRanks) + " ranks and at most " + std::to_string(kDecodeMaxRows) +
         " rows in all; got " + std::to_string(tp * p.m_local) + " rows (use fused_path=\"latency\")");
   }
   const int device = group.ordinals[r];
