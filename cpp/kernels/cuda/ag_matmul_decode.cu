@@ -8,7 +8,8 @@
 //   rank r, stream S (XLA's)
 //   push kernel, blocks i < P:  x[slice i] -> G_q[b][chunk r][slice i] on every rank q
 //                               (own G included; NVLink stores to peers),
-//                               fence.sys; flag_q[r][i] = e on every rank q
+//                               bar.sync, one fence.acq_rel.sys; flag_q[r][i] = e
+//                               on every rank q
 //                               (above 128 rows: own copy + own flag first)
 //     | programmatic launch: the GEMM starts while the pushes run
 //   decode GEMM (decode_gemm.cuh): each CTA issues its first S stages of W
@@ -68,9 +69,11 @@ __global__ void __launch_bounds__(kThreads) PushRowsKernel(PushArgs a) {
   if (a.local_first) {
     // The GEMM's tiles of this rank's rows start as soon as the local copy is flagged.
     BatchedCopy<kThreads, /*kBatch=*/4>(lo, hi, load, [&](int64_t v, uint4 val) { a.dst[a.rank][v] = val; });
-    __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) StoreReleaseSys(a.flag[a.rank] + blockIdx.x, a.epoch);
+    if (threadIdx.x == 0) {
+      FenceAcqRelSys();  // no NVLink stores outstanding yet: cheap
+      StoreRelaxedSys(a.flag[a.rank] + blockIdx.x, a.epoch);
+    }
   }
   BatchedCopy<kThreads, /*kBatch=*/4>(lo, hi, load, [&](int64_t v, uint4 val) {
 #pragma unroll
@@ -78,13 +81,13 @@ __global__ void __launch_bounds__(kThreads) PushRowsKernel(PushArgs a) {
       if (q < a.tp && !(a.local_first && q == a.rank)) a.dst[q][v] = val;
     }
   });
-  __threadfence_system();
   __syncthreads();
   if (threadIdx.x == 0) {
+    FenceAcqRelSys();  // one fence for the whole block (nvlink_stores.cuh)
 #pragma unroll
     for (int q = 0; q < kDecodeMaxRanks; ++q) {
       if (q >= a.tp || (a.local_first && q == a.rank)) continue;
-      if (q == a.rank || a.signal_peers) StoreReleaseSys(a.flag[q] + blockIdx.x, a.epoch);
+      if (q == a.rank || a.signal_peers) StoreRelaxedSys(a.flag[q] + blockIdx.x, a.epoch);
     }
   }
 }

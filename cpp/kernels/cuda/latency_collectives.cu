@@ -9,8 +9,8 @@
 //   ------------------------------------------  --------------------------------------------
 //   v = x[lo_i:hi_i]                            for peer p != r:
 //   out[chunk r][lo_i:hi_i] = v                   peer p.slot[b][r][lo_i:hi_i] = x[chunk p][..]
-//   peer p.slot[b][r][lo_i:hi_i] = v  (NVLink)  fence.sys; peer p.flag[r][i] = epoch
-//   fence.sys; peer p.flag[r][i] = epoch        wait flag[q][i] >= epoch for every q != r
+//   peer p.slot[b][r][lo_i:hi_i] = v  (NVLink)  bar, fence.sys; peer p.flag[r][i] = epoch
+//   bar, fence.sys; peer p.flag[r][i] = epoch   wait flag[q][i] >= epoch for every q != r
 //   wait flag[q][i] >= epoch, q != r            out[lo_i:hi_i] = sum over q = 0..tp-1 in rank
 //   out[chunk q][lo_i:hi_i] = slot[b][q][..]      order of (q == r ? x[chunk r] : slot[b][q]),
 //                                                 in float32, rounded once
@@ -68,12 +68,12 @@ struct CollectiveArgs {
 
 // After this block's stores: raise its flag on every peer.
 __device__ __forceinline__ void SignalPeers(const CollectiveArgs& a) {
-  __threadfence_system();
   __syncthreads();
   if (threadIdx.x == 0 && a.signal) {
+    FenceAcqRelSys();  // one fence for the whole block (nvlink_stores.cuh)
 #pragma unroll
     for (int p = 0; p < kMaxPeers; ++p) {
-      if (p < a.tp && p != a.rank) StoreReleaseSys(a.peer_flag[p] + blockIdx.x, a.ctx.epoch);
+      if (p < a.tp && p != a.rank) StoreRelaxedSys(a.peer_flag[p] + blockIdx.x, a.ctx.epoch);
     }
   }
 }

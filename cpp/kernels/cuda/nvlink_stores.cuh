@@ -7,9 +7,23 @@
 
 namespace flux_jax::cuda {
 
-// A flag write that publishes this thread's earlier stores system-wide.
-__device__ __forceinline__ void StoreReleaseSys(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+// How a block publishes its stores to other GPUs (NCCL's simple protocol does the same):
+//
+//   every thread: stores (NVLink or local)
+//   __syncthreads()                    orders them before thread 0's fence (CTA scope)
+//   thread 0: FenceAcqRelSys()         cumulative: covers the whole block's stores
+//             StoreRelaxedSys(flag_q, epoch) for each reader q
+//
+// A reader's ld.acquire.sys of the flag then sees the data. Measured with
+// tools/gemm_probe/push_probe.cu (2x H200, both GPUs pushing 512 KiB to each
+// other, 32 blocks of 512 threads): 5.1 us per push against 7.7 us with a
+// fence.sc.sys (__threadfence_system) in every thread and a st.release.sys per
+// flag (each compiles to its own MEMBAR.SYS), and 3.6 us with no fence at all.
+__device__ __forceinline__ void FenceAcqRelSys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+
+// A flag write after FenceAcqRelSys (no fence of its own).
+__device__ __forceinline__ void StoreRelaxedSys(uint64_t* p, uint64_t v) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
 // This block's share [lo, hi) of `vecs` 16-byte vectors: every rank launches the
