@@ -15,4 +15,5 @@ nvcc "${flags[@]}" tools/gemm_probe/gemm_cublas.cu "$build/cpp/libflux_jax_cuda.
   -ldl -o .whl/probe/gemm_cublas & cublas=$!
 wait "$orient"; wait "$ours"; wait "$cublas"
 nvcc "${flags[@]}" tools/gemm_probe/gemm_widths.cu -ldl -o .whl/probe/gemm_widths
-ls -la .whl/probe/gemm_orient .whl/probe/gemm_ours .whl/probe/gemm_cublas .whl/probe/gemm_widths
+nvcc "${flags[@]}" tools/gemm_probe/push_probe.cu -o .whl/probe/push_probe
+ls -la .whl/probe/gemm_orient .whl/probe/gemm_ours .whl/probe/gemm_cublas .whl/probe/gemm_widths .whl/probe/push_probe
