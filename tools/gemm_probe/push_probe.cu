@@ -9,8 +9,8 @@
 // "push" is the push kernel back to back (its throughput); "push+wait" adds the wait for the
 // peer's flags, i.e. the time until a GEMM could start on the gathered rows. Every variant runs
 // in the same process; the best of 5 loops of 200 iterations is printed (16 bytes: the floor of a
-// launch, a fence and a flag). The first iteration's
-// gathered rows are checked against x on both GPUs (poisoned before).
+// launch, a fence and a flag). The first iteration's gathered rows are checked against x on both
+// GPUs (poisoned before). kBarFenceAcqRel is what the library ships (nvlink_stores.cuh).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -19,6 +19,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <vector>
+
+#include "nvlink_stores.cuh"
 
 #define CHECK(x)                                                                          \
   do {                                                                                    \
@@ -64,13 +66,12 @@ __device__ __forceinline__ uint64_t LoadAcquireSys(const uint64_t* p) {
   return v;
 }
 
-// Raises the flags once this block's stores are visible system-wide: every block's own flag, or
-// (last_block) one flag after the last block to finish has seen all others' fences.
+// Writes one flag the way the variant's Fence says.
 __device__ __forceinline__ void RaiseFlag(const PushArgs& a, uint64_t* p) {
   if (a.fence == kNoFenceVolatile) {
     *reinterpret_cast<volatile uint64_t*>(p) = a.epoch;
   } else if (a.fence == kBarFenceAcqRel) {
-    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(a.epoch) : "memory");
+    flux_jax::cuda::StoreRelaxedSys(p, a.epoch);
   } else {
     StoreReleaseSys(p, a.epoch);
   }
@@ -84,7 +85,7 @@ __device__ __forceinline__ void Publish(const PushArgs& a) {
   __syncthreads();
   if (threadIdx.x != 0) return;
   if (a.fence == kBarMembarSys) __threadfence_system();
-  if (a.fence == kBarFenceAcqRel) asm volatile("fence.acq_rel.sys;" ::: "memory");
+  if (a.fence == kBarFenceAcqRel) flux_jax::cuda::FenceAcqRelSys();
   if (a.last_block) {
     unsigned prev;
     asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(prev) : "l"(a.counter) : "memory");
