@@ -145,6 +145,11 @@ Status InitMember(const TpGroup& g, GroupWorkspace* w) {
   FLUX_CUDA_TRY(cudaEventCreateWithFlags(&w->ev_comm_done, cudaEventDisableTiming));
   for (auto& ev : w->ev_step) FLUX_CUDA_TRY(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
   FLUX_CUDA_TRY(cudaDeviceGetAttribute(&w->sm_count, cudaDevAttrMultiProcessorCount, device));
+  // Ranks of one group on one GPU (tools/loopback, which tests the multi-rank paths on one GPU; a
+  // JAX mesh never repeats a device) split its SMs: their persistent kernels wait for each other,
+  // so all of them must be resident at once, and a tenth stays free for the pushes they wait on.
+  const auto sharing = std::count(g.ordinals.begin(), g.ordinals.end(), device);
+  if (sharing > 1) w->sm_count = std::max(1, static_cast<int>(w->sm_count * 9 / 10 / sharing));
   // Load every kernel now, while nothing of ours spins on this device.
   FLUX_JAX_RETURN_IF_ERROR(PreloadGemmKernels());
   FLUX_JAX_RETURN_IF_ERROR(PreloadStreamOps());

@@ -1,0 +1,559 @@
+// The fused ops' multi-rank GPU paths with every rank on ONE GPU ("loopback"), for when no
+// multi-GPU host is at hand: TP 2, 4 and 8, each rank a host thread with its own stream (as XLA
+// runs one thread per device), all calling the same host APIs the FFI handlers call
+// (RunAgMatmulCuda, RunMatmulRsCuda, RunAllGatherCuda, RunReduceScatterCuda) on a TP group whose
+// ranks all map to device 0. The workspace gives each rank 9/10 / tp of the SMs (workspace.cc),
+// so every rank's persistent kernels are resident at once.
+//
+//   thread r:  case 1: call, check, call, check, ..., 30 calls back to back, call, check
+//              case 2: ...            (every rank runs the same calls in the same order:
+//                                      epochs agree, as under XLA)
+//
+// What it checks (and what it cannot): the protocols (flags, epochs, parity halves, chunk and
+// piece indexing, tile gating, rank order of sums) of the overlap, decode and latency paths on real
+// hardware, at TP sizes no lent host has (4 and 8); not NVLink's ordering or speed, since the
+// peers are local memory. Every checked call runs with poisoned outputs on inputs that change
+// from call to call (three sets, so a stale chunk or receive area gives wrong numbers) against a
+// float64 host reference:
+//   |out - ref| <= eps * (|ref| + sum over ranks of |partial|) + 2^-14 * sum |x| |w|
+// (eps = 2^-7 bf16 / 2^-10 f16: the output's rounding and, for matmul_rs, the partials'); the
+// collectives bit for bit (reduce_scatter: float32 sums in rank order, rounded once).
+//
+// Build: bash tools/loopback/build.sh [wheel build dir] [its source tree]; run on one GPU:
+//   run(command="./.whl/loopback/ops_loopback", kind="nvidia-h200", carry=[".whl"])
+// `--cpu` runs the same calls on the CPU backend (here, without a GPU: checks this program);
+// `--self-test` feeds the last rank a wrong input set and passes only if every check fails.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "flux_jax/ag_matmul.h"
+#include "flux_jax/collectives.h"
+#include "flux_jax/cpu_channels.h"
+#include "flux_jax/cuda_runtime.h"
+#include "flux_jax/matmul_rs.h"
+#include "flux_jax/params.h"
+
+using namespace flux_jax;
+
+namespace {
+
+enum class Op { kAgMatmul, kMatmulRs, kAllGather, kReduceScatter };
+enum class Path { kOverlap, kDecode, kCollective };
+
+struct Case {
+  Op op;
+  Path path;
+  int64_t m, k, n;  // ag_matmul: m_local, K, n_local; matmul_rs: M, k_local, N; collectives: rows, cols
+  DType dtype = DType::kBF16;
+  bool w_transposed = false;
+  bool gathered = false;  // ag_matmul's return_gathered
+};
+
+constexpr int kInputSets = 3;  // calls e and e+2 share a parity half, never inputs
+constexpr int kChecked = 3;    // checked calls before the back-to-back run (one per input set)
+constexpr int kBackToBack = 30;
+constexpr int64_t kTimeoutUs = 10'000'000;
+
+// --cpu: the same calls on the CPU backend (RunAgMatmulCpu, ...; host memory, blocking calls), to
+// check this program's references and checks where there is no GPU.
+bool g_cpu = false;
+// --self-test: the last rank computes on the wrong input set (as a stale chunk or receive area
+// would), so every checked call must fail on every rank: shows that the checks can fail.
+bool g_self_test = false;
+
+std::string Describe(const Case& c, int tp) {
+  const char* op[] = {"ag_matmul", "matmul_rs", "all_gather", "reduce_scatter"};
+  const char* path[] = {"overlap", "decode", "collective"};
+  char buf[200];
+  std::snprintf(buf, sizeof(buf), "tp %d %-14s %-10s %5lld x %5lld x %5lld %s%s%s", tp, op[static_cast<int>(c.op)],
+                path[static_cast<int>(c.path)], static_cast<long long>(c.m), static_cast<long long>(c.k),
+                static_cast<long long>(c.n), DTypeName(c.dtype), c.w_transposed ? " w^T" : "",
+                c.gathered ? " +gathered" : "");
+  return buf;
+}
+
+float ToFloat(uint16_t v, DType t) {
+  if (t == DType::kF16) {
+    __half h;
+    std::memcpy(&h, &v, 2);
+    return __half2float(h);
+  }
+  uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+uint16_t FromFloat(float f, DType t) {  // round to nearest even
+  if (t == DType::kF16) {
+    __half h = __float2half_rn(f);
+    uint16_t v;
+    std::memcpy(&v, &h, 2);
+    return v;
+  }
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+#define CHECK_CUDA(expr)                                                                          \
+  do {                                                                                            \
+    cudaError_t err_ = (expr);                                                                    \
+    if (err_ != cudaSuccess) {                                                                    \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(err_)); \
+      std::exit(2);                                                                               \
+    }                                                                                             \
+  } while (0)
+
+void* Alloc(size_t bytes) {
+  void* p = nullptr;
+  if (g_cpu) return std::malloc(bytes);
+  CHECK_CUDA(cudaMalloc(&p, bytes));
+  return p;
+}
+void Upload(void* dst, const void* src, size_t bytes) {
+  if (g_cpu) std::memcpy(dst, src, bytes);
+  else CHECK_CUDA(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+}
+void Download(void* dst, const void* src, size_t bytes) {
+  if (g_cpu) std::memcpy(dst, src, bytes);
+  else CHECK_CUDA(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
+}
+void Release(void* p) {
+  if (g_cpu) std::free(p);
+  else if (p) cudaFree(p);
+}
+
+// A reusable barrier for the rank threads (bounded: a rank stuck in a call fails the run).
+class Rendezvous {
+ public:
+  explicit Rendezvous(int n) : n_(n) {}
+  void Arrive() {
+    std::unique_lock<std::mutex> lock(mu_);
+    const uint64_t gen = gen_;
+    if (++count_ == n_) {
+      count_ = 0;
+      ++gen_;
+      cv_.notify_all();
+      return;
+    }
+    if (!cv_.wait_for(lock, std::chrono::seconds(120), [&] { return gen_ != gen; })) {
+      std::fprintf(stderr, "a rank did not reach the rendezvous in 120 s\n");
+      std::exit(3);
+    }
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int n_, count_ = 0;
+  uint64_t gen_ = 0;
+};
+
+// The host inputs of every rank of one case (read by every thread for the references), and the
+// same as float: x row-major, op(w) transposed to [n][k], so a reference dot runs over memory in order.
+struct Inputs {
+  std::vector<std::vector<uint16_t>> x[kInputSets];  // [set][rank]
+  std::vector<std::vector<uint16_t>> w;              // [rank]
+  std::vector<std::vector<float>> xf[kInputSets];    // [set][rank]
+  std::vector<std::vector<float>> wt;                // [rank], [n][k]
+};
+
+Inputs MakeInputs(const Case& c, int tp, unsigned seed) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  const bool matmul = c.op == Op::kAgMatmul || c.op == Op::kMatmulRs;
+  const float w_scale = 1.f / std::sqrt(static_cast<float>(c.k));
+  Inputs in;
+  for (auto& set : in.x) {
+    set.resize(tp);
+    for (auto& x : set) {
+      x.resize(static_cast<size_t>(c.m * (matmul ? c.k : c.n)));
+      for (auto& v : x) v = FromFloat(normal(gen), c.dtype);
+    }
+  }
+  if (!matmul) return in;
+  in.w.resize(tp);
+  in.wt.resize(tp);
+  for (int q = 0; q < tp; ++q) {
+    auto& w = in.w[q];
+    w.resize(static_cast<size_t>(c.k * c.n));
+    for (auto& v : w) v = FromFloat(normal(gen) * w_scale, c.dtype);
+    auto& wt = in.wt[q];
+    wt.resize(w.size());
+    for (int64_t kk = 0; kk < c.k; ++kk) {
+      for (int64_t col = 0; col < c.n; ++col) {  // w [k, n], or [n, k] when transposed
+        wt[col * c.k + kk] = ToFloat(c.w_transposed ? w[col * c.k + kk] : w[kk * c.n + col], c.dtype);
+      }
+    }
+  }
+  for (int s = 0; s < kInputSets; ++s) {
+    for (const auto& x : in.x[s]) {
+      std::vector<float> f(x.size());
+      for (size_t i = 0; i < x.size(); ++i) f[i] = ToFloat(x[i], c.dtype);
+      in.xf[s].push_back(std::move(f));
+    }
+  }
+  return in;
+}
+
+// One output element's reference: the value, the sum of the partials' magnitudes and of |x| |w|.
+struct Ref {
+  double value = 0, partials = 0, magnitude = 0;
+};
+
+// sum over kk of x[row][kk] * op(w)[kk][col] for one rank's x and w (wt = op(w) as [n][k]).
+Ref Dot(const Case& c, const std::vector<float>& x, int64_t row, const std::vector<float>& wt, int64_t col) {
+  const float* a = x.data() + row * c.k;
+  const float* b = wt.data() + col * c.k;
+  Ref r;
+  for (int64_t kk = 0; kk < c.k; ++kk) {
+    const double p = static_cast<double>(a[kk]) * b[kk];
+    r.value += p;
+    r.magnitude += std::fabs(p);
+  }
+  r.partials = std::fabs(r.value);
+  return r;
+}
+
+class RankThread {
+ public:
+  RankThread(int rank, int tp, Rendezvous* rendezvous, std::atomic<int>* failures)
+      : rank_(rank), tp_(tp), rendezvous_(rendezvous), failures_(failures) {
+    group_.rank = rank;
+    group_.size = tp;
+    for (int q = 0; q < tp; ++q) {
+      group_.devices.push_back(1000 * tp + q);  // distinct ids: one group per TP size
+      group_.processes.push_back(0);
+      group_.ordinals.push_back(0);
+    }
+    cfg_.timeout_us = kTimeoutUs;
+  }
+
+  // Every case in order (see the file comment), then, for the cases in `drop_cases`, a call in
+  // which the last rank never signals: the others must fail within the timeout with an error that
+  // names that rank, never hang; then the workspaces are reset (flux_jax.reset()) and the case runs
+  // right again.
+  void Run(const std::vector<Case>& cases, const std::vector<Inputs>& inputs, const std::vector<size_t>& drop_cases) {
+    if (!g_cpu) {
+      CHECK_CUDA(cudaSetDevice(0));
+      CHECK_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    }
+    uint64_t call = 0;
+    for (size_t i = 0; i < cases.size(); ++i) {
+      const Case& c = cases[i];
+      cfg_.callsite = static_cast<int64_t>(i) + 1;  // CPU channels: one per call site
+      Buffers b = Allocate(c, inputs[i]);
+      int bad = 0;
+      for (int j = 0; j < kChecked; ++j) bad += Call(c, b, call++, inputs[i], /*check=*/true);
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int j = 0; j < kBackToBack; ++j) bad += Call(c, b, call++, inputs[i], /*check=*/false);
+      if (!g_cpu) CHECK_CUDA(cudaStreamSynchronize(stream_));
+      const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+      bad += Call(c, b, call++, inputs[i], /*check=*/true);
+      Free(b);
+      if (g_self_test) bad = bad == kChecked + 1 ? 0 : 1;  // every checked call must have failed
+      rendezvous_->Arrive();
+      if (rank_ == 0) {
+        std::printf("%s: %d checked calls + %d back to back (%.0f us per call, one device shared: not a timing)\n",
+                    Describe(c, tp_).c_str(), kChecked + 1, kBackToBack, us / kBackToBack);
+      }
+      if (bad) failures_->fetch_add(bad);
+      rendezvous_->Arrive();
+      if (rank_ == 0) std::printf(failures_->load() ? "  -> failures so far: %d\n" : "  -> ok\n", failures_->load());
+      std::fflush(stdout);
+    }
+    for (size_t i : drop_cases) DropLastRank(cases[i], inputs[i], i, &call);
+    if (!g_cpu) CHECK_CUDA(cudaStreamDestroy(stream_));
+  }
+
+ private:
+  struct Buffers {
+    void* x[kInputSets] = {};
+    void* w = nullptr;
+    void* out = nullptr;
+    void* gathered = nullptr;
+    size_t out_elems = 0, gathered_elems = 0;
+  };
+
+  void DropLastRank(const Case& c, const Inputs& in, size_t index, uint64_t* call) {
+    cfg_.callsite = static_cast<int64_t>(index) + 1;
+    Buffers b = Allocate(c, in);
+    const int dropped = tp_ - 1;
+    int bad = Call(c, b, (*call)++, in, /*check=*/true);
+    CommConfig saved = cfg_;
+    cfg_.drop_rank = dropped;
+    cfg_.timeout_us = 300'000;
+    const auto t0 = std::chrono::steady_clock::now();
+    std::string error = CallStatus(c, b);  // CPU: the waits fail in this call
+    if (!g_cpu) CHECK_CUDA(cudaStreamSynchronize(stream_));
+    rendezvous_->Arrive();
+    const std::string next = CallStatus(c, b);  // GPU: the next call reports the device's error
+    if (error.empty()) error = next;
+    *call += 2;  // the same count on every rank, whatever failed
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    cfg_ = saved;
+    const std::string who = "rank " + std::to_string(dropped);
+    const bool named = error.find("timed out") != std::string::npos && error.find(who) != std::string::npos;
+    if (rank_ != dropped && (!named || s > 10.0)) {
+      std::printf("  FAIL rank %d, %s, rank %d silent: %.2f s, error: %s\n", rank_, Describe(c, tp_).c_str(), dropped, s,
+                  error.empty() ? "(none)" : error.c_str());
+      ++bad;
+    }
+    if (!g_cpu) CHECK_CUDA(cudaStreamSynchronize(stream_));
+    Free(b);
+    rendezvous_->Arrive();
+    if (rank_ == 0) {
+      std::printf("%s, rank %d silent: rank 0 failed after %.2f s: %s\n", Describe(c, tp_).c_str(), dropped, s,
+                  error.substr(0, 260).c_str());
+      g_cpu ? ResetCpuChannels() : ResetCudaWorkspaces();
+    }
+    rendezvous_->Arrive();
+    b = Allocate(c, in);
+    bad += Call(c, b, (*call)++, in, /*check=*/true);  // after the reset: right again
+    Free(b);
+    if (bad) failures_->fetch_add(bad);
+    rendezvous_->Arrive();
+    if (rank_ == 0) std::printf(failures_->load() ? "  -> failures so far: %d\n" : "  -> ok (and right after the reset)\n",
+                                failures_->load());
+    std::fflush(stdout);
+  }
+
+  // Enqueues one call (inputs: set 0) and returns its error message ("" if it returned ok).
+  std::string CallStatus(const Case& c, Buffers& b) {
+    const Status st = Launch(c, b, 0, cfg_);
+    return st.ok() ? std::string() : st.message();
+  }
+
+  Buffers Allocate(const Case& c, const Inputs& in) {
+    Buffers b;
+    for (int s = 0; s < kInputSets; ++s) {
+      const auto& x = in.x[s][rank_];
+      b.x[s] = Alloc(x.size() * 2);
+      Upload(b.x[s], x.data(), x.size() * 2);
+    }
+    if (!in.w.empty()) {
+      b.w = Alloc(in.w[rank_].size() * 2);
+      Upload(b.w, in.w[rank_].data(), in.w[rank_].size() * 2);
+    }
+    switch (c.op) {
+      case Op::kAgMatmul: b.out_elems = tp_ * c.m * c.n; b.gathered_elems = c.gathered ? tp_ * c.m * c.k : 0; break;
+      case Op::kMatmulRs: b.out_elems = c.m / tp_ * c.n; break;
+      case Op::kAllGather: b.out_elems = tp_ * c.m * c.n; break;
+      case Op::kReduceScatter: b.out_elems = c.m / tp_ * c.n; break;
+    }
+    b.out = Alloc(b.out_elems * 2);
+    if (b.gathered_elems) b.gathered = Alloc(b.gathered_elems * 2);
+    return b;
+  }
+
+  static void Free(Buffers& b) {
+    for (void* p : b.x) Release(p);
+    Release(b.w), Release(b.out), Release(b.gathered);
+  }
+
+  Status Launch(const Case& c, Buffers& b, int set, const CommConfig& base) {
+    CommConfig cfg = base;
+    cfg.decode_path = c.path == Path::kDecode;
+    if (c.op == Op::kAgMatmul) {
+      AgMatmulParams p;
+      p.x = b.x[set], p.w = b.w, p.out = b.out, p.gathered = b.gathered;
+      p.m_local = c.m, p.k = c.k, p.n = c.n, p.dtype = c.dtype, p.w_transposed = c.w_transposed;
+      return g_cpu ? RunAgMatmulCpu(p, group_, cfg) : RunAgMatmulCuda(p, group_, cfg, stream_);
+    }
+    if (c.op == Op::kMatmulRs) {
+      MatmulRsParams p;
+      p.x = b.x[set], p.w = b.w, p.out = b.out;
+      p.m = c.m, p.k = c.k, p.n = c.n, p.dtype = c.dtype, p.w_transposed = c.w_transposed;
+      return g_cpu ? RunMatmulRsCpu(p, group_, cfg) : RunMatmulRsCuda(p, group_, cfg, stream_);
+    }
+    CollectiveParams p;
+    p.x = b.x[set], p.out = b.out, p.rows = c.m, p.cols = c.n, p.dtype = c.dtype;
+    if (c.op == Op::kAllGather) return g_cpu ? RunAllGatherCpu(p, group_, cfg) : RunAllGatherCuda(p, group_, cfg, stream_);
+    return g_cpu ? RunReduceScatterCpu(p, group_, cfg) : RunReduceScatterCuda(p, group_, cfg, stream_);
+  }
+
+  // Enqueues call number `call` (inputs: set call % kInputSets); with `check`, waits and compares.
+  // Returns the number of failed properties.
+  int Call(const Case& c, Buffers& b, uint64_t call, const Inputs& in, bool check) {
+    const int set = static_cast<int>(call % kInputSets);
+    CommConfig cfg = cfg_;
+    cfg.poison_outputs = check;
+    const int stale = (set + 1) % kInputSets;
+    const Status st = Launch(c, b, g_self_test && rank_ == tp_ - 1 ? stale : set, cfg);
+    if (!st.ok()) {
+      std::printf("  FAIL rank %d call %llu: %s\n", rank_, static_cast<unsigned long long>(call), st.message().c_str());
+      return 1;
+    }
+    if (!check) return 0;
+    if (!g_cpu) CHECK_CUDA(cudaStreamSynchronize(stream_));
+    std::vector<uint16_t> out(b.out_elems), gathered(b.gathered_elems);
+    Download(out.data(), b.out, out.size() * 2);
+    if (b.gathered) Download(gathered.data(), b.gathered, gathered.size() * 2);
+    return Compare(c, in, set, out, gathered, call);
+  }
+
+  int Compare(const Case& c, const Inputs& in, int set, const std::vector<uint16_t>& out,
+              const std::vector<uint16_t>& gathered, uint64_t call) const {
+    const auto& xs = in.x[set];
+    const auto& xf = in.xf[set];
+    const double eps = c.dtype == DType::kF16 ? std::ldexp(1.0, -10) : std::ldexp(1.0, -7);
+    int64_t bad = 0, first = -1;
+    double got_first = 0, want_first = 0;
+    auto expect = [&](int64_t i, double got, double want, double tol) {
+      if (!(std::fabs(got - want) <= tol)) {  // NaN (poison) fails
+        if (first < 0) first = i, got_first = got, want_first = want;
+        ++bad;
+      }
+    };
+    const int64_t rpr = c.m / tp_;  // matmul_rs / reduce_scatter rows per rank
+    switch (c.op) {
+      case Op::kAgMatmul:
+        for (int64_t row = 0; row < tp_ * c.m; ++row) {
+          const auto& x = xf[row / c.m];
+          for (int64_t col = 0; col < c.n; ++col) {
+            const Ref r = Dot(c, x, row % c.m, in.wt[rank_], col);
+            expect(row * c.n + col, ToFloat(out[row * c.n + col], c.dtype), r.value,
+                   eps * (std::fabs(r.value) + r.partials) + std::ldexp(r.magnitude, -14));
+          }
+        }
+        for (size_t i = 0; i < gathered.size(); ++i) {  // the gathered rows: bit for bit
+          const int64_t row = static_cast<int64_t>(i) / c.k;
+          if (gathered[i] != xs[row / c.m][(row % c.m) * c.k + static_cast<int64_t>(i) % c.k]) {
+            if (first < 0) first = static_cast<int64_t>(out.size() + i);
+            ++bad;
+          }
+        }
+        break;
+      case Op::kMatmulRs:
+        for (int64_t row = 0; row < rpr; ++row) {
+          for (int64_t col = 0; col < c.n; ++col) {
+            Ref sum;
+            for (int q = 0; q < tp_; ++q) {
+              const Ref r = Dot(c, xf[q], rank_ * rpr + row, in.wt[q], col);
+              sum.value += r.value, sum.partials += r.partials, sum.magnitude += r.magnitude;
+            }
+            expect(row * c.n + col, ToFloat(out[row * c.n + col], c.dtype), sum.value,
+                   eps * (std::fabs(sum.value) + sum.partials) + std::ldexp(sum.magnitude, -14));
+          }
+        }
+        break;
+      case Op::kAllGather:
+        for (size_t i = 0; i < out.size(); ++i) {
+          const int64_t row = static_cast<int64_t>(i) / c.n;
+          const uint16_t want = xs[row / c.m][(row % c.m) * c.n + static_cast<int64_t>(i) % c.n];
+          expect(static_cast<int64_t>(i), out[i], want, 0);
+        }
+        break;
+      case Op::kReduceScatter:
+        for (size_t i = 0; i < out.size(); ++i) {
+          float sum = 0.f;
+          for (int q = 0; q < tp_; ++q) sum += ToFloat(xs[q][rank_ * rpr * c.n + i], c.dtype);
+          expect(static_cast<int64_t>(i), out[i], FromFloat(sum, c.dtype), 0);
+        }
+        break;
+    }
+    if (bad && !g_self_test) {
+      std::printf("  FAIL rank %d call %llu (%s): %lld of %zu elements off (first at %lld: %g, want %g)\n", rank_,
+                  static_cast<unsigned long long>(call), Describe(c, tp_).c_str(), static_cast<long long>(bad),
+                  out.size() + gathered.size(), static_cast<long long>(first), got_first, want_first);
+    }
+    return bad ? 1 : 0;
+  }
+
+  int rank_, tp_;
+  Rendezvous* rendezvous_;
+  std::atomic<int>* failures_;
+  TpGroup group_;
+  CommConfig cfg_;
+  cudaStream_t stream_ = nullptr;
+};
+
+// Cases (indices into CasesFor) rerun with a silent rank: each path's bounded waits.
+const std::vector<size_t> kDropCases = {0, 5, 8, 13, 14, 16, 18};
+
+std::vector<Case> CasesFor(int tp) {
+  // m_local / M per rank count are chosen so that the host references stay under a second.
+  const int64_t ag_m = 1024 / tp;  // 1024 gathered rows
+  std::vector<Case> cases = {
+      {Op::kAgMatmul, Path::kOverlap, ag_m, 512, 768},
+      {Op::kAgMatmul, Path::kOverlap, ag_m - 24, 1032, 520},  // rows not whole 128-row tiles, tails
+      {Op::kAgMatmul, Path::kOverlap, ag_m, 256, 1024, DType::kF16},
+      {Op::kAgMatmul, Path::kOverlap, ag_m, 768, 512, DType::kBF16, /*w_transposed=*/true},
+      {Op::kAgMatmul, Path::kOverlap, ag_m, 384, 256, DType::kBF16, false, /*gathered=*/true},
+      {Op::kAgMatmul, Path::kDecode, 64 / tp, 1024, 2048},
+      {Op::kAgMatmul, Path::kDecode, 256 / tp, 2048, 1024},
+      {Op::kAgMatmul, Path::kDecode, 8, 776, 1544, DType::kBF16, false, true},
+      {Op::kMatmulRs, Path::kOverlap, 1024, 512, 768},
+      {Op::kMatmulRs, Path::kOverlap, 1000 / tp * tp, 1032, 520},
+      {Op::kMatmulRs, Path::kOverlap, 1024, 256, 1024, DType::kF16},
+      {Op::kMatmulRs, Path::kOverlap, 1024, 768, 512, DType::kBF16, /*w_transposed=*/true},
+      {Op::kMatmulRs, Path::kDecode, 16, 2048, 512},
+      {Op::kMatmulRs, Path::kDecode, 64, 1024, 2048},
+      {Op::kMatmulRs, Path::kDecode, 128, 512, 1024},
+      {Op::kMatmulRs, Path::kDecode, 104, 776, 1544},
+      {Op::kAllGather, Path::kCollective, 64, 0, 4096},
+      {Op::kAllGather, Path::kCollective, 40, 0, 1032, DType::kF16},
+      {Op::kReduceScatter, Path::kCollective, 128, 0, 2048},
+      {Op::kReduceScatter, Path::kCollective, 8 * tp, 0, 8200, DType::kF16},
+  };
+  return cases;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<int> tps = {2, 4, 8};
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--cpu") == 0) {
+      g_cpu = true;
+    } else if (std::strcmp(argv[i], "--self-test") == 0) {
+      g_self_test = true;
+    } else if (std::strncmp(argv[i], "--tp=", 5) == 0) {
+      tps = {std::atoi(argv[i] + 5)};
+    } else {
+      std::fprintf(stderr, "usage: %s [--cpu] [--self-test] [--tp=N]\n", argv[0]);
+      return 2;
+    }
+  }
+  if (!g_cpu) CHECK_CUDA(cudaSetDevice(0));
+  std::atomic<int> failures{0};
+  for (int tp : tps) {
+    std::vector<Case> cases = CasesFor(tp);
+    if (g_self_test) cases = {cases[0], cases[5], cases[8], cases[13], cases[16], cases[18]};
+    std::vector<Inputs> inputs;
+    for (size_t i = 0; i < cases.size(); ++i) inputs.push_back(MakeInputs(cases[i], tp, 1000 * tp + i));
+    Rendezvous rendezvous(tp);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < tp; ++r) {
+      threads.emplace_back([&, r] {
+        RankThread t(r, tp, &rendezvous, &failures);
+        t.Run(cases, inputs, g_self_test ? std::vector<size_t>{} : kDropCases);
+      });
+    }
+    for (auto& t : threads) t.join();
+  }
+  if (g_self_test) {
+    std::printf(failures ? "SELF-TEST FAILED: %d rank-cases passed a wrong input\n"
+                         : "self-test ok: every checked call on a wrong input failed on every rank\n",
+                failures.load());
+  } else {
+    std::printf(failures ? "FAILED: %d\n" : "all ok\n", failures.load());
+  }
+  return failures ? 1 : 0;
+}
