@@ -22,7 +22,8 @@
 // Build: bash tools/loopback/build.sh [wheel build dir] [its source tree]; run on one GPU:
 //   run(command="./.whl/loopback/ops_loopback", kind="nvidia-h200", carry=[".whl"])
 // `--cpu` runs the same calls on the CPU backend (here, without a GPU: checks this program);
-// `--self-test` feeds the last rank a wrong input set and passes only if every check fails.
+// `--self-test` feeds the last rank a wrong input set and passes only if every check fails;
+// `--tp=N`, `--op=matmul_rs`, `--path=decode` pick cases.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -66,7 +67,7 @@ struct Case {
 constexpr int kInputSets = 3;  // calls e and e+2 share a parity half, never inputs
 constexpr int kChecked = 3;    // checked calls before the back-to-back run (one per input set)
 constexpr int kBackToBack = 30;
-constexpr int64_t kTimeoutUs = 10'000'000;
+constexpr int64_t kTimeoutUs = 3'000'000;
 
 // --cpu: the same calls on the CPU backend (RunAgMatmulCpu, ...; host memory, blocking calls), to
 // check this program's references and checks where there is no GPU.
@@ -74,6 +75,9 @@ bool g_cpu = false;
 // --self-test: the last rank computes on the wrong input set (as a stale chunk or receive area
 // would), so every checked call must fail on every rank: shows that the checks can fail.
 bool g_self_test = false;
+// --warmup: each fresh TP group (at the start and after every reset) first runs one all_gather,
+// so the group is set up by a call without the presence handshake (a diagnostic).
+bool g_warmup = false;
 
 std::string Describe(const Case& c, int tp) {
   const char* op[] = {"ag_matmul", "matmul_rs", "all_gather", "reduce_scatter"};
@@ -126,9 +130,11 @@ void* Alloc(size_t bytes) {
   CHECK_CUDA(cudaMalloc(&p, bytes));
   return p;
 }
-void Upload(void* dst, const void* src, size_t bytes) {
+// On the rank's stream: a cudaMemcpy from pageable memory may return before its DMA has landed,
+// and the rank streams (non-blocking) do not wait for the legacy stream it runs on.
+void Upload(void* dst, const void* src, size_t bytes, cudaStream_t stream) {
   if (g_cpu) std::memcpy(dst, src, bytes);
-  else CHECK_CUDA(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+  else CHECK_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream));
 }
 void Download(void* dst, const void* src, size_t bytes) {
   if (g_cpu) std::memcpy(dst, src, bytes);
@@ -233,8 +239,8 @@ Ref Dot(const Case& c, const std::vector<float>& x, int64_t row, const std::vect
 
 class RankThread {
  public:
-  RankThread(int rank, int tp, Rendezvous* rendezvous, std::atomic<int>* failures)
-      : rank_(rank), tp_(tp), rendezvous_(rendezvous), failures_(failures) {
+  RankThread(int rank, int tp, Rendezvous* rendezvous, std::atomic<int>* failures, std::atomic<int>* resets)
+      : rank_(rank), tp_(tp), rendezvous_(rendezvous), failures_(failures), resets_(resets) {
     group_.rank = rank;
     group_.size = tp;
     for (int q = 0; q < tp; ++q) {
@@ -257,6 +263,7 @@ class RankThread {
     uint64_t call = 0;
     for (size_t i = 0; i < cases.size(); ++i) {
       const Case& c = cases[i];
+      WarmUpFreshGroup();
       cfg_.callsite = static_cast<int64_t>(i) + 1;  // CPU channels: one per call site
       Buffers b = Allocate(c, inputs[i]);
       int bad = 0;
@@ -275,7 +282,16 @@ class RankThread {
       }
       if (bad) failures_->fetch_add(bad);
       rendezvous_->Arrive();
-      if (rank_ == 0) std::printf(failures_->load() ? "  -> failures so far: %d\n" : "  -> ok\n", failures_->load());
+      if (rank_ == 0) {
+        std::printf(failures_->load() ? "  -> failures so far: %d\n" : "  -> ok\n", failures_->load());
+        const std::string error = g_cpu ? std::string() : CudaDeviceError(0);
+        if (!error.empty()) {  // a wait timed out: reset, so later cases start clean
+          std::printf("  -> device error, reset: %s\n", error.c_str());
+          ResetCudaWorkspaces();
+          resets_->fetch_add(1);
+        }
+      }
+      rendezvous_->Arrive();
       std::fflush(stdout);
     }
     for (size_t i : drop_cases) DropLastRank(cases[i], inputs[i], i, &call);
@@ -301,7 +317,17 @@ class RankThread {
     cfg_.timeout_us = 300'000;
     const auto t0 = std::chrono::steady_clock::now();
     std::string error = CallStatus(c, b);  // CPU: the waits fail in this call
-    if (!g_cpu) CHECK_CUDA(cudaStreamSynchronize(stream_));
+    if (!g_cpu) {
+      // Never a silent wrong answer: every output element of the failed call is NaN or right.
+      CHECK_CUDA(cudaStreamSynchronize(stream_));
+      std::vector<uint16_t> out(b.out_elems), gathered(b.gathered_elems);
+      Download(out.data(), b.out, out.size() * 2);
+      if (b.gathered) Download(gathered.data(), b.gathered, gathered.size() * 2);
+      if (Compare(c, in, 0, out, gathered, *call - 1, /*nan_ok=*/true) != 0) {
+        std::printf("  FAIL rank %d, %s, rank %d silent: finite wrong outputs\n", rank_, Describe(c, tp_).c_str(), dropped);
+        ++bad;
+      }
+    }
     rendezvous_->Arrive();
     const std::string next = CallStatus(c, b);  // GPU: the next call reports the device's error
     if (error.empty()) error = next;
@@ -322,8 +348,10 @@ class RankThread {
       std::printf("%s, rank %d silent: rank 0 failed after %.2f s: %s\n", Describe(c, tp_).c_str(), dropped, s,
                   error.substr(0, 260).c_str());
       g_cpu ? ResetCpuChannels() : ResetCudaWorkspaces();
+      resets_->fetch_add(1);
     }
     rendezvous_->Arrive();
+    WarmUpFreshGroup();
     b = Allocate(c, in);
     bad += Call(c, b, (*call)++, in, /*check=*/true);  // after the reset: right again
     Free(b);
@@ -334,9 +362,28 @@ class RankThread {
     std::fflush(stdout);
   }
 
-  // Enqueues one call (inputs: set 0) and returns its error message ("" if it returned ok).
+  // --warmup: one all_gather on a group that is fresh (first use, or reset since this rank's last
+  // call), so that no op with the presence handshake sets the group up.
+  void WarmUpFreshGroup() {
+    const int resets = resets_->load();
+    if (!g_warmup || resets == seen_resets_) return;
+    seen_resets_ = resets;
+    const Case warm{Op::kAllGather, Path::kCollective, 8, 0, 1024};
+    Inputs in = MakeInputs(warm, tp_, 7);
+    Buffers b = Allocate(warm, in);
+    CommConfig cfg = cfg_;
+    cfg.callsite = 1000;
+    const Status st = Launch(warm, b, 0, cfg);
+    if (!g_cpu) CHECK_CUDA(cudaStreamSynchronize(stream_));
+    if (!st.ok()) std::printf("  warm-up all_gather, rank %d: %s\n", rank_, st.message().c_str());
+    Free(b);
+  }
+
+  // Enqueues one call (inputs: set 0, outputs poisoned) and returns its error message ("" if ok).
   std::string CallStatus(const Case& c, Buffers& b) {
-    const Status st = Launch(c, b, 0, cfg_);
+    CommConfig cfg = cfg_;
+    cfg.poison_outputs = true;
+    const Status st = Launch(c, b, 0, cfg);
     return st.ok() ? std::string() : st.message();
   }
 
@@ -345,11 +392,11 @@ class RankThread {
     for (int s = 0; s < kInputSets; ++s) {
       const auto& x = in.x[s][rank_];
       b.x[s] = Alloc(x.size() * 2);
-      Upload(b.x[s], x.data(), x.size() * 2);
+      Upload(b.x[s], x.data(), x.size() * 2, stream_);
     }
     if (!in.w.empty()) {
       b.w = Alloc(in.w[rank_].size() * 2);
-      Upload(b.w, in.w[rank_].data(), in.w[rank_].size() * 2);
+      Upload(b.w, in.w[rank_].data(), in.w[rank_].size() * 2, stream_);
     }
     switch (c.op) {
       case Op::kAgMatmul: b.out_elems = tp_ * c.m * c.n; b.gathered_elems = c.gathered ? tp_ * c.m * c.k : 0; break;
@@ -359,6 +406,7 @@ class RankThread {
     }
     b.out = Alloc(b.out_elems * 2);
     if (b.gathered_elems) b.gathered = Alloc(b.gathered_elems * 2);
+    if (!g_cpu) CHECK_CUDA(cudaStreamSynchronize(stream_));  // never the device: peers may be spinning
     return b;
   }
 
@@ -408,14 +456,16 @@ class RankThread {
     return Compare(c, in, set, out, gathered, call);
   }
 
+  // Failed properties of one call's output (0 or 1); nan_ok: NaN elements pass (a failed call).
   int Compare(const Case& c, const Inputs& in, int set, const std::vector<uint16_t>& out,
-              const std::vector<uint16_t>& gathered, uint64_t call) const {
+              const std::vector<uint16_t>& gathered, uint64_t call, bool nan_ok = false) const {
     const auto& xs = in.x[set];
     const auto& xf = in.xf[set];
     const double eps = c.dtype == DType::kF16 ? std::ldexp(1.0, -10) : std::ldexp(1.0, -7);
     int64_t bad = 0, first = -1;
     double got_first = 0, want_first = 0;
     auto expect = [&](int64_t i, double got, double want, double tol) {
+      if (nan_ok && std::isnan(got)) return;
       if (!(std::fabs(got - want) <= tol)) {  // NaN (poison) fails
         if (first < 0) first = i, got_first = got, want_first = want;
         ++bad;
@@ -434,6 +484,7 @@ class RankThread {
         }
         for (size_t i = 0; i < gathered.size(); ++i) {  // the gathered rows: bit for bit
           const int64_t row = static_cast<int64_t>(i) / c.k;
+          if (nan_ok && std::isnan(ToFloat(gathered[i], c.dtype))) continue;
           if (gathered[i] != xs[row / c.m][(row % c.m) * c.k + static_cast<int64_t>(i) % c.k]) {
             if (first < 0) first = static_cast<int64_t>(out.size() + i);
             ++bad;
@@ -457,6 +508,7 @@ class RankThread {
         for (size_t i = 0; i < out.size(); ++i) {
           const int64_t row = static_cast<int64_t>(i) / c.n;
           const uint16_t want = xs[row / c.m][(row % c.m) * c.n + static_cast<int64_t>(i) % c.n];
+          if (nan_ok && std::isnan(ToFloat(out[i], c.dtype))) continue;
           expect(static_cast<int64_t>(i), out[i], want, 0);
         }
         break;
@@ -464,6 +516,7 @@ class RankThread {
         for (size_t i = 0; i < out.size(); ++i) {
           float sum = 0.f;
           for (int q = 0; q < tp_; ++q) sum += ToFloat(xs[q][rank_ * rpr * c.n + i], c.dtype);
+          if (nan_ok && std::isnan(ToFloat(out[i], c.dtype))) continue;
           expect(static_cast<int64_t>(i), out[i], FromFloat(sum, c.dtype), 0);
         }
         break;
@@ -479,6 +532,8 @@ class RankThread {
   int rank_, tp_;
   Rendezvous* rendezvous_;
   std::atomic<int>* failures_;
+  std::atomic<int>* resets_;
+  int seen_resets_ = -1;
   TpGroup group_;
   CommConfig cfg_;
   cudaStream_t stream_ = nullptr;
@@ -519,31 +574,58 @@ std::vector<Case> CasesFor(int tp) {
 
 int main(int argc, char** argv) {
   std::vector<int> tps = {2, 4, 8};
+  std::string only_op, only_path;  // filters: e.g. --op=matmul_rs --path=decode
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--cpu") == 0) {
       g_cpu = true;
     } else if (std::strcmp(argv[i], "--self-test") == 0) {
       g_self_test = true;
+    } else if (std::strcmp(argv[i], "--warmup") == 0) {
+      g_warmup = true;
+    } else if (std::strncmp(argv[i], "--op=", 5) == 0) {
+      only_op = argv[i] + 5;
+    } else if (std::strncmp(argv[i], "--path=", 7) == 0) {
+      only_path = argv[i] + 7;
     } else if (std::strncmp(argv[i], "--tp=", 5) == 0) {
       tps = {std::atoi(argv[i] + 5)};
     } else {
-      std::fprintf(stderr, "usage: %s [--cpu] [--self-test] [--tp=N]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--cpu] [--self-test] [--warmup] [--tp=N] [--op=NAME] [--path=overlap|decode|collective]\n",
+                   argv[0]);
       return 2;
     }
   }
+  // Lazy module loading makes a kernel's first launch wait until the GPU is idle, which it never
+  // is while another rank's kernel spins waiting for this rank (flux_jax sets the same on import).
+  setenv("CUDA_MODULE_LOADING", "EAGER", 0);
   if (!g_cpu) CHECK_CUDA(cudaSetDevice(0));
   std::atomic<int> failures{0};
   for (int tp : tps) {
-    std::vector<Case> cases = CasesFor(tp);
-    if (g_self_test) cases = {cases[0], cases[5], cases[8], cases[13], cases[16], cases[18]};
+    const std::vector<Case> all = CasesFor(tp);
+    std::vector<size_t> picked = {0, 5, 8, 13, 16, 18};  // --self-test: one case per op and path
+    if (!g_self_test) {
+      picked.clear();
+      for (size_t i = 0; i < all.size(); ++i) picked.push_back(i);
+    }
+    std::vector<Case> cases;
+    std::vector<size_t> drops;
+    for (size_t i : picked) {
+      const std::string what = Describe(all[i], tp);
+      if (what.find(" " + only_op + " ") == std::string::npos && !only_op.empty()) continue;
+      if (what.find(" " + only_path + " ") == std::string::npos && !only_path.empty()) continue;
+      for (size_t d : kDropCases) {
+        if (d == i && !g_self_test) drops.push_back(cases.size());
+      }
+      cases.push_back(all[i]);
+    }
     std::vector<Inputs> inputs;
     for (size_t i = 0; i < cases.size(); ++i) inputs.push_back(MakeInputs(cases[i], tp, 1000 * tp + i));
     Rendezvous rendezvous(tp);
+    std::atomic<int> resets{0};
     std::vector<std::thread> threads;
     for (int r = 0; r < tp; ++r) {
       threads.emplace_back([&, r] {
-        RankThread t(r, tp, &rendezvous, &failures);
-        t.Run(cases, inputs, g_self_test ? std::vector<size_t>{} : kDropCases);
+        RankThread t(r, tp, &rendezvous, &failures, &resets);
+        t.Run(cases, inputs, drops);
       });
     }
     for (auto& t : threads) t.join();

@@ -129,6 +129,9 @@ class Loopback {
       std::memset(r.error_host, 0, sizeof(DeviceError));
       CHECK_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&r.error_dev), r.error_host, 0));
     }
+    // Copies from pageable memory may return before their DMA has landed, and the rank streams
+    // do not wait for the legacy stream they run on.
+    CHECK_CUDA(cudaDeviceSynchronize());
   }
 
   ~Loopback() {
@@ -370,6 +373,7 @@ int RunDropped(const Shape& s) {
 }  // namespace
 
 int main() {
+  setenv("CUDA_MODULE_LOADING", "EAGER", 0);  // a lazy first launch waits for an idle GPU
   CHECK_CUDA(cudaSetDevice(0));
   if (!PreloadDecodeGemmKernels().ok()) return 2;
   // Per-rank shapes (m rows, k = global K / 2, n): staged-free (x padded to whole row tiles here),

@@ -160,9 +160,7 @@ __device__ __forceinline__ void ExchangeTile(const DecodeExchange& e, int32_t ti
         }
       }
       if (pending != 0 && deadline.Expired(e.ctx)) {
-        if (*reinterpret_cast<volatile int32_t*>(&e.ctx.error->code) == 0) {
-          RecordTimeout(e.ctx, kSiteDecodeSums, q, -1, tile, seen);
-        }
+        RecordTimeout(e.ctx, kSiteDecodeSums, q, -1, tile, seen);  // keeps an earlier record
         ok = false;
         break;
       }

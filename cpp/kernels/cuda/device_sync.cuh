@@ -101,7 +101,8 @@ __device__ __forceinline__ uint64_t LoadAcquireSys(const uint64_t* p) {
 }
 
 // Records a wait that gave up (the first failure on this device fills the
-// record) and poisons alpha, so the GEMM tiles computed from now on are NaN.
+// record; later ones keep it) and poisons alpha, so the GEMM tiles computed
+// from now on are NaN. Every wait that gives up calls it.
 __device__ __forceinline__ void RecordTimeout(const WaitContext& ctx, int32_t site, int32_t peer, int32_t chunk,
                                               int32_t piece, uint64_t seen) {
   if (atomicCAS(&ctx.error->code, 0, -1) == 0) {
@@ -143,7 +144,10 @@ static __device__ __noinline__ bool WaitFlag(const uint64_t* flag, const WaitCon
     const uint64_t seen = LoadAcquireSys(flag);
     if (seen >= ctx.epoch) return true;
     if (deadline.Expired(ctx)) {
-      if (*reinterpret_cast<volatile int32_t*>(&ctx.error->code) == 0) RecordTimeout(ctx, site, peer, chunk, piece, seen);
+      // Also when another wait on this device failed first (its record stays: RecordTimeout keeps
+      // the first): this wait's GEMM must still poison its own alpha, or the tiles computed from
+      // rows that never came would come out finite and wrong (found by tools/loopback at TP 8).
+      RecordTimeout(ctx, site, peer, chunk, piece, seen);
       return false;
     }
   }

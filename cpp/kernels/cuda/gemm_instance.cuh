@@ -70,6 +70,12 @@ Status RunGemmInstance(const GemmPlan& p, cudaStream_t stream, int device, int s
   auto& ep = args.epilogue;
   ep.thread.alpha = 1.0f;
   ep.thread.alpha_ptr = p.alpha_ptr;
+  // As in the decode GEMM: a nonzero batch stride makes the epilogue read alpha per tile (batch 0
+  // only), not once at kernel start, so a tile whose rows never came (its wait gave up and
+  // poisoned alpha before its loads) comes out NaN instead of finite and wrong (found by
+  // tools/loopback). A partial-sum (C) wait that gives up after the tile's epilogue read alpha
+  // can still leave that tile finite; the next call reports the error.
+  ep.thread.dAlpha = {cute::_0{}, cute::_0{}, 1};
   ep.thread.beta = p.beta;
   ep.ptr_C = static_cast<Element const*>(p.c != nullptr ? p.c : p.d);
   ep.dC = cutlass::make_cute_packed_stride(typename Kernel::StrideC{}, cute::make_shape(m, n, 1));
