@@ -407,6 +407,10 @@ class RankThread {
     b.out = Alloc(b.out_elems * 2);
     if (b.gathered_elems) b.gathered = Alloc(b.gathered_elems * 2);
     if (!g_cpu) CHECK_CUDA(cudaStreamSynchronize(stream_));  // never the device: peers may be spinning
+    // No rank launches before every rank has allocated: a cudaMalloc may wait for the work already
+    // on the device, which includes a faster rank's kernel spinning for this rank (on one GPU only;
+    // likely what made TP 8's first calls time out in session 18's runs).
+    rendezvous_->Arrive();
     return b;
   }
 

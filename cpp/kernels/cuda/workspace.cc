@@ -424,7 +424,8 @@ Status CheckDeviceError(int device) {
     default: os << " waited on an unknown site"; break;
   }
   os << "; epoch " << e.epoch << ", flag value seen " << e.seen
-     << "). The outputs of that call and of later fused calls on this GPU are NaN. Every device of "
+     << "). The outputs of that call are invalid (NaN where they depend on the missing data) and "
+        "those of later fused calls on this GPU are NaN. Every device of "
         "a TP group must run the same fused ops in the same order. Call flux_jax.reset() to clear.";
   return Status::DeadlineExceeded(os.str());
 }
