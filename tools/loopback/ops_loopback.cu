@@ -47,6 +47,7 @@
 #include "flux_jax/cuda_runtime.h"
 #include "flux_jax/matmul_rs.h"
 #include "flux_jax/params.h"
+#include "loopback_common.h"
 
 using namespace flux_jax;
 
@@ -91,38 +92,12 @@ std::string Describe(const Case& c, int tp) {
 }
 
 float ToFloat(uint16_t v, DType t) {
-  if (t == DType::kF16) {
-    __half h;
-    std::memcpy(&h, &v, 2);
-    return __half2float(h);
-  }
-  uint32_t u = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
+  return t == DType::kF16 ? loopback::F16ToFloat(v) : loopback::Bf16ToFloat(v);
 }
 
 uint16_t FromFloat(float f, DType t) {  // round to nearest even
-  if (t == DType::kF16) {
-    __half h = __float2half_rn(f);
-    uint16_t v;
-    std::memcpy(&v, &h, 2);
-    return v;
-  }
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
+  return t == DType::kF16 ? loopback::FloatToF16(f) : loopback::FloatToBf16(f);
 }
-
-#define CHECK_CUDA(expr)                                                                          \
-  do {                                                                                            \
-    cudaError_t err_ = (expr);                                                                    \
-    if (err_ != cudaSuccess) {                                                                    \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(err_)); \
-      std::exit(2);                                                                               \
-    }                                                                                             \
-  } while (0)
 
 void* Alloc(size_t bytes) {
   void* p = nullptr;

@@ -31,39 +31,19 @@
 #include <vector>
 
 #include "decode_gemm.h"
+#include "loopback_common.h"
 #include "workspace.h"
 
 using flux_jax::DType;
+using loopback::Bf16ToFloat;
+using loopback::FloatToBf16;
 using namespace flux_jax::cuda;
 
 namespace {
 
-#define CHECK_CUDA(expr)                                                                          \
-  do {                                                                                            \
-    cudaError_t err_ = (expr);                                                                    \
-    if (err_ != cudaSuccess) {                                                                    \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(err_)); \
-      std::exit(2);                                                                               \
-    }                                                                                             \
-  } while (0)
-
 constexpr int kMaxTp = 8;
 constexpr int kCtas = 120;        // all ranks' persistent grids resident at once (132 SMs)
 constexpr int kInputSets = 3;     // calls e and e+2 share a parity half, never inputs
-
-float Bf16ToFloat(uint16_t b) {
-  uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-uint16_t FloatToBf16(float f) {  // round to nearest even, as __float2bfloat16_rn (no NaN inputs here)
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
 
 struct Rank {
   std::vector<std::vector<uint16_t>> x_host;  // [set][readable rows * k]
