@@ -126,21 +126,26 @@ Status InitMember(const TpGroup& g, GroupWorkspace* w) {
       FLUX_CUDA_TRY(err);
     }
   }
+  int least = 0, greatest = 0;
+  FLUX_CUDA_TRY(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  FLUX_CUDA_TRY(cudaStreamCreateWithPriority(&w->comm, cudaStreamNonBlocking, greatest));
   void* ctrl = nullptr;
   cudaError_t err = cudaMalloc(&ctrl, kCtrlWords * sizeof(uint64_t) + 64);
   if (err != cudaSuccess) return AllocationError(device, kCtrlWords * 8, err);
-  FLUX_CUDA_TRY(cudaMemset(ctrl, 0, kCtrlWords * sizeof(uint64_t) + 64));
   w->present = static_cast<uint64_t*>(ctrl);
   w->arrived = w->present + kMaxTp;
   w->cells = w->arrived + kMaxFlags;
   w->block_arrived = w->cells + 2;
   w->tiles_done = w->block_arrived + kMaxTp * kMaxLatencyBlocks;
   w->alpha = reinterpret_cast<float*>(w->tiles_done + kMaxPieces);
+  // Zeroed flags and alpha = 1, landed before this returns: a plain cudaMemset (or a copy from
+  // pageable memory) may still be in flight when it returns, on the legacy stream, which XLA's
+  // non-blocking streams do not wait for; a peer's flag written before it lands would be zeroed,
+  // and a freshly allocated block can hold an earlier workspace's larger epochs (after reset()).
   const float one = 1.0f;
-  FLUX_CUDA_TRY(cudaMemcpy(w->alpha, &one, sizeof(one), cudaMemcpyHostToDevice));
-  int least = 0, greatest = 0;
-  FLUX_CUDA_TRY(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-  FLUX_CUDA_TRY(cudaStreamCreateWithPriority(&w->comm, cudaStreamNonBlocking, greatest));
+  FLUX_CUDA_TRY(cudaMemsetAsync(ctrl, 0, kCtrlWords * sizeof(uint64_t) + 64, w->comm));
+  FLUX_CUDA_TRY(cudaMemcpyAsync(w->alpha, &one, sizeof(one), cudaMemcpyHostToDevice, w->comm));
+  FLUX_CUDA_TRY(cudaStreamSynchronize(w->comm));
   FLUX_CUDA_TRY(cudaEventCreateWithFlags(&w->ev_start, cudaEventDisableTiming));
   FLUX_CUDA_TRY(cudaEventCreateWithFlags(&w->ev_comm_done, cudaEventDisableTiming));
   for (auto& ev : w->ev_step) FLUX_CUDA_TRY(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
@@ -288,14 +293,19 @@ Status AcquireWorkspace(const TpGroup& g, size_t data_bytes, const CommConfig& c
     RefreshPeers(*group, member.get());
     // Warm up every copy path (local and peer) once while the device is idle:
     // the runtime may load internal kernels for them lazily (see InitMember).
+    // On the comm stream, waited for here: a device-to-device cudaMemcpy returns
+    // before it lands, and a 0 landing in our present slot on a peer after this
+    // call's presence kernel wrote the epoch there made the peer wait until its
+    // timeout (seen with tools/loopback at TP 4 and 8).
     GroupWorkspace* m = member.get();
     DeviceGuard guard(device);
-    FLUX_CUDA_TRY(cudaMemcpy(m->cells + 1, m->cells, sizeof(uint64_t), cudaMemcpyDeviceToDevice));
+    FLUX_CUDA_TRY(cudaMemcpyAsync(m->cells + 1, m->cells, sizeof(uint64_t), cudaMemcpyDeviceToDevice, m->comm));
     for (int p = 0; p < g.size; ++p) {
       if (p == g.rank) continue;  // writes 0 into our own present slot on the peer: a no-op
-      FLUX_CUDA_TRY(cudaMemcpy(m->peers[p].present + g.rank, m->cells, sizeof(uint64_t),
-                               cudaMemcpyDeviceToDevice));
+      FLUX_CUDA_TRY(cudaMemcpyAsync(m->peers[p].present + g.rank, m->cells, sizeof(uint64_t),
+                                    cudaMemcpyDeviceToDevice, m->comm));
     }
+    FLUX_CUDA_TRY(cudaStreamSynchronize(m->comm));
   }
   GroupWorkspace* w = member.get();
   // Grows one area of every member: all reach this call, drain what they
@@ -324,7 +334,10 @@ Status AcquireWorkspace(const TpGroup& g, size_t data_bytes, const CommConfig& c
       return st;
     }
     *capacity = rounded;
-    if (zeroed) FLUX_CUDA_TRY(cudaMemset(*area, 0, rounded));
+    if (zeroed) {  // landed before any peer may write into it (see InitMember)
+      FLUX_CUDA_TRY(cudaMemsetAsync(*area, 0, rounded, w->comm));
+      FLUX_CUDA_TRY(cudaStreamSynchronize(w->comm));
+    }
     FLUX_JAX_RETURN_IF_ERROR(group->barrier.Arrive(cfg.timeout_us, what + ", reallocation"));
     RefreshPeers(*group, w);
     for (const PeerView& peer : w->peers) {
@@ -362,7 +375,9 @@ Status ExportIpcMember(const TpGroup& g, size_t data_bytes, size_t slot_bytes, s
     }
     *capacity = rounded;
   }
-  FLUX_CUDA_TRY(cudaMemset(w->ll, 0, w->ll_capacity));  // the low-latency area starts at epoch 0
+  // The low-latency area starts at epoch 0, landed before the blob is published (see InitMember).
+  FLUX_CUDA_TRY(cudaMemsetAsync(w->ll, 0, w->ll_capacity, w->comm));
+  FLUX_CUDA_TRY(cudaStreamSynchronize(w->comm));
   b.data_bytes = w->capacity;
   b.slot_bytes = w->slots_capacity;
   b.ll_bytes = w->ll_capacity;
