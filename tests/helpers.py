@@ -49,6 +49,20 @@ def assert_matches(out, ref64, xla_out, dtype_name: str, what: str = "", factor:
     assert err <= bound, f"{what}: relative error {err:.3e} > bound {bound:.3e} (XLA's own error {xla_err:.3e})"
 
 
+def assert_nan_or_right(out, ref64, xla_out, dtype_name: str, what: str = "", factor: float = 4.0):
+    """A failed call's output: every element NaN (poisoned) or within assert_matches' bound of the
+    reference, never finite and wrong; and at least one NaN (the failure shows)."""
+    out = to64(out)
+    assert out.shape == ref64.shape, f"{what}: shape {out.shape} != {ref64.shape}"
+    finite = np.isfinite(out)
+    assert not finite.all(), f"{what}: a timed-out call must not return plausible numbers"
+    scale = max(np.max(np.abs(ref64)), 1e-30)
+    bound = max(factor * rel_max_err(xla_out, ref64), _FLOOR[dtype_name])
+    wrong = finite & (np.abs(out - ref64) / scale > bound)
+    assert not wrong.any(), (f"{what}: {int(wrong.sum())} of {out.size} elements finite and wrong "
+                             f"(relative error up to {np.max(np.abs(out - ref64)[wrong]) / scale:.3e})")
+
+
 def shard_mapped(fn, mesh, in_specs, out_specs, **kw):
     return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **kw))
 

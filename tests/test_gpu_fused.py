@@ -17,7 +17,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import flux_jax
-from helpers import assert_matches, place, random_array, to64
+from helpers import assert_matches, assert_nan_or_right, place, random_array, to64
 
 
 def _gpus():
@@ -320,8 +320,9 @@ def test_missing_peer_times_out_then_reset(gpus):
     with flux_jax.config(timeout_s=0.5, debug_drop_rank=1, fused_path="overlap"):
         f, specs = _op_fn("ag", mesh, "fused")
         xs, ws = place(mesh, x, specs[0]), place(mesh, w, specs[1])
-        out = np.asarray(f(xs, ws), np.float32)
-    assert np.isnan(out).any(), "a timed-out call must not return plausible numbers"
+        out = f(xs, ws)
+    twin, _ = _op_fn("ag", mesh, "xla")
+    assert_nan_or_right(out, to64(x) @ to64(w), twin(xs, ws), "bfloat16", "ag overlap, rank 1 silent")
     errors = flux_jax.device_errors()
     assert errors and "timed out" in next(iter(errors.values()))
     with flux_jax.config(fused_path="overlap"):
@@ -330,7 +331,6 @@ def test_missing_peer_times_out_then_reset(gpus):
         np.asarray(good(xs, ws))
     flux_jax.reset()
     assert not flux_jax.device_errors()
-    twin, _ = _op_fn("ag", mesh, "xla")
     assert_matches(good(xs, ws), to64(x) @ to64(w), twin(xs, ws), "bfloat16", "after reset")
 
 
@@ -353,23 +353,24 @@ def test_latency_path_small_m(gpus, op):
 
 
 def missing_peer_times_out_then_reset(gpus, op, path, rows, message):
-    """Rank 1 never signals: the call's output is NaN and a device error names the wait
-    (`message`); after flux_jax.reset() the same op on that path is right again."""
+    """Rank 1 never signals: the call's output is NaN or right, never finite and wrong, and a
+    device error names the wait (`message`); after flux_jax.reset() the same op on that path is
+    right again."""
     mesh = _mesh(gpus)
     rng = np.random.default_rng()
     x, w = random_array(rng, (rows, 256), "bfloat16"), random_array(rng, (256, 256), "bfloat16")
     with flux_jax.config(timeout_s=0.5, debug_drop_rank=1, fused_path=path):
         f, specs = _op_fn(op, mesh, "fused")
         xs, ws = place(mesh, x, specs[0]), place(mesh, w, specs[1])
-        out = np.asarray(f(xs, ws), np.float32)
-    assert np.isnan(out).any(), "a timed-out call must not return plausible numbers"
+        out = f(xs, ws)
+    twin, _ = _op_fn(op, mesh, "xla")
+    assert_nan_or_right(out, to64(x) @ to64(w), twin(xs, ws), "bfloat16", f"{op} {path}, rank 1 silent")
     errors = flux_jax.device_errors()
     assert errors and any(message in e for e in errors.values()), errors
     flux_jax.reset()
     assert not flux_jax.device_errors()
     with flux_jax.config(fused_path=path):
         good, _ = _op_fn(op, mesh, "fused")
-    twin, _ = _op_fn(op, mesh, "xla")
     assert_matches(good(xs, ws), to64(x) @ to64(w), twin(xs, ws), "bfloat16", "after reset")
 
 
