@@ -45,8 +45,13 @@ def assert_matches(out, ref64, xla_out, dtype_name: str, what: str = "", factor:
     assert out.shape == ref64.shape, f"{what}: shape {out.shape} != {ref64.shape}"
     err = rel_max_err(out, ref64)
     xla_err = rel_max_err(xla_out, ref64)
-    bound = max(factor * xla_err, _FLOOR[dtype_name])
+    bound = _error_bound(xla_err, dtype_name, factor)
     assert err <= bound, f"{what}: relative error {err:.3e} > bound {bound:.3e} (XLA's own error {xla_err:.3e})"
+
+
+def _error_bound(xla_err: float, dtype_name: str, factor: float) -> float:
+    """The relative error a fused result may have: `factor` x XLA's own, or the dtype's floor."""
+    return max(factor * xla_err, _FLOOR[dtype_name])
 
 
 def assert_nan_or_right(out, ref64, xla_out, dtype_name: str, what: str = "", factor: float = 4.0):
@@ -57,7 +62,7 @@ def assert_nan_or_right(out, ref64, xla_out, dtype_name: str, what: str = "", fa
     finite = np.isfinite(out)
     assert not finite.all(), f"{what}: a timed-out call must not return plausible numbers"
     scale = max(np.max(np.abs(ref64)), 1e-30)
-    bound = max(factor * rel_max_err(xla_out, ref64), _FLOOR[dtype_name])
+    bound = _error_bound(rel_max_err(xla_out, ref64), dtype_name, factor)
     wrong = finite & (np.abs(out - ref64) / scale > bound)
     assert not wrong.any(), (f"{what}: {int(wrong.sum())} of {out.size} elements finite and wrong "
                              f"(relative error up to {np.max(np.abs(out - ref64)[wrong]) / scale:.3e})")

@@ -139,8 +139,9 @@ Status InitMember(const TpGroup& g, GroupWorkspace* w) {
   w->tiles_done = w->block_arrived + kMaxTp * kMaxLatencyBlocks;
   w->alpha = reinterpret_cast<float*>(w->tiles_done + kMaxPieces);
   // Zeroed flags and alpha = 1, landed before this returns: a plain cudaMemset (or a copy from
-  // pageable memory) may still be in flight when it returns, on the legacy stream, which XLA's
-  // non-blocking streams do not wait for; a peer's flag written before it lands would be zeroed,
+  // pageable memory) may still be in flight when it returns, on the legacy stream, which
+  // non-blocking streams (ours, XLA's if so created) do not wait for; a peer's flag written before
+  // it lands would be zeroed,
   // and a freshly allocated block can hold an earlier workspace's larger epochs (after reset()).
   const float one = 1.0f;
   FLUX_CUDA_TRY(cudaMemsetAsync(ctrl, 0, kCtrlWords * sizeof(uint64_t) + 64, w->comm));
