@@ -40,7 +40,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flux_jax
-from flux_jax._config import parse_overrides
+from flux_jax import _config
 from flux_jax.flax import GPT, GPTConfig, check_config, check_tokens_shape
 from training.checkpoint import TrainCheckpoints
 from training.profile import StepTracer
@@ -354,8 +354,8 @@ def main(argv=None) -> dict:
     except ValueError as e:
         parser.error(str(e))
     try:  # a misspelled or out-of-range --flux-config field: a usage error now, not after compiling
-        flux_overrides = parse_overrides(args.flux_config)
-        dataclasses.replace(flux_jax.get_config(), **flux_overrides)
+        with _config.overriding(args.flux_config):
+            pass
     except (ValueError, TypeError) as e:
         parser.error(f"--flux-config: {e}")
     print(describe(args, len(vocab)))
@@ -363,7 +363,7 @@ def main(argv=None) -> dict:
     runs = {}
     for impl in impls:
         try:
-            with flux_jax.config(**flux_overrides):
+            with _config.overriding(args.flux_config):
                 runs[impl] = train(args, mesh, vocab, data[:split], data[split:], impl)
         except flux_jax.FusedUnavailableError as e:
             raise SystemExit(f"error: {e}\n(use --impl auto to fall back to the XLA twin)")

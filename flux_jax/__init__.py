@@ -16,11 +16,10 @@ _native.register()
 from flux_jax._config import Config, config, get_config, set_config  # noqa: E402
 from flux_jax._distributed import initialize as initialize_distributed  # noqa: E402
 from flux_jax._errors import FusedUnavailableError  # noqa: E402
-from flux_jax._heuristics import explain as explain_auto  # noqa: E402
+from flux_jax._explain import explain, explain_auto  # noqa: E402
 from flux_jax._native import build_info  # noqa: E402
 from flux_jax._state import HandlerHostTime, device_errors, handler_host_time, reset, workspace_bytes  # noqa: E402
-from flux_jax.ag_matmul import ag_matmul  # noqa: E402
-from flux_jax.matmul_rs import matmul_rs  # noqa: E402
+from flux_jax.ops import ag_matmul, matmul_rs  # noqa: E402
 from flux_jax.sharding import ag_matmul_sharded, matmul_rs_sharded  # noqa: E402
 from flux_jax.twins import ag_matmul_xla, matmul_rs_xla  # noqa: E402
 
@@ -36,6 +35,7 @@ __all__ = [
     "build_info",
     "config",
     "device_errors",
+    "explain",
     "explain_auto",
     "initialize_distributed",
     "get_config",

@@ -1,71 +1,64 @@
-"""Lowering of the fused primitives to XLA FFI custom calls.
+"""Lowering of a fused op's primitive: its plan becomes one custom call with typed attributes,
+the latency path's composition, or the twin.
 
-The same HLO runs on every device, so per-device facts cannot be attributes.
-What *is* the same everywhere is the mesh: at lowering time the shard_map's
-concrete mesh is known, so we pass the global device ids of every TP group
-(`tp_devices[g * tp + r]`) and their processes; each device finds itself in it
-at run time (its local ordinal mapped to a global id, registered here). On CPU
-it cross-checks its rank against lax.axis_index, passed as an operand; the CUDA
-lowering drops that operand (unread there, and it cost a kernel per call).
+The same HLO runs on every device, so per-device facts cannot be attributes. What is the same
+everywhere is the mesh: at lowering time the concrete mesh is known (from the shard_map, or
+`jax.set_mesh`), so the attributes carry the global device ids of every TP group
+(`tp_devices[g * tp + r]`) and their processes; each device finds itself there at run time. On
+CPU it cross-checks its rank against lax.axis_index, passed as an operand; the CUDA lowering
+drops that operand (the handlers cannot read device memory, and it cost a kernel per call).
 
-Lowering is also where the mesh's topology is known: a TP group the fused
-kernels cannot serve (spanning hosts; GPU processes that cannot map each
-other's memory) lowers to the XLA twin instead, with one log line, or an error
-for impl="fused". GPU groups that span processes of one host get their CUDA IPC
-workspace here (flux_jax/_ipc.py), before anything runs.
+Lowering is also where the topology is known: a TP group the fused kernels cannot serve (it
+spans hosts; its GPU processes cannot map each other's memory; no concrete mesh on GPU) takes
+the twin (flux_jax/_plan.for_topology decides). GPU groups that span processes of one host get
+their CUDA IPC workspace here (flux_jax/_ipc.py), before anything runs.
 
-And it is where the fused *path* is picked (Config.fused_path): "overlap", the
-one custom call whose GEMM consumes rows as they arrive, "latency", our
-one-kernel NVLink collective custom call next to XLA's own GEMM (small M), or
-"decode", one custom call whose weight-streaming GEMM moves the rows itself
-(AG at most 256 rows, RS 128; other calls take "latency").
+Call-site ids pair the calls of one custom call across devices and processes (the CPU backend
+keys its channels by them). They are derived from the program itself: the module's name, the
+op, its shapes and path, and the call's ordinal within the module, so every process computes
+the same ids whatever else it lowered, and re-lowering a program reuses its channels.
 """
 
 from __future__ import annotations
 
-import itertools
+import dataclasses
+import hashlib
 import logging
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from flux_jax import _distributed, _heuristics, _ipc, _native
-from flux_jax._config import Config
+from flux_jax import _distributed, _ipc, _plan
 from flux_jax._errors import FusedUnavailableError
+from flux_jax._validation import platform_name
 
 logger = logging.getLogger("flux_jax")
 _logged: set[str] = set()
 
-# Unique per emitted custom call; the CPU backend pairs calls across devices by
-# it (XLA:CPU may run independent calls concurrently, in any order).
-_callsite_ids = itertools.count(1)
+_PATH_ENUM = {"overlap": 0, "decode": 1}  # FusedPath in cpp/include/flux_jax/params.h
 
 
-def _mesh_of(ctx):
-    axis_context = ctx.module_context.axis_context
-    mesh = getattr(axis_context, "mesh", None)
-    devices = getattr(mesh, "devices", None)
-    if devices is None or not isinstance(devices, np.ndarray):
-        raise FusedUnavailableError(
-            "flux_jax fused ops need the concrete device mesh at lowering time: call them inside "
-            "jax.shard_map(..., mesh=<jax.sharding.Mesh>) or under jax.set_mesh(mesh), not with "
-            f"an abstract mesh (got {type(axis_context).__name__} with mesh {mesh!r})"
-        )
-    manual = getattr(axis_context, "manual_axes", frozenset(mesh.axis_names))
-    auto = [a for a, s in zip(mesh.axis_names, devices.shape) if s > 1 and a not in manual]
-    if auto:
-        raise FusedUnavailableError(
-            f"flux_jax fused ops need a fully manual shard_map, but mesh axes {auto} are left to "
-            "the automatic partitioner (shard_map axis_names=...). Map every mesh axis, or use "
-            'impl="xla".'
-        )
-    return mesh
+def _concrete_mesh(ctx):
+    """The concrete mesh of the lowering (shard_map's, or jax.set_mesh's), or None."""
+    mesh = getattr(ctx.module_context.axis_context, "mesh", None)
+    try:
+        if isinstance(mesh.devices, np.ndarray):
+            return mesh
+    except (AttributeError, ValueError):  # an AbstractMesh has no devices
+        pass
+    from jax._src import mesh as mesh_lib  # private: the mesh of jax.set_mesh
+
+    concrete = mesh_lib.get_concrete_mesh()
+    if concrete is not None and not concrete.empty and mesh is not None:
+        if tuple(concrete.axis_names) == tuple(mesh.axis_names) and tuple(concrete.axis_sizes) == tuple(mesh.axis_sizes):
+            return concrete
+    return None
 
 
 def tp_groups(mesh, axis_name: str, tp_size: int) -> np.ndarray:
-    """[num_groups, tp] array of the devices of every TP group, rank order."""
+    """[num_groups, tp] array of the devices of every TP group, in rank order."""
     devices = mesh.devices
     axis = list(mesh.axis_names).index(axis_name)
     if devices.shape[axis] != tp_size:
@@ -73,145 +66,231 @@ def tp_groups(mesh, axis_name: str, tp_size: int) -> np.ndarray:
     return np.moveaxis(devices, axis, -1).reshape(-1, tp_size)
 
 
-def _why_not_fused(groups: np.ndarray, platform: str) -> str | None:
-    """None if every TP group can run fused; else the reason (groups across hosts, ...)."""
+def _spans_hosts(groups: np.ndarray) -> str | None:
     info = _distributed.process_info()
     for row in groups:
-        procs = sorted({d.process_index for d in row})
-        hosts = sorted({info.hosts[p] for p in procs})
+        hosts = sorted({info.hosts[d.process_index] for d in row})
         if len(hosts) > 1:
-            return (f"TP group of devices {[d.id for d in row]} spans hosts {hosts}; fused ops run "
-                    "within one host")
+            return f"TP group of devices {[d.id for d in row]} spans hosts {hosts}; fused ops run within one host"
     return None
 
 
-def _twin_lowering(prim_name, transpose_w, axis_name, outs):
-    """The XLA twin of the primitive, for groups the fused kernels cannot serve."""
+class _Device:
+    """A device of a TP group as the lowering needs it (id, process)."""
 
-    def twin(x, w, rank):
-        del rank
-        w = w.T if transpose_w else w
-        if prim_name == "flux_jax_ag_matmul":
-            x_full = jax.lax.all_gather(x, axis_name, axis=0, tiled=True)
-            return [jnp.dot(x_full, w), x_full][:outs]
-        return [jax.lax.psum_scatter(jnp.dot(x, w), axis_name, scatter_dimension=0, tiled=True)]
-
-    return mlir.lower_fun(twin, multiple_results=True)
+    def __init__(self, id_: int, process_index: int):
+        self.id, self.process_index = id_, process_index
 
 
-def _latency_lowering(prim_name, transpose_w, tp_size, outs, attrs, pass_rank):
-    """The latency path: our NVLink collective (one custom call) and XLA's GEMM."""
-
-    def collective(target, x, rank, shape):
-        result = jax.typeof(x).update(shape=shape)  # keeps the manual-axis type of x
-        return jax.ffi.ffi_call(target, result)(*((x, rank) if pass_rank else (x,)), **attrs)
-
-    def latency(x, w, rank):
-        w = w.T if transpose_w else w
-        if prim_name == "flux_jax_ag_matmul":
-            x_full = collective(_native.ALL_GATHER_TARGET, x, rank, (tp_size * x.shape[0], x.shape[1]))
-            return [jnp.dot(x_full, w), x_full][:outs]
-        partial = jnp.dot(x, w)
-        shape = (x.shape[0] // tp_size, partial.shape[1])
-        return [collective(_native.REDUCE_SCATTER_TARGET, partial, rank, shape)]
-
-    return mlir.lower_fun(latency, multiple_results=True)
-
-
-def choose_path(prim_name: str, platform: str, config: Config, x_shape, w_shape, tp_size: int,
-                transpose_w: bool, dtype) -> str:
-    """"overlap", "latency" or "decode" for one fused call (Config.fused_path, else measurements)."""
-    if config.fused_path != "auto":
-        return config.fused_path
-    if platform == "cpu":
-        return "overlap"
-    op = "ag_matmul" if prim_name == "flux_jax_ag_matmul" else "matmul_rs"
-    rows = tp_size * x_shape[0] if op == "ag_matmul" else x_shape[0]
-    n = w_shape[0] if transpose_w else w_shape[1]
-    return _heuristics.best_fused_path(op, tp_size, rows, x_shape[1], n, np.dtype(dtype))
+def _topology(ctx, platform: str, call):
+    """(groups, None) where the fused kernels can serve every TP group, else (None, why)."""
+    if call.groups is not None:
+        ids, procs = call.groups
+        groups = np.array([_Device(i, p) for i, p in zip(ids, procs)], dtype=object).reshape(-1, call.tp)
+        return groups, None
+    mesh = _concrete_mesh(ctx)
+    if mesh is None:
+        return None, ("the concrete device mesh is unknown at lowering (a shard_map over an abstract "
+                      "mesh, e.g. nested inside another shard_map); wrap the call in "
+                      "`with jax.set_mesh(mesh):` or pass mesh= to the shard_map")
+    groups = tp_groups(mesh, call.axis_name, call.tp)
+    timeout_s = call.config.timeout_s
+    _distributed.register_local_devices(platform, groups.ravel())
+    reason = _spans_hosts(groups)
+    if reason is None and platform != "cpu":
+        try:  # GPUs of a group in several processes: CUDA IPC, set up once here
+            _ipc.ensure_groups(groups, timeout_s)
+        except FusedUnavailableError as err:
+            reason = str(err)
+    return (groups, None) if reason is None else (None, reason)
 
 
-# What the decode paths' kernels take (cpp/kernels/cuda/decode_gemm.h, {ag_matmul,matmul_rs}_decode.cu).
-DECODE_AG_MAX_ROWS = 256  # the GEMM: one 64-row tile or up to two 128-row tiles
-DECODE_RS_MAX_ROWS = 128  # the exchanging epilogue: one tile holds all rows
-DECODE_MAX_TP = 8
-DECODE_RS_MAX_N = 512 * 64  # matmul_rs: one flag per 64-column output tile, 512 per sender
+def _automatic_axes(ctx) -> tuple[str, ...]:
+    """Mesh axes of size > 1 that the enclosing shard_map leaves to the partitioner."""
+    context = ctx.module_context.axis_context
+    mesh = getattr(context, "mesh", None)
+    manual = getattr(context, "manual_axes", None)
+    if mesh is None or manual is None:
+        return ()
+    return tuple(a for a, n in zip(mesh.axis_names, mesh.axis_sizes) if n > 1 and a not in manual)
 
 
-def decode_supported(prim_name: str, tp_size: int, x_shape, w_shape, transpose_w: bool, dtype) -> bool:
-    """Whether Config.fused_path="decode" runs the decode kernels for this call (else "latency")."""
-    if not (2 <= tp_size <= DECODE_MAX_TP and not transpose_w and np.dtype(dtype) == jnp.bfloat16):
-        return False
-    if prim_name == "flux_jax_ag_matmul":
-        return 1 <= tp_size * x_shape[0] <= DECODE_AG_MAX_ROWS
-    rows, n = x_shape[0], w_shape[1]
-    return 1 <= rows <= DECODE_RS_MAX_ROWS and rows % tp_size == 0 and n <= DECODE_RS_MAX_N
+def _lower_in_manual_region(spec, ctx, x, w, rank, call, groups, auto):
+    """The custom call inside a manual region over the automatic axes `auto`.
+
+    XLA's partitioner cannot split an opaque custom call: left in a partially manual region it
+    would gather every operand over the automatic axes and run the whole op on every device. So
+    the call runs in a nested manual region over those axes: x's middle dimension that their
+    devices can split evenly (a batch) is split over them, everything else is replicated; the TP
+    groups found here on the concrete mesh travel into the region with the call.
+    """
+    from jax.sharding import PartitionSpec as P
+
+    context = ctx.module_context.axis_context
+    sizes = dict(zip(context.mesh.axis_names, context.mesh.axis_sizes))
+    split = int(np.prod([sizes[a] for a in auto]))
+    x_aval = ctx.avals_in[0]
+    explicit = _explicit_spec(x_aval, auto)
+    if explicit is not None:
+        x_spec = explicit
+    else:
+        dims = [None] * len(x_aval.shape)
+        for d in range(1, len(x_aval.shape) - 1):
+            if x_aval.shape[d] % split == 0:
+                dims[d] = auto if len(auto) > 1 else auto[0]
+                break
+        x_spec = P(*dims)
+    out_specs = tuple(P(*x_spec[:-1], None) for _ in ctx.avals_out)
+    ids = tuple(int(d.id) for d in groups.ravel())
+    procs = tuple(int(d.process_index) for d in groups.ravel())
+    inner_call = dataclasses.replace(call, groups=(ids, procs))
+
+    def body(x, w, rank):
+        return tuple(spec.primitive.bind(x, w, rank, call=inner_call))
+
+    region = jax.shard_map(body, in_specs=(x_spec, P(), P()), out_specs=out_specs, axis_names=set(auto),
+                           check_vma=False)
+    return mlir.lower_fun(region, multiple_results=True)(ctx, x, w, rank)
 
 
-def register_fused_lowering(prim, target: str, cuda_available) -> None:
-    """Registers CPU and CUDA lowerings of `prim` to the FFI target `target`."""
+def _explicit_spec(aval, auto):
+    """x's partition spec over the automatic axes when they are Explicit (it is part of x's type
+    and must be kept), or None. The gathered / scattered rows and K cannot be split."""
+    from jax.sharding import PartitionSpec as P
 
-    def rule(ctx, *operands, axis_name, tp_size, transpose_w, config: Config, forced: bool, **op_attrs):
-        platform = ctx.module_context.platforms[0]
-        groups = tp_groups(_mesh_of(ctx), axis_name, tp_size)
-        _distributed.register_local_devices(platform, groups.ravel())
-        reason = _why_not_fused(groups, platform)
-        if reason is None and platform != "cpu":
-            try:  # GPUs of a group in several processes: CUDA IPC, set up once here
-                _ipc.ensure_groups(groups, config.timeout_s)
-            except FusedUnavailableError as err:
-                reason = str(err)
-        if reason is not None:
-            if forced:
-                raise FusedUnavailableError(f'{prim.name}(impl="fused") cannot run here: {reason}')
-            if reason not in _logged:
-                _logged.add(reason)
-                logger.warning("flux_jax: using the XLA twin: %s", reason)
-            return _twin_lowering(prim.name, transpose_w, axis_name, len(ctx.avals_out))(ctx, *operands)
-        attrs = dict(
-            tp_size=np.int64(tp_size),
-            tp_devices=np.array([d.id for d in groups.ravel()], dtype=np.int64),
-            tp_processes=np.array([d.process_index for d in groups.ravel()], dtype=np.int64),
-            w_transposed=bool(transpose_w),
-            callsite=np.int64(next(_callsite_ids)),
-            timeout_us=np.int64(config.timeout_us),
-            jitter_us=np.int64(config.debug_jitter_us),
-            drop_rank=np.int64(config.debug_drop_rank),
-            poison=bool(config.debug_poison_outputs),
-            piece_bytes=np.int64(config.gpu_piece_bytes),
-            tile_group_m=np.int64(config.gpu_tile_group_m),
-            rs_stage_launches=np.int64(config.gpu_rs_stage_launches),
-            rs_tile_signal=np.int64(config.gpu_rs_tile_signal),
-            tile_n=np.int64(config.gpu_tile_n),
-            decode_path=False,
-            decode_early_launch=np.int64(config.gpu_decode_early_launch),
-        )
-        x_aval, w_aval = ctx.avals_in[0], ctx.avals_in[1]
-        path = choose_path(prim.name, platform, config, x_aval.shape, w_aval.shape, tp_size,
-                           transpose_w, x_aval.dtype)
-        # The rank operand (lax.axis_index) is cross-checked by the CPU handlers only: on GPU it
-        # would sit in device memory, so the CUDA handlers take none, and XLA drops the unused
-        # axis_index (a ~1 us convert kernel per call, measured in the decode loop).
+    sharding = getattr(aval, "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if spec is None:
+        return None
+    dims = list(spec) + [None] * (len(aval.shape) - len(spec))
+
+    def names(entry):
+        return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+
+    if not any(a in names(e) for e in dims for a in auto):
+        return None
+    if names(dims[0]) or names(dims[-1]):
+        raise FusedUnavailableError(
+            f"flux_jax: x is sharded {spec} over the automatic mesh axes {auto} on its gathered / "
+            "scattered or contraction dimension; the fused ops split only the middle (batch) "
+            "dimensions over them")
+    return P(*[tuple(a for a in names(e) if a in auto) or None for e in dims])
+
+
+def _callsite(ctx, op: str, avals, detail: str) -> int:
+    ordinal = next(ctx.module_context.channel_iterator)  # per-module counter, same in every process
+    attrs = ctx.module_context.module.operation.attributes
+    module = str(attrs["sym_name"]) if "sym_name" in attrs else ""
+    key = "|".join([module, op, detail, str(ordinal)] + [f"{a.dtype}{list(a.shape)}" for a in avals])
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def _common_attrs(groups: np.ndarray, call, callsite: int) -> dict:
+    cfg = call.config
+    return dict(
+        tp_size=np.int64(call.tp),
+        tp_devices=np.array([d.id for d in groups.ravel()], dtype=np.int64),
+        tp_processes=np.array([d.process_index for d in groups.ravel()], dtype=np.int64),
+        callsite=np.int64(callsite),
+        timeout_us=np.int64(cfg.timeout_us),
+        jitter_us=np.int64(cfg.debug_jitter_us),
+        drop_rank=np.int64(cfg.debug_drop_rank),
+        poison=bool(cfg.debug_poison_outputs),
+    )
+
+
+def _gemm_attrs(call, path: str) -> dict:
+    t = call.tuning
+    return dict(
+        w_transposed=bool(call.transpose_w),
+        path=np.int32(_PATH_ENUM[path]),
+        piece_bytes=np.int64(t.piece_bytes),
+        tile_group_m=np.int64(t.tile_group_m),
+        rs_stage_launches=np.int64(t.rs_stage_launches),
+        rs_tile_signal=np.int64(t.rs_tile_signal),
+        tile_n=np.int64(t.tile_n),
+        decode_early_launch=bool(t.decode_early_launch),
+    )
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        logger.warning("flux_jax: using the XLA twin: %s", message)
+
+
+def register(spec) -> None:
+    """Registers the CPU and CUDA lowerings of `spec.primitive`."""
+
+    def rule(ctx, x, w, rank, *, call):
+        platform = platform_name(ctx.module_context.platforms[0])
+        plan = call.plan
+        if platform != call.platform:  # lowered for another platform than it was traced on
+            problem = spec.problem(ctx.avals_in[0].shape, ctx.avals_in[1].shape, ctx.avals_in[0].dtype,
+                                 call.tp, platform, call.transpose_w)
+            plan = _plan.plan(problem, call.impl, call.config, backward=call.backward)
+        groups = None
+        if plan.fused:
+            groups, reason = _topology(ctx, platform, call)
+            plan = _plan.for_topology(plan, spec.name, reason, call.forced)
+            if not plan.fused:
+                _log_once(reason)
+        if not plan.fused:
+            twin = lambda x, w, rank: spec.twin(x, w, call)  # noqa: E731
+            return mlir.lower_fun(twin, multiple_results=True)(ctx, x, w, rank)
+        auto = _automatic_axes(ctx)
+        if auto:
+            return _lower_in_manual_region(spec, ctx, x, w, rank, call, groups, auto)
+
+        # The rank operand (lax.axis_index) is cross-checked by the CPU handlers only.
         pass_rank = platform == "cpu"
-        if path == "decode":
-            if decode_supported(prim.name, tp_size, x_aval.shape, w_aval.shape, transpose_w, x_aval.dtype):
-                attrs["decode_path"] = True
-            else:
-                path = "latency"
-        if path == "latency":
-            lower = _latency_lowering(prim.name, transpose_w, tp_size, len(ctx.avals_out), attrs, pass_rank)
-            return lower(ctx, *operands)
+        if plan.path == "latency":
+            return _lower_latency(spec, ctx, x, w, rank, call, groups, pass_rank)
+        attrs = _common_attrs(groups, call, _callsite(ctx, spec.name, ctx.avals_in[:2], plan.path))
+        attrs.update(_gemm_attrs(call, plan.path))
+        operands = (x, w, rank)
         if not pass_rank:
             ctx, operands = ctx.replace(avals_in=ctx.avals_in[:2]), operands[:2]
-        return jax.ffi.ffi_lowering(target)(ctx, *operands, **attrs)
+        return jax.ffi.ffi_lowering(spec.target)(ctx, *operands, **attrs)
 
-    def cuda_rule(ctx, *operands, **params):
-        if not cuda_available():
+    def cuda_rule(ctx, *operands, call):
+        from flux_jax import _native
+
+        if call.plan.fused and not _native.has_cuda_kernel(spec.name):
             raise FusedUnavailableError(
-                f"flux_jax: no CUDA kernel for {prim.name} in this build "
-                f"(flux_jax.build_info() says what was built); use impl='xla' or 'auto'"
-            )
-        return rule(ctx, *operands, **params)
+                f"flux_jax: no CUDA kernel for {spec.name} in this build (flux_jax.build_info() says "
+                "what was built); use impl='xla' or 'auto'")
+        return rule(ctx, *operands, call=call)
 
-    mlir.register_lowering(prim, rule, platform="cpu")
-    mlir.register_lowering(prim, cuda_rule, platform="cuda")
+    mlir.register_lowering(spec.primitive, rule, platform="cpu")
+    mlir.register_lowering(spec.primitive, cuda_rule, platform="cuda")
+
+
+def _lower_latency(spec, ctx, x, w, rank, call, groups, pass_rank):
+    """The latency path: XLA's GEMM next to our one-kernel collective custom call."""
+    callsite = _callsite(ctx, spec.name, ctx.avals_in[:2], "latency")
+    attrs = tuple((k, tuple(v.tolist()) if isinstance(v, np.ndarray) else v)
+                  for k, v in _common_attrs(groups, call, callsite).items())
+
+    def collective(name, operand, shape, rank_operand):
+        operands = (operand, rank_operand) if pass_rank else (operand,)
+        return _collective_p.bind(*operands, name=name, out_shape=tuple(shape), attrs=attrs)
+
+    def latency(x, w, rank):
+        return spec.latency(x, w, call, lambda name, operand, shape: collective(name, operand, shape, rank))
+
+    return mlir.lower_fun(latency, multiple_results=True)(ctx, x, w, rank)
+
+
+# One of our collective custom calls (cpp/include/flux_jax/collectives.h), bound inside the
+# latency path's lowering only.
+_collective_p = Primitive("flux_jax_collective")
+_collective_p.def_abstract_eval(lambda x, *rank, name, out_shape, attrs: x.update(shape=out_shape))
+
+
+def _collective_lowering(ctx, *operands, name, out_shape, attrs):
+    kw = {k: np.array(v, dtype=np.int64) if isinstance(v, tuple) else v for k, v in attrs}
+    return jax.ffi.ffi_lowering(f"flux_jax_{name}")(ctx, *operands, **kw)
+
+
+mlir.register_lowering(_collective_p, _collective_lowering)

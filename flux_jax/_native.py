@@ -66,12 +66,9 @@ except ImportError as e:
             "source checkout without a built or installed extension does not work."
         ) from e
 
-AG_MATMUL_TARGET = "flux_jax_ag_matmul"
-MATMUL_RS_TARGET = "flux_jax_matmul_rs"
-ALL_GATHER_TARGET = "flux_jax_all_gather"  # latency path (see flux_jax/collectives.h)
-REDUCE_SCATTER_TARGET = "flux_jax_reduce_scatter"
-
-# Ops whose CUDA kernels are real (not the build placeholder).
+# The custom calls of the extension (cpp/include/flux_jax/ops.def); FFI target "flux_jax_<op>".
+OPS: tuple[str, ...] = tuple(_ext.ops())
+# Ops with CUDA kernels in this build.
 _CUDA_KERNELS: tuple[str, ...] = tuple(getattr(_ext, "cuda_kernels", lambda: ())())
 
 

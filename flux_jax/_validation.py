@@ -22,7 +22,7 @@ class AxisInfo:
     axis_name: str
     tp_size: int
     platform: str  # "cpu", "cuda", ... (lowercase, as in the abstract mesh)
-    fully_manual: bool  # every mesh axis of size > 1 is manual
+    auto_axes: tuple[str, ...]  # mesh axes of size > 1 left to the partitioner
 
 
 def _describe(a) -> str:
@@ -57,8 +57,8 @@ def check_axis(op: str, axis_name) -> AxisInfo:
     sizes = dict(zip(names, mesh.axis_sizes))
     device = getattr(mesh, "abstract_device", None)
     platform = getattr(device, "platform", None) or jax.default_backend()
-    fully_manual = all(sizes[a] == 1 or a in manual for a in names)
-    return AxisInfo(axis_name, int(sizes[axis_name]), str(platform).lower(), fully_manual)
+    auto = tuple(a for a in names if sizes[a] > 1 and a not in manual)
+    return AxisInfo(axis_name, int(sizes[axis_name]), platform_name(platform), auto)
 
 
 def check_operands(op: str, x, w) -> None:
@@ -87,11 +87,31 @@ def check_operands(op: str, x, w) -> None:
         )
 
 
-def check_rows_divisible(op: str, x, tp_size: int, axis_name: str) -> None:
-    if x.shape[0] % tp_size:
+def platform_name(platform) -> str:
+    """"cpu" or "cuda" (JAX says "gpu" for CUDA devices), else the platform's own name."""
+    name = str(platform).lower()
+    return "cuda" if name == "gpu" else name
+
+
+def check_dimension(op: str, x, dim, name: str) -> int:
+    """`dim` names a dimension of x other than the last (the contraction); returns it >= 0."""
+    if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):
+        raise TypeError(f"flux_jax.{op}: {name} must be an int, got {dim!r}")
+    ndim = len(x.shape)
+    d = int(dim) + ndim if dim < 0 else int(dim)
+    if not 0 <= d < ndim - 1:
         raise ValueError(
-            f"flux_jax.{op}: the leading dimension of x {_describe(x)} ({x.shape[0]} rows) must be "
-            f"divisible by the size of axis {axis_name!r} ({tp_size}) to be scattered over it"
+            f"flux_jax.{op}: {name}={dim} must name a dimension of x {_describe(x)} other than the "
+            f"last (the contraction dimension): -{ndim}..{ndim - 2} except -1")
+    return d
+
+
+def check_divisible(op: str, x, dim: int, tp_size: int, axis_name: str) -> None:
+    if x.shape[dim] % tp_size:
+        which = "the leading dimension" if dim == 0 else f"dimension {dim}"
+        raise ValueError(
+            f"flux_jax.{op}: {which} of x {_describe(x)} ({x.shape[dim]} rows) must be divisible by "
+            f"the size of axis {axis_name!r} ({tp_size}) to be scattered over it"
         )
 
 

@@ -14,8 +14,7 @@ import jax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from flux_jax.ag_matmul import ag_matmul
-from flux_jax.matmul_rs import matmul_rs
+from flux_jax.ops import ag_matmul, matmul_rs
 
 
 def _place(x, mesh, spec):

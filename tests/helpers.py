@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -109,3 +110,51 @@ def fused_fn(op: str, mesh, tp_axis: str, ndim: int, impl: str):
         x_spec, w_spec, out_spec = rs_specs(mesh, tp_axis, ndim)
         body = functools.partial(flux_jax.matmul_rs, axis_name=tp_axis, impl=impl)
     return shard_mapped(body, mesh, (x_spec, w_spec), out_spec), (x_spec, w_spec)
+
+
+# ---- GPU tests ------------------------------------------------------------------
+
+
+def gpu_mesh(gpus, shape=(2,), names=("tp",), axis_type=AxisType.Explicit):
+    n = int(np.prod(shape))
+    return jax.sharding.Mesh(np.array(gpus[:n]).reshape(shape), names, axis_types=(axis_type,) * len(shape))
+
+
+def op_fn(op, mesh, impl, tp_axis="tp", transpose_w=False):
+    """The op under jit + shard_map, bound to the flux_jax config current HERE (the function
+    is traced at its first call, possibly outside the caller's `with flux_jax.config(...)`)."""
+    if op == "ag":
+        specs, out = (P(tp_axis, None), P(None, tp_axis)), P(None, tp_axis)
+        fn = flux_jax.ag_matmul
+    else:
+        specs, out = (P(None, tp_axis), P(tp_axis, None)), P(tp_axis, None)
+        fn = flux_jax.matmul_rs
+    cfg = dataclasses.asdict(flux_jax.get_config())
+
+    def body(x, w):
+        with flux_jax.config(**cfg):
+            return fn(x, w, axis_name=tp_axis, impl=impl)
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out)), specs
+
+
+def missing_peer_times_out_then_reset(gpus, op, path, rows, message):
+    """Rank 1 never signals: the call's output is NaN or right, never finite and wrong, and a
+    device error names the wait (`message`); after flux_jax.reset() the same op on that path is
+    right again."""
+    mesh = gpu_mesh(gpus)
+    rng = np.random.default_rng()
+    x, w = random_array(rng, (rows, 256), "bfloat16"), random_array(rng, (256, 256), "bfloat16")
+    with flux_jax.config(timeout_s=0.5, debug_drop_rank=1, fused_path=path):
+        f, specs = op_fn(op, mesh, "fused")
+        xs, ws = place(mesh, x, specs[0]), place(mesh, w, specs[1])
+        out = f(xs, ws)
+    twin, _ = op_fn(op, mesh, "xla")
+    assert_nan_or_right(out, to64(x) @ to64(w), twin(xs, ws), "bfloat16", f"{op} {path}, rank 1 silent")
+    errors = flux_jax.device_errors()
+    assert errors and any(message in e for e in errors.values()), errors
+    flux_jax.reset()
+    assert not flux_jax.device_errors()
+    with flux_jax.config(fused_path=path):
+        good, _ = op_fn(op, mesh, "fused")
+    assert_matches(good(xs, ws), to64(x) @ to64(w), twin(xs, ws), "bfloat16", "after reset")

@@ -88,15 +88,18 @@ elif scenario == "local_groups":  # dp=2 across processes x tp=4 within each pro
     mesh = jax.sharding.Mesh(devices, ("dp", "tp"), axis_types=(AxisType.Explicit,) * 2)
     result.update(run_ops(mesh, "tp", x_host, w_host, c_host))
 elif scenario == "cross_host":  # host ids differ: fused primitive -> twin with a log line, impl="fused" -> error
-    from flux_jax import _autodiff, _dispatch
+    from flux_jax import _config, _plan
+    from flux_jax.ops import REGISTRY
+    from flux_jax.ops._spec import Call, unify_varying
 
     mesh = jax.make_mesh((8,), ("tp",), axis_types=(AxisType.Explicit,))
     x, w = global_array(mesh, P("tp", None), x_host), global_array(mesh, P(None, "tp"), w_host)
 
     def not_forced(x, w):  # what impl="auto" emits where it picks the fused kernel (GPU)
-        spec = _dispatch.FusedSpec("tp", 8, False, flux_jax.get_config(), False)
-        x, w = _dispatch.unify_varying("tp", x, w)
-        return _autodiff.ag_core(x, w, spec, False)[0]
+        plan = _plan.Plan("overlap", "what auto plans on GPU", "test")
+        call = Call("tp", 8, False, "auto", False, plan, flux_jax.get_config(), _config.get_gpu_tuning())
+        x, w = unify_varying("tp", x, w)
+        return REGISTRY["ag_matmul"].core(x, w, call)[0]
 
     specs = dict(mesh=mesh, in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp"))
     auto = jax.jit(jax.shard_map(not_forced, **specs))

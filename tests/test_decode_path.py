@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import flux_jax
-from flux_jax import _lowering
+from flux_jax import _config, _plan
 from helpers import assert_matches, cpu_mesh, place, random_array, to64
 
 needs_cuda_build = pytest.mark.skipif(not flux_jax._native.has_cuda_kernel("ag_matmul"),
@@ -46,7 +46,7 @@ def _lowered_for_cuda(op, m, k, n, dtype, tp=2, grad=False, path="decode"):
 
 def _decode_calls(text, op="ag"):
     target = "flux_jax_ag_matmul" if op == "ag" else "flux_jax_matmul_rs"
-    return len(re.findall(rf"custom_call @{target}\(.*decode_path = true", text))
+    return len(re.findall(rf"custom_call @{target}\(.*path = 1 : i32", text))
 
 
 @needs_cuda_build
@@ -100,7 +100,7 @@ def test_backward_of_decode_rs_takes_the_latency_path():
 @needs_cuda_build
 def test_auto_takes_the_decode_path_where_it_measured_faster():
     """impl="fused" with fused_path="auto": decode at <= 128 rows and a per-rank n <= 8192 (bf16),
-    the latency path for a wider weight (_heuristics.py, s14)."""
+    the latency path for a wider weight (flux_jax/_auto_rule.py)."""
     assert _decode_calls(_lowered_for_cuda("ag", 64, 64, 2 * 4096, "bfloat16", path="auto")) == 1
     wide = _lowered_for_cuda("ag", 64, 64, 2 * 14336, "bfloat16", path="auto")
     assert _decode_calls(wide) == 0 and "flux_jax_all_gather" in wide
@@ -108,31 +108,35 @@ def test_auto_takes_the_decode_path_where_it_measured_faster():
 
 @needs_cuda_build
 def test_auto_takes_the_rs_decode_path_where_it_measured_faster():
-    """matmul_rs: decode at <= 64 rows, and at 128 only for a per-rank weight <= 16M elements (s15)."""
+    """matmul_rs: decode at <= 64 rows, and at 128 only for a per-rank weight <= 16M elements."""
     assert _decode_calls(_lowered_for_cuda("rs", 64, 2 * 64, 32, "bfloat16", path="auto"), "rs") == 1
     assert _decode_calls(_lowered_for_cuda("rs", 128, 2 * 64, 32, "bfloat16", path="auto"), "rs") == 1
     big = _lowered_for_cuda("rs", 128, 2 * 4096, 4104, "bfloat16", path="auto")  # 16.8M > 16M
     assert _decode_calls(big, "rs") == 0 and "flux_jax_reduce_scatter" in big
 
 
+def _supported(op, tp, rows, k, n, transpose_w=False, dtype=jnp.bfloat16):
+    problem = _plan.Problem(op, rows, k, n, np.dtype(dtype), tp, "cuda", transpose_w)
+    return _plan.decode_supported(problem)
+
+
 def test_decode_supported_matches_the_kernels():
-    ag, rs, bf16 = "flux_jax_ag_matmul", "flux_jax_matmul_rs", jnp.bfloat16
-    w = (8192, 4096)
-    assert _lowering.decode_supported(ag, 2, (64, 8192), w, False, bf16)
-    assert _lowering.decode_supported(ag, 8, (16, 8192), w, False, bf16)
-    assert _lowering.decode_supported(ag, 2, (65, 8192), w, False, bf16)  # 130 rows: two row tiles
-    assert _lowering.decode_supported(ag, 2, (128, 8192), w, False, bf16)
-    assert not _lowering.decode_supported(ag, 2, (129, 8192), w, False, bf16)  # 258 rows
-    assert not _lowering.decode_supported(ag, 2, (64, 8192), w, True, bf16)
-    assert not _lowering.decode_supported(ag, 1, (64, 8192), w, False, bf16)
-    assert not _lowering.decode_supported(ag, 16, (8, 8192), w, False, bf16)  # more ranks than it serves
-    # matmul_rs: x holds all rows (its K is sharded); n up to one flag per 64 columns, 512 of them
-    assert _lowering.decode_supported(rs, 2, (128, 4096), (4096, 8192), False, bf16)
-    assert _lowering.decode_supported(rs, 8, (8, 4096), (4096, 32768), False, bf16)
-    assert not _lowering.decode_supported(rs, 2, (130, 4096), (4096, 8192), False, bf16)
-    assert not _lowering.decode_supported(rs, 2, (64, 4096), (4096, 32776), False, bf16)
-    assert not _lowering.decode_supported(rs, 2, (64, 4096), (8192, 4096), True, bf16)
-    assert not _lowering.decode_supported(rs, 2, (64, 4096), (4096, 8192), False, jnp.float16)
+    ag, rs = "ag_matmul", "matmul_rs"
+    assert _supported(ag, 2, 128, 8192, 4096)
+    assert _supported(ag, 8, 128, 8192, 4096)
+    assert _supported(ag, 2, 130, 8192, 4096)  # two row tiles
+    assert _supported(ag, 2, 256, 8192, 4096)
+    assert not _supported(ag, 2, 258, 8192, 4096)
+    assert not _supported(ag, 2, 128, 8192, 4096, transpose_w=True)
+    assert not _supported(ag, 1, 64, 8192, 4096)
+    assert not _supported(ag, 16, 128, 8192, 4096)  # more ranks than it serves
+    # matmul_rs: x holds all rows (its K is sharded); n up to its low-latency area's limit
+    assert _supported(rs, 2, 128, 4096, 8192)
+    assert _supported(rs, 8, 8, 4096, 32768)
+    assert not _supported(rs, 2, 130, 4096, 8192)
+    assert not _supported(rs, 2, 64, 4096, 32776)
+    assert not _supported(rs, 2, 64, 4096, 8192, transpose_w=True)
+    assert not _supported(rs, 2, 64, 4096, 8192, dtype=jnp.float16)
 
 
 @pytest.mark.parametrize("op", ["ag", "rs"])
@@ -173,8 +177,8 @@ def test_cpu_results_and_gradients_with_decode_config(op, m_local):
 
 def test_config_validates_decode_settings():
     assert flux_jax.Config(fused_path="decode").fused_path == "decode"
-    assert flux_jax.Config(gpu_decode_early_launch=0).gpu_decode_early_launch == 0
-    with pytest.raises(ValueError, match="gpu_decode_early_launch"):
-        flux_jax.Config(gpu_decode_early_launch=2)
+    assert _config.GpuTuning(decode_early_launch=0).decode_early_launch == 0
+    with pytest.raises(ValueError, match="decode_early_launch"):
+        _config.GpuTuning(decode_early_launch=2)
     with pytest.raises(ValueError, match='"decode"'):
         flux_jax.Config(fused_path="decoder")

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import flux_jax
 from helpers import assert_matches, place, random_array, to64
-from test_gpu_fused import _mesh, _op_fn, gpus, missing_peer_times_out_then_reset  # noqa: F401  (gpus: the fixture)
+from helpers import gpu_mesh as _mesh, missing_peer_times_out_then_reset, op_fn as _op_fn
 
 
 def _is_decode(f, *args, op="ag"):

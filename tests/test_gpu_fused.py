@@ -17,50 +17,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import flux_jax
-from helpers import assert_matches, assert_nan_or_right, place, random_array, to64
-
-
-def _gpus():
-    try:
-        return [d for d in jax.devices() if d.platform == "gpu"]
-    except RuntimeError:
-        return []
-
-
-@pytest.fixture(scope="module")
-def gpus():
-    devs = _gpus()
-    if len(devs) < 2 or "ag_matmul" not in flux_jax.build_info()["cuda_kernels"]:
-        why = f"needs 2 GPUs and a CUDA build (found {len(devs)} GPUs, build {flux_jax.build_info()})"
-        if os.environ.get("FLUX_JAX_REQUIRE_GPU") == "1":
-            pytest.fail(why)
-        pytest.skip(why)
-    return devs
-
-
-def _mesh(gpus, shape=(2,), names=("tp",), axis_type=AxisType.Explicit):
-    n = int(np.prod(shape))
-    return jax.sharding.Mesh(np.array(gpus[:n]).reshape(shape), names, axis_types=(axis_type,) * len(shape))
-
-
-def _op_fn(op, mesh, impl, tp_axis="tp", transpose_w=False):
-    """The op under jit + shard_map, traced under the flux_jax config current HERE: the
-    config is read while tracing, which happens at the first call, often after the
-    caller's `with flux_jax.config(...)` has ended (until 2026-11-30 that silently ran the
-    tests' forced paths as "auto")."""
-    if op == "ag":
-        specs, out = (P(tp_axis, None), P(None, tp_axis)), P(None, tp_axis)
-        fn = flux_jax.ag_matmul
-    else:
-        specs, out = (P(None, tp_axis), P(tp_axis, None)), P(tp_axis, None)
-        fn = flux_jax.matmul_rs
-    cfg = dataclasses.asdict(flux_jax.get_config())
-
-    def body(x, w):
-        with flux_jax.config(**cfg):
-            return fn(x, w, axis_name=tp_axis, impl=impl)
-
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out)), specs
+from helpers import assert_matches, assert_nan_or_right, gpu_mesh as _mesh, missing_peer_times_out_then_reset, op_fn as _op_fn, place, random_array, to64
 
 
 SHAPES = [  # global (M, K, N): aligned, unaligned m_local, K/N not multiples of 64, tiny
@@ -350,28 +307,6 @@ def test_latency_path_small_m(gpus, op):
         assert "flux_jax_all_gather" in hlo or "flux_jax_reduce_scatter" in hlo
         assert_matches(f(xs, ws), to64(x) @ to64(w), t(xs, ws), "bfloat16", f"{op} M={M} K={K} N={N}")
     assert not flux_jax.device_errors()
-
-
-def missing_peer_times_out_then_reset(gpus, op, path, rows, message):
-    """Rank 1 never signals: the call's output is NaN or right, never finite and wrong, and a
-    device error names the wait (`message`); after flux_jax.reset() the same op on that path is
-    right again."""
-    mesh = _mesh(gpus)
-    rng = np.random.default_rng()
-    x, w = random_array(rng, (rows, 256), "bfloat16"), random_array(rng, (256, 256), "bfloat16")
-    with flux_jax.config(timeout_s=0.5, debug_drop_rank=1, fused_path=path):
-        f, specs = _op_fn(op, mesh, "fused")
-        xs, ws = place(mesh, x, specs[0]), place(mesh, w, specs[1])
-        out = f(xs, ws)
-    twin, _ = _op_fn(op, mesh, "xla")
-    assert_nan_or_right(out, to64(x) @ to64(w), twin(xs, ws), "bfloat16", f"{op} {path}, rank 1 silent")
-    errors = flux_jax.device_errors()
-    assert errors and any(message in e for e in errors.values()), errors
-    flux_jax.reset()
-    assert not flux_jax.device_errors()
-    with flux_jax.config(fused_path=path):
-        good, _ = _op_fn(op, mesh, "fused")
-    assert_matches(good(xs, ws), to64(x) @ to64(w), twin(xs, ws), "bfloat16", "after reset")
 
 
 @pytest.mark.parametrize("op", ["ag", "rs"])

@@ -59,7 +59,7 @@ def test_checkout_borrowing_an_extension_warns_when_the_python_differs(tmp_path)
         pytest.skip("the extension is not a plain file here")
     installed = _package_copy(str(tmp_path / "site"), so_path)
     same = _package_copy(str(tmp_path / "same"), None)
-    edited = _package_copy(str(tmp_path / "edited"), None, edit="_heuristics.py")
+    edited = _package_copy(str(tmp_path / "edited"), None, edit="_plan.py")
     assert "differs" not in _import_warnings(same, installed)
     err = _import_warnings(edited, installed)
-    assert "whose Python differs (_heuristics.py)" in err, err[-2000:]
+    assert "whose Python differs (_plan.py)" in err, err[-2000:]

@@ -82,7 +82,7 @@ def test_stopped_run_resumes_with_identical_losses(example, tmp_path):
     (["--seq", "18"], "seq=18 is not divisible by tp=4"),
     (["--batch", "3"], "batch=3 is not divisible by the data-parallel size 2"),
     (["--dp", "4"], "only 8 cpu devices"),
-    (["--flux-config", "gpu_tile_n=100"], "--flux-config: Config.gpu_tile_n must be"),
+    (["--flux-config", "gpu_tile_n=100"], "--flux-config: GpuTuning.tile_n must be"),
     (["--flux-config", "gpu_tile_n"], "--flux-config: expected name=value"),
     (["--flux-config", "no_such_field=1"], "no_such_field"),
 ])

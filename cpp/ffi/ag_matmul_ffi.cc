@@ -2,6 +2,7 @@
 // into AgMatmulParams, call the backend, turn its Status into ffi::Error.
 #include <optional>
 
+#include "attrs.h"
 #include "ffi_common.h"
 #include "flux_jax/ag_matmul.h"
 #include "handler_stats.h"
@@ -11,19 +12,19 @@ namespace flux_jax::ffi_adapter {
 namespace {
 
 Status MakeParams(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
-                  ffi::RemainingRets& extra, const ffi::Dictionary& attrs, const TpGroup& group,
+                  ffi::RemainingRets& extra, const GemmAttrs& attrs, const TpGroup& group,
                   AgMatmulParams* p) {
-  auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2) {
-    return Status::InvalidArgument("ag_matmul: x and w must be 2-D inside the custom call");
-  }
+  auto wd = w.dimensions();
+  Folded xf;
+  FLUX_JAX_RETURN_IF_ERROR(Fold(x, "ag_matmul x", &xf));
+  if (wd.size() != 2) return Status::InvalidArgument("ag_matmul: w must be 2-D");
   FLUX_JAX_RETURN_IF_ERROR(ToDType(x.element_type(), "ag_matmul x", &p->dtype));
   if (w.element_type() != x.element_type() || out->element_type() != x.element_type()) {
     return Status::InvalidArgument("ag_matmul: x, w and out must share one dtype");
   }
-  FLUX_JAX_RETURN_IF_ERROR(GetAttr(attrs, "w_transposed", &p->w_transposed));
-  p->m_local = xd[0];
-  p->k = xd[1];
+  p->w_transposed = attrs.w_transposed;
+  p->m_local = xf.rows;
+  p->k = xf.cols;
   p->n = p->w_transposed ? wd[0] : wd[1];
   if ((p->w_transposed ? wd[1] : wd[0]) != p->k) {
     return Status::InvalidArgument("ag_matmul: contraction sizes of x and w differ");
@@ -49,13 +50,13 @@ Status MakeParams(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer
 // GPU lowering does not pass it (computing it cost a ~1 us convert kernel per call).
 ffi::Error AgMatmul(void* stream, int32_t device_ordinal, std::optional<int32_t> host_rank, ffi::AnyBuffer x,
                     ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out, ffi::RemainingRets extra,
-                    ffi::Dictionary attrs) {
+                    const GemmAttrs& attrs) {
   ScopedHandlerTimer timer(HandlerOp::kAgMatmul);
   TpGroup group;
   CommConfig cfg;
   AgMatmulParams p;
   const Platform platform = stream ? Platform::kCuda : Platform::kCpu;
-  Status s = DecodeCommon(attrs, platform, device_ordinal, host_rank, &group, &cfg);
+  Status s = DecodeGemm(attrs, platform, device_ordinal, host_rank, &group, &cfg);
   if (s.ok()) s = MakeParams(x, w, out, extra, attrs, group, &p);
   if (s.ok()) s = stream ? RunAgMatmulCuda(p, group, cfg, stream) : RunAgMatmulCpu(p, group, cfg);
   return ToFfiError(s);
@@ -63,12 +64,12 @@ ffi::Error AgMatmul(void* stream, int32_t device_ordinal, std::optional<int32_t>
 
 ffi::Error AgMatmulCpu(int32_t device_ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
                        ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> out,
-                       ffi::RemainingRets extra, ffi::Dictionary attrs) {
+                       ffi::RemainingRets extra, GemmAttrs attrs) {
   return AgMatmul(nullptr, device_ordinal, rank.typed_data()[0], x, w, out, extra, attrs);
 }
 
 ffi::Error AgMatmulCuda(void* stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                        ffi::Result<ffi::AnyBuffer> out, ffi::RemainingRets extra, ffi::Dictionary attrs) {
+                        ffi::Result<ffi::AnyBuffer> out, ffi::RemainingRets extra, GemmAttrs attrs) {
   return AgMatmul(stream, device_ordinal, std::nullopt, x, w, out, extra, attrs);
 }
 
@@ -85,7 +86,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FluxJaxAgMatmulCpu, flux_jax::ffi_adapter::AgMatmu
                                   .Arg<ffi::Buffer<ffi::S32>>()  // rank = lax.axis_index
                                   .Ret<ffi::AnyBuffer>()         // out [tp*m_local, n]
                                   .RemainingRets()               // gathered x, optional
-                                  .Attrs());
+                                  .Attrs<flux_jax::ffi_adapter::GemmAttrs>());
 
 #ifdef FLUX_JAX_WITH_CUDA
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FluxJaxAgMatmulCuda, flux_jax::ffi_adapter::AgMatmulCuda,
@@ -96,5 +97,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FluxJaxAgMatmulCuda, flux_jax::ffi_adapter::AgMatm
                                   .Arg<ffi::AnyBuffer>()         // w [k, n] or [n, k]
                                   .Ret<ffi::AnyBuffer>()         // out [tp*m_local, n]
                                   .RemainingRets()               // gathered x, optional
-                                  .Attrs());
+                                  .Attrs<flux_jax::ffi_adapter::GemmAttrs>());
 #endif

@@ -2,6 +2,7 @@
 // decode the buffers into CollectiveParams, call the backend, map the Status.
 #include <optional>
 
+#include "attrs.h"
 #include "ffi_common.h"
 #include "flux_jax/collectives.h"
 #include "handler_stats.h"
@@ -15,14 +16,14 @@ enum class Collective { kAllGather, kReduceScatter };
 Status MakeParams(Collective op, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
                   const TpGroup& group, CollectiveParams* p) {
   const char* name = op == Collective::kAllGather ? "all_gather" : "reduce_scatter";
-  auto xd = x.dimensions();
-  if (xd.size() != 2) return Status::InvalidArgument(std::string(name) + ": x must be 2-D");
+  Folded xf;
+  FLUX_JAX_RETURN_IF_ERROR(Fold(x, name, &xf));
   FLUX_JAX_RETURN_IF_ERROR(ToDType(x.element_type(), name, &p->dtype));
   if (out->element_type() != x.element_type()) {
     return Status::InvalidArgument(std::string(name) + ": x and out must share one dtype");
   }
-  p->rows = xd[0];
-  p->cols = xd[1];
+  p->rows = xf.rows;
+  p->cols = xf.cols;
   p->x = x.untyped_data();
   p->out = out->untyped_data();
   if (op == Collective::kAllGather) {
@@ -36,7 +37,7 @@ Status MakeParams(Collective op, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> o
 // `stream` is null on CPU; `host_rank` only there (see ag_matmul_ffi.cc).
 template <Collective op>
 ffi::Error Run(void* stream, int32_t device_ordinal, std::optional<int32_t> host_rank, ffi::AnyBuffer x,
-               ffi::Result<ffi::AnyBuffer> out, ffi::Dictionary attrs) {
+               ffi::Result<ffi::AnyBuffer> out, const CollectiveAttrs& attrs) {
   ScopedHandlerTimer timer(op == Collective::kAllGather ? HandlerOp::kAllGather : HandlerOp::kReduceScatter);
   TpGroup group;
   CommConfig cfg;
@@ -56,13 +57,13 @@ ffi::Error Run(void* stream, int32_t device_ordinal, std::optional<int32_t> host
 
 template <Collective op>
 ffi::Error RunCpu(int32_t device_ordinal, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank,
-                  ffi::Result<ffi::AnyBuffer> out, ffi::Dictionary attrs) {
+                  ffi::Result<ffi::AnyBuffer> out, CollectiveAttrs attrs) {
   return Run<op>(nullptr, device_ordinal, rank.typed_data()[0], x, out, attrs);
 }
 
 template <Collective op>
 ffi::Error RunCuda(void* stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
-                   ffi::Dictionary attrs) {
+                   CollectiveAttrs attrs) {
   return Run<op>(stream, device_ordinal, std::nullopt, x, out, attrs);
 }
 
@@ -79,14 +80,14 @@ using flux_jax::ffi_adapter::Collective;
       .Arg<ffi::AnyBuffer>()         /* x */                              \
       .Arg<ffi::Buffer<ffi::S32>>()  /* rank = lax.axis_index */          \
       .Ret<ffi::AnyBuffer>()         /* gathered / reduced rows */        \
-      .Attrs()
+      .Attrs<flux_jax::ffi_adapter::CollectiveAttrs>()
 #define FLUX_JAX_CUDA_COLLECTIVE_BINDING()                                \
   ffi::Ffi::Bind()                                                        \
       .Ctx<ffi::PlatformStream<void*>>()                                  \
       .Ctx<ffi::DeviceOrdinal>()                                          \
       .Arg<ffi::AnyBuffer>()         /* x */                              \
       .Ret<ffi::AnyBuffer>()         /* gathered / reduced rows */        \
-      .Attrs()
+      .Attrs<flux_jax::ffi_adapter::CollectiveAttrs>()
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FluxJaxAllGatherCpu,
                               flux_jax::ffi_adapter::RunCpu<Collective::kAllGather>,

@@ -16,13 +16,13 @@ AtomicStat& StatOf(HandlerOp op) { return g_stats[static_cast<int>(op)]; }
 }  // namespace
 
 const char* HandlerOpName(HandlerOp op) {
-  switch (op) {
-    case HandlerOp::kAgMatmul: return "ag_matmul";
-    case HandlerOp::kMatmulRs: return "matmul_rs";
-    case HandlerOp::kAllGather: return "all_gather";
-    case HandlerOp::kReduceScatter: return "reduce_scatter";
-    default: return "?";
-  }
+  static constexpr const char* kNames[] = {
+#define FLUX_JAX_OP(snake, Pascal) #snake,
+#include "flux_jax/ops.def"
+#undef FLUX_JAX_OP
+  };
+  const int i = static_cast<int>(op);
+  return i >= 0 && i < static_cast<int>(HandlerOp::kCount) ? kNames[i] : "?";
 }
 
 void RecordHandlerTime(HandlerOp op, uint64_t ns) {

@@ -11,7 +11,13 @@
 
 namespace flux_jax::ffi_adapter {
 
-enum class HandlerOp : int { kAgMatmul = 0, kMatmulRs, kAllGather, kReduceScatter, kCount };
+// One counter per op of flux_jax/ops.def: HandlerOp::kAgMatmul, ...
+enum class HandlerOp : int {
+#define FLUX_JAX_OP(snake, Pascal) k##Pascal,
+#include "flux_jax/ops.def"
+#undef FLUX_JAX_OP
+  kCount
+};
 
 struct HandlerStat {
   uint64_t calls = 0;

@@ -1,15 +1,15 @@
-// Every FFI handler symbol the extension module registers.
+// Every FFI handler symbol the extension module registers (one per op of
+// flux_jax/ops.def and platform).
 #pragma once
 
 #include "xla/ffi/api/api.h"
 
-XLA_FFI_DECLARE_HANDLER_SYMBOL(FluxJaxAgMatmulCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(FluxJaxMatmulRsCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(FluxJaxAllGatherCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(FluxJaxReduceScatterCpu);
+#define FLUX_JAX_OP(snake, Pascal) XLA_FFI_DECLARE_HANDLER_SYMBOL(FluxJax##Pascal##Cpu);
+#include "flux_jax/ops.def"
+#undef FLUX_JAX_OP
+
 #ifdef FLUX_JAX_WITH_CUDA
-XLA_FFI_DECLARE_HANDLER_SYMBOL(FluxJaxAgMatmulCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(FluxJaxMatmulRsCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(FluxJaxAllGatherCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(FluxJaxReduceScatterCuda);
+#define FLUX_JAX_OP(snake, Pascal) XLA_FFI_DECLARE_HANDLER_SYMBOL(FluxJax##Pascal##Cuda);
+#include "flux_jax/ops.def"
+#undef FLUX_JAX_OP
 #endif

@@ -2,6 +2,7 @@
 // into MatmulRsParams, call the backend, turn its Status into ffi::Error.
 #include <optional>
 
+#include "attrs.h"
 #include "ffi_common.h"
 #include "flux_jax/matmul_rs.h"
 #include "handler_stats.h"
@@ -11,18 +12,18 @@ namespace flux_jax::ffi_adapter {
 namespace {
 
 Status MakeParams(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
-                  const ffi::Dictionary& attrs, const TpGroup& group, MatmulRsParams* p) {
-  auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2) {
-    return Status::InvalidArgument("matmul_rs: x and w must be 2-D inside the custom call");
-  }
+                  const GemmAttrs& attrs, const TpGroup& group, MatmulRsParams* p) {
+  auto wd = w.dimensions();
+  Folded xf;
+  FLUX_JAX_RETURN_IF_ERROR(Fold(x, "matmul_rs x", &xf));
+  if (wd.size() != 2) return Status::InvalidArgument("matmul_rs: w must be 2-D");
   FLUX_JAX_RETURN_IF_ERROR(ToDType(x.element_type(), "matmul_rs x", &p->dtype));
   if (w.element_type() != x.element_type() || out->element_type() != x.element_type()) {
     return Status::InvalidArgument("matmul_rs: x, w and out must share one dtype");
   }
-  FLUX_JAX_RETURN_IF_ERROR(GetAttr(attrs, "w_transposed", &p->w_transposed));
-  p->m = xd[0];
-  p->k = xd[1];
+  p->w_transposed = attrs.w_transposed;
+  p->m = xf.rows;
+  p->k = xf.cols;
   p->n = p->w_transposed ? wd[0] : wd[1];
   if ((p->w_transposed ? wd[1] : wd[0]) != p->k) {
     return Status::InvalidArgument("matmul_rs: contraction sizes of x and w differ");
@@ -36,13 +37,13 @@ Status MakeParams(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer
 
 // `stream` is null on CPU; `host_rank` only there (see ag_matmul_ffi.cc).
 ffi::Error MatmulRs(void* stream, int32_t device_ordinal, std::optional<int32_t> host_rank, ffi::AnyBuffer x,
-                    ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out, ffi::Dictionary attrs) {
+                    ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out, const GemmAttrs& attrs) {
   ScopedHandlerTimer timer(HandlerOp::kMatmulRs);
   TpGroup group;
   CommConfig cfg;
   MatmulRsParams p;
   const Platform platform = stream ? Platform::kCuda : Platform::kCpu;
-  Status s = DecodeCommon(attrs, platform, device_ordinal, host_rank, &group, &cfg);
+  Status s = DecodeGemm(attrs, platform, device_ordinal, host_rank, &group, &cfg);
   if (s.ok()) s = MakeParams(x, w, out, attrs, group, &p);
   if (s.ok()) s = stream ? RunMatmulRsCuda(p, group, cfg, stream) : RunMatmulRsCpu(p, group, cfg);
   return ToFfiError(s);
@@ -50,12 +51,12 @@ ffi::Error MatmulRs(void* stream, int32_t device_ordinal, std::optional<int32_t>
 
 ffi::Error MatmulRsCpu(int32_t device_ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
                        ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> out,
-                       ffi::Dictionary attrs) {
+                       GemmAttrs attrs) {
   return MatmulRs(nullptr, device_ordinal, rank.typed_data()[0], x, w, out, attrs);
 }
 
 ffi::Error MatmulRsCuda(void* stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                        ffi::Result<ffi::AnyBuffer> out, ffi::Dictionary attrs) {
+                        ffi::Result<ffi::AnyBuffer> out, GemmAttrs attrs) {
   return MatmulRs(stream, device_ordinal, std::nullopt, x, w, out, attrs);
 }
 
@@ -71,7 +72,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FluxJaxMatmulRsCpu, flux_jax::ffi_adapter::MatmulR
                                   .Arg<ffi::AnyBuffer>()         // w [k_local, n] or [n, k_local]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // rank = lax.axis_index
                                   .Ret<ffi::AnyBuffer>()         // out [m/tp, n]
-                                  .Attrs());
+                                  .Attrs<flux_jax::ffi_adapter::GemmAttrs>());
 
 #ifdef FLUX_JAX_WITH_CUDA
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FluxJaxMatmulRsCuda, flux_jax::ffi_adapter::MatmulRsCuda,
@@ -81,5 +82,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FluxJaxMatmulRsCuda, flux_jax::ffi_adapter::Matmul
                                   .Arg<ffi::AnyBuffer>()         // x [m, k_local]
                                   .Arg<ffi::AnyBuffer>()         // w [k_local, n] or [n, k_local]
                                   .Ret<ffi::AnyBuffer>()         // out [m/tp, n]
-                                  .Attrs());
+                                  .Attrs<flux_jax::ffi_adapter::GemmAttrs>());
 #endif

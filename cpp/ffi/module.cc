@@ -8,6 +8,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "flux_jax/cpu_channels.h"
+#include "flux_jax/limits.h"
 #include "flux_jax/process.h"
 #include "flux_jax/tile_order.h"
 #include "handler_stats.h"
@@ -15,7 +16,6 @@
 #include "xla/ffi/api/c_api.h"
 
 #ifdef FLUX_JAX_WITH_CUDA
-#include <nanobind/stl/tuple.h>
 
 #include "flux_jax/cuda_runtime.h"
 #endif
@@ -34,21 +34,43 @@ nb::capsule Capsule(Fn* fn) {
 
 nb::dict Registrations() {
   nb::dict cpu;
-  cpu["flux_jax_ag_matmul"] = Capsule(FluxJaxAgMatmulCpu);
-  cpu["flux_jax_matmul_rs"] = Capsule(FluxJaxMatmulRsCpu);
-  cpu["flux_jax_all_gather"] = Capsule(FluxJaxAllGatherCpu);
-  cpu["flux_jax_reduce_scatter"] = Capsule(FluxJaxReduceScatterCpu);
+#define FLUX_JAX_OP(snake, Pascal) cpu["flux_jax_" #snake] = Capsule(FluxJax##Pascal##Cpu);
+#include "flux_jax/ops.def"
+#undef FLUX_JAX_OP
   nb::dict all;
   all["cpu"] = cpu;
 #ifdef FLUX_JAX_WITH_CUDA
   nb::dict cuda;
-  cuda["flux_jax_ag_matmul"] = Capsule(FluxJaxAgMatmulCuda);
-  cuda["flux_jax_matmul_rs"] = Capsule(FluxJaxMatmulRsCuda);
-  cuda["flux_jax_all_gather"] = Capsule(FluxJaxAllGatherCuda);
-  cuda["flux_jax_reduce_scatter"] = Capsule(FluxJaxReduceScatterCuda);
+#define FLUX_JAX_OP(snake, Pascal) cuda["flux_jax_" #snake] = Capsule(FluxJax##Pascal##Cuda);
+#include "flux_jax/ops.def"
+#undef FLUX_JAX_OP
   all["CUDA"] = cuda;
 #endif
   return all;
+}
+
+// The ops of flux_jax/ops.def, in order.
+std::vector<std::string> Ops() {
+  return {
+#define FLUX_JAX_OP(snake, Pascal) #snake,
+#include "flux_jax/ops.def"
+#undef FLUX_JAX_OP
+  };
+}
+
+// The kernel limits the Python planner respects (flux_jax/limits.h).
+nb::dict Limits() {
+  namespace l = flux_jax::limits;
+  nb::dict d;
+  d["cpu_max_tp"] = l::kCpuMaxTp;
+  d["gpu_max_tp"] = l::kGpuMaxTp;
+  d["latency_max_tp"] = l::kLatencyMaxTp;
+  d["decode_max_tp"] = l::kDecodeMaxTp;
+  d["decode_ag_max_rows"] = l::kDecodeAgMaxRows;
+  d["decode_rs_max_rows"] = l::kDecodeRsMaxRows;
+  d["decode_rs_max_n"] = l::kDecodeRsMaxN;
+  d["gpu_align_elements"] = l::kGpuAlignElements;
+  return d;
 }
 
 nb::dict BuildInfo() {
@@ -77,6 +99,8 @@ NB_MODULE(_flux_jax_ffi, m) {
   m.def("registrations", &Registrations,
         "{platform: {target name: handler capsule}} for jax.ffi.register_ffi_target.");
   m.def("build_info", &BuildInfo, "What this extension was built with.");
+  m.def("ops", &Ops, "The custom calls of this extension (flux_jax/ops.def), in order.");
+  m.def("limits", &Limits, "Kernel limits the planner respects (flux_jax/limits.h).");
   m.def("reset_cpu_channels", &flux_jax::ResetCpuChannels,
         "Drop all CPU-backend channels (also clears failed state).");
   m.def("cpu_channel_count", &flux_jax::CpuChannelCount, "Number of live CPU-backend channels.");
@@ -122,8 +146,7 @@ NB_MODULE(_flux_jax_ffi, m) {
       nb::arg("tiles_m"), nb::arg("tiles_n"), nb::arg("group"), nb::arg("rotate"),
       "The overlap GEMM's (m, n) tile order (flux_jax/tile_order.h), for tests.");
 #ifdef FLUX_JAX_WITH_CUDA
-  m.def("cuda_kernels", [] { return std::make_tuple(std::string("ag_matmul"), std::string("matmul_rs"), std::string("all_gather"), std::string("reduce_scatter")); },
-        "Ops with CUDA kernels in this build.");
+  m.def("cuda_kernels", &Ops, "Ops with CUDA kernels in this build (all of ops.def).");
   m.def("reset_cuda_workspaces", &flux_jax::ResetCudaWorkspaces,
         "Free all GPU workspaces and clear device error records.");
   m.def("cuda_workspace_bytes", &flux_jax::CudaWorkspaceBytes, nb::arg("device"),

@@ -35,24 +35,35 @@ struct TpGroup {
   std::string Describe() const;   // "TP group 1 [devices 4,5,6,7]"
 };
 
-// Knobs that travel from flux_jax.Config as FFI attributes.
+// Which kernel a fused GEMM op runs (the latency path is a separate custom call:
+// XLA's GEMM next to our collective). Decided in Python (flux_jax/_plan.py).
+enum class FusedPath : int32_t { kOverlap = 0, kDecode = 1 };
+
+// GPU tuning of the overlap and decode kernels. Every default is the product
+// setting; other values exist for A/B measurements (flux_jax/_config.py, private).
+struct GpuTuning {
+  int64_t piece_bytes = 0;         // target bytes per flagged piece (0: automatic)
+  int64_t tile_group_m = 0;        // M tiles the GEMM sweeps together (0: default)
+  int64_t rs_stage_launches = 1;   // launches of a pushed ReduceScatter stage
+                                   // (1: one; 0: about one wave of tiles each)
+  int64_t rs_tile_signal = -1;     // pushed RS pieces released by launch end (0) or by
+                                   // tile counters (1: at the next tile, 2: right after);
+                                   // -1: by shape (ChooseRsTileSignal)
+  int64_t tile_n = 0;              // output tile width, 256 or 192 (0: by waves)
+  bool decode_early_launch = true;  // the decode GEMM launches while the rows are pushed
+};
+
+// Everything a fused call needs besides its buffers, decoded from the custom
+// call's typed attributes (cpp/ffi/attrs.h).
 struct CommConfig {
   int64_t timeout_us = 30'000'000;  // bound on every wait
   int64_t jitter_us = 0;            // CPU backend: random delay before each signal (tests)
-  int64_t drop_rank = -1;           // debug: this rank never signals its chunks (tests timeouts)
-  int64_t callsite = 0;             // unique id of the custom-call site (CPU channels)
-  bool poison_outputs = false;      // debug: fill outputs with NaN first, so unwritten
+  int64_t drop_rank = -1;           // tests: this rank never signals its chunks (timeouts)
+  int64_t callsite = 0;             // id of the custom-call site (pairs calls across devices)
+  bool poison_outputs = false;      // tests: fill outputs with NaN first, so unwritten
                                     // elements cannot pass a test
-  int64_t piece_bytes = 0;          // GPU: target bytes per flagged piece (0: automatic)
-  int64_t tile_group_m = 0;         // GPU: M tiles the GEMM sweeps together (0: default)
-  int64_t rs_stage_launches = 1;    // GPU: launches of a pushed ReduceScatter stage
-                                    // (1: one; 0: about one wave of tiles each)
-  int64_t rs_tile_signal = -1;      // GPU: pushed RS pieces released by launch end (0) or by
-                                    // tile counters (1: at the next tile, 2: right after);
-                                    // -1: by shape (ChooseRsTileSignal)
-  int64_t tile_n = 0;               // GPU: output tile width, 256 or 192 (0: by waves)
-  bool decode_path = false;         // GPU: the op runs its decode path ({ag_matmul,matmul_rs}_decode.cu)
-  bool decode_early_launch = true;  // GPU: the decode GEMM launches while the rows are pushed
+  FusedPath path = FusedPath::kOverlap;
+  GpuTuning tuning;
 };
 
 // out[tp*m_local, n] = all_gather(x[m_local, k]) @ op(w), op(w) = w or w^T.

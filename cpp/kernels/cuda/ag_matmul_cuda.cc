@@ -29,7 +29,7 @@ Status RunAgMatmulCuda(const AgMatmulParams& p, const TpGroup& group, const Comm
   const int tp = group.size, r = group.rank;
   const int device = group.ordinals[r];
   DeviceGuard guard(device);
-  if (cfg.decode_path && tp > 1) return RunAgMatmulDecode(p, group, cfg, S);
+  if (cfg.path == FusedPath::kDecode && tp > 1) return RunAgMatmulDecode(p, group, cfg, S);
   const size_t elt = DTypeBytes(p.dtype);
   const int64_t rows = tp * p.m_local;
   const size_t row_bytes = static_cast<size_t>(p.k) * elt;
@@ -58,7 +58,7 @@ Status RunAgMatmulCuda(const AgMatmulParams& p, const TpGroup& group, const Comm
   plan.block_n = ChooseBlockN(cfg, p.dtype, p.w_transposed, rows, p.n, ws->sm_count);
   ws->epoch += 1;
   const uint64_t epoch = ws->epoch;
-  const int32_t piece_rows = PieceRows(p.m_local, row_bytes, cfg.piece_bytes);
+  const int32_t piece_rows = PieceRows(p.m_local, row_bytes, cfg.tuning.piece_bytes);
   const int32_t pieces = NumPieces(p.m_local, piece_rows);
   auto x = static_cast<const char*>(p.x);
 

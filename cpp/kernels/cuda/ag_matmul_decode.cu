@@ -155,7 +155,7 @@ Status RunAgMatmulDecode(const AgMatmulParams& p, const TpGroup& group, const Co
   plan.gate.stride = kMaxLatencyBlocks;
   plan.gate.rows_per_sender = static_cast<int32_t>(p.m_local);
   plan.gate.ctx = ws->Wait(cfg.timeout_us);
-  plan.early_launch = cfg.decode_early_launch;
+  plan.early_launch = cfg.tuning.decode_early_launch;
   FLUX_JAX_RETURN_IF_ERROR(RunDecodeGemm(plan, p.dtype, S, device, ws->sm_count));
   if (p.gathered) {
     FLUX_CUDA_TRY(cudaMemcpyAsync(p.gathered, plan.x, tp * chunk_bytes, cudaMemcpyDeviceToDevice, S));

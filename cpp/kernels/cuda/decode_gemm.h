@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "device_sync.cuh"
+#include "flux_jax/limits.h"
 #include "flux_jax/params.h"
 #include "flux_jax/status.h"
 
@@ -17,13 +18,13 @@ namespace flux_jax::cuda {
 
 // Rows the decode GEMM takes: one 64-row tile, or up to two of its widest tile (128 rows, X's rows
 // along the tile's N). ag_matmul's decode path takes them all.
-inline constexpr int64_t kDecodeMaxRows = 256;
+inline constexpr int64_t kDecodeMaxRows = limits::kDecodeAgMaxRows;
 // Rows matmul_rs's exchanging epilogue takes: one tile holds all rows of its 64 columns.
-inline constexpr int64_t kDecodeExchangeMaxRows = 128;
+inline constexpr int64_t kDecodeExchangeMaxRows = limits::kDecodeRsMaxRows;
 
 // Ranks the exchanging epilogue serves (its peer tables are indexed with
 // compile-time indices only, so the kernel parameters stay in constant space).
-inline constexpr int kDecodeMaxRanks = 8;
+inline constexpr int kDecodeMaxRanks = limits::kDecodeMaxTp;
 
 // matmul_rs's decode path: the GEMM's D is this rank's partial P[rows, n]; once
 // a tile of P is written, its epilogue stores the rows of P that rank q owns

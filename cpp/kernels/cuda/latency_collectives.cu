@@ -33,6 +33,7 @@
 #include "cuda_util.h"
 #include "device_sync.cuh"
 #include "flux_jax/collectives.h"
+#include "flux_jax/limits.h"
 #include "nvlink_stores.cuh"
 #include "workspace.h"
 
@@ -42,7 +43,7 @@ namespace {
 constexpr int kThreads = 512;
 // Peer tables are indexed with compile-time indices only (unrolled loops), so
 // the kernel parameters are never copied to local memory.
-constexpr int kMaxPeers = 8;
+constexpr int kMaxPeers = limits::kLatencyMaxTp;
 // A block moves at least one 16-byte vector per thread (8 KiB), so a small
 // chunk spreads over many SMs (512 KiB: 64 blocks, not 16). Measured with the
 // batching below (2x H200, 11-30): decode-loop times unchanged within noise;

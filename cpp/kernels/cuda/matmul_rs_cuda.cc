@@ -39,7 +39,7 @@ Status RunMatmulRsCuda(const MatmulRsParams& p, const TpGroup& group, const Comm
   const int tp = group.size, r = group.rank;
   const int device = group.ordinals[r];
   DeviceGuard guard(device);
-  if (cfg.decode_path && tp > 1) return RunMatmulRsDecode(p, group, cfg, S);
+  if (cfg.path == FusedPath::kDecode && tp > 1) return RunMatmulRsDecode(p, group, cfg, S);
   const size_t elt = DTypeBytes(p.dtype);
   const int64_t m_out = p.m / tp;
   const size_t out_row_bytes = static_cast<size_t>(p.n) * elt;
@@ -64,7 +64,7 @@ Status RunMatmulRsCuda(const MatmulRsParams& p, const TpGroup& group, const Comm
 
   ws->epoch += 1;
   const uint64_t epoch = ws->epoch;
-  const int32_t piece_rows = PieceRows(m_out, out_row_bytes, cfg.piece_bytes);
+  const int32_t piece_rows = PieceRows(m_out, out_row_bytes, cfg.tuning.piece_bytes);
   const int32_t pieces = NumPieces(m_out, piece_rows);
   char* recv = ws->data;
   char* stage = ws->data + (tp - 1) * slot_bytes;
@@ -75,7 +75,7 @@ Status RunMatmulRsCuda(const MatmulRsParams& p, const TpGroup& group, const Comm
   // exposed: 0.80x of the twin at 2048x4096x28672).
   const int32_t tiles_m = static_cast<int32_t>((m_out + kGemmBlockM - 1) / kGemmBlockM);
   const int32_t gated_group_m =
-      cfg.tile_group_m > 0 ? TileGroupM(cfg) : std::max<int32_t>(1, std::min<int32_t>(TileGroupM(cfg), tiles_m / 4));
+      cfg.tuning.tile_group_m > 0 ? TileGroupM(cfg) : std::max<int32_t>(1, std::min<int32_t>(TileGroupM(cfg), tiles_m / 4));
 
   FLUX_JAX_RETURN_IF_ERROR(PresenceHandshake(*ws, S, cfg));
   for (int j = 0; j < tp; ++j) {

@@ -18,30 +18,15 @@
 // rows the parity half b of this rank's slot area (read by no peer; written by
 // the peers' slot-area paths only in calls of the same parity, e+2 at the
 // earliest, which cannot start before this rank's call e+1 has answered them).
-#include <cstdlib>
-#include <cstring>
-
 #include "cuda_util.h"
 #include "decode_gemm.h"
 #include "matmul_rs_decode.h"
 #include "workspace.h"
 
 namespace flux_jax::cuda {
-namespace {
-// Diagnostics only (tools/loop_anatomy.py): FLUX_JAX_DEBUG_RS_DECODE_NO_EXCHANGE=1 runs the GEMM
-// without its exchange, so the output is never written (wrong results), to time the GEMM alone.
-bool DebugNoExchange() {
-  static const bool value = [] {
-    const char* v = std::getenv("FLUX_JAX_DEBUG_RS_DECODE_NO_EXCHANGE");
-    return v != nullptr && std::strcmp(v, "1") == 0;
-  }();
-  return value;
-}
-}  // namespace
-
 bool MatmulRsDecodeSupported(const MatmulRsParams& p, const TpGroup& group) {
   return group.size >= 2 && group.size <= kDecodeMaxRanks && p.m % group.size == 0 &&
-         p.m <= kDecodeExchangeMaxRows && HasDecodeGemm(p.dtype, p.w_transposed, p.m);
+         p.m <= kDecodeExchangeMaxRows && p.n <= limits::kDecodeRsMaxN && HasDecodeGemm(p.dtype, p.w_transposed, p.m);
 }
 
 Status RunMatmulRsDecode(const MatmulRsParams& p, const TpGroup& group, const CommConfig& cfg, cudaStream_t S) {
@@ -100,7 +85,6 @@ Status RunMatmulRsDecode(const MatmulRsParams& p, const TpGroup& group, const Co
   }
   e.signal_peers = cfg.drop_rank != r;
   e.ctx = ws->Wait(cfg.timeout_us);
-  if (DebugNoExchange()) e.tp = 0;
   return RunDecodeGemm(plan, p.dtype, S, device, ws->sm_count);
 }
 

@@ -36,8 +36,8 @@ inline int32_t PieceRows(int64_t rows, int64_t row_bytes, int64_t requested_byte
 // per launch (a whole wave leaves no SM idle; a smaller launch would), at most 8.
 inline int32_t StageLaunches(const CommConfig& cfg, int64_t rows, int64_t n, int32_t block_n,
                              int32_t piece_rows, int32_t pieces, int sm_count) {
-  if (cfg.rs_stage_launches == 1 || pieces <= 1 || rows <= 0) return 1;
-  if (cfg.rs_stage_launches > 1) return static_cast<int32_t>(std::min<int64_t>(cfg.rs_stage_launches, pieces));
+  if (cfg.tuning.rs_stage_launches == 1 || pieces <= 1 || rows <= 0) return 1;
+  if (cfg.tuning.rs_stage_launches > 1) return static_cast<int32_t>(std::min<int64_t>(cfg.tuning.rs_stage_launches, pieces));
   const int64_t tiles_n = (n + block_n - 1) / block_n;
   const int64_t wave_rows = std::max<int64_t>(1, sm_count / tiles_n) * kGemmBlockM;
   const int64_t pieces_per_launch = std::max<int64_t>(1, wave_rows / piece_rows);
@@ -56,7 +56,7 @@ inline int32_t StageLaunches(const CommConfig& cfg, int64_t rows, int64_t n, int
 inline int32_t ChooseBlockN(const CommConfig& cfg, DType dtype, bool b_kmajor, int64_t m, int64_t n,
                             int sm_count) {
   if (!HasNarrowTile(dtype, b_kmajor)) return kGemmBlockN;
-  if (cfg.tile_n != 0) return static_cast<int32_t>(cfg.tile_n);
+  if (cfg.tuning.tile_n != 0) return static_cast<int32_t>(cfg.tuning.tile_n);
   if (m <= 0 || n <= 0 || sm_count <= 0) return kGemmBlockN;
   const int64_t tiles_m = (m + kGemmBlockM - 1) / kGemmBlockM;
   auto tiles = [&](int64_t block_n) { return tiles_m * ((n + block_n - 1) / block_n); };
@@ -79,7 +79,7 @@ inline int32_t ChooseBlockN(const CommConfig& cfg, DType dtype, bool b_kmajor, i
 inline constexpr int64_t kRsTileSignalMaxK = 2048;
 inline constexpr int64_t kRsTileSignalMaxStageBytes = int64_t{16} << 20;
 inline int64_t ChooseRsTileSignal(const CommConfig& cfg, int64_t k_local, int64_t stage_bytes) {
-  if (cfg.rs_tile_signal >= 0) return cfg.rs_tile_signal;
+  if (cfg.tuning.rs_tile_signal >= 0) return cfg.tuning.rs_tile_signal;
   return k_local <= kRsTileSignalMaxK && stage_bytes <= kRsTileSignalMaxStageBytes ? 2 : 0;
 }
 
@@ -92,7 +92,7 @@ inline uint64_t TilesTouchingRows(int64_t row0, int64_t row1, int64_t n, int32_t
 }
 
 inline int32_t TileGroupM(const CommConfig& cfg) {
-  return cfg.tile_group_m > 0 ? static_cast<int32_t>(cfg.tile_group_m) : kDefaultTileGroupM;
+  return cfg.tuning.tile_group_m > 0 ? static_cast<int32_t>(cfg.tuning.tile_group_m) : kDefaultTileGroupM;
 }
 
 // The GEMM plan both ops start from: D[m, n] = A @ op(w), tuning from the config.

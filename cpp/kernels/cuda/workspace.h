@@ -33,12 +33,13 @@
 #include <vector>
 
 #include "device_sync.cuh"
+#include "flux_jax/limits.h"
 #include "flux_jax/params.h"
 #include "flux_jax/status.h"
 
 namespace flux_jax::cuda {
 
-inline constexpr int kMaxTp = 16;
+inline constexpr int kMaxTp = limits::kGpuMaxTp;
 inline constexpr int kMaxPieces = 16;
 inline constexpr int kMaxFlags = kMaxTp * kMaxPieces;
 inline constexpr int kMaxLatencyBlocks = 128;  // thread blocks of one latency collective

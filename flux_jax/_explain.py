@@ -1,0 +1,89 @@
+"""What impl="auto" and the fused ops run, and why: `explain_auto` for a shape, `explain` for
+a whole function."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+
+import jax
+import numpy as np
+
+from flux_jax import _plan
+from flux_jax._config import get_config
+
+_local = threading.local()
+
+
+@dataclasses.dataclass(frozen=True)
+class CallSite:
+    """One fused op call site of a traced function and its plan."""
+
+    op: str
+    problem: _plan.Problem
+    plan: _plan.Plan
+    backward: bool
+
+    def __str__(self) -> str:
+        role = " (backward)" if self.backward else ""
+        return f"{self.op}{role}: {self.problem.describe()} -> {self.plan.describe()}"
+
+
+class Explanation(list):
+    """The fused call sites of a function, in trace order (a list of CallSite)."""
+
+    def __str__(self) -> str:
+        if not self:
+            return "no flux_jax op in this function"
+        return "\n".join(f"{i}. {site}" for i, site in enumerate(self, 1))
+
+
+def record(op: str, problem: _plan.Problem, plan: _plan.Plan, backward: bool) -> None:
+    """Called by the ops at every plan: kept while `explain` traces."""
+    sites = getattr(_local, "sites", None)
+    if sites is not None:
+        sites.append(CallSite(op, problem, plan, backward))
+
+
+@contextlib.contextmanager
+def _collecting():
+    previous = getattr(_local, "sites", None)
+    _local.sites = Explanation()
+    try:
+        yield _local.sites
+    finally:
+        _local.sites = previous
+
+
+def explain(fn, *args, **kwargs) -> Explanation:
+    """Traces and lowers `fn(*args, **kwargs)` (as jax.jit would) and lists every flux_jax call
+    site with its plan: the path that runs (or the twin) and why.
+
+    Example:
+      print(flux_jax.explain(train_step, state, batch))
+    """
+    with _collecting() as sites:
+        jax.jit(fn).trace(*args, **kwargs).lower()
+    return sites
+
+
+def explain_auto(op: str, M: int, K: int, N: int, tp: int, dtype="bfloat16") -> str:
+    """What impl="auto" runs on Hopper GPUs for a global GEMM shape, and why (one sentence).
+
+    `op` is "ag_matmul" (x [M, K] row-sharded, w [K, N] column-sharded) or "matmul_rs"
+    (x [M, K] and w [K, N] sharded on K). Shapes are global, as in the benchmarks.
+    """
+    if op not in ("ag_matmul", "matmul_rs"):
+        raise ValueError(f'op must be "ag_matmul" or "matmul_rs", got {op!r}')
+    if min(M, K, N, tp) < 1:
+        raise ValueError(f"M, K, N and tp must be >= 1, got M={M} K={K} N={N} tp={tp}")
+    sharded = N if op == "ag_matmul" else K
+    if sharded % tp or M % tp:
+        raise ValueError(f"{op} cannot shard M={M}, {'N' if op == 'ag_matmul' else 'K'}={sharded} over tp={tp}")
+    k, n = (K, N // tp) if op == "ag_matmul" else (K // tp, N)
+    dtype = np.dtype(dtype)
+    problem = _plan.Problem(op, M, k, n, dtype, tp, "cuda")
+    where = f"{op} M={M} K={K} N={N} tp={tp} {dtype.name} on GPU"
+    plan = _plan.plan(problem, "auto", get_config(), on_hopper=True)
+    return f"{where}: {plan.describe()}"

@@ -1,0 +1,204 @@
+"""What runs for one fused call: the XLA twin or one of the fused paths, and why.
+
+This module is the only place that decides. The ops call `plan()` when they are traced (every
+call, the backward's included); the lowering calls `for_topology()` once the concrete mesh is
+known (a TP group that spans hosts or cannot map its peers' memory takes the twin). Inputs:
+
+  op, per-rank GEMM shape, dtype, TP size, platform   (`Problem`)
+  impl ("auto" | "fused" | "xla") and Config.fused_path
+  the kernels this build has and their limits (cpp/include/flux_jax/limits.h, via the extension)
+  the built-in rule for Hopper at TP=2 (flux_jax/_auto_rule.py)
+
+Paths: "twin" (XLA's own collective and GEMM), "overlap" (one kernel: the GEMM consumes rows as
+they arrive), "latency" (our one-kernel collective next to XLA's GEMM), "decode" (one
+weight-streaming GEMM that moves the rows itself).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from flux_jax import _auto_rule, _native
+from flux_jax._config import Config
+from flux_jax._errors import FusedUnavailableError
+
+PATHS = ("twin", "overlap", "latency", "decode")
+_GPU_DTYPES = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One fused call as the planner sees it.
+
+    `rows`: rows of the whole GEMM (ag_matmul: every rank's rows, i.e. tp x the local ones;
+    matmul_rs / matmul_ar: the local x's rows); `k`, `n`: the per-rank GEMM's contraction and
+    output columns; `transpose_w`: the weight is read as [n, k] (a backward pass).
+    """
+
+    op: str
+    rows: int
+    k: int
+    n: int
+    dtype: np.dtype
+    tp: int
+    platform: str
+    transpose_w: bool = False
+
+    def describe(self) -> str:
+        w = " (transposed weight)" if self.transpose_w else ""
+        return (f"{self.op} rows={self.rows} k={self.k} n={self.n} per rank, "
+                f"{np.dtype(self.dtype).name}, tp={self.tp}, {self.platform}{w}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The decision for one call: `path` in PATHS, why, and what decided it."""
+
+    path: str
+    reason: str
+    decided_by: str
+
+    @property
+    def fused(self) -> bool:
+        return self.path != "twin"
+
+    def describe(self) -> str:
+        what = "the XLA twin" if self.path == "twin" else f"fused, {self.path} path"
+        return f"{what} ({self.reason}; decided by {self.decided_by})"
+
+
+@functools.cache
+def limits() -> dict:
+    """The kernels' limits (cpp/include/flux_jax/limits.h), as the extension exports them."""
+    return dict(_native.extension().limits())
+
+
+def _non_hopper_gpus() -> list[str]:
+    bad = []
+    for d in jax.local_devices():
+        if d.platform == "gpu" and str(getattr(d, "compute_capability", "9.0")) != "9.0":
+            bad.append(f"{d.device_kind} (sm {d.compute_capability})")
+    return bad
+
+
+def unavailable(p: Problem) -> str | None:
+    """Why no fused kernel can run this call here, or None."""
+    lim = limits()
+    if p.platform == "cpu":
+        if p.tp > lim["cpu_max_tp"]:
+            return f"the CPU backend serves TP groups of at most {lim['cpu_max_tp']} ranks, not {p.tp}"
+        return None
+    if p.platform not in ("cuda", "gpu"):
+        return f"no fused kernel for platform {p.platform!r} (cpu and cuda are supported)"
+    if not _native.has_cuda_kernel(p.op):
+        built = _native.build_info()
+        what = "without CUDA" if not built["cuda"] else f"without a CUDA kernel for {p.op}"
+        return f"this flux_jax build was compiled {what} (flux_jax.build_info(): {built})"
+    reason = unavailable_on_hopper(p)
+    if reason is not None:
+        return reason
+    bad = _non_hopper_gpus()
+    if bad:
+        return f"the CUDA kernels need Hopper (sm_90) GPUs; found {bad}"
+    return None
+
+
+def unavailable_on_hopper(p: Problem) -> str | None:
+    """Why the CUDA kernels cannot serve this call on a Hopper GPU, or None."""
+    lim = limits()
+    if np.dtype(p.dtype) not in _GPU_DTYPES:
+        return f"the CUDA kernels take bfloat16 or float16 inputs, not {np.dtype(p.dtype).name}"
+    align = lim["gpu_align_elements"]
+    if p.k % align or p.n % align:
+        return f"the CUDA kernels need per-rank K and N multiples of {align} (got K={p.k}, N={p.n})"
+    if p.tp > lim["gpu_max_tp"]:
+        return f"the CUDA kernels serve TP groups of at most {lim['gpu_max_tp']} ranks, not {p.tp}"
+    return None
+
+
+def decode_supported(p: Problem) -> bool:
+    """Whether the decode kernels exist for this call (bfloat16, the untransposed weight, ...)."""
+    lim = limits()
+    if not (2 <= p.tp <= lim["decode_max_tp"] and not p.transpose_w and np.dtype(p.dtype) == _BF16):
+        return False
+    if p.op == "ag_matmul":
+        return 1 <= p.rows <= lim["decode_ag_max_rows"]
+    if p.op == "matmul_rs":
+        return (1 <= p.rows <= lim["decode_rs_max_rows"] and p.rows % p.tp == 0
+                and p.n <= lim["decode_rs_max_n"])
+    return False
+
+
+def _feasible(p: Problem, path: str) -> tuple[str, str]:
+    """`path` where its kernels serve the call, else the nearest path that does (and why)."""
+    if p.platform == "cpu":
+        return path, ""
+    if path == "decode" and not decode_supported(p):
+        path, why = "latency", "the decode kernels do not serve this call"
+    else:
+        why = ""
+    if path == "latency" and p.tp > limits()["latency_max_tp"]:
+        return "overlap", f"the latency collectives serve at most {limits()['latency_max_tp']} ranks"
+    return path, why
+
+
+def _measured_rule(p: Problem) -> tuple[str, str]:
+    """The built-in rule: ("overlap" | "latency" | "decode" | "xla", why)."""
+    choice = _auto_rule.choose(p.op, p.tp, p.rows, p.k, p.n, p.dtype)
+    return choice, _auto_rule.reason(p.op, p.tp, p.rows, p.k, p.n, p.dtype, choice)
+
+
+def _best_fused(p: Problem) -> str:
+    """The fused path for a call that must be fused when the rule would take the twin."""
+    return _auto_rule.best_fused_path(p.op, p.tp, p.rows, p.k, p.n, p.dtype)
+
+
+def plan(p: Problem, impl: str, config: Config, *, backward: bool = False, on_hopper: bool = False) -> Plan:
+    """The plan for one call.
+
+    impl="xla" is the twin; impl="fused" is a fused path or FusedUnavailableError; impl="auto"
+    is a fused path only where one was measured faster, else the twin. `backward=True` plans the
+    paired op of a fused op's backward pass: a fused path wherever one can run. `on_hopper=True`
+    plans as on a Hopper GPU with a CUDA build, whatever this process has (explain_auto).
+    """
+    if config.debug_drop_rank >= p.tp:
+        raise ValueError(f"Config.debug_drop_rank={config.debug_drop_rank} names no rank of a TP group "
+                         f"of {p.tp} ({p.op})")
+    if impl == "xla":
+        return Plan("twin", 'impl="xla"', "impl")
+    reason = unavailable_on_hopper(p) if on_hopper else unavailable(p)
+    if reason is not None:
+        if impl == "fused" and not backward:
+            raise FusedUnavailableError(f'flux_jax.{p.op}(impl="fused") cannot run here: {reason}')
+        return Plan("twin", reason, "kernels")
+    must_fuse = impl == "fused" or backward
+    if config.fused_path != "auto":
+        path, why = _feasible(p, config.fused_path)
+        return Plan(path, why or f'Config.fused_path="{config.fused_path}"', "config")
+    if p.platform == "cpu":
+        if must_fuse:
+            return Plan("overlap", "the CPU backend runs one protocol", "platform")
+        return Plan("twin", "the CPU backend is a protocol reference, slower than XLA:CPU's dot", "platform")
+    choice, why = _measured_rule(p)
+    if choice == "xla":
+        if not must_fuse:
+            return Plan("twin", why, "built-in rule (H200, TP=2)")
+        choice, why = _best_fused(p), f'impl="fused" ({why})'
+    path, adjusted = _feasible(p, choice)
+    return Plan(path, adjusted or why, "built-in rule (H200, TP=2)")
+
+
+def for_topology(plan: Plan, op: str, reason: str | None, forced: bool) -> Plan:
+    """The plan once the lowering knows the mesh: `reason` says why the TP group cannot run
+    fused (spans hosts, no IPC between its processes, ...), or is None."""
+    if reason is None or not plan.fused:
+        return plan
+    if forced:
+        raise FusedUnavailableError(f'flux_jax.{op}(impl="fused") cannot run here: {reason}')
+    return Plan("twin", reason, "topology")

@@ -1,0 +1,44 @@
+"""The steps every op's public function shares: plan the call, fold the operands to 2-D, bind."""
+
+from __future__ import annotations
+
+import logging
+
+from flux_jax import _explain, _plan
+from flux_jax._config import get_config, get_gpu_tuning
+from flux_jax._validation import AxisInfo
+from flux_jax.ops._spec import Call, OpSpec, unify_varying
+
+logger = logging.getLogger("flux_jax")
+
+
+def plan_call(spec: OpSpec, x_front, w, info: AxisInfo, impl: str, **params) -> Call | None:
+    """The Call for a fused run of `spec` on x (the split dimension first), or None for the twin."""
+    problem = spec.problem(x_front.shape, w.shape, x_front.dtype, info.tp_size, info.platform, False)
+    config = get_config()
+    plan = _plan.plan(problem, impl, config)
+    logger.debug("flux_jax.%s: %s -> %s", spec.name, problem.describe(), plan.describe())
+    _explain.record(spec.name, problem, plan, backward=False)
+    if not plan.fused:
+        return None
+    return Call(info.axis_name, info.tp_size, False, impl, False, plan, config, get_gpu_tuning(),
+                platform=info.platform, **params)
+
+
+def run(spec: OpSpec, x_front, w, call: Call) -> list:
+    """Runs the fused core on x with its gathered / scattered dimension first."""
+    x_front, w = unify_varying(call.axis_name, x_front, w)
+    return spec.core(x_front, w, call)
+
+
+def backward_call(spec: OpSpec, dy, w, call: Call) -> Call:
+    """The Call of `spec` (the paired op) in the backward pass of `call`: the weight read
+    transposed, a fused path wherever one can run (impl="fused" stays strict)."""
+    transpose_w = not call.transpose_w
+    problem = spec.problem(dy.shape, w.shape, dy.dtype, call.tp, call.platform, transpose_w)
+    plan = _plan.plan(problem, "fused" if call.forced else "auto", call.config, backward=True)
+    logger.debug("flux_jax.%s (backward): %s -> %s", spec.name, problem.describe(), plan.describe())
+    _explain.record(spec.name, problem, plan, backward=True)
+    return Call(call.axis_name, call.tp, transpose_w, call.impl, True, plan, call.config, call.tuning,
+                platform=call.platform, return_gathered=spec.name == "ag_matmul")
+

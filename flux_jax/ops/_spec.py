@@ -1,0 +1,155 @@
+"""What an op is: one `OpSpec` per op, and the machinery every op shares.
+
+An op is a descriptor (its name, FFI target, output shapes, per-rank GEMM, twin, latency
+composition and VJP pairing) plus its kernels. `define()` turns a descriptor into a JAX
+primitive with abstract evaluation, a batching rule, lowerings (flux_jax/_lowering.py) and a
+custom_vjp core (flux_jax/_autodiff.py). Inside the primitive x is [rows, ..., k] with the
+gathered / scattered dimension first and w [k, n] (or [n, k] with `transpose_w`); the kernels see
+x as [rows * ..., k] (the same bytes). The middle dimensions stay visible so the partitioner can
+shard them over the mesh axes a partially manual shard_map leaves to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import batching
+
+from flux_jax._config import Config, GpuTuning
+from flux_jax._plan import Plan, Problem
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """Static description of one bound call (a primitive parameter; hashable)."""
+
+    axis_name: str
+    tp: int
+    transpose_w: bool
+    impl: str  # "auto" | "fused" (a twin plan never binds the primitive)
+    backward: bool  # the paired op of a fused op's backward pass
+    plan: Plan
+    config: Config
+    tuning: GpuTuning
+    platform: str = "cpu"  # where it was planned ("cpu" or "cuda")
+    return_gathered: bool = False  # ag_matmul only
+    # Set by the lowering when it wraps the call in a manual region over the mesh axes a
+    # partially manual shard_map leaves to the partitioner: the TP groups' (device ids,
+    # process indices), found on the concrete mesh outside that region.
+    groups: tuple | None = None
+
+    @property
+    def forced(self) -> bool:
+        """impl="fused": an error, not the twin, where the mesh rules fusion out."""
+        return self.impl == "fused"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class OpSpec:
+    """Descriptor of one fused op.
+
+    Attributes:
+      name: public name, also the FFI target suffix (`flux_jax_<name>`, cpp/include/flux_jax/ops.def).
+      out_shapes: (x_shape, w_shape, call) -> the output shapes of the primitive.
+      gemm: (x_shape, w_shape, call) -> (rows, k, n) of the per-rank GEMM, as flux_jax/_plan.py
+        counts them (rows: every row of the GEMM, middle dimensions folded in).
+      twin: (x, w, call) -> outputs, the XLA twin on the primitive's operands.
+      latency: (x, w, call, collective) -> outputs, the latency path: XLA's GEMM next to our
+        collective custom call, `collective(name, x, out_shape)`.
+      fwd / bwd: the custom_vjp rules: fwd(x, w, call) -> (outputs, residuals);
+        bwd(call, residuals, cotangents) -> (dx, dw).
+    """
+
+    name: str
+    out_shapes: Callable
+    gemm: Callable
+    twin: Callable
+    latency: Callable
+    fwd: Callable
+    bwd: Callable
+    primitive: Primitive = dataclasses.field(init=False)
+    core: Callable = dataclasses.field(init=False)
+
+    @property
+    def target(self) -> str:
+        return f"flux_jax_{self.name}"
+
+    def problem(self, x_shape, w_shape, dtype, tp: int, platform: str, transpose_w: bool) -> Problem:
+        """The planner's view of a call on operands x [rows, ..., k], w."""
+        probe = Call("", tp, transpose_w, "auto", False, None, None, None)  # only shape fields are read
+        rows, k, n = self.gemm(x_shape, w_shape, probe)
+        return Problem(self.name, int(rows), int(k), int(n), np.dtype(dtype), tp, platform, transpose_w)
+
+
+REGISTRY: dict[str, OpSpec] = {}
+
+
+def weight_2d(w, transpose_w: bool):
+    return w.T if transpose_w else w
+
+
+def define(spec: OpSpec) -> OpSpec:
+    """Creates the primitive, its rules and the custom_vjp core of `spec`; registers it."""
+    from flux_jax import _autodiff, _lowering
+
+    prim = Primitive(spec.target)
+    prim.multiple_results = True
+
+    def abstract_eval(x, w, rank, *, call: Call):
+        del rank
+        return [x.update(shape=s) for s in spec.out_shapes(x.shape, w.shape, call)]
+
+    prim.def_abstract_eval(abstract_eval)
+    batching.primitive_batchers[prim] = functools.partial(_batch_rows, prim)
+    object.__setattr__(spec, "primitive", prim)
+    _lowering.register(spec)
+    object.__setattr__(spec, "core", _autodiff.make_core(functools.partial(bind, spec), spec.fwd, spec.bwd))
+    REGISTRY[spec.name] = spec
+    return spec
+
+
+def bind(spec: OpSpec, x, w, call: Call) -> list:
+    """Binds the primitive on operands already cast to a common manual-axis type."""
+    rank = unify_varying(call.axis_name, jax.lax.axis_index(call.axis_name))[0]
+    return spec.primitive.bind(x, w, rank, call=call)
+
+
+def _batch_rows(prim, args, dims, *, call: Call):
+    """vmap over x only: the batch axis becomes a middle dimension (rows stay first)."""
+    x, w, rank = args
+    x_dim, w_dim, rank_dim = dims
+    if w_dim is not None or rank_dim is not None:
+        raise NotImplementedError(
+            f"flux_jax: vmap of {prim.name} over the weight is not supported (vmap over x only; "
+            "for a batch of weights use the XLA twin, impl='xla')")
+    outs = prim.bind(jnp.moveaxis(x, x_dim, 1), w, rank, call=call)
+    return outs, [1] * len(outs)
+
+
+def _varying(x) -> frozenset:
+    t = jax.typeof(x)
+    mat = getattr(t, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(t, "vma", ()))
+
+
+def unify_varying(axis_name: str, *xs):
+    """pcast every operand to vary over the union of their manual axes and `axis_name`.
+
+    The primitive's results then carry the right manual-axis type, and pcast's transpose adds
+    the psums that invariant operands need in the backward pass (e.g. a weight replicated over a
+    data-parallel axis).
+    """
+    target = frozenset({axis_name}).union(*(_varying(x) for x in xs))
+    out = []
+    for x in xs:
+        missing = tuple(sorted(target - _varying(x)))
+        out.append(jax.lax.pcast(x, missing, to="varying") if missing else x)
+    return out

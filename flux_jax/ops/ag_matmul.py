@@ -1,0 +1,94 @@
+"""AllGather -> GEMM: `ag_matmul(x, w) == all_gather(x over `axis`) @ w`, per shard."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+from jax import lax
+
+from flux_jax import _autodiff, _validation, twins
+from flux_jax.ops import _common
+from flux_jax.ops._spec import REGISTRY, Call, OpSpec, bind, define, weight_2d
+
+NAME = "ag_matmul"
+
+
+def _out_shapes(x_shape, w_shape, call: Call):
+    n = w_shape[0] if call.transpose_w else w_shape[1]
+    lead = (call.tp * x_shape[0], *x_shape[1:-1])
+    return [(*lead, n)] + ([(*lead, x_shape[-1])] if call.return_gathered else [])
+
+
+def _gemm(x_shape, w_shape, call: Call):
+    rows = call.tp * math.prod(x_shape[:-1])
+    return rows, x_shape[-1], (w_shape[0] if call.transpose_w else w_shape[1])
+
+
+def _twin(x, w, call: Call):
+    out = twins.ag_matmul_xla(x, weight_2d(w, call.transpose_w), axis_name=call.axis_name,
+                              return_gathered=call.return_gathered)
+    return list(out) if call.return_gathered else [out]
+
+
+def _latency(x, w, call: Call, collective):
+    x_full = collective("all_gather", x, (call.tp * x.shape[0], *x.shape[1:]))
+    out = jnp.dot(x_full, weight_2d(w, call.transpose_w))
+    return [out, x_full] if call.return_gathered else [out]
+
+
+def _fwd(x, w, call: Call):
+    out, x_full = bind(SPEC, x, w, dataclasses.replace(call, return_gathered=True))
+    return ([out, x_full] if call.return_gathered else [out]), (x_full, w)
+
+
+def _bwd(call: Call, residuals, cotangents):
+    x_full, w = residuals
+    dy = cotangents[0]
+    rs = REGISTRY["matmul_rs"]
+    (dx,) = rs.core(dy, w, _common.backward_call(rs, dy, w, call))
+    if call.return_gathered and cotangents[1] is not None:
+        # The gathered copy was an output too: all_gather's adjoint is a reduce-scatter.
+        dx = dx + lax.psum_scatter(cotangents[1], call.axis_name, scatter_dimension=0, tiled=True)
+    return dx, _autodiff.weight_grad(x_full, dy, call.transpose_w)
+
+
+SPEC = define(OpSpec(NAME, _out_shapes, _gemm, _twin, _latency, _fwd, _bwd))
+
+
+def ag_matmul(x, w, *, axis_name: str, axis: int = 0, impl: str = "auto", return_gathered: bool = False):
+    """AllGather -> GEMM, for use inside `jax.shard_map`.
+
+    Computes exactly `jnp.dot(lax.all_gather(x, axis_name, axis=axis, tiled=True), w)`.
+
+    Sharding contract (per shard, TP degree tp = size of `axis_name`):
+      x: [..., m_local (at `axis`), ..., K], this rank's slice of dimension `axis` (rank r holds
+         r*m_local:(r+1)*m_local);
+      w: [K, n_local], this rank's columns of the weight (column-parallel);
+      returns x's shape with dimension `axis` grown to tp*m_local and the last one n_local.
+    With `return_gathered=True` also returns the gathered x.
+
+    Args:
+      x, w: float32, bfloat16 or float16 arrays of the same dtype.
+      axis_name: the mesh axis to gather over (the tensor-parallel axis).
+      axis: the dimension of x to gather (any but the last; negative counts from the end).
+      impl: "fused" (the FFI kernel: CPU backend or CUDA; an error where it cannot run),
+        "xla" (the pure-JAX twin), or "auto" (fused where it is implemented and measured
+        faster, else the twin; `flux_jax.explain` says which ran and why).
+      return_gathered: also return the gathered x (e.g. to reuse in a backward pass).
+
+    Differentiable (custom_vjp): the input gradient is a fused matmul_rs(dy, w^T) and the
+    weight gradient reuses the gathered x.
+    """
+    _validation.check_impl(NAME, impl)
+    _validation.check_operands(NAME, x, w)
+    axis = _validation.check_dimension(NAME, x, axis, "axis")
+    info = _validation.check_axis(NAME, axis_name)
+    x_front = jnp.moveaxis(x, axis, 0)
+    call = _common.plan_call(SPEC, x_front, w, info, impl, return_gathered=return_gathered)
+    if call is None:
+        return twins.ag_matmul_xla(x, w, axis_name=axis_name, axis=axis, return_gathered=return_gathered)
+    outs = _common.run(SPEC, x_front, w, call)
+    out = jnp.moveaxis(outs[0], 0, axis)
+    return (out, jnp.moveaxis(outs[1], 0, axis)) if return_gathered else out
