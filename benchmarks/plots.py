@@ -172,14 +172,25 @@ def time_plot(rows: list[dict], path: Path, title: str) -> None:
     _save(fig, path, list(handles.values()))
 
 
-def write_plots(rows: list[dict], out_dir: Path, stem: str) -> list[Path]:
-    """<stem>_speedup.png, <stem>_time.png and <stem>_time_split.png; returns their paths."""
+PLOT_KINDS = ("speedup", "time", "time_split")
+
+
+def write_plots(rows: list[dict], out_dir: Path, stem: str, kinds: tuple[str, ...] = PLOT_KINDS) -> list[Path]:
+    """<stem>_<kind>.png for each of `kinds` (speedup, time, time_split); returns their paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    speedup, times = out_dir / f"{stem}_speedup.png", out_dir / f"{stem}_time.png"
-    split = out_dir / f"{stem}_time_split.png"
-    speedup_plot(rows, speedup, stem)
-    time_plot(rows, times, stem)
-    present = {row["variant"] for row in rows}
-    fused = next((v for v in ("flux_fused", "flux_auto", "flux_decode", "flux_latency", "flux_overlap") if v in present), "flux_fused")
-    time_split_plot(rows, split, stem, fused)
-    return [speedup, times, split]
+    paths = []
+    for kind in kinds:
+        path = out_dir / f"{stem}_{kind}.png"
+        if kind == "speedup":
+            speedup_plot(rows, path, stem)
+        elif kind == "time":
+            time_plot(rows, path, stem)
+        elif kind == "time_split":
+            present = {row["variant"] for row in rows}
+            fused = next((v for v in ("flux_fused", "flux_auto", "flux_decode", "flux_latency", "flux_overlap")
+                          if v in present), "flux_fused")
+            time_split_plot(rows, path, stem, fused)
+        else:
+            raise ValueError(f"unknown plot kind {kind!r}; expected one of {PLOT_KINDS}")
+        paths.append(path)
+    return paths
