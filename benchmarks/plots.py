@@ -49,7 +49,8 @@ def _grid(count: int, title: str):
 def _save(fig, path: Path, handles: list) -> None:
     """One legend for the whole figure, below the subplots (it never hides data)."""
     fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 5), fontsize=9, frameon=False)
-    fig.tight_layout(rect=(0, 0.09 if len(handles) > 5 else 0.05, 1, 1))
+    top = 1 - 0.5 / fig.get_figheight()  # room for the suptitle
+    fig.tight_layout(rect=(0, 0.09 if len(handles) > 5 else 0.05, 1, top))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

@@ -50,7 +50,7 @@ PRESET_BLURBS = {
 def _coverage(rows: list[dict], meta: dict) -> str:
     ops = sorted({r["op"] for r in rows})
     ms = sorted({r["M"] for r in rows})
-    what = " and ".join(_OPS[op] for op in ops) if len(ops) == 1 else "both ops"
+    what = " and ".join(_OPS[op] for op in ops) if len(ops) == 1 else "Both ops"
     span = f"M = {ms[0]}" if len(ms) == 1 else f"M = {ms[0]}-{ms[-1]}"
     extra = [meta["rows_dtype"]] if meta.get("rows_dtype", "bfloat16") != "bfloat16" else []
     extra += ["forward + backward (`--grad`)"] if meta.get("grad") else []
