@@ -1,13 +1,13 @@
 """Regenerates the per-preset sections of benchmarks/RESULTS.md from results JSON files.
 
-  python -m benchmarks.results_page benchmarks/data/harness_llama8b-tp2_rs_2026-11-30.json [more.json ...]
+  python -m benchmarks.results_page benchmarks/data/harness_*.json
 
 RESULTS.md has two parts, split by the line `MARKER`:
 
 - above it, hand-written: the headline table and the notes that read the runs (what changed in
   the code since a run, which rule a column reflects). This tool never changes it.
-- below it, generated: one section per preset, in the order the files are given, and in it one
-  subsection per file: what the file covers (ops, M range), date, commit, hardware, versions,
+- below it, generated: one section per preset (in `PRESET_BLURBS` order), and in it one
+  subsection per file, in the order given: what the file covers (ops, M range), date, commit, hardware, versions,
   timing, the command, the table, and two plots, the speedup over the twin and the time split,
   redrawn into benchmarks/figures/ as `<json stem>_speedup.png` and `<json stem>_time_split.png`.
 
@@ -42,7 +42,7 @@ PRESET_BLURBS = {
     "decode-8192-tp2": "K = N = 8192, both ops, M = 64-1024.",
     "holdout-tp2": "Held-out Qwen2.5-14B-like and Phi-3-mini-like layers at M = 96-12288: shapes no kernel "
                    "setting or auto rule was fitted on.",
-    "baselines-tp2": "The ten reference shapes (K, N = 8192-28672 at M = 64-16384), with Pallas's collective matmul.",
+    "baselines-tp2": "The ten reference shapes of `shared/docs/baselines.md` (K, N = 8192-28672, M = 64-16384).",
     "gemm-8192-tp2": "Our GEMM alone against XLA's at 8192^3 per GPU.",
 }
 
@@ -104,7 +104,9 @@ def generated_part(
         "check against the twin. Plots: speedup over the twin against M, and each M's time split into "
         "GEMM alone and exposed communication.",
     ]
-    for preset, sections in by_preset.items():
+    known = list(PRESET_BLURBS)  # page order; presets not listed there follow in the order given
+    for preset, sections in sorted(by_preset.items(), key=lambda item: known.index(item[0])
+                                   if item[0] in known else len(known)):
         blurb = PRESET_BLURBS.get(preset)
         parts.append(f"## Preset `{preset}`" + (f"\n\n{blurb}" if blurb else ""))
         parts += sections
