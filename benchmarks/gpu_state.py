@@ -1,6 +1,6 @@
 """SM clock, power and temperature right after each timing sample (nvidia-smi).
 
-Identical programs have measured up to ~10% apart in one harness run (RESULTS.md, "Readings"):
+Identical programs have measured up to ~10% apart in one harness run (benchmarks/README.md, step 4):
 recording the clocks next to every sample tells clock or power drift from other noise. Costs one
 nvidia-smi call (~30-50 ms) per sample; on machines without nvidia-smi it records nothing.
 """

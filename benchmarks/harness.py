@@ -83,7 +83,7 @@ def _prepare(name: str, ctx: CaseContext, params: TimingParams, windowed: Window
 def round_order(count: int, round_index: int) -> list[int]:
     """The order of one round: a seeded shuffle, so runs repeat and neighbours change (a
     rotation keeps every variant behind the same neighbour, and a variant behind a light one
-    measured up to 10% faster: RESULTS.md)."""
+    measured up to 10% faster: benchmarks/README.md, step 4)."""
     order = list(range(count))
     random.Random(7919 * (round_index + 1)).shuffle(order)
     return order

@@ -49,7 +49,8 @@ def _grid(count: int, title: str):
 def _save(fig, path: Path, handles: list) -> None:
     """One legend for the whole figure, below the subplots (it never hides data)."""
     fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 5), fontsize=9, frameon=False)
-    fig.tight_layout(rect=(0, 0.09 if len(handles) > 5 else 0.05, 1, 1))
+    top = 1 - 0.5 / fig.get_figheight()  # room for the suptitle
+    fig.tight_layout(rect=(0, 0.09 if len(handles) > 5 else 0.05, 1, top))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -172,14 +173,25 @@ def time_plot(rows: list[dict], path: Path, title: str) -> None:
     _save(fig, path, list(handles.values()))
 
 
-def write_plots(rows: list[dict], out_dir: Path, stem: str) -> list[Path]:
-    """<stem>_speedup.png, <stem>_time.png and <stem>_time_split.png; returns their paths."""
+PLOT_KINDS = ("speedup", "time", "time_split")
+
+
+def write_plots(rows: list[dict], out_dir: Path, stem: str, kinds: tuple[str, ...] = PLOT_KINDS) -> list[Path]:
+    """<stem>_<kind>.png for each of `kinds` (speedup, time, time_split); returns their paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    speedup, times = out_dir / f"{stem}_speedup.png", out_dir / f"{stem}_time.png"
-    split = out_dir / f"{stem}_time_split.png"
-    speedup_plot(rows, speedup, stem)
-    time_plot(rows, times, stem)
-    present = {row["variant"] for row in rows}
-    fused = next((v for v in ("flux_fused", "flux_auto", "flux_decode", "flux_latency", "flux_overlap") if v in present), "flux_fused")
-    time_split_plot(rows, split, stem, fused)
-    return [speedup, times, split]
+    paths = []
+    for kind in kinds:
+        path = out_dir / f"{stem}_{kind}.png"
+        if kind == "speedup":
+            speedup_plot(rows, path, stem)
+        elif kind == "time":
+            time_plot(rows, path, stem)
+        elif kind == "time_split":
+            present = {row["variant"] for row in rows}
+            fused = next((v for v in ("flux_fused", "flux_auto", "flux_decode", "flux_latency", "flux_overlap")
+                          if v in present), "flux_fused")
+            time_split_plot(rows, path, stem, fused)
+        else:
+            raise ValueError(f"unknown plot kind {kind!r}; expected one of {PLOT_KINDS}")
+        paths.append(path)
+    return paths

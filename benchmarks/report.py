@@ -89,8 +89,15 @@ def _speedup(row: dict | None) -> str:
     return f"{value:.2f}x" if value else "-"
 
 
-def markdown_table(rows: list[dict]) -> str:
-    """ms per variant for each shape, speedups of every flux_jax variant present, and footnotes."""
+TABLE_LEGEND = (
+    "ms per call (median of the repeats, on-device loop time); speedup = xla_shard_map ms / "
+    "variant ms; WRONG = failed the check against the twin (no speedup claimed)."
+)
+
+
+def markdown_table(rows: list[dict], legend: bool = True) -> str:
+    """ms per variant for each shape, speedups of every flux_jax variant present, and footnotes
+    (`legend=False` leaves out the one-line legend, for pages that state it once)."""
     present = [v for v in VARIANTS if any(r["variant"] == v for r in rows)]
     fused = [v for v in present if v.startswith("flux") and v != "flux_gemm_only"]
     header = ["op", "layer", "M", "K", "N", *present, *(f"{v} speedup" for v in fused)]
@@ -106,11 +113,9 @@ def markdown_table(rows: list[dict]) -> str:
             if r["status"].startswith("unavailable"):
                 key = (r["variant"], r["status"].removeprefix("unavailable: "))
                 reasons[key] = reasons.get(key, 0) + 1
-    lines.append("")
-    lines.append(
-        "ms per call (median of the repeats, on-device loop time); speedup = xla_shard_map ms / "
-        "variant ms; WRONG = failed the check against the twin (no speedup claimed)."
-    )
+    if legend:
+        lines.append("")
+        lines.append(TABLE_LEGEND)
     if reasons:
         lines.append("")
         lines.append("n/a (unavailable):")
