@@ -3,8 +3,9 @@
 Only flux_jax/_plan.py calls it. Inputs are the per-rank GEMM (`rows` of the whole GEMM,
 contraction `k`, output columns `n` per rank), the TP size and the dtype; the output is the
 fused path measured fastest there, or "xla" (the twin). The measurements behind every threshold
-are in docs/decisions/2026-11-30-auto-rule.md; shapes between measured points are interpolated
-by the thresholds, not measured.
+are in docs/decisions/ (2026-11-30-auto-overlap-region.md, -latency-path-rank-free.md,
+-ag-decode-path.md, -rs-decode-path.md); shapes between measured points are interpolated by the
+thresholds, not measured.
 """
 
 from __future__ import annotations

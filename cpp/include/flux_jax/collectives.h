@@ -5,7 +5,7 @@
 //   ag_matmul:  all_gather (ours, one kernel)  ->  XLA's own GEMM
 //   matmul_rs:  XLA's own GEMM  ->  reduce_scatter (ours, one kernel)
 // where "ours" moves the rows with SM stores over NVLink, signals with epoch
-// flags and never meets on the host. See docs/kernels.md, "Latency path".
+// flags and never meets on the host. See docs/kernels.md, "The latency path".
 #pragma once
 
 #include "flux_jax/params.h"

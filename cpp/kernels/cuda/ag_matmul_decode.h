@@ -1,5 +1,5 @@
 // ag_matmul's decode path (ag_matmul_decode.cu): for calls of at most
-// kDecodeMaxRows rows in all, chosen by Config.fused_path = "decode".
+// kDecodeMaxRows rows in all, chosen by flux_jax/_plan.py (the "decode" path).
 #pragma once
 
 #include <cuda_runtime.h>

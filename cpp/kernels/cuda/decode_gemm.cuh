@@ -7,7 +7,7 @@
 // the weight's N columns run along the tile's 64-wide M and X's rows along
 // its N (64 or 128): at M = 64 no MMA row is wasted, and N / 64 tiles (80 at
 // N = 5120, 128 at 8192) put the weight stream on that many SMs. Measured
-// alone on one H200 (benchmarks/data/gemm_decode_2026-11-30_s14.txt):
+// alone on one H200 (docs/decisions/2026-11-30-ag-decode-path.md):
 // 26.5 us at 64 x 8192 x 5120 against cuBLAS's 29.7, 28.2 vs 28.3 at 128 rows.
 //
 // Schedule of one CTA (producer warp; the MMA warpgroups are CUTLASS's):
@@ -57,7 +57,7 @@ struct DeferredRowsMainloop : Base {
     PushGate gate;
     // Rows of B (X) that may be read, >= the problem's: the row tile rounded up. A TMA box that
     // runs past its tensor's end takes a slow path (the GEMM alone: 40.3 us at 8 rows against
-    // 27.4 at 64, 64 x 8192 x 5120 on one H200, gemm_decode_small_m_2026-11-30_s14.txt); rows
+    // 27.4 at 64, 64 x 8192 x 5120 on one H200); rows
     // past the problem's are read (any values) but never stored.
     int32_t b_rows_readable = 0;
   };

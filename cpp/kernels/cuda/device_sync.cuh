@@ -146,7 +146,7 @@ static __device__ __noinline__ bool WaitFlag(const uint64_t* flag, const WaitCon
     if (deadline.Expired(ctx)) {
       // Also when another wait on this device failed first (its record stays: RecordTimeout keeps
       // the first): this wait's GEMM must still poison its own alpha, or the tiles computed from
-      // rows that never came would come out finite and wrong (found by tools/loopback at TP 8).
+      // rows that never came would come out finite and wrong (found by the loopback tests at TP 8).
       RecordTimeout(ctx, site, peer, chunk, piece, seen);
       return false;
     }

@@ -19,7 +19,7 @@ inline constexpr int kGemmBlockM = 128;  // tile rows of every shipped instance
 inline constexpr int kGemmBlockN = 256;       // tile columns of the default instances
 inline constexpr int kGemmBlockNNarrow = 192;  // the narrow instance (bf16, N-major weight)
 // M tiles swept together across N when the config says 0 (automatic); see the
-// tile order in gated_gemm.cuh and the measurements in docs/kernels.md.
+// tile order in gated_gemm.cuh and docs/decisions/2026-11-30-grouped-tile-order.md.
 inline constexpr int kDefaultTileGroupM = 8;
 
 struct GemmPlan {

@@ -47,7 +47,7 @@ constexpr int kMaxPeers = limits::kLatencyMaxTp;
 // A block moves at least one 16-byte vector per thread (8 KiB), so a small
 // chunk spreads over many SMs (512 KiB: 64 blocks, not 16). Measured with the
 // batching below (2x H200, 11-30): decode-loop times unchanged within noise;
-// the call's fixed ~9.5 us dominates there (docs/kernels.md, latency path).
+// the call's fixed ~9.5 us dominates there (docs/kernels.md, "The latency path").
 constexpr int64_t kMinBytesPerBlock = kThreads * 16;
 // Vectors a thread loads before it stores them: the loads of one batch are in
 // flight together instead of one HBM round trip per vector.

@@ -9,10 +9,10 @@
 //   j = tp-1   : S: out      = x[r]   @ w + recv[tp-2]    (own rows: c = r)
 //
 // recv[j-1] is rank r-1's stage[j-1]; the epilogue waits per piece of rows.
-// Config.gpu_rs_stage_launches splits stage 0 into launches of whole pieces, each
+// GpuTuning.rs_stage_launches splits stage 0 into launches of whole pieces, each
 // pushed when it ends (S: [GEMM q0..q1) [GEMM q1..q2) ...; C: push q0..q1, ...),
 // so the push starts after the first launch instead of the whole stage.
-// Config.gpu_rs_tile_signal instead releases each piece of stage 0 as soon as its
+// GpuTuning.rs_tile_signal instead releases each piece of stage 0 as soon as its
 // output tiles are written, inside one launch: the epilogue raises a per-piece
 // tile counter (TileSignal) and C waits for it (cuStreamWaitValue64):
 //

@@ -1,5 +1,5 @@
 // matmul_rs's decode path (matmul_rs_decode.cu): for calls of at most
-// kDecodeExchangeMaxRows rows, chosen by Config.fused_path = "decode".
+// kDecodeExchangeMaxRows rows, chosen by flux_jax/_plan.py (the "decode" path).
 #pragma once
 
 #include <cuda_runtime.h>

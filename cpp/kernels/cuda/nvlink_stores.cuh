@@ -14,9 +14,9 @@ namespace flux_jax::cuda {
 //   thread 0: FenceAcqRelSys()         cumulative: covers the whole block's stores
 //             StoreRelaxedSys(flag_q, epoch) for each reader q
 //
-// A reader's ld.acquire.sys of the flag then sees the data. Measured with
-// tools/gemm_probe/push_probe.cu (2x H200, both GPUs pushing 512 KiB to each
-// other, 32 blocks of 512 threads): 5.1 us per push against 7.7 us with a
+// A reader's ld.acquire.sys of the flag then sees the data. Measured with a
+// push probe (2x H200, both GPUs pushing 512 KiB to each other, 32 blocks of
+// 512 threads; docs/decisions/2026-11-30-nvlink-push-fence.md): 5.1 us per push against 7.7 us with a
 // fence.sc.sys (__threadfence_system) in every thread and a st.release.sys per
 // flag (each compiles to its own MEMBAR.SYS), and 3.6 us with no fence at all.
 __device__ __forceinline__ void FenceAcqRelSys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }

@@ -19,7 +19,7 @@ namespace flux_jax::cuda {
 // GEMM tile height, at most kMaxPieces per chunk. Finer pieces start the
 // consumer earlier; each costs two copy-engine operations. The 8 MiB floor (was
 // 2 MiB) measured 12-15% faster at LLaMA-8B out-projection M = 2048-4096 and 6% at
-// 8192, within +-3% elsewhere (2x H200, 2026-11-30, benchmarks/data/ab_*_s7).
+// 8192, within +-3% elsewhere (2x H200, 2026-11-30; docs/decisions/2026-11-30-piece-size-floor.md).
 inline int32_t PieceRows(int64_t rows, int64_t row_bytes, int64_t requested_bytes) {
   if (rows <= 0) return 1;
   const int64_t target_bytes = requested_bytes > 0
@@ -31,7 +31,7 @@ inline int32_t PieceRows(int64_t rows, int64_t row_bytes, int64_t requested_byte
   return static_cast<int32_t>(std::min(piece, rows));
 }
 
-// Launches the pushed ReduceScatter stage 0 is split into (Config.gpu_rs_stage_launches):
+// Launches the pushed ReduceScatter stage 0 is split into (GpuTuning.rs_stage_launches):
 // 1 = one launch; n >= 2 = n (at most one per piece); 0 = about one wave of output tiles
 // per launch (a whole wave leaves no SM idle; a smaller launch would), at most 8.
 inline int32_t StageLaunches(const CommConfig& cfg, int64_t rows, int64_t n, int32_t block_n,
@@ -45,14 +45,14 @@ inline int32_t StageLaunches(const CommConfig& cfg, int64_t rows, int64_t n, int
   return static_cast<int32_t>(std::min<int64_t>(launches, 8));
 }
 
-// Output tile width (Config.gpu_tile_n; 0 = by waves). A persistent GEMM runs
+// Output tile width (GpuTuning.tile_n; 0 = by waves). A persistent GEMM runs
 // ceil(tiles / SMs) waves, each as long as one tile, and a tile's time scales
 // with its width, so the narrow tile wins where ceil(tiles_192 / SMs) * 192 is
 // clearly below ceil(tiles_256 / SMs) * 256; the 10% margin stands for the
 // narrow tile's lower efficiency per column. Only shapes with at least one full
 // wave of 128x256 tiles, the case measured: 8B qkv AG at M = 2048 (2048 x 3072
 // per GPU, 192 tiles = 1.45 waves) 103.0 -> 86.6 us; where the rule keeps 256,
-// forcing 192 was 2-4% slower (2x H200, 2026-11-30, ab_tile_n_2026-11-30_s8).
+// forcing 192 was 2-4% slower (2x H200, 2026-11-30; docs/decisions/2026-11-30-tile-width-by-waves.md).
 inline int32_t ChooseBlockN(const CommConfig& cfg, DType dtype, bool b_kmajor, int64_t m, int64_t n,
                             int sm_count) {
   if (!HasNarrowTile(dtype, b_kmajor)) return kGemmBlockN;
@@ -65,13 +65,13 @@ inline int32_t ChooseBlockN(const CommConfig& cfg, DType dtype, bool b_kmajor, i
   return span(kGemmBlockNNarrow) * 11 < span(kGemmBlockN) * 10 ? kGemmBlockNNarrow : kGemmBlockN;
 }
 
-// When the pieces of the pushed ReduceScatter stage go (Config.gpu_rs_tile_signal;
+// When the pieces of the pushed ReduceScatter stage go (GpuTuning.rs_tile_signal;
 // -1 = by shape). Tile counters raised right after each tile's stores (2) start
 // the pushes while the launch still runs, which pays where the GEMM does little
 // work per pushed byte (small per-rank K) and the stage is short; every tile's
 // storing warp waits for its stores and each piece costs a stream wait, so on long
-// stages the launch's end (0) is better. Measured on 2x H200 (2026-11-30, sessions
-// 9-10, one process, 5-7 rounds each), setting 2 against 0 at per-rank K = 2048
+// stages the launch's end (0) is better. Measured on 2x H200 (2026-11-30, one
+// process, 5-7 rounds each; docs/decisions/2026-11-30-rs-tile-signal.md), setting 2 against 0 at per-rank K = 2048
 // (Llama-8B out-projection), by stage size (rows per rank x N x 2 bytes):
 //   8 MiB (M = 2048): 0.95-0.99x in 4 A/Bs     16 MiB (4096): 0.92-0.97x in 6
 //   32 MiB (8192):    0.96-1.00x in 6          64 MiB (16384): 0.95, 1.02, 1.05x

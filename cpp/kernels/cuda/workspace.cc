@@ -151,7 +151,7 @@ Status InitMember(const TpGroup& g, GroupWorkspace* w) {
   FLUX_CUDA_TRY(cudaEventCreateWithFlags(&w->ev_comm_done, cudaEventDisableTiming));
   for (auto& ev : w->ev_step) FLUX_CUDA_TRY(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
   FLUX_CUDA_TRY(cudaDeviceGetAttribute(&w->sm_count, cudaDevAttrMultiProcessorCount, device));
-  // Ranks of one group on one GPU (tools/loopback, which tests the multi-rank paths on one GPU; a
+  // Ranks of one group on one GPU (cpp/tests/loopback, which tests the multi-rank paths on one GPU; a
   // JAX mesh never repeats a device) split its SMs: their persistent kernels wait for each other,
   // so all of them must be resident at once, and a tenth stays free for the pushes they wait on.
   const auto sharing = std::count(g.ordinals.begin(), g.ordinals.end(), device);
@@ -297,7 +297,7 @@ Status AcquireWorkspace(const TpGroup& g, size_t data_bytes, const CommConfig& c
     // On the comm stream, waited for here: a device-to-device cudaMemcpy returns
     // before it lands, and a 0 landing in our present slot on a peer after this
     // call's presence kernel wrote the epoch there made the peer wait until its
-    // timeout (seen with tools/loopback at TP 4 and 8).
+    // timeout (seen in the loopback tests at TP 4 and 8).
     GroupWorkspace* m = member.get();
     DeviceGuard guard(device);
     FLUX_CUDA_TRY(cudaMemcpyAsync(m->cells + 1, m->cells, sizeof(uint64_t), cudaMemcpyDeviceToDevice, m->comm));
