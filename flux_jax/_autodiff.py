@@ -19,10 +19,16 @@ def make_core(primal, fwd, bwd):
     return core
 
 
-def weight_grad(a, dy, transpose_w: bool):
+def weight_grad(a, dy, w, transpose_w: bool):
     """d(op(w)) for out = a @ op(w) with a [rows, ..., K], dy [rows, ..., N]: [K, N] = a^T dy,
-    or [N, K] = dy^T a when w is [N, K] (every dimension but the last contracted)."""
+    or [N, K] = dy^T a when w is [N, K] (every dimension but the last contracted). Where the
+    contracted dimensions are sharded over Explicit mesh axes (a batch split over data
+    parallelism), the gradient takes w's sharding (the sum over them included)."""
     lead = tuple(range(a.ndim - 1))
+    spec = getattr(getattr(jax.typeof(a), "sharding", None), "spec", None)
+    out_sharding = None
+    if spec is not None and any(entry is not None for entry in tuple(spec)[: a.ndim - 1]):
+        out_sharding = jax.typeof(w).sharding
     if transpose_w:
-        return lax.dot_general(dy, a, ((lead, lead), ((), ())))
-    return lax.dot_general(a, dy, ((lead, lead), ((), ())))
+        return lax.dot_general(dy, a, ((lead, lead), ((), ())), out_sharding=out_sharding)
+    return lax.dot_general(a, dy, ((lead, lead), ((), ())), out_sharding=out_sharding)

@@ -106,13 +106,16 @@ def _topology(ctx, platform: str, call):
 
 
 def _automatic_axes(ctx) -> tuple[str, ...]:
-    """Mesh axes of size > 1 that the enclosing shard_map leaves to the partitioner."""
+    """Mesh axes the enclosing shard_map leaves to the partitioner (all of them, size 1 too: XLA
+    wants nested manual regions to cover whole runs of axes), or () if none has size > 1."""
     context = ctx.module_context.axis_context
     mesh = getattr(context, "mesh", None)
     manual = getattr(context, "manual_axes", None)
     if mesh is None or manual is None:
         return ()
-    return tuple(a for a, n in zip(mesh.axis_names, mesh.axis_sizes) if n > 1 and a not in manual)
+    auto = tuple(a for a in mesh.axis_names if a not in manual)
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    return auto if any(sizes[a] > 1 for a in auto) else ()
 
 
 def _lower_in_manual_region(spec, ctx, x, w, rank, call, groups, auto):

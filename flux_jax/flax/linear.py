@@ -1,13 +1,17 @@
 """Megatron-style tensor-parallel linear layers over sequence-parallel activations.
 
 Both layers are *per-shard*: their `__call__` runs inside a `jax.shard_map`
-whose mesh maps every axis (see `flux_jax.flax.sharded_call`), and sees the
+that maps the tensor-parallel axis (every axis, as `flux_jax.flax.sharded_call`
+does, or only TP with `axis_names={tp}` inside a GSPMD model), and sees the
 local shard of each parameter. The parameters themselves are created with
 their global shapes and a sharding annotation, so `nnx` state is placed on the
 mesh as the layer expects.
 
   ColumnParallelLinear   x [S/tp, ..., K] --AllGather(S)+GEMM--> [S, ..., N/tp]
   RowParallelLinear      x [S, ..., K/tp] --GEMM+ReduceScatter(S)--> [S/tp, ..., N]
+
+The sequence is the leading dimension by default; `seq_axis=1` takes batch-first
+activations [B, S, ...] (the gather / scatter runs over dimension 1).
 
 A column layer followed by a row layer is one Megatron block: the sequence is
 gathered inside the first GEMM and scattered again inside the second
@@ -76,8 +80,9 @@ class ColumnParallelLinear(nnx.Module):
     def __init__(self, in_features: int, out_features: int | Sequence[int], *, mesh: jax.sharding.Mesh,
                  tp_axis: str = "tp", use_bias: bool = False, impl: str = "auto", dtype=None,
                  param_dtype=jnp.float32, kernel_init: Callable | None = None,
-                 bias_init: Callable = nnx.initializers.zeros, rngs: nnx.Rngs):
+                 bias_init: Callable = nnx.initializers.zeros, seq_axis: int = 0, rngs: nnx.Rngs):
         check_impl(impl)
+        self.seq_axis = seq_axis
         out_shape = (out_features,) if isinstance(out_features, int) else tuple(out_features)
         tp = axis_size(mesh, tp_axis)
         check_divisible("out_features" if len(out_shape) == 1 else "out_features[0]", out_shape[0],
@@ -96,11 +101,11 @@ class ColumnParallelLinear(nnx.Module):
         self.bias = nnx.data(bias)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        """Per shard: [S/tp, ..., in_features] -> [S, ..., *out_local]."""
+        """Per shard: [S/tp, ..., in_features] -> [S, ..., *out_local] (S at `seq_axis`)."""
         dtype = self.dtype or x.dtype
         kernel = self.kernel[...]  # local shard [in, out0/tp, *rest]
         w = kernel.reshape(kernel.shape[0], -1).astype(dtype)
-        y = flux_jax.ag_matmul(x.astype(dtype), w, axis_name=self.tp_axis, impl=self.impl)
+        y = flux_jax.ag_matmul(x.astype(dtype), w, axis_name=self.tp_axis, axis=self.seq_axis, impl=self.impl)
         y = y.reshape(*y.shape[:-1], *kernel.shape[1:])
         if self.bias is not None:
             y = y + self.bias[...].astype(dtype)
@@ -123,8 +128,9 @@ class RowParallelLinear(nnx.Module):
     def __init__(self, in_features: int, out_features: int, *, mesh: jax.sharding.Mesh,
                  tp_axis: str = "tp", use_bias: bool = False, impl: str = "auto", dtype=None,
                  param_dtype=jnp.float32, kernel_init: Callable | None = None,
-                 bias_init: Callable = nnx.initializers.zeros, rngs: nnx.Rngs):
+                 bias_init: Callable = nnx.initializers.zeros, seq_axis: int = 0, rngs: nnx.Rngs):
         check_impl(impl)
+        self.seq_axis = seq_axis
         tp = axis_size(mesh, tp_axis)
         check_divisible("in_features", in_features, tp_axis, tp,
                         "a row-parallel layer splits its input features over TP")
@@ -140,10 +146,11 @@ class RowParallelLinear(nnx.Module):
         self.bias = nnx.data(bias)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        """Per shard: [S, ..., in_features/tp] -> [S/tp, ..., out_features]."""
+        """Per shard: [S, ..., in_features/tp] -> [S/tp, ..., out_features] (S at `seq_axis`)."""
         dtype = self.dtype or x.dtype
         w = self.kernel[...].astype(dtype)
-        y = flux_jax.matmul_rs(x.astype(dtype), w, axis_name=self.tp_axis, impl=self.impl)
+        y = flux_jax.matmul_rs(x.astype(dtype), w, axis_name=self.tp_axis, scatter_dimension=self.seq_axis,
+                               impl=self.impl)
         if self.bias is not None:
             y = y + self.bias[...].astype(dtype)
         return y

@@ -51,7 +51,7 @@ def _bwd(call: Call, residuals, cotangents):
     if call.return_gathered and cotangents[1] is not None:
         # The gathered copy was an output too: all_gather's adjoint is a reduce-scatter.
         dx = dx + lax.psum_scatter(cotangents[1], call.axis_name, scatter_dimension=0, tiled=True)
-    return dx, _autodiff.weight_grad(x_full, dy, call.transpose_w)
+    return dx, _autodiff.weight_grad(x_full, dy, w, call.transpose_w)
 
 
 SPEC = define(OpSpec(NAME, _out_shapes, _gemm, _twin, _latency, _fwd, _bwd))

@@ -39,7 +39,7 @@ def _bwd(call: Call, residuals, cotangents):
     (dy,) = cotangents
     ag = REGISTRY["ag_matmul"]
     dx, dy_full = ag.core(dy, w, _common.backward_call(ag, dy, w, call))
-    return dx, _autodiff.weight_grad(x, dy_full, call.transpose_w)
+    return dx, _autodiff.weight_grad(x, dy_full, w, call.transpose_w)
 
 
 SPEC = define(OpSpec(NAME, _out_shapes, _gemm, _twin, _latency, _fwd, _bwd))

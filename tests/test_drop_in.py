@@ -1,0 +1,223 @@
+"""Drop-in use inside existing models: any gather / scatter dimension, partially manual and nested
+shard_maps, and a configuration that takes effect where it is set."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import flux_jax
+from helpers import assert_matches, cpu_mesh, random_array, to64
+
+B, S, D, N = 4, 16, 24, 32
+
+
+def _compiled_text(f, *args):
+    return f.lower(*args).compile().as_text()
+
+
+def _data(dtype="float32", seed=0):
+    rng = np.random.default_rng(seed)
+    x = random_array(rng, (B, S, D), dtype)
+    w = random_array(rng, (D, N), dtype, scale=1 / np.sqrt(D))
+    ct = jnp.asarray(rng.standard_normal((B, S, N)), jnp.float32)
+    return x, w, ct
+
+
+def _ag_block(impl, axis):
+    return functools.partial(flux_jax.ag_matmul, axis_name="tp", axis=axis, impl=impl)
+
+
+def _rs_block(impl, dim):
+    return functools.partial(flux_jax.matmul_rs, axis_name="tp", scatter_dimension=dim, impl=impl)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_batch_first_sequence_axis_with_gradients(op, dtype):
+    """x [B, S, D] with the sequence (dimension 1) sharded over tp, equal to the twins."""
+    mesh = cpu_mesh((4,), ("tp",))
+    x, w, ct = _data(dtype)
+    if op == "ag":
+        specs, out = (P(None, "tp", None), P(None, "tp")), P(None, None, "tp")
+        body = _ag_block
+    else:
+        specs, out = (P(None, None, "tp"), P("tp", None)), P(None, "tp", None)
+        body = _rs_block
+
+    def fn(impl):
+        return jax.shard_map(body(impl, 1), mesh=mesh, in_specs=specs, out_specs=out)
+
+    xs = jax.device_put(x, NamedSharding(mesh, specs[0]))
+    ws = jax.device_put(w, NamedSharding(mesh, specs[1]))
+    fused, twin = jax.jit(fn("fused")), jax.jit(fn("xla"))
+    assert "flux_jax_" in _compiled_text(fused, xs, ws)
+    ref = np.einsum("bsd,dn->bsn", to64(x), to64(w))
+    assert_matches(fused(xs, ws), ref, twin(xs, ws), dtype, f"{op} axis=1")
+
+    def grads(impl):
+        loss = lambda a, b: jnp.sum(fn(impl)(a, b).astype(jnp.float32) * ct)  # noqa: E731
+        return jax.jit(jax.grad(loss, argnums=(0, 1)))(xs, ws)
+
+    (dx, dw), (tdx, tdw) = grads("fused"), grads("xla")
+    ct64 = np.asarray(ct, np.float64)
+    assert_matches(dx, np.einsum("bsn,dn->bsd", ct64, to64(w)), tdx, dtype, f"{op} dx")
+    assert_matches(dw, np.einsum("bsd,bsn->dn", to64(x), ct64), tdw, dtype, f"{op} dw")
+
+
+@pytest.mark.parametrize("axis", [0, -2, 1])
+def test_gather_dimension_of_a_4d_input(axis):
+    mesh = cpu_mesh((2,), ("tp",))
+    rng = np.random.default_rng(1)
+    x = random_array(rng, (4, 6, 2, 8), "float32")
+    spec = [None] * 4
+    spec[axis % 4] = "tp"
+    specs, out = (P(*spec), P(None, "tp")), P(None, None, None, "tp")
+    f = lambda impl: jax.jit(jax.shard_map(_ag_block(impl, axis), mesh=mesh, in_specs=specs, out_specs=out))  # noqa: E731
+    w = random_array(rng, (8, 4), "float32")
+    xs, ws = jax.device_put(x, NamedSharding(mesh, specs[0])), jax.device_put(w, NamedSharding(mesh, specs[1]))
+    np.testing.assert_allclose(np.asarray(f("fused")(xs, ws)), np.asarray(f("xla")(xs, ws)), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_gather_dimension_is_a_clear_error():
+    mesh = cpu_mesh((2,), ("tp",))
+    f = jax.shard_map(_ag_block("fused", 2), mesh=mesh, in_specs=(P(), P()), out_specs=P())
+    with pytest.raises(ValueError, match=r"axis=2 must name a dimension of x float32\[4, 6, 8\] other than the last"):
+        jax.jit(f)(jnp.ones((4, 6, 8)), jnp.ones((8, 4)))
+    g = jax.shard_map(_rs_block("fused", 1), mesh=mesh, in_specs=(P(), P()), out_specs=P())
+    with pytest.raises(ValueError, match=r"dimension 1 of x float32\[4, 5, 8\] \(5 rows\) must be divisible"):
+        jax.jit(g)(jnp.ones((4, 5, 8)), jnp.ones((8, 4)))
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_partially_manual_region_on_a_dp_tp_mesh(op, axis_type):
+    """shard_map(axis_names={"tp"}) with dp left to the partitioner: the fused custom call runs on
+    each device's own batch (no all-gather over dp), equal to the twin, gradients too."""
+    mesh = cpu_mesh((2, 4), ("dp", "tp"), axis_type)
+    x, w, ct = _data()
+    if op == "ag":
+        x_sh, w_sh, specs, out = P("dp", "tp"), P(None, "tp"), (P(None, "tp"), P(None, "tp")), P(None, None, "tp")
+        body = _ag_block
+    else:
+        x_sh, w_sh, specs, out = P("dp", None, "tp"), P("tp"), (P(None, None, "tp"), P("tp")), P(None, "tp")
+        body = _rs_block
+
+    def fn(impl):
+        return jax.shard_map(body(impl, 1), mesh=mesh, in_specs=specs, out_specs=out, axis_names={"tp"})
+
+    xs, ws = jax.device_put(x, NamedSharding(mesh, x_sh)), jax.device_put(w, NamedSharding(mesh, w_sh))
+    fused = jax.jit(fn("fused"))
+    text = _compiled_text(fused, xs, ws)
+    assert "flux_jax_" in text
+    assert "all-gather" not in text  # the batch stays split over dp
+    got = fused(xs, ws)
+    assert got.sharding.spec[0] == "dp"
+    # (The twin itself does not lower with Explicit dp in this JAX: its psum_scatter / all_gather
+    # transpose loses the sharding; so the float64 reference.)
+    np.testing.assert_allclose(np.asarray(got), np.einsum("bsd,dn->bsn", to64(x), to64(w)), rtol=2e-5, atol=2e-5)
+    if axis_type == AxisType.Auto:
+        np.testing.assert_allclose(np.asarray(got), np.asarray(jax.jit(fn("xla"))(xs, ws)), rtol=2e-5, atol=2e-5)
+
+    loss = lambda a, b: jnp.sum(fn("fused")(a, b) * ct)  # noqa: E731
+    dx, dw = jax.jit(jax.grad(loss, argnums=(0, 1)))(xs, ws)
+    ct64 = np.asarray(ct, np.float64)
+    np.testing.assert_allclose(np.asarray(dx), np.einsum("bsn,dn->bsd", ct64, to64(w)), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(dw), np.einsum("bsd,bsn->dn", to64(x), ct64), rtol=1e-4, atol=1e-4)
+
+
+def test_partially_manual_region_on_a_dp_fsdp_tp_mesh_auto_may_fuse():
+    mesh = cpu_mesh((2, 1, 4), ("dp", "fsdp", "tp"), AxisType.Auto)
+    x, w, _ = _data()
+    f = jax.jit(jax.shard_map(_ag_block("fused", 1), mesh=mesh, in_specs=(P(None, "tp"), P(None, "tp")),
+                              out_specs=P(None, None, "tp"), axis_names={"tp"}))
+    xs = jax.device_put(x, NamedSharding(mesh, P(("dp", "fsdp"), "tp")))
+    ws = jax.device_put(w, NamedSharding(mesh, P(None, "tp")))
+    np.testing.assert_allclose(np.asarray(f(xs, ws)), np.einsum("bsd,dn->bsn", x, w), rtol=2e-5, atol=2e-5)
+
+
+def _nested(impl):
+    inner = jax.shard_map(_ag_block(impl, 1), in_specs=(P(None, "tp"), P(None, "tp")), out_specs=P(None, None, "tp"),
+                          axis_names={"tp"})
+    return inner
+
+
+def test_nested_shard_maps_under_set_mesh():
+    """Outer shard_map over dp, inner over tp: with the mesh set (jax.set_mesh) the fused op runs."""
+    mesh = cpu_mesh((2, 4), ("dp", "tp"), AxisType.Explicit)
+    x, w, _ = _data()
+    xs, ws = jax.device_put(x, NamedSharding(mesh, P("dp", "tp"))), jax.device_put(w, NamedSharding(mesh, P(None, "tp")))
+
+    def outer(impl):
+        return jax.jit(jax.shard_map(_nested(impl), mesh=mesh, in_specs=(P("dp"), P()), out_specs=P("dp"),
+                                     axis_names={"dp"}))
+
+    with jax.set_mesh(mesh):
+        fused = outer("fused")
+        assert "flux_jax_ag_matmul" in _compiled_text(fused, xs, ws)
+        np.testing.assert_allclose(np.asarray(fused(xs, ws)), np.einsum("bsd,dn->bsn", x, w), rtol=2e-5, atol=2e-5)
+
+
+def test_nested_shard_maps_without_a_concrete_mesh_are_clear():
+    """Without the concrete mesh the lowering cannot know the TP groups' devices: impl="fused"
+    says how to provide it; the backward of an auto-fused op falls back to the twin."""
+    mesh = cpu_mesh((2, 4), ("dp", "tp"), AxisType.Explicit)
+    x, w, _ = _data()
+    xs, ws = jax.device_put(x, NamedSharding(mesh, P("dp", "tp"))), jax.device_put(w, NamedSharding(mesh, P(None, "tp")))
+    fused = jax.jit(jax.shard_map(_nested("fused"), mesh=mesh, in_specs=(P("dp"), P()), out_specs=P("dp"),
+                                  axis_names={"dp"}))
+    with pytest.raises(flux_jax.FusedUnavailableError, match=r"jax.set_mesh"):
+        fused.lower(xs, ws)
+
+
+def test_config_takes_effect_on_an_already_compiled_function():
+    """Config is part of the jit cache key: a `with flux_jax.config(...)` around a call of a compiled
+    function retraces it with the new settings."""
+    mesh = cpu_mesh((4,), ("tp",))
+    x, w, _ = _data()
+    specs = (P(None, "tp"), P(None, "tp"))
+    f = jax.jit(jax.shard_map(_ag_block("fused", 1), mesh=mesh, in_specs=specs, out_specs=P(None, None, "tp")))
+    xs, ws = jax.device_put(x, NamedSharding(mesh, specs[0])), jax.device_put(w, NamedSharding(mesh, specs[1]))
+    assert "flux_jax_ag_matmul" in f.lower(xs, ws).as_text()
+    f(xs, ws)
+    with flux_jax.config(fused_path="latency"):
+        text = f.lower(xs, ws).as_text()
+        out = f(xs, ws)
+    assert "flux_jax_all_gather" in text and "flux_jax_ag_matmul" not in text
+    np.testing.assert_allclose(np.asarray(out), np.einsum("bsd,dn->bsn", x, w), rtol=2e-5, atol=2e-5)
+    with flux_jax.config(timeout_s=7.0):
+        assert "timeout_us = 7000000" in f.lower(xs, ws).as_text()
+    assert "timeout_us = 7000000" not in f.lower(xs, ws).as_text()
+
+
+def test_gspmd_model_with_a_flux_jax_mlp():
+    """The README's recipe: a flux_jax MLP inside an otherwise GSPMD model on a (dp, tp) mesh."""
+    mesh = cpu_mesh((2, 4), ("dp", "tp"), AxisType.Auto)
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((B, S, D)), jnp.float32)
+    w1 = jnp.asarray(rng.standard_normal((D, 64)) / np.sqrt(D), jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((64, D)) / 8, jnp.float32)
+
+    def mlp(x, w1, w2, impl):
+        h = flux_jax.ag_matmul(x, w1, axis_name="tp", axis=1, impl=impl)  # [B, S, 64/tp]
+        return flux_jax.matmul_rs(jax.nn.gelu(h), w2, axis_name="tp", scatter_dimension=1, impl=impl)
+
+    def model(x, w1, w2, impl):
+        x = x * 2.0  # GSPMD code around the TP region
+        y = jax.shard_map(functools.partial(mlp, impl=impl), in_specs=(P(None, "tp"), P(None, "tp"), P("tp")),
+                          out_specs=P(None, "tp"), axis_names={"tp"})(x, w1, w2)
+        return jnp.mean(y**2)
+
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, P("dp", "tp")))
+        w1s, w2s = jax.device_put(w1, NamedSharding(mesh, P(None, "tp"))), jax.device_put(w2, NamedSharding(mesh, P("tp")))
+        step = lambda impl: jax.jit(jax.value_and_grad(functools.partial(model, impl=impl), argnums=(1, 2)))  # noqa: E731
+        (loss_f, g_f), (loss_x, g_x) = step("fused")(xs, w1s, w2s), step("xla")(xs, w1s, w2s)
+        assert "flux_jax_" in step("fused").lower(xs, w1s, w2s).as_text()
+    np.testing.assert_allclose(float(loss_f), float(loss_x), rtol=1e-5)
+    for a, b in zip(g_f, g_x):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)

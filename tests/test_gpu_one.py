@@ -1,0 +1,93 @@
+"""The fused ops through JAX on ONE GPU, over a mesh axis of size 1.
+
+With a TP group of one rank the kernels move no rows, but every other layer runs for real: the
+planner, the lowering's typed attributes, the FFI handlers' decoding (rank-free CUDA binding,
+N-D operands), the workspace, the overlap GEMM instances and the latency path's collectives.
+Skipped without a GPU, unless FLUX_JAX_REQUIRE_GPU=1. Outputs are poisoned first (conftest) and
+checked against a float64 oracle with XLA-derived tolerances.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import flux_jax
+from helpers import assert_matches, place, random_array, to64
+
+SHAPES = [(2048, 1024, 1536), (1000, 528, 784), (64, 256, 512)]  # (M, K, N)
+
+
+def _mesh(one_gpu):
+    return jax.sharding.Mesh(np.array(one_gpu[:1]), ("tp",), axis_types=(AxisType.Explicit,))
+
+
+def _fn(op, mesh, impl, ndim=2):
+    lead = [None] * (ndim - 2)
+    if op == "ag":
+        body = functools.partial(flux_jax.ag_matmul, axis_name="tp", impl=impl)
+        specs, out = (P("tp", *lead, None), P(None, "tp")), P(None, *lead, "tp")
+    else:
+        body = functools.partial(flux_jax.matmul_rs, axis_name="tp", impl=impl)
+        specs, out = (P(None, *lead, "tp"), P("tp", None)), P("tp", *lead, None)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out)), specs
+
+
+@pytest.mark.parametrize("path", ["overlap", "latency"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("op", ["ag", "rs"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_one_gpu_matches_oracle(one_gpu, op, dtype, shape, path):
+    M, K, N = shape
+    mesh = _mesh(one_gpu)
+    rng = np.random.default_rng()
+    x, w = random_array(rng, (M, K), dtype), random_array(rng, (K, N), dtype, scale=1 / np.sqrt(K))
+    with flux_jax.config(fused_path=path):
+        fused, specs = _fn(op, mesh, "fused")
+        xs, ws = place(mesh, x, specs[0]), place(mesh, w, specs[1])
+        text = fused.lower(xs, ws).as_text()
+        out = fused(xs, ws)
+    target = {"overlap": f"flux_jax_{'ag_matmul' if op == 'ag' else 'matmul_rs'}",
+              "latency": f"flux_jax_{'all_gather' if op == 'ag' else 'reduce_scatter'}"}[path]
+    assert target in text
+    twin, _ = _fn(op, mesh, "xla")
+    assert_matches(out, to64(x) @ to64(w), twin(xs, ws), dtype, f"{op} {shape} {dtype} {path}")
+    assert not flux_jax.device_errors()
+
+
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_one_gpu_middle_dimensions_and_gradients(one_gpu, op):
+    mesh = _mesh(one_gpu)
+    rng = np.random.default_rng()
+    x = random_array(rng, (256, 4, 512), "bfloat16")
+    w = random_array(rng, (512, 768), "bfloat16", scale=1 / np.sqrt(512))
+    fused, specs = _fn(op, mesh, "fused", ndim=3)
+    twin, _ = _fn(op, mesh, "xla", ndim=3)
+    xs, ws = place(mesh, x, specs[0]), place(mesh, w, specs[1])
+    ref = np.einsum("bsk,kn->bsn", to64(x), to64(w))
+    assert_matches(fused(xs, ws), ref, twin(xs, ws), "bfloat16", f"{op} 3-D")
+    ct = jnp.asarray(rng.standard_normal(ref.shape), jnp.float32)
+
+    def grads(f):
+        loss = lambda a, b: jnp.sum(f(a, b).astype(jnp.float32) * ct)  # noqa: E731
+        return jax.jit(jax.grad(loss, argnums=(0, 1)))(xs, ws)
+
+    (dx, dw), (tdx, tdw) = grads(fused), grads(twin)
+    ct64 = np.asarray(ct, np.float64)
+    assert_matches(dx, np.einsum("bsn,kn->bsk", ct64, to64(w)), tdx, "bfloat16", f"{op} dx")
+    assert_matches(dw, np.einsum("bsk,bsn->kn", to64(x), ct64), tdw, "bfloat16", f"{op} dw")
+    assert not flux_jax.device_errors()
+
+
+def test_one_gpu_explain_names_the_paths(one_gpu):
+    mesh = _mesh(one_gpu)
+    x = jnp.ones((256, 512), jnp.bfloat16)
+    w = jnp.ones((512, 512), jnp.bfloat16)
+    f = jax.shard_map(functools.partial(flux_jax.ag_matmul, axis_name="tp", impl="fused"), mesh=mesh,
+                      in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp"))
+    sites = flux_jax.explain(f, place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp")))
+    assert len(sites) == 1 and sites[0].plan.fused and sites[0].problem.platform == "cuda"
