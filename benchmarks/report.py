@@ -130,4 +130,5 @@ def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
         f"{meta['date_utc']}, commit {meta['git_commit']}{' (dirty)' if meta['git_dirty'] else ''}, "
         f"{hw['device_count']}x {hw['device_kind']}, jax {meta['versions']['jax']}\n\n"
     )
-    path.write_text(head + markdown_table(rows))
+    notes = "".join(f"{note}\n\n" for note in meta.get("notes", ()))
+    path.write_text(head + notes + markdown_table(rows))

@@ -79,12 +79,26 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def run_notes(tp: int, platform: str) -> list[str]:
+    """What the reader of this run's numbers must know before reading them."""
+    notes = []
+    if tp == 1:
+        notes.append("NOTE: tp=1: a TP group of one device moves no rows; the fused ops run their GEMM "
+                     "alone, so these times say nothing about communication overlap")
+    if platform == "cpu":
+        notes.append("NOTE: CPU timings: the CPU backend is the protocol's reference implementation; "
+                     "its times do not predict GPU speed")
+    return notes
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     """Runs the benchmark; returns the rows (also written under --out)."""
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     preset = PRESETS[args.preset]
     tp = preset_tp(preset, len(jax.devices()))
+    for note in run_notes(tp, jax.default_backend()):
+        print(note, flush=True)
     ops = OPS if args.op == "all" else (args.op,)
     cases, skipped = select_cases(preset, tp, ops, args.m, args.dtype)
     for shape in skipped:
@@ -93,6 +107,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                           preheat_ms=args.preheat_ms)
     meta = report.metadata(preset.name, tp, argv, {"method": METHOD, **vars(params)}, skipped, args.git_commit)
     meta["grad"] = args.grad
+    meta["notes"] = run_notes(tp, jax.default_backend())
     stem = output_stem(preset.name, args.op, args.m) + ("_grad" if args.grad else "")
     json_path, md_path = args.out / f"{stem}.json", args.out / f"{stem}.md"
 

@@ -232,3 +232,11 @@ def test_presets_expand_to_shardable_cases_and_the_holdout_is_disjoint():
     assert not {c.M for c in holdout} & (set(M_SWEEP) | set(M_DECODE))
     assert not {(c.op, c.K, c.N) for c in holdout} & tuned
     assert any(c.M % 128 for c in holdout)  # row-tile tails
+
+
+def test_run_notes_flag_tp1_and_cpu_timings():
+    from benchmarks.run import run_notes
+
+    assert any("tp=1" in n for n in run_notes(1, "gpu"))
+    assert any("do not predict GPU speed" in n for n in run_notes(8, "cpu"))
+    assert run_notes(2, "gpu") == []
