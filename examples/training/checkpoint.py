@@ -12,6 +12,8 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
+import flux_jax
+
 
 class TrainCheckpoints:
     """Save every `every` steps into `directory`; restore the latest one."""
@@ -31,6 +33,13 @@ class TrainCheckpoints:
         return step % self.every == 0 or step == last_step
 
     def save(self, step: int, state: dict, meta: dict) -> None:
+        """Saves the state, unless a fused op failed on a GPU since the last check: a timed-out
+        call poisons its outputs with NaN and the optimizer has applied them, so the state must
+        not overwrite a good checkpoint (the error names the rank, the peer and the epoch)."""
+        errors = flux_jax.device_errors()
+        if errors:
+            raise SystemExit("a fused op failed on the GPU; not saving this state:\n" +
+                             "\n".join(f"  device {d}: {msg}" for d, msg in sorted(errors.items())))
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                         meta=ocp.args.JsonSave(meta)), force=True)
 
