@@ -23,7 +23,8 @@
 
 namespace loopback {
 
-// CUDA's largest CUDA_DEVICE_MAX_CONNECTIONS (hardware work queues per device).
+// CUDA_DEVICE_MAX_CONNECTIONS (hardware work queues per device): CUDA's default and maximum.
+inline constexpr int kDefaultConnections = 8;
 inline constexpr int kMaxConnections = 32;
 
 // Sets the process environment for `ranks` ranks sharing one GPU, each issuing work on
@@ -34,23 +35,25 @@ inline constexpr int kMaxConnections = 32;
 //   rank's persistent kernel that spins waiting for a peer blocks every later launch in its queue,
 //   so when the peer's launch sits behind it the two wait for each other until the timeout
 //   (measured on one H200 at TP 8 with the default 8 queues: thousands of presence timeouts; with
-//   32 every normal case passed). The tests use at least 2 x ranks x streams per rank (capped at
-//   32); a larger value the user set is kept, a smaller one raised.
+//   32 every normal case passed). The tests use at least 2 x ranks x streams per rank: the user's
+//   value (or, unset, CUDA's default) is kept if it is that large, else raised; never more than
+//   CUDA's maximum, 32.
 // - CUDA_MODULE_LOADING=EAGER (unless set): a lazily loaded kernel's first launch waits until the
 //   GPU is idle, which it never is while another rank's kernel spins (flux_jax sets the same on
 //   import).
 inline void SetUpProcess(int ranks, int streams_per_rank) {
-  const int want = std::min(kMaxConnections, 2 * ranks * streams_per_rank);
+  const int want = 2 * ranks * streams_per_rank;
   const char* user = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
-  const int have = user != nullptr ? std::atoi(user) : 0;
-  const int use = std::max(want, have);
+  const int user_value = user != nullptr ? std::atoi(user) : 0;  // unset, empty or not a number: 0
+  const int have = user_value > 0 ? user_value : kDefaultConnections;
+  const int use = std::min(std::max(want, have), kMaxConnections);
   setenv("CUDA_DEVICE_MAX_CONNECTIONS", std::to_string(use).c_str(), 1);
   setenv("CUDA_MODULE_LOADING", "EAGER", 0);
-  std::printf("CUDA_DEVICE_MAX_CONNECTIONS=%d (%s; wanted 2 x %d ranks x %d streams per rank%s), "
-              "CUDA_MODULE_LOADING=%s\n",
-              use, have >= want ? "the user's value" : (user != nullptr ? "raised from the user's value" : "set here"),
-              ranks, streams_per_rank, 2 * ranks * streams_per_rank > kMaxConnections ? ", capped at 32" : "",
-              std::getenv("CUDA_MODULE_LOADING"));
+  const char* from = user_value > 0 ? "the user's value" : "CUDA's default";
+  std::printf("CUDA_DEVICE_MAX_CONNECTIONS=%d (%s %s %d; the tests want 2 x %d ranks x %d stream(s) per rank = %d, "
+              "at most %d), CUDA_MODULE_LOADING=%s\n",
+              use, use == have ? "kept" : (use > have ? "raised from" : "capped, from"), from, have, ranks,
+              streams_per_rank, want, kMaxConnections, std::getenv("CUDA_MODULE_LOADING"));
   std::fflush(stdout);
 }
 
