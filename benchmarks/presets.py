@@ -150,7 +150,7 @@ def preset_tp(preset: Preset, device_count: int) -> int:
 
 
 def case_from_text(text: str, tp: int, label: str, dtype: str = "bfloat16") -> Case:
-    """A Case from "op:MxKxN" (global shapes, as the tools take them on the command line)."""
+    """A Case from "op:MxKxN" (global shapes, as the diagnostics take them on the command line)."""
     op, _, dims = text.partition(":")
     m, k, n = (int(v) for v in dims.lower().split("x"))
     return Case(op, m, k, n, tp, dtype, label)

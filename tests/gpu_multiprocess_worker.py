@@ -1,5 +1,5 @@
 """One process of a 2-process x 1-GPU job on a 2-GPU host (driven by test_gpu_multiprocess.py
-and tools/multiprocess_bench.py).
+and benchmarks/diagnostics/multiprocess_bench.py).
 
     python gpu_multiprocess_worker.py <process_id> <port> <scenario>
 

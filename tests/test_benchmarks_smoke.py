@@ -171,7 +171,7 @@ def test_grad_mode_times_the_training_step_and_checks_dx(op):
 
 
 def test_loop_anatomy_reads_a_trace_and_flags_a_host_bound_profile(tmp_path):
-    """tools/loop_anatomy.py on a synthetic trace of 2 calls: per device the span, busy time and
+    """loop_anatomy.py on a synthetic trace of 2 calls: per device the span, busy time and
     gaps per call, copies apart from kernels, and the host time per call of the busiest loop
     thread; the summary warns when that host time reaches the traced time per call (the
     profiler's host overhead shapes the timeline then) and stays quiet when it is far below."""
@@ -179,7 +179,7 @@ def test_loop_anatomy_reads_a_trace_and_flags_a_host_bound_profile(tmp_path):
     import importlib.util
     import pathlib
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "tools" / "loop_anatomy.py"
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "diagnostics" / "loop_anatomy.py"
     spec = importlib.util.spec_from_file_location("loop_anatomy", path)
     anatomy = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(anatomy)

@@ -42,7 +42,8 @@ def union_length(intervals) -> float:
 
 def load_trace(trace_dir: str, patterns=("perfetto_trace.json.gz",)) -> tuple[list, dict] | None:
     """The events of the first trace file under `trace_dir` matching `patterns` (in that order)
-    and {pid: process name}; None when there is none. Also used by tools/loop_anatomy.py."""
+    and {pid: process name}; None when there is none. Also used by
+    benchmarks/diagnostics/loop_anatomy.py."""
     paths = [p for pattern in patterns for p in glob.glob(os.path.join(trace_dir, "**", pattern), recursive=True)]
     if not paths:
         return None

@@ -1,13 +1,12 @@
-// Probe: which GEMM kernel streams a decode-sized weight fastest? (issue 8)
-//
-// At decode M (64-1024 rows) a per-GPU GEMM is bound by reading the weight, and our overlap GEMM
-// (128x256 tiles, persistent, no split-K) has 16-40 tiles there: 0.3-0.9x of XLA. A fused decode
-// kernel (the weight streaming from the first microsecond while the peer's rows arrive) is only
-// worth building on a GEMM that reads the weight at least as fast as cuBLAS. This probe times, on
-// one GPU, with the same event timer for every variant:
+// Decode-sized GEMMs (8-1024 rows): our GEMMs against cuBLAS and against what else could stream
+// the weight. At these M a per-GPU GEMM is bound by reading the weight; the decode path's GEMM
+// (decode_gemm.cuh: nvjet's orientation, the weight's columns along the tile's M) exists so that
+// it reads the weight as fast as cuBLAS. Times, on one GPU, with the same event timer for every
+// variant:
 //   cuBLAS          cublasGemmEx's own heuristic (XLA autotunes among cuBLASLt algorithms too)
 //   read W          a plain kernel reading the weight once: the bandwidth roof
-//   ours 256        our gated GEMM (the overlap path's), nothing gated
+//   decode gemm     our decode path's GEMM (RunDecodeGemm, no exchange), at M <= 256
+//   ours 256        our overlap GEMM (the gated kernel), nothing gated
 //   swap*           nvjet's orientation D^T = W^T X^T: the weight's columns along the tile's M
 //                   (128 or 64), X's rows along its N (64 / 128 / 256), so 64 rows waste nothing
 //   ours*           our orientation with 128-row tiles (half empty at M = 64: TMA zero-fills)
@@ -17,7 +16,14 @@
 // The stream-K variants re-initialize every call (their locks count up and never reset); the
 // "init" line times that alone, so it can be subtracted: a fused kernel would use epoch flags.
 // Every variant's first call is checked against cuBLAS (poisoned output, max |diff| / max |value|).
-// `--small-m`: M = 8-128 with the ping-pong variants only.
+// Columns: us per call (best of 7 loops), its ratio to cuBLAS, the weight's bytes per second.
+//
+//   decode_gemm_vs_cublas                 # M = 64-1024 at LLaMA 8B / 70B layers, every variant
+//   decode_gemm_vs_cublas --small-m       # M = 8-128, the ping-pong variants only
+//   decode_gemm_vs_cublas --narrow-n      # AG at K = N = 8192 (4096 columns per rank), ping-pong only
+//   decode_gemm_vs_cublas [--small-m] 64x8192x5120 ...   # per-GPU MxKxN shapes instead
+//
+// cuBLAS is loaded with dlopen: FLUX_PROBE_CUBLAS and LD_LIBRARY_PATH as in gemm_vs_cublas.cu.
 #include <string>
 #include <vector>
 
@@ -114,7 +120,10 @@ int main(int argc, char** argv) {
   std::vector<Shape> shapes;
   const bool narrow_n = argc > 1 && std::string(argv[1]) == "--narrow-n";
   const bool small_m = narrow_n || (argc > 1 && std::string(argv[1]) == "--small-m");
-  if (narrow_n) {  // issue 8's AG at K = N = 8192: 4096 columns per rank, 64 tiles of 64
+  const int first_shape = small_m ? 2 : 1;
+  if (argc > first_shape) {
+    if (!ParseShapes(argc, argv, first_shape, &shapes)) return 2;
+  } else if (narrow_n) {  // AG at K = N = 8192: 4096 columns per rank, 64 tiles of 64
     for (int m : {16, 64, 128, 256}) shapes.push_back({m, 8192, 4096, "AG 8192^2"});
     for (int m : {64, 128}) shapes.push_back({m, 8192, 5120, "70B qkv"});
   } else if (small_m) {  // how the time moves below 64 rows (the decode path at M = 8-32)
@@ -184,9 +193,11 @@ int main(int argc, char** argv) {
         if (v.stream_k && splits == 2 && !heuristic && swap)
           rows.push_back({"  (SK init)", BestUsPerCall([&] { v.Init(); }, it, 7), -1.f});
       };
-      if (small_m) {
+      if (flux_jax::cuda::HasDecodeGemm(flux_jax::DType::kBF16, /*w_transposed=*/false, M)) {
         const float c = check([&] { RunDecode(M, N, K, x, w, d2, one, sms); });
         rows.push_back({"decode gemm", BestUsPerCall([&] { RunDecode(M, N, K, x, w, d, one, sms); }, it, 7), c});
+      }
+      if (small_m) {
         add(Tag<SwapPP64>{}, "swapPP64", true, 1, false);
         add(Tag<SwapPP128>{}, "swapPP128", true, 1, false);
       } else {

@@ -5,8 +5,8 @@ loop lengths and differenced, so dispatch and fixed costs cancel. The full
 harness is `python -m benchmarks.run`; this is the smoke version for a kernel
 change.
 
-    python tools/perf_probe.py --shapes 4096x8192x8192,8192x8192x28672
-    python tools/perf_probe.py --grad ...   # forward + backward (the training step's ops)
+    python benchmarks/diagnostics/perf_probe.py --shapes 4096x8192x8192,8192x8192x28672
+    python benchmarks/diagnostics/perf_probe.py --grad ...   # forward + backward (the training step's ops)
 
 With --grad every variant is timed as one forward and backward step (dx and dw of
 the vjp of op at (x, w) with a fixed random cotangent ct, and y kept live; a cotangent
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 import flux_jax  # noqa: E402
 from benchmarks.variants import with_grad  # noqa: E402  (the harness's --grad step)

@@ -1,6 +1,6 @@
-// The fused ops' multi-rank GPU paths with every rank on ONE GPU ("loopback"), for when no
-// multi-GPU host is at hand: TP 2, 4 and 8, each rank a host thread with its own stream (as XLA
-// runs one thread per device), all calling the same host APIs the FFI handlers call
+// The fused ops' multi-rank GPU paths with every rank on ONE GPU ("loopback"): TP 2, 4 and 8 on
+// a single device, each rank a host thread with its own stream (as XLA runs one thread per
+// device), all calling the same host APIs the FFI handlers call
 // (RunAgMatmulCuda, RunMatmulRsCuda, RunAllGatherCuda, RunReduceScatterCuda) on a TP group whose
 // ranks all map to device 0. The workspace gives each rank 9/10 / tp of the SMs (workspace.cc),
 // so every rank's persistent kernels are resident at once.
@@ -11,23 +11,23 @@
 //
 // What it checks (and what it cannot): the protocols (flags, epochs, parity halves, chunk and
 // piece indexing, tile gating, rank order of sums) of the overlap, decode and latency paths on real
-// hardware, at TP sizes no lent host has (4 and 8); not NVLink's ordering or speed, since the
-// peers are local memory. Every checked call runs with poisoned outputs on inputs that change
+// hardware, at TP sizes beyond the GPUs at hand; not NVLink's ordering or speed, since the peers
+// are local memory. Every checked call runs with poisoned outputs on inputs that change
 // from call to call (three sets, so a stale chunk or receive area gives wrong numbers) against a
 // float64 host reference:
 //   |out - ref| <= eps * (|ref| + sum over ranks of |partial|) + 2^-14 * sum |x| |w|
 // (eps = 2^-7 bf16 / 2^-10 f16: the output's rounding and, for matmul_rs, the partials'); the
 // collectives bit for bit (reduce_scatter: float32 sums in rank order, rounded once).
 //
-// Build: bash tools/loopback/build.sh [wheel build dir] [its source tree]; run on one GPU:
-//   run(command="./.whl/loopback/ops_loopback", kind="nvidia-h200", carry=[".whl"])
-// `--cpu` runs the same calls on the CPU backend (here, without a GPU: checks this program);
+// Build and run: README.md in this directory (CMake target `ops_loopback`).
+// `--cpu` runs the same calls on the CPU backend (no GPU needed: checks this program);
 // `--self-test` feeds the last rank a wrong input set and passes only if every check fails;
 // `--tp=N`, `--op=matmul_rs`, `--path=decode` pick cases.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -50,6 +50,7 @@
 #include "loopback_common.h"
 
 using namespace flux_jax;
+using loopback::SetUpProcess;
 
 namespace {
 
@@ -76,9 +77,27 @@ bool g_cpu = false;
 // --self-test: the last rank computes on the wrong input set (as a stale chunk or receive area
 // would), so every checked call must fail on every rank: shows that the checks can fail.
 bool g_self_test = false;
-// --warmup: each fresh TP group (at the start and after every reset) first runs one all_gather,
-// so the group is set up by a call without the presence handshake (a diagnostic).
-bool g_warmup = false;
+
+// Streams each rank issues work on: its own (XLA's) and its workspace member's comm stream.
+constexpr int kStreamsPerRank = 2;
+
+// How one call is configured. MakeCommConfig is the only place that fills a CommConfig.
+struct CallOptions {
+  int64_t callsite = 0;         // CPU channels: one per call site
+  int64_t timeout_us = kTimeoutUs;
+  int drop_rank = -1;           // this rank never signals (the silent-rank cases)
+  bool poison_outputs = false;  // outputs NaN-filled first, so unwritten elements fail the checks
+};
+
+CommConfig MakeCommConfig(const Case& c, const CallOptions& o) {
+  CommConfig cfg;
+  cfg.callsite = o.callsite;
+  cfg.timeout_us = o.timeout_us;
+  cfg.drop_rank = o.drop_rank;
+  cfg.poison_outputs = o.poison_outputs;
+  cfg.path = c.path == Path::kDecode ? FusedPath::kDecode : FusedPath::kOverlap;
+  return cfg;
+}
 
 std::string Describe(const Case& c, int tp) {
   const char* op[] = {"ag_matmul", "matmul_rs", "all_gather", "reduce_scatter"};
@@ -214,8 +233,8 @@ Ref Dot(const Case& c, const std::vector<float>& x, int64_t row, const std::vect
 
 class RankThread {
  public:
-  RankThread(int rank, int tp, Rendezvous* rendezvous, std::atomic<int>* failures, std::atomic<int>* resets)
-      : rank_(rank), tp_(tp), rendezvous_(rendezvous), failures_(failures), resets_(resets) {
+  RankThread(int rank, int tp, Rendezvous* rendezvous, std::atomic<int>* failures)
+      : rank_(rank), tp_(tp), rendezvous_(rendezvous), failures_(failures) {
     group_.rank = rank;
     group_.size = tp;
     for (int q = 0; q < tp; ++q) {
@@ -223,7 +242,6 @@ class RankThread {
       group_.processes.push_back(0);
       group_.ordinals.push_back(0);
     }
-    cfg_.timeout_us = kTimeoutUs;
   }
 
   // Every case in order (see the file comment), then, for the cases in `drop_cases`, a call in
@@ -238,8 +256,7 @@ class RankThread {
     uint64_t call = 0;
     for (size_t i = 0; i < cases.size(); ++i) {
       const Case& c = cases[i];
-      WarmUpFreshGroup();
-      cfg_.callsite = static_cast<int64_t>(i) + 1;  // CPU channels: one per call site
+      opts_.callsite = static_cast<int64_t>(i) + 1;
       Buffers b = Allocate(c, inputs[i]);
       int bad = 0;
       for (int j = 0; j < kChecked; ++j) bad += Call(c, b, call++, inputs[i], /*check=*/true);
@@ -263,7 +280,6 @@ class RankThread {
         if (!error.empty()) {  // a wait timed out: reset, so later cases start clean
           std::printf("  -> device error, reset: %s\n", error.c_str());
           ResetCudaWorkspaces();
-          resets_->fetch_add(1);
         }
       }
       rendezvous_->Arrive();
@@ -283,13 +299,13 @@ class RankThread {
   };
 
   void DropLastRank(const Case& c, const Inputs& in, size_t index, uint64_t* call) {
-    cfg_.callsite = static_cast<int64_t>(index) + 1;
+    opts_.callsite = static_cast<int64_t>(index) + 1;
     Buffers b = Allocate(c, in);
     const int dropped = tp_ - 1;
     int bad = Call(c, b, (*call)++, in, /*check=*/true);
-    CommConfig saved = cfg_;
-    cfg_.drop_rank = dropped;
-    cfg_.timeout_us = 300'000;
+    const CallOptions saved = opts_;
+    opts_.drop_rank = dropped;
+    opts_.timeout_us = 300'000;
     const auto t0 = std::chrono::steady_clock::now();
     std::string error = CallStatus(c, b);  // CPU: the waits fail in this call
     if (!g_cpu) {
@@ -308,7 +324,7 @@ class RankThread {
     if (error.empty()) error = next;
     *call += 2;  // the same count on every rank, whatever failed
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    cfg_ = saved;
+    opts_ = saved;
     const std::string who = "rank " + std::to_string(dropped);
     const bool named = error.find("timed out") != std::string::npos && error.find(who) != std::string::npos;
     if (rank_ != dropped && (!named || s > 10.0)) {
@@ -323,10 +339,8 @@ class RankThread {
       std::printf("%s, rank %d silent: rank 0 failed after %.2f s: %s\n", Describe(c, tp_).c_str(), dropped, s,
                   error.substr(0, 260).c_str());
       g_cpu ? ResetCpuChannels() : ResetCudaWorkspaces();
-      resets_->fetch_add(1);
     }
     rendezvous_->Arrive();
-    WarmUpFreshGroup();
     b = Allocate(c, in);
     bad += Call(c, b, (*call)++, in, /*check=*/true);  // after the reset: right again
     Free(b);
@@ -337,28 +351,11 @@ class RankThread {
     std::fflush(stdout);
   }
 
-  // --warmup: one all_gather on a group that is fresh (first use, or reset since this rank's last
-  // call), so that no op with the presence handshake sets the group up.
-  void WarmUpFreshGroup() {
-    const int resets = resets_->load();
-    if (!g_warmup || resets == seen_resets_) return;
-    seen_resets_ = resets;
-    const Case warm{Op::kAllGather, Path::kCollective, 8, 0, 1024};
-    Inputs in = MakeInputs(warm, tp_, 7);
-    Buffers b = Allocate(warm, in);
-    CommConfig cfg = cfg_;
-    cfg.callsite = 1000;
-    const Status st = Launch(warm, b, 0, cfg);
-    if (!g_cpu) CHECK_CUDA(cudaStreamSynchronize(stream_));
-    if (!st.ok()) std::printf("  warm-up all_gather, rank %d: %s\n", rank_, st.message().c_str());
-    Free(b);
-  }
-
   // Enqueues one call (inputs: set 0, outputs poisoned) and returns its error message ("" if ok).
   std::string CallStatus(const Case& c, Buffers& b) {
-    CommConfig cfg = cfg_;
-    cfg.poison_outputs = true;
-    const Status st = Launch(c, b, 0, cfg);
+    CallOptions o = opts_;
+    o.poison_outputs = true;
+    const Status st = Launch(c, b, 0, o);
     return st.ok() ? std::string() : st.message();
   }
 
@@ -383,8 +380,7 @@ class RankThread {
     if (b.gathered_elems) b.gathered = Alloc(b.gathered_elems * 2);
     if (!g_cpu) CHECK_CUDA(cudaStreamSynchronize(stream_));  // never the device: peers may be spinning
     // No rank launches before every rank has allocated: a cudaMalloc may wait for the work already
-    // on the device, which includes a faster rank's kernel spinning for this rank (on one GPU only;
-    // likely what made TP 8's first calls time out in session 18's runs).
+    // on the device, which includes a faster rank's kernel spinning for this rank (on one GPU only).
     rendezvous_->Arrive();
     return b;
   }
@@ -394,9 +390,8 @@ class RankThread {
     Release(b.w), Release(b.out), Release(b.gathered);
   }
 
-  Status Launch(const Case& c, Buffers& b, int set, const CommConfig& base) {
-    CommConfig cfg = base;
-    cfg.decode_path = c.path == Path::kDecode;
+  Status Launch(const Case& c, Buffers& b, int set, const CallOptions& o) {
+    const CommConfig cfg = MakeCommConfig(c, o);
     if (c.op == Op::kAgMatmul) {
       AgMatmulParams p;
       p.x = b.x[set], p.w = b.w, p.out = b.out, p.gathered = b.gathered;
@@ -419,10 +414,10 @@ class RankThread {
   // Returns the number of failed properties.
   int Call(const Case& c, Buffers& b, uint64_t call, const Inputs& in, bool check) {
     const int set = static_cast<int>(call % kInputSets);
-    CommConfig cfg = cfg_;
-    cfg.poison_outputs = check;
+    CallOptions o = opts_;
+    o.poison_outputs = check;
     const int stale = (set + 1) % kInputSets;
-    const Status st = Launch(c, b, g_self_test && rank_ == tp_ - 1 ? stale : set, cfg);
+    const Status st = Launch(c, b, g_self_test && rank_ == tp_ - 1 ? stale : set, o);
     if (!st.ok()) {
       std::printf("  FAIL rank %d call %llu: %s\n", rank_, static_cast<unsigned long long>(call), st.message().c_str());
       return 1;
@@ -511,10 +506,8 @@ class RankThread {
   int rank_, tp_;
   Rendezvous* rendezvous_;
   std::atomic<int>* failures_;
-  std::atomic<int>* resets_;
-  int seen_resets_ = -1;
   TpGroup group_;
-  CommConfig cfg_;
+  CallOptions opts_;
   cudaStream_t stream_ = nullptr;
 };
 
@@ -559,25 +552,30 @@ int main(int argc, char** argv) {
       g_cpu = true;
     } else if (std::strcmp(argv[i], "--self-test") == 0) {
       g_self_test = true;
-    } else if (std::strcmp(argv[i], "--warmup") == 0) {
-      g_warmup = true;
     } else if (std::strncmp(argv[i], "--op=", 5) == 0) {
       only_op = argv[i] + 5;
     } else if (std::strncmp(argv[i], "--path=", 7) == 0) {
       only_path = argv[i] + 7;
     } else if (std::strncmp(argv[i], "--tp=", 5) == 0) {
       tps = {std::atoi(argv[i] + 5)};
+      if (tps[0] < 2 || tps[0] > 8) {
+        std::fprintf(stderr, "--tp: 2 to 8 ranks\n");
+        return 2;
+      }
     } else {
-      std::fprintf(stderr, "usage: %s [--cpu] [--self-test] [--warmup] [--tp=N] [--op=NAME] [--path=overlap|decode|collective]\n",
+      std::fprintf(stderr,
+                   "usage: %s [--cpu] [--self-test] [--tp=N] [--op=ag_matmul|matmul_rs|all_gather|reduce_scatter] "
+                   "[--path=overlap|decode|collective]\n",
                    argv[0]);
       return 2;
     }
   }
-  // Lazy module loading makes a kernel's first launch wait until the GPU is idle, which it never
-  // is while another rank's kernel spins waiting for this rank (flux_jax sets the same on import).
-  setenv("CUDA_MODULE_LOADING", "EAGER", 0);
-  if (!g_cpu) CHECK_CUDA(cudaSetDevice(0));
+  if (!g_cpu) {
+    SetUpProcess(*std::max_element(tps.begin(), tps.end()), kStreamsPerRank);  // before any CUDA call
+    CHECK_CUDA(cudaSetDevice(0));
+  }
   std::atomic<int> failures{0};
+  size_t ran = 0;
   for (int tp : tps) {
     const std::vector<Case> all = CasesFor(tp);
     std::vector<size_t> picked = {0, 5, 8, 13, 16, 18};  // --self-test: one case per op and path
@@ -599,15 +597,19 @@ int main(int argc, char** argv) {
     std::vector<Inputs> inputs;
     for (size_t i = 0; i < cases.size(); ++i) inputs.push_back(MakeInputs(cases[i], tp, 1000 * tp + i));
     Rendezvous rendezvous(tp);
-    std::atomic<int> resets{0};
     std::vector<std::thread> threads;
     for (int r = 0; r < tp; ++r) {
       threads.emplace_back([&, r] {
-        RankThread t(r, tp, &rendezvous, &failures, &resets);
+        RankThread t(r, tp, &rendezvous, &failures);
         t.Run(cases, inputs, drops);
       });
     }
     for (auto& t : threads) t.join();
+    ran += cases.size();
+  }
+  if (ran == 0) {
+    std::printf("no case matches --op=%s --path=%s\n", only_op.c_str(), only_path.c_str());
+    return 2;
   }
   if (g_self_test) {
     std::printf(failures ? "SELF-TEST FAILED: %d rank-cases passed a wrong input\n"

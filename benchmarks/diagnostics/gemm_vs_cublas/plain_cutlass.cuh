@@ -1,5 +1,5 @@
-// Shared by the GEMM probes: a plain CUTLASS sm90 cooperative GEMM (no flux_jax hooks), its
-// arguments for packed tensors, a cudaEvent timer and a random fill.
+// Shared by the GEMM diagnostics: a plain CUTLASS sm90 GEMM (cooperative or ping-pong, no flux_jax
+// hooks), its arguments for packed tensors, a cudaEvent timer and a random fill.
 #pragma once
 
 #include <algorithm>

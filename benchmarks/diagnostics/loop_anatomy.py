@@ -6,7 +6,7 @@ trace: per device, kernels per call, kernel time per call (busy), idle time betw
 per call (gaps), and the host events that cost most per call. A loop whose gaps dominate is
 bound by the host (thunk launches, loop control), not by its kernels.
 
-  python tools/loop_anatomy.py --cases ag:256x8192x8192,rs:64x8192x8192 \
+  python benchmarks/diagnostics/loop_anatomy.py --cases ag:256x8192x8192,rs:64x8192x8192 \
       --variants gemm_only,flux_latency,xla_shard_map --calls 40 --out anatomy.json
 """
 
@@ -19,8 +19,9 @@ import os
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+sys.path.insert(0, _ROOT)
+sys.path.insert(0, os.path.join(_ROOT, "examples"))
 
 import jax  # noqa: E402
 

@@ -1,6 +1,6 @@
-// Shared by the probes that time cuBLAS (what XLA's jnp.dot calls): cuBLAS loaded with dlopen
-// (no cuBLAS headers or libraries on the build machine; FLUX_PROBE_CUBLAS = libcublas.so.N and its
-// directory on LD_LIBRARY_PATH), and an agreement check between two outputs.
+// Shared by the diagnostics that time cuBLAS (what XLA's jnp.dot calls): cuBLAS loaded with dlopen
+// (the build needs no cuBLAS headers or libraries; FLUX_PROBE_CUBLAS = libcublas.so.N and its
+// directory on LD_LIBRARY_PATH), an agreement check between two outputs, the shapes and buffers.
 //
 // Row-major D[m, n] = X[m, k] W[k, n] is column-major D^T = W^T X^T: cuBLAS gets (n, m, k) with
 // W as its A (leading dimension n) and X as its B (leading dimension k).
@@ -14,7 +14,7 @@
 #include <cstring>
 #include <vector>
 
-#include "probe_common.cuh"
+#include "plain_cutlass.cuh"
 
 namespace {
 
@@ -77,8 +77,23 @@ float RelativeDiff(const E* a, const E* b, size_t n, unsigned* acc) {
   return df / mg;
 }
 
-// A per-GPU GEMM (M x K x N) of a probe.
+// A per-GPU GEMM (M x K x N) and its label.
 struct Shape { int m, k, n; const char* what; };
+
+// Shapes given on the command line as MxKxN (labelled "cli"); false if an argument is not one.
+bool ParseShapes(int argc, char** argv, int first, std::vector<Shape>* shapes) {
+  for (int i = first; i < argc; ++i) {
+    Shape s{0, 0, 0, "cli"};
+    char tail = 0;
+    if (std::sscanf(argv[i], "%dx%dx%d%c", &s.m, &s.k, &s.n, &tail) != 3 || s.m <= 0 || s.k <= 0 || s.n <= 0 ||
+        s.k % 8 != 0 || s.n % 8 != 0) {
+      printf("not a shape: %s (want MxKxN, K and N multiples of 8)\n", argv[i]);
+      return false;
+    }
+    shapes->push_back(s);
+  }
+  return true;
+}
 
 // Device buffers for the largest of `shapes`: random x and w, outputs d and d2, a CUTLASS
 // workspace of ws_bytes and 8 bytes of scratch (acc). Freed at exit.
@@ -89,7 +104,8 @@ struct ProbeBuffers {
   size_t ws_bytes = 0;
   ProbeBuffers(const std::vector<Shape>& shapes, size_t workspace_bytes) : ws_bytes(workspace_bytes) {
     size_t maxe = 0;
-    for (auto& s : shapes) maxe = std::max({maxe, (size_t)s.m * s.k, (size_t)s.k * s.n, (size_t)s.m * s.n});
+    // x: M rounded up to whole 128-row tiles (the decode GEMM may read that many rows).
+    for (auto& s : shapes) maxe = std::max({maxe, (size_t)(s.m + 127) / 128 * 128 * s.k, (size_t)s.k * s.n, (size_t)s.m * s.n});
     cudaMalloc(&x, maxe * 2); cudaMalloc(&w, maxe * 2); cudaMalloc(&d, maxe * 2); cudaMalloc(&d2, maxe * 2);
     cudaMalloc(&ws, ws_bytes); cudaMalloc(&acc, 8);
     Fill<<<1024, 256>>>(x, maxe, 1);

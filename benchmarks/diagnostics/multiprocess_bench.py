@@ -1,16 +1,14 @@
-"""Fused ops: one process driving both GPUs vs one process per GPU (issue 9's 3% target).
+"""Fused ops: one process driving both GPUs vs one process per GPU (the two should be within 3%).
 
-    python tools/multiprocess_bench.py      # on a 2-GPU host; prints a table, JSON to --out
+    python benchmarks/diagnostics/multiprocess_bench.py   # on a 2-GPU host; a table, JSON to --out
 
-Each worker times the fused op (auto path) with the harness's serialized loop
-(benchmarks/timing.py: each call's input depends on the previous output through a shard-local
-update, so the program holds no collective besides the op's own), n2 - n1 = 1000 calls at M = 256
-and 200 at M = 4096, 9 samples, median. Until 2026-11-30 it used tools/perf_probe.py's loop,
-whose global `x.at[0, 0]` update needs a cross-device collective: XLA lowered it to an in-process
-Triton collective in one process and to NCCL across processes, which added ~10 us per call to the
-two-process figure at M = 256 (ratios 1.05-1.19; `multiprocess_bench_probe_loop_*_s8.json`) and
-left the single-process runs in two modes (0.066 vs 0.085 ms). With the harness's loop the two
-layouts compile the same GEMM picks, and four rounds agree within 1%.
+Each worker (tests/gpu_multiprocess_worker.py) times the fused op (auto path) with the harness's
+serialized loop (benchmarks/timing.py: each call's input depends on the previous output through a
+shard-local update, so the program holds no collective besides the op's own), n2 - n1 = 1000
+calls at M = 256 and 200 at M = 4096, 9 samples, median. Not perf_probe.py's loop: its global
+`x.at[0, 0]` update needs a cross-device collective, which XLA lowers to an in-process Triton
+collective in one process and to NCCL across processes (~10 us per call more at M = 256 in the
+two-process figure). With the harness's loop both layouts compile the same GEMM picks.
 
 `--rounds N` alternates single / two-process runs N times and compares medians. `--autotune-cache
 auto` shares XLA's per-fusion autotune cache (`--xla_gpu_per_fusion_autotune_cache_dir`) between
@@ -29,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-WORKER = Path(__file__).resolve().parent.parent / "tests" / "gpu_multiprocess_worker.py"
+WORKER = Path(__file__).resolve().parents[2] / "tests" / "gpu_multiprocess_worker.py"
 
 
 def run(pids):

@@ -8,7 +8,7 @@ median per setting and its ratio to the first (and, where the variant calls our 
 time per handler call, `flux_jax.handler_host_time`); one process keeps the GPU's clock and power
 state comparable across settings, which separate processes did not (up to 5-8% drift).
 
-  python tools/ab_config.py --cases rs:2048x4096x4096,ag:2048x4096x6144 \
+  python benchmarks/diagnostics/ab_config.py --cases rs:2048x4096x4096,ag:2048x4096x6144 \
       --configs "gpu_flag_op=0|gpu_flag_op=1" --variant flux_overlap --rounds 5 --out ab.json
 """
 
@@ -21,7 +21,7 @@ import random
 import re
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

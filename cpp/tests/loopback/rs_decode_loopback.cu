@@ -1,10 +1,10 @@
-// matmul_rs's decode exchange with all ranks on ONE GPU ("loopback"), for when no multi-GPU host is
-// at hand: each rank's decode GEMM with its exchanging epilogue (RunDecodeGemm + DecodeExchange,
-// the same code matmul_rs_decode.cu launches) runs on its own stream and on 120 / tp SMs, and the
-// "peer" buffers are the other ranks' allocations on the same device. TP 2, 4 and 8.
+// matmul_rs's decode exchange with all ranks on ONE GPU ("loopback"): each rank's decode GEMM with
+// its exchanging epilogue (RunDecodeGemm + DecodeExchange, the same code matmul_rs_decode.cu
+// launches) runs on its own stream and on 120 / tp SMs, and the "peer" buffers are the other
+// ranks' allocations on the same device. TP 2, 4 and 8.
 //
 //   stream r: rank r's decode GEMM, call e -> call e+1 -> ...   (120 / tp persistent CTAs)
-//             each output tile: rows of rank q -> q's receive area (words, or raw + one flag),
+//             each output tile: rows of rank q -> q's low-latency receive words,
 //             wait for every peer's rows of the tile, out = sum over q of P_q[own rows], rank order
 //
 // What it checks (and what it cannot): the exchange's indexing, epochs and parity halves, and its
@@ -14,14 +14,16 @@
 //     P_q being the partial that rank q's GEMM wrote (read back);
 //   - P_q against a float32 host reference of x_q @ w_q, within bf16 rounding (first call only);
 //   - no device error record (a timed-out wait).
-// Then a timed loop of back-to-back calls without host syncs (checked at its end), and a call in
-// which rank 1 does not signal: rank 0 must record a timeout at the exchange site, with NaN output.
+// Then a loop of back-to-back calls without host syncs (checked at its end), and, per TP size, a
+// call in which rank 1 does not signal: every other rank must record a timeout at the exchange
+// site naming rank 1, with NaN output, and rank 1 (whose peers did signal) must finish right.
 //
-// Build: bash tools/loopback/build.sh [wheel build dir] [its source tree]; run on one GPU:
-//   run(command="./.whl/loopback/rs_decode_loopback", kind="nvidia-h200", carry=[".whl"])
+// Build and run: README.md in this directory (CMake target `rs_decode_loopback`). `--tp=N` runs
+// one TP size.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -41,9 +43,10 @@ using namespace flux_jax::cuda;
 
 namespace {
 
-constexpr int kMaxTp = 8;
+constexpr int kMaxRanks = kDecodeMaxRanks;  // the exchange serves up to 8 ranks
 constexpr int kCtas = 120;        // all ranks' persistent grids resident at once (132 SMs)
 constexpr int kInputSets = 3;     // calls e and e+2 share a parity half, never inputs
+constexpr int kStreamsPerRank = 1;
 
 struct Rank {
   std::vector<std::vector<uint16_t>> x_host;  // [set][readable rows * k]
@@ -52,9 +55,7 @@ struct Rank {
   void* w = nullptr;
   void* partial[2] = {};  // P, one per parity
   void* out = nullptr;
-  void* ll = nullptr;     // low-latency receive words, two parity halves
-  void* dense = nullptr;  // raw receive rows, two parity halves
-  uint64_t* flags = nullptr;  // [sender][kMaxLatencyBlocks]
+  void* ll = nullptr;  // low-latency receive words, two parity halves
   float* alpha = nullptr;
   DeviceError* error_host = nullptr;
   DeviceError* error_dev = nullptr;
@@ -65,15 +66,6 @@ struct Shape {
   int tp;
   int64_t m, k, n;  // per rank: P = x [m, k] @ w [k, n]; out = rows m/tp of the sum
 };
-
-bool UsesDense(const Shape& s) {
-#ifdef FLUX_PROBE_DENSE
-  return s.m > kDecodeLowLatencyMaxRows && (s.n + 63) / 64 <= kMaxLatencyBlocks;
-#else
-  (void)s;
-  return false;
-#endif
-}
 
 class Loopback {
  public:
@@ -99,9 +91,6 @@ class Loopback {
       CHECK_CUDA(cudaMalloc(&r.out, part_bytes / tp_));
       CHECK_CUDA(cudaMalloc(&r.ll, 2 * DecodeExchangeBytes(s.m, s.n)));
       CHECK_CUDA(cudaMemset(r.ll, 0, 2 * DecodeExchangeBytes(s.m, s.n)));  // epoch 0: never a call's
-      CHECK_CUDA(cudaMalloc(&r.dense, 2 * part_bytes));
-      CHECK_CUDA(cudaMalloc(&r.flags, tp_ * kMaxLatencyBlocks * sizeof(uint64_t)));
-      CHECK_CUDA(cudaMemset(r.flags, 0, tp_ * kMaxLatencyBlocks * sizeof(uint64_t)));
       CHECK_CUDA(cudaMalloc(&r.alpha, sizeof(float)));
       const float one = 1.f;
       CHECK_CUDA(cudaMemcpy(r.alpha, &one, sizeof(float), cudaMemcpyHostToDevice));
@@ -119,14 +108,14 @@ class Loopback {
       Rank& r = ranks_[i];
       for (void* p : r.x) cudaFree(p);
       for (void* p : r.partial) cudaFree(p);
-      cudaFree(r.w), cudaFree(r.out), cudaFree(r.ll), cudaFree(r.dense), cudaFree(r.flags), cudaFree(r.alpha);
+      cudaFree(r.w), cudaFree(r.out), cudaFree(r.ll), cudaFree(r.alpha);
       cudaFreeHost(r.error_host);
       cudaStreamDestroy(r.stream);
     }
   }
 
-  // Enqueues call `epoch` of both ranks (inputs: set epoch % kInputSets). drop_rank: that rank's
-  // epilogue does not signal (its peer's wait must time out).
+  // Enqueues call `epoch` of every rank (inputs: set epoch % kInputSets). drop_rank: that rank's
+  // epilogue does not signal (its peers' waits must time out).
   void Enqueue(uint64_t epoch, bool poison, int drop_rank = -1, int64_t timeout_ns = 2'000'000'000) {
     const int b = static_cast<int>(epoch & 1);
     const size_t part_bytes = static_cast<size_t>(s_.m * s_.n) * 2;
@@ -160,24 +149,9 @@ class Loopback {
       e.ctx.device = 0;
       e.ctx.rank = r;
       e.ctx.epoch = epoch;
-      if (UsesDense(s_)) {
-#ifdef FLUX_PROBE_DENSE
-        const size_t sender_bytes = static_cast<size_t>(rpr_ * s_.n) * 2;
-        e.dense = true;
-        e.dense_recv = static_cast<char*>(me.dense) + b * part_bytes;
-        e.my_flags = me.flags;
-        e.flag_stride = kMaxLatencyBlocks;
-        for (int q = 0; q < tp_; ++q) {
-          if (q == r) continue;
-          e.peer_dense_recv[q] = static_cast<char*>(ranks_[q].dense) + b * part_bytes + r * sender_bytes;
-          e.peer_flag[q] = ranks_[q].flags + r * kMaxLatencyBlocks;
-        }
-#endif
-      } else {
-        e.recv = static_cast<char*>(me.ll) + b * ll_half;
-        for (int q = 0; q < tp_; ++q) {
-          if (q != r) e.peer_recv[q] = static_cast<char*>(ranks_[q].ll) + b * ll_half + DecodeExchangeBytes(r * rpr_, s_.n);
-        }
+      e.recv = static_cast<char*>(me.ll) + b * ll_half;
+      for (int q = 0; q < tp_; ++q) {
+        if (q != r) e.peer_recv[q] = static_cast<char*>(ranks_[q].ll) + b * ll_half + DecodeExchangeBytes(r * rpr_, s_.n);
       }
       const flux_jax::Status st = RunDecodeGemm(plan, DType::kBF16, me.stream, 0, kCtas / tp_);
       if (!st.ok()) {
@@ -191,14 +165,16 @@ class Loopback {
     for (int r = 0; r < tp_; ++r) CHECK_CUDA(cudaStreamSynchronize(ranks_[r].stream));
   }
 
-  // Checks call `epoch`'s results (after Sync). Returns the number of failed properties.
-  int Check(uint64_t epoch, bool check_partial) {
+  // Checks call `epoch`'s results (after Sync): every rank's, or with only >= 0 that rank's error
+  // record and output, where a NaN partial (a peer whose wait gave up poisons its later tiles) must
+  // give a NaN output. Returns the number of failed properties.
+  int Check(uint64_t epoch, bool check_partial, int only = -1) {
     const int b = static_cast<int>(epoch & 1);
     const size_t part = static_cast<size_t>(s_.m * s_.n), outn = part / tp_;
-    std::vector<uint16_t> p[kMaxTp], out[kMaxTp];
+    std::vector<uint16_t> p[kMaxRanks], out[kMaxRanks];
     int failures = 0;
     for (int r = 0; r < tp_; ++r) {
-      if (ranks_[r].error_host->code != 0) {
+      if ((only < 0 || r == only) && ranks_[r].error_host->code != 0) {
         const DeviceError& d = *ranks_[r].error_host;
         std::printf("  FAIL call %llu: rank %d recorded a timeout (site %d peer %d piece %d epoch %llu seen %llu)\n",
                     static_cast<unsigned long long>(epoch), r, d.site, d.peer, d.piece,
@@ -211,10 +187,13 @@ class Loopback {
       CHECK_CUDA(cudaMemcpy(out[r].data(), ranks_[r].out, outn * 2, cudaMemcpyDeviceToHost));
     }
     for (int r = 0; r < tp_; ++r) {  // the exchange: bit for bit, summed in rank order
+      if (only >= 0 && r != only) continue;
       int64_t bad = 0, first = -1;
       for (size_t i = 0; i < outn; ++i) {
         const size_t src = r * outn + i;  // row r * rpr + i / n of P
-        if (out[r][i] != FloatToBf16(Expected(p, src))) {
+        const float want = Expected(p, src);
+        const bool nan_out = only >= 0 && std::isnan(want);
+        if (nan_out ? !std::isnan(Bf16ToFloat(out[r][i])) : out[r][i] != FloatToBf16(want)) {
           if (first < 0) first = static_cast<int64_t>(i);
           ++bad;
         }
@@ -279,14 +258,18 @@ class Loopback {
   Shape s_;
   int tp_;
   int64_t rpr_, readable_;
-  Rank ranks_[kMaxTp];
+  Rank ranks_[kMaxRanks];
 };
+
+void PrintShape(const Shape& s) {
+  std::printf("tp %d, %4lld x %5lld x %5lld", s.tp, static_cast<long long>(s.m), static_cast<long long>(s.k),
+              static_cast<long long>(s.n));
+}
 
 int RunShape(const Shape& s, uint64_t* epoch_base) {
   Loopback lb(s);
   uint64_t epoch = *epoch_base;
   int failures = 0;
-  const char* mode = UsesDense(s) ? "dense rows + tile flags" : "low-latency words";
   // 1. Checked calls, both parities, each input set at least twice.
   constexpr int kChecked = 12;
   for (int i = 0; i < kChecked; ++i) {
@@ -303,7 +286,7 @@ int RunShape(const Shape& s, uint64_t* epoch_base) {
   CHECK_CUDA(cudaEventRecord(start, lb.rank(0).stream));
   for (int r = 1; r < s.tp; ++r) CHECK_CUDA(cudaStreamWaitEvent(lb.rank(r).stream, start));
   for (int i = 0; i < kLoop; ++i) lb.Enqueue(++epoch, /*poison=*/i == kLoop - 1);
-  cudaEvent_t done[kMaxTp];
+  cudaEvent_t done[kMaxRanks];
   for (int r = 1; r < s.tp; ++r) {
     CHECK_CUDA(cudaEventCreateWithFlags(&done[r], cudaEventDisableTiming));
     CHECK_CUDA(cudaEventRecord(done[r], lb.rank(r).stream));
@@ -313,62 +296,99 @@ int RunShape(const Shape& s, uint64_t* epoch_base) {
   lb.Sync();
   float ms = 0.f;
   CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+  for (int r = 1; r < s.tp; ++r) CHECK_CUDA(cudaEventDestroy(done[r]));
+  CHECK_CUDA(cudaEventDestroy(start));
+  CHECK_CUDA(cudaEventDestroy(stop));
   failures += lb.Check(epoch, /*check_partial=*/false);
-  std::printf("tp %d, %4lld x %5lld x %5lld (%s): %d checked calls + %d back to back, %.1f us per call "
-              "(one GPU shared by the ranks: not a timing of the path)%s\n",
-              s.tp, static_cast<long long>(s.m), static_cast<long long>(s.k), static_cast<long long>(s.n), mode, kChecked,
-              kLoop, 1000.f * ms / kLoop, failures ? "" : ": ok");
+  PrintShape(s);
+  std::printf(": %d checked calls + %d back to back, %.1f us per call (one GPU shared by the ranks: not a timing of "
+              "the path): %s\n",
+              kChecked, kLoop, 1000.f * ms / kLoop, failures ? "FAIL" : "ok");
+  std::fflush(stdout);
   *epoch_base = epoch;
   return failures;
 }
 
-// Rank 1 computes but does not signal: rank 0 must give up within the timeout, record the
-// exchange site and write NaN, and rank 1 (whose peer did signal) must finish right.
+// Rank 1 computes but does not signal: every other rank must give up within the timeout, record
+// the exchange site, rank 1 and the call's epoch, and write NaN everywhere; rank 1 (whose peers
+// did signal) must record nothing and sum what it received: right, or NaN where a peer's tile was
+// computed after that peer's wait gave up (it poisons its alpha).
 int RunDropped(const Shape& s) {
+  constexpr int kSilent = 1;
   Loopback lb(s);
   lb.Enqueue(1, true);
   lb.Sync();
-  if (lb.Check(1, false) != 0) return 1;
+  if (lb.Check(1, false) != 0) {
+    PrintShape(s);
+    std::printf(", rank %d silent: FAIL (the call before it was wrong)\n", kSilent);
+    return 1;
+  }
   const auto t0 = std::chrono::steady_clock::now();
-  lb.Enqueue(2, true, /*drop_rank=*/1, /*timeout_ns=*/200'000'000);
+  lb.Enqueue(2, true, /*drop_rank=*/kSilent, /*timeout_ns=*/200'000'000);
   lb.Sync();
   const double s_elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  const DeviceError& d0 = *lb.rank(0).error_host;
-  const DeviceError& d1 = *lb.rank(1).error_host;
+  int failures = lb.Check(2, false, /*only=*/kSilent);
   std::vector<uint16_t> out(static_cast<size_t>(s.m / s.tp * s.n));
-  CHECK_CUDA(cudaMemcpy(out.data(), lb.rank(0).out, out.size() * 2, cudaMemcpyDeviceToHost));
-  int64_t nan = 0;
-  for (uint16_t v : out) nan += std::isnan(Bf16ToFloat(v));
-  const bool ok = d0.code == 1 && d0.site == kSiteDecodeSums && d0.peer == 1 && d0.epoch == 2 && d1.code == 0 &&
-                  nan == static_cast<int64_t>(out.size()) && s_elapsed < 5.0;
-  std::printf("tp %d, %4lld x %5lld x %5lld (%s), rank 1 silent: rank 0 error code %d site %d peer %d epoch %llu seen %llu, "
-              "rank 1 code %d, %lld of %zu outputs NaN, %.2f s: %s\n",
-              s.tp, static_cast<long long>(s.m), static_cast<long long>(s.k), static_cast<long long>(s.n),
-              UsesDense(s) ? "dense" : "words", d0.code, d0.site, d0.peer, static_cast<unsigned long long>(d0.epoch),
-              static_cast<unsigned long long>(d0.seen), d1.code, static_cast<long long>(nan), out.size(), s_elapsed,
-              ok ? "ok" : "FAIL");
-  return ok ? 0 : 1;
+  for (int r = 0; r < s.tp; ++r) {
+    if (r == kSilent) continue;
+    const DeviceError& d = *lb.rank(r).error_host;
+    CHECK_CUDA(cudaMemcpy(out.data(), lb.rank(r).out, out.size() * 2, cudaMemcpyDeviceToHost));
+    int64_t nan = 0;
+    for (uint16_t v : out) nan += std::isnan(Bf16ToFloat(v));
+    const bool ok = d.code == 1 && d.site == kSiteDecodeSums && d.peer == kSilent && d.epoch == 2 &&
+                    nan == static_cast<int64_t>(out.size());
+    if (!ok) {
+      std::printf("  FAIL rank %d: error code %d site %d peer %d epoch %llu seen %llu, %lld of %zu outputs NaN\n", r,
+                  d.code, d.site, d.peer, static_cast<unsigned long long>(d.epoch),
+                  static_cast<unsigned long long>(d.seen), static_cast<long long>(nan), out.size());
+      ++failures;
+    }
+  }
+  if (s_elapsed >= 5.0) {
+    std::printf("  FAIL the call took %.2f s (timeout 0.2 s)\n", s_elapsed);
+    ++failures;
+  }
+  PrintShape(s);
+  std::printf(", rank %d silent: the other ranks timed out at the exchange naming rank %d with NaN outputs, rank %d "
+              "NaN or right, %.2f s: %s\n",
+              kSilent, kSilent, kSilent, s_elapsed, failures ? "FAIL" : "ok");
+  std::fflush(stdout);
+  return failures;
 }
 
 }  // namespace
 
-int main() {
-  setenv("CUDA_MODULE_LOADING", "EAGER", 0);  // a lazy first launch waits for an idle GPU
-  CHECK_CUDA(cudaSetDevice(0));
-  if (!PreloadDecodeGemmKernels().ok()) return 2;
-  // Per-rank shapes (m rows, k = global K / 2, n): staged-free (x padded to whole row tiles here),
-  // tails of N, both tile heights, the LLaMA-70B out-projection at 64 and 128 rows.
-  // TP 4 and 8: each rank's GEMM on 30 / 15 SMs (never run across 4 or 8 GPUs here).
+int main(int argc, char** argv) {
+  int only_tp = 0;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strncmp(argv[i], "--tp=", 5) == 0 && std::atoi(argv[i] + 5) >= 2 && std::atoi(argv[i] + 5) <= kMaxRanks) {
+      only_tp = std::atoi(argv[i] + 5);
+    } else {
+      std::fprintf(stderr, "usage: %s [--tp=N]   (N: 2 to %d; default: every shape)\n", argv[0], kMaxRanks);
+      return 2;
+    }
+  }
+  // Per-rank shapes (m rows, k = global K / 2, n): x padded to whole row tiles, tails of N, both
+  // tile heights, the LLaMA-70B out-projection at 64 and 128 rows; at TP 4 and 8 each rank's GEMM
+  // runs on 30 / 15 SMs.
   const Shape shapes[] = {{2, 2, 264, 136},    {2, 8, 1024, 512},    {2, 16, 2048, 1000}, {2, 30, 512, 2056},
                           {2, 64, 1024, 4096}, {2, 64, 4096, 8192},  {2, 66, 776, 1544},  {2, 100, 2048, 3000},
                           {2, 128, 1024, 520}, {2, 128, 4096, 8192}, {2, 128, 8192, 8200}, {4, 8, 512, 1024},
                           {4, 64, 1024, 2048}, {4, 128, 1024, 4096}, {4, 100, 256, 776}, {8, 16, 512, 1024},
                           {8, 64, 256, 2056},  {8, 128, 1024, 4096}};
+  // The silent-rank calls: both tile heights at TP 2, one shape at TP 4 and 8.
+  const Shape dropped[] = {{2, 64, 1024, 2048}, {2, 128, 1024, 2048}, {4, 64, 1024, 2048}, {8, 128, 1024, 2048}};
+  loopback::SetUpProcess(only_tp ? only_tp : kMaxRanks, kStreamsPerRank);  // before any CUDA call
+  CHECK_CUDA(cudaSetDevice(0));
+  if (!PreloadDecodeGemmKernels().ok()) return 2;
   uint64_t epoch = 0;
   int failures = 0;
-  for (const Shape& s : shapes) failures += RunShape(s, &epoch);
-  failures += RunDropped({2, 64, 1024, 2048});
-  failures += RunDropped({2, 128, 1024, 2048});
+  for (const Shape& s : shapes) {
+    if (only_tp == 0 || s.tp == only_tp) failures += RunShape(s, &epoch);
+  }
+  for (const Shape& s : dropped) {
+    if (only_tp == 0 || s.tp == only_tp) failures += RunDropped(s);
+  }
   std::printf(failures ? "FAILED: %d\n" : "all ok\n", failures);
   return failures ? 1 : 0;
 }
