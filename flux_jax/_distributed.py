@@ -1,11 +1,13 @@
 """Process identity for fused ops in multi-process jobs (jax.distributed).
 
-Every process of a job needs the same session token (it names the shared-memory
-channels of TP groups that span processes on one host) and the host of every
-process (a TP group that spans hosts cannot use the fused kernels). Both travel
-through jax.distributed's key-value store: no files, no sockets of our own. The
-store has no public wrapper in jax 0.11.2, so this is the only module that
-touches it.
+Every process of a job needs the same session token (it groups the job's
+shared-memory segments in /dev/shm for people), the same secret (>= 128 bits;
+the extension derives the segments' names from it with a keyed hash, so other
+local users cannot predict them) and the host of every process (a TP group that
+spans hosts cannot use the fused kernels). All travel through jax.distributed's
+key-value store: no files, no sockets of our own; whoever can read that store is
+trusted (docs/trust.md). The store has no public wrapper in jax 0.11.2, so this
+module (with _ipc.py) is what touches it.
 """
 
 from __future__ import annotations
@@ -21,8 +23,12 @@ from flux_jax import _native
 from flux_jax._errors import FusedUnavailableError
 
 _SESSION_KEY = "flux_jax/v1/session"
+_SECRET_KEY = "flux_jax/v1/shm_secret"
 _HOST_KEY = "flux_jax/v1/host/{}"
 _TIMEOUT_MS = 120_000
+_SECRET_BYTES = 16  # 128 bits
+
+_shm_secret = ""  # hex; deliberately not in ProcessInfo (whose repr may end up in logs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,12 +84,16 @@ def process_info() -> ProcessInfo:
     else:
         client = _client()
         if index == 0:
+            client.key_value_set(_SECRET_KEY, secrets.token_hex(_SECRET_BYTES))
             client.key_value_set(_SESSION_KEY, secrets.token_hex(6))
         session = client.blocking_key_value_get(_SESSION_KEY, _TIMEOUT_MS)
+        global _shm_secret
+        _shm_secret = client.blocking_key_value_get(_SECRET_KEY, _TIMEOUT_MS)
         client.key_value_set(_HOST_KEY.format(index), host)
         hosts = tuple(client.blocking_key_value_get(_HOST_KEY.format(p), _TIMEOUT_MS) for p in range(count))
         info = ProcessInfo(index, count, session, hosts)
-    _native.extension().set_process_identity(info.index, info.session)
+    # one string: the binding takes (index, identity); cpp/include/flux_jax/process.h
+    _native.extension().set_process_identity(info.index, f"{info.session}/{_shm_secret}" if info.session else "")
     return info
 
 
