@@ -231,6 +231,56 @@ elif scenario == "small_shm":
     result["seconds"] = time.time() - t0
     print("RESULT " + json.dumps(result), flush=True)
     os._exit(0)
+elif scenario == "reset":
+    # flux_jax.reset() in both processes without any barrier of the caller's, one process late;
+    # then in one process only; then a process on another reset generation.
+    mesh = jax.make_mesh((8,), ("tp",), axis_types=(AxisType.Explicit,))
+    x, w = global_array(mesh, P("tp", None), x_host), global_array(mesh, P(None, "tp"), w_host)
+    specs = {"mesh": mesh, "in_specs": (P("tp", None), P(None, "tp")), "out_specs": P(None, "tp")}
+    compiled = jax.jit(jax.shard_map(functools.partial(flux_jax.ag_matmul, axis_name="tp", impl="fused"),
+                                     **specs)).lower(x, w).compile()
+    expected = jax.jit(jax.shard_map(functools.partial(flux_jax.ag_matmul, axis_name="tp", impl="xla"),
+                                     **specs))(x, w)
+    client = flux_jax._distributed._client()
+    result["session"] = flux_jax._distributed.process_info().session
+
+    def attempt(key):
+        t0 = time.time()
+        try:
+            diff, finite = max_rel_diff(compiled(x, w), expected)
+            result[key] = None if finite and diff < 1e-4 else f"wrong result: diff {diff}, finite {finite}"
+        except Exception as e:  # noqa: BLE001 - the point is the message
+            result[key] = str(e)
+        result[key + "_s"] = time.time() - t0
+
+    # 1. Process 1 comes first, so it creates the segments.
+    if process_id == 0:
+        time.sleep(1.5)
+    attempt("first")
+    # 2. Both reset, process 1 1.5 s late; process 0 runs again at once.
+    if process_id == 1:
+        time.sleep(1.5)
+    flux_jax.reset()
+    attempt("after_reset")
+    sync(client, "step2")
+    # 3. Only process 0 resets: it must say that process 1 did not, within the timeout.
+    if process_id == 0:
+        t0 = time.time()
+        try:
+            flux_jax.reset()
+            result["lonely_reset"] = None
+        except Exception as e:  # noqa: BLE001 - the point is the message
+            result["lonely_reset"] = str(e)
+        result["lonely_reset_s"] = time.time() - t0
+    sync(client, "step3")
+    # 4. Process 0 drops its channels behind the barrier's back (what a process that missed a
+    # reset looks like to its peers): process 1 must get a clear error, not pair stale state.
+    if process_id == 0:
+        flux_jax._native.extension().reset_cpu_channels()
+    sync(client, "step4")
+    attempt("stale")
+    print("RESULT " + json.dumps(result), flush=True)
+    os._exit(0)
 elif scenario == "peer_stopped":
     # Both processes call a small fused op in a loop; the test SIGSTOPs process 1 at a random
     # moment (perhaps inside the channel protocol). Process 0 must fail within the timeout.

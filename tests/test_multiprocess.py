@@ -218,6 +218,29 @@ def test_channel_region_holds_only_the_slots_the_protocol_uses():
         assert finite and diff < 1e-4, r
 
 
+@pytest.mark.slow
+def test_reset_is_collective_and_generations_never_pair():
+    """reset() in both processes, one 1.5 s late, with no barrier of the caller's: both run
+    again correctly (before: the early one reopened the late one's stale segment and both
+    timed out). reset() in one process only: a clear error after the timeout. A process
+    that dropped its channels behind the barrier's back: its peer is told at once."""
+    results, _ = _run("reset", timeout_s="5")
+    for pid in (0, 1):
+        r = results[pid]
+        assert r["first"] is None, r["first"]
+        # no barrier of the caller's: reset() agrees on a generation with the peer itself
+        assert r["after_reset"] is None, r["after_reset"]
+    lonely = results[0]["lonely_reset"]
+    assert lonely is not None and "process 1" in lonely and "every process" in lonely, lonely
+    assert results[0]["lonely_reset_s"] < 5 + 5
+    # process 0 is on another generation: process 1 is told so at once, process 0 times out
+    stale = results[1]["stale"]
+    assert stale is not None and "generation" in stale and "process 0" in stale, stale
+    assert results[1]["stale_s"] < 3, results[1]
+    stale0 = results[0]["stale"]
+    assert stale0 is not None and "never opened" in stale0 and "generation" in stale0, stale0
+
+
 def _stopped(pid):
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0] == "T"
