@@ -1,11 +1,14 @@
 """Process identity for fused ops in multi-process jobs (jax.distributed).
 
-Every process of a job needs the same session token (it names the shared-memory
-channels of TP groups that span processes on one host) and the host of every
-process (a TP group that spans hosts cannot use the fused kernels). Both travel
-through jax.distributed's key-value store: no files, no sockets of our own. The
-store has no public wrapper in jax 0.11.2, so this is the only module that
-touches it.
+Every process of a job needs the same session token (it groups the job's
+shared-memory segments in /dev/shm for people), the same secret (>= 128 bits;
+the extension derives the segments' names from it with a keyed hash, so other
+local users cannot predict them) and the host of every process (a TP group that
+spans hosts cannot use the fused kernels). All travel through jax.distributed's
+key-value store: no files, no sockets of our own; whoever can read that store is
+trusted (docs/trust.md). The store has no public wrapper in jax 0.11.2, so this
+module (with _ipc.py) is what touches it. `reset_barrier` makes flux_jax.reset()
+collective across the processes.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import dataclasses
 import functools
 import secrets
 import socket
+import time
 
 import jax
 
@@ -21,8 +25,14 @@ from flux_jax import _native
 from flux_jax._errors import FusedUnavailableError
 
 _SESSION_KEY = "flux_jax/v1/session"
+_SECRET_KEY = "flux_jax/v1/shm_secret"
 _HOST_KEY = "flux_jax/v1/host/{}"
+_RESET_KEY = "flux_jax/v1/reset/{generation}/{process}"
 _TIMEOUT_MS = 120_000
+_SECRET_BYTES = 16  # 128 bits
+
+_shm_secret = ""  # hex; deliberately not in ProcessInfo (whose repr may end up in logs)
+_reset_generation = 0  # completed collective resets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,12 +88,16 @@ def process_info() -> ProcessInfo:
     else:
         client = _client()
         if index == 0:
+            client.key_value_set(_SECRET_KEY, secrets.token_hex(_SECRET_BYTES))
             client.key_value_set(_SESSION_KEY, secrets.token_hex(6))
         session = client.blocking_key_value_get(_SESSION_KEY, _TIMEOUT_MS)
+        global _shm_secret
+        _shm_secret = client.blocking_key_value_get(_SECRET_KEY, _TIMEOUT_MS)
         client.key_value_set(_HOST_KEY.format(index), host)
         hosts = tuple(client.blocking_key_value_get(_HOST_KEY.format(p), _TIMEOUT_MS) for p in range(count))
         info = ProcessInfo(index, count, session, hosts)
-    _native.extension().set_process_identity(info.index, info.session)
+    # one string: the binding takes (index, identity); cpp/include/flux_jax/process.h
+    _native.extension().set_process_identity(info.index, f"{info.session}/{_shm_secret}" if info.session else "")
     return info
 
 
@@ -93,3 +107,44 @@ def register_local_devices(platform: str, devices) -> None:
     pairs = [(int(d.local_hardware_id), int(d.id)) for d in devices
              if d.process_index == me and d.local_hardware_id is not None]
     _native.extension().register_local_devices(platform, pairs)
+
+
+def reset_barrier(timeout_s: float) -> None:
+    """flux_jax.reset()'s agreement: every process of a multi-process job calls reset().
+
+    Each process announces its next reset generation in the key-value store and waits
+    (at most `timeout_s`) until every process announced the same one; only then does the
+    caller drop its state. If a process does not come, this raises and nothing is reset
+    here; calling reset() again waits for the same generation. A single process returns
+    at once.
+    """
+    global _reset_generation
+    if jax.process_count() == 1:
+        return
+    info = process_info()
+    client = _client()
+    generation = _reset_generation + 1
+
+    def key(p: int) -> str:
+        return _RESET_KEY.format(generation=generation, process=p)
+
+    client.key_value_set(key(info.index), "1", allow_overwrite=True)
+    deadline = time.monotonic() + timeout_s
+    missing = []
+    for p in range(info.count):
+        if p == info.index:
+            continue
+        try:
+            client.blocking_key_value_get(key(p), max(1, int((deadline - time.monotonic()) * 1000)))
+        except Exception:  # noqa: BLE001 - the coordination service raises on timeout
+            missing.append(p)
+    if missing:
+        who = ", ".join(map(str, missing))
+        raise RuntimeError(
+            f"flux_jax.reset(): process{'es' if len(missing) > 1 else ''} {who} did not call flux_jax.reset() "
+            f"within {timeout_s:g} s (flux_jax.Config.timeout_s). In a multi-process job reset() is collective: "
+            f"every process must call it (when no fused op runs in any process). Nothing was reset in process "
+            f"{info.index}; call reset() again here once every process calls it (it waits for reset generation "
+            f"{generation})."
+        )
+    _reset_generation = generation

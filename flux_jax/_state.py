@@ -11,7 +11,18 @@ def reset() -> None:
     Use after a fused op failed (a timeout leaves its TP group in a failed
     state, and later calls of the same compiled program fail fast until this is
     called). Only call it when no fused op is running.
+
+    In a multi-process job (jax.distributed) reset() is collective: every process
+    must call it, and each waits (at most flux_jax.Config.timeout_s) until all
+    have, through jax.distributed's key-value store; no barrier of your own is
+    needed. If a process does not come, reset() raises and resets nothing in the
+    caller. After a reset, channels are named for the new reset generation, so a
+    process that missed one cannot pair with fresh state: its fused calls fail
+    with an error saying which process reset.
     """
+    from flux_jax import _config, _distributed
+
+    _distributed.reset_barrier(_config.get_config().timeout_s)
     ext = _native.extension()
     ext.reset_cpu_channels()
     if hasattr(ext, "reset_cuda_workspaces"):

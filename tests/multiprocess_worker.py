@@ -8,7 +8,10 @@ Prints one line `RESULT <json>` with what the scenario measured.
 import functools
 import json
 import os
+import re
+import signal
 import sys
+import time
 
 process_id, port, scenario = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 host_id = sys.argv[4] if len(sys.argv) > 4 else None
@@ -32,6 +35,17 @@ if host_id is not None:
     flux_jax.initialize_distributed(host_id=host_id)
 flux_jax.set_config(flux_jax.Config(timeout_s=float(os.environ.get("FLUX_TEST_TIMEOUT", "60")),
                                     debug_poison_outputs=True))
+
+
+def next_callsite():
+    """The call-site id the next fused lowering takes (flux_jax/_lowering.py counts them)."""
+    return int(re.fullmatch(r"count\((\d+)\)", repr(flux_jax._lowering._callsite_ids)).group(1))
+
+
+def sync(client, step):
+    """Both processes reach `step` (through jax.distributed's key-value store)."""
+    client.key_value_set(f"test/{step}/{process_id}", "1")
+    client.blocking_key_value_get(f"test/{step}/{1 - process_id}", 60_000)
 
 
 def global_array(mesh, spec, host):
@@ -113,14 +127,21 @@ elif scenario == "cross_host":  # host ids differ: fused primitive -> twin with 
         result["fused_error"] = None
     except flux_jax.FusedUnavailableError as e:
         result["fused_error"] = str(e)
-elif scenario == "peer_dies":  # process 1 exits before the op: process 0 must fail, not hang
+elif scenario in ("peer_dies", "peer_killed"):
+    # peer_dies: process 1 exits before the op; peer_killed: it is SIGKILLed after one good call.
+    # Either way process 0 must fail (not hang) and no segment of the job may stay in /dev/shm.
     mesh = jax.make_mesh((8,), ("tp",), axis_types=(AxisType.Explicit,))
     x, w = global_array(mesh, P("tp", None), x_host), global_array(mesh, P(None, "tp"), w_host)
     f = jax.jit(jax.shard_map(functools.partial(flux_jax.ag_matmul, axis_name="tp", impl="fused"),
                               mesh=mesh, in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp")))
     compiled = f.lower(x, w).compile()
+    result["session"] = flux_jax._distributed.process_info().session
+    if scenario == "peer_killed":
+        np.asarray(compiled(x, w).addressable_shards[0].data)
     if process_id == 1:
-        print("RESULT " + json.dumps({"process": 1, "exited": True}), flush=True)
+        print("RESULT " + json.dumps(result | {"exited": True}), flush=True)
+        if scenario == "peer_killed":
+            os.kill(os.getpid(), signal.SIGKILL)
         os._exit(0)
     try:
         np.asarray(compiled(x, w).addressable_shards[0].data)
@@ -129,6 +150,162 @@ elif scenario == "peer_dies":  # process 1 exits before the op: process 0 must f
         result["error"] = str(e)
     print("RESULT " + json.dumps(result), flush=True)
     os._exit(0)  # the coordinator lost a peer; do not wait for a clean shutdown
+elif scenario in ("squat_legacy", "squat_exact"):
+    # Another local user pre-creates segment names. squat_legacy: the names the channel used to
+    # take (session token + call-site counter, mode 0666, never sized); the ops must not notice.
+    # squat_exact: the real names (as if the secret had leaked): a clear error, never a pairing.
+    import shm_names
+
+    mesh = jax.make_mesh((8,), ("tp",), axis_types=(AxisType.Explicit,))
+    session = flux_jax._distributed.process_info().session
+    result["session"] = session
+    client = flux_jax._distributed._client()
+    squatted = []
+
+    def squat(name, mode, uid=None):
+        fd = os.open("/dev/shm" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode)
+        os.fchmod(fd, mode)
+        if uid is not None:
+            os.fchown(fd, uid, uid)
+        os.close(fd)
+        squatted.append("/dev/shm" + name)
+
+    if scenario == "squat_legacy":
+        if process_id == 0:
+            first = next_callsite()
+            for c in range(first, first + 64):
+                squat(shm_names.legacy_name(session, c, [d.id for d in mesh.devices.ravel()]), 0o666)
+        sync(client, "squatted")
+        try:
+            result.update(run_ops(mesh, "tp", x_host, w_host, c_host))
+        finally:
+            for path in squatted:
+                os.unlink(path)
+    else:
+        x, w = global_array(mesh, P("tp", None), x_host), global_array(mesh, P(None, "tp"), w_host)
+        programs = []
+        for _ in range(2):
+            first = next_callsite()
+            f = jax.jit(jax.shard_map(functools.partial(flux_jax.ag_matmul, axis_name="tp", impl="fused"),
+                                      mesh=mesh, in_specs=(P("tp", None), P(None, "tp")),
+                                      out_specs=P(None, "tp")))
+            programs.append((f.lower(x, w).compile(), range(first, next_callsite())))
+        secret = flux_jax._distributed._shm_secret
+        result["secret_bits"] = len(secret) * 4
+        result["owner_tested"] = os.geteuid() == 0
+        if process_id == 0:
+            for (_, sites), (mode, uid) in zip(programs, ((0o666, None), (0o600, 65534))):
+                if uid is not None and os.geteuid() != 0:
+                    continue  # only root can give a file away
+                for c in sites:
+                    name = shm_names.segment_name(session, secret, c, 0, 8)
+                    squat(name, mode, uid)
+                    result.setdefault("names", []).append(name)
+        sync(client, "squatted")
+        try:
+            for i, (compiled, _) in enumerate(programs):
+                try:
+                    np.asarray(compiled(x, w).addressable_shards[0].data)
+                    result[f"error{i}"] = None
+                except Exception as e:  # noqa: BLE001 - the point is the message
+                    result[f"error{i}"] = str(e)
+        finally:
+            sync(client, "ran")
+            for path in squatted:
+                os.unlink(path)
+elif scenario == "small_shm":
+    # Run inside a private mount namespace whose /dev/shm is a few MiB (test_multiprocess.py):
+    # one ag_matmul with 256 KiB per chunk needs 8 receivers x 7 senders x 2 parities of it.
+    mesh = jax.make_mesh((8,), ("tp",), axis_types=(AxisType.Explicit,))
+    big_x = rng.standard_normal((1024, 512)).astype(np.float32)
+    big_w = (rng.standard_normal((512, 128)) / 16).astype(np.float32)
+    x, w = global_array(mesh, P("tp", None), big_x), global_array(mesh, P(None, "tp"), big_w)
+    f = jax.jit(jax.shard_map(functools.partial(flux_jax.ag_matmul, axis_name="tp", impl="fused"),
+                              mesh=mesh, in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp")))
+    twin = jax.jit(jax.shard_map(functools.partial(flux_jax.ag_matmul, axis_name="tp", impl="xla"),
+                                 mesh=mesh, in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp")))
+    compiled = f.lower(x, w).compile()
+    t0 = time.time()
+    try:
+        result["diff"] = max_rel_diff(compiled(x, w), twin(x, w))
+        result["error"] = None
+    except Exception as e:  # noqa: BLE001 - the point is the message
+        result["error"] = str(e)
+    result["seconds"] = time.time() - t0
+    print("RESULT " + json.dumps(result), flush=True)
+    os._exit(0)
+elif scenario == "reset":
+    # flux_jax.reset() in both processes without any barrier of the caller's, one process late;
+    # then in one process only; then a process on another reset generation.
+    mesh = jax.make_mesh((8,), ("tp",), axis_types=(AxisType.Explicit,))
+    x, w = global_array(mesh, P("tp", None), x_host), global_array(mesh, P(None, "tp"), w_host)
+    specs = {"mesh": mesh, "in_specs": (P("tp", None), P(None, "tp")), "out_specs": P(None, "tp")}
+    compiled = jax.jit(jax.shard_map(functools.partial(flux_jax.ag_matmul, axis_name="tp", impl="fused"),
+                                     **specs)).lower(x, w).compile()
+    expected = jax.jit(jax.shard_map(functools.partial(flux_jax.ag_matmul, axis_name="tp", impl="xla"),
+                                     **specs))(x, w)
+    client = flux_jax._distributed._client()
+    result["session"] = flux_jax._distributed.process_info().session
+
+    def attempt(key):
+        t0 = time.time()
+        try:
+            diff, finite = max_rel_diff(compiled(x, w), expected)
+            result[key] = None if finite and diff < 1e-4 else f"wrong result: diff {diff}, finite {finite}"
+        except Exception as e:  # noqa: BLE001 - the point is the message
+            result[key] = str(e)
+        result[key + "_s"] = time.time() - t0
+
+    # 1. Process 1 comes first, so it creates the segments.
+    if process_id == 0:
+        time.sleep(1.5)
+    attempt("first")
+    # 2. Both reset, process 1 1.5 s late; process 0 runs again at once.
+    if process_id == 1:
+        time.sleep(1.5)
+    flux_jax.reset()
+    attempt("after_reset")
+    sync(client, "step2")
+    # 3. Only process 0 resets: it must say that process 1 did not, within the timeout.
+    if process_id == 0:
+        t0 = time.time()
+        try:
+            flux_jax.reset()
+            result["lonely_reset"] = None
+        except Exception as e:  # noqa: BLE001 - the point is the message
+            result["lonely_reset"] = str(e)
+        result["lonely_reset_s"] = time.time() - t0
+    sync(client, "step3")
+    # 4. Process 0 drops its channels behind the barrier's back (what a process that missed a
+    # reset looks like to its peers): process 1 must get a clear error, not pair stale state.
+    if process_id == 0:
+        flux_jax._native.extension().reset_cpu_channels()
+    sync(client, "step4")
+    attempt("stale")
+    print("RESULT " + json.dumps(result), flush=True)
+    os._exit(0)
+elif scenario == "peer_stopped":
+    # Both processes call a small fused op in a loop; the test SIGSTOPs process 1 at a random
+    # moment (perhaps inside the channel protocol). Process 0 must fail within the timeout.
+    mesh = jax.make_mesh((8,), ("tp",), axis_types=(AxisType.Explicit,))
+    xr, wr = global_array(mesh, P(None, "tp"), x_host), global_array(mesh, P("tp", None), w_host)
+    compiled = jax.jit(jax.shard_map(functools.partial(flux_jax.matmul_rs, axis_name="tp", impl="fused"),
+                                     mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)),
+                                     out_specs=P("tp", None))).lower(xr, wr).compile()
+    result["session"] = flux_jax._distributed.process_info().session
+    np.asarray(compiled(xr, wr).addressable_shards[0].data)
+    print("LOOPING", flush=True)
+    calls, start = 0, time.time()
+    while time.time() - start < 120:
+        t0 = time.time()
+        try:
+            jax.block_until_ready(compiled(xr, wr))
+            calls += 1
+        except Exception as e:  # noqa: BLE001 - the point is the message
+            result.update(error=str(e), failing_call_s=time.time() - t0, calls=calls)
+            break
+    print("RESULT " + json.dumps(result), flush=True)
+    os._exit(0)
 
 print("RESULT " + json.dumps(result), flush=True)
 jax.distributed.shutdown()

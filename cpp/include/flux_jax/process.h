@@ -1,7 +1,8 @@
-// Process-level identity of this JAX process, set from Python (flux_jax/_lowering.py)
-// before a fused op runs: which process it is, the session token shared by the
-// processes of one job (jax.distributed), and how local device ordinals (what an
-// FFI handler sees) map to global device ids (what the mesh table holds).
+// Process-level identity of this JAX process, set from Python (flux_jax/_distributed.py)
+// before a fused op runs: which process it is, the session token and the
+// shared-memory secret of the job (both shared by its processes through
+// jax.distributed's key-value store), and how local device ordinals (what an FFI
+// handler sees) map to global device ids (what the mesh table holds).
 #pragma once
 
 #include <cstdint>
@@ -13,11 +14,16 @@ namespace flux_jax {
 
 enum class Platform : int { kCpu = 0, kCuda = 1 };
 
-void SetProcessIdentity(int process_index, const std::string& session);
+// `identity` is "" (a single-process job) or "<session>/<secret>": the session
+// token (it may appear in names others can see) and the job's secret, >= 32 hex
+// digits, which never appears in a name (channel.cc derives segment names from it
+// with a keyed hash). One string because the extension's binding takes one.
+void SetProcessIdentity(int process_index, const std::string& identity);
 void RegisterLocalDevices(Platform platform, const std::vector<std::pair<int32_t, int64_t>>& ordinal_to_id);
 
 int ProcessIndex();
-std::string Session();  // "" in a single-process job
+std::string Session();    // "" in a single-process job
+std::string ShmSecret();  // the secret's bytes; "" if none was set (or it was malformed)
 
 // Global id of a local device; the ordinal itself if nothing was registered.
 int64_t GlobalDeviceId(Platform platform, int32_t ordinal);

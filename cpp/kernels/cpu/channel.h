@@ -14,12 +14,24 @@
 // reset. Double buffering by parity lets a sender run one call ahead of a slow
 // receiver; the freed flag stops it from running two ahead.
 //
-// A channel is one contiguous region with a fixed layout and process-shared
-// pthread primitives: private heap memory when the whole group lives in this
-// process, a POSIX shared-memory segment when it spans processes (jax.distributed
-// on one host). The segment's name comes from the job's session token (shared
-// through jax.distributed's key-value store), the call site and the group, so
-// every process of the group opens the same one; whoever comes first creates it.
+// Flags are atomics in the region; a waiter sleeps on its mailbox's futex word,
+// which every signal bumps. There are no locks: a peer that is stopped or dies at
+// any point cannot block another rank longer than the wait's deadline
+// (Config.timeout_s), after which the usual diagnostic names the missing rank.
+//
+// A channel is one contiguous region with a fixed layout: private heap memory when
+// the whole group lives in this process, a POSIX shared-memory segment when it
+// spans processes (jax.distributed on one host). Receiver r holds (tp-1) sender
+// slots x 2 parities; the region is reserved in full when it is created, so a
+// small /dev/shm is an error at setup, never a SIGBUS mid-call.
+//
+// Segment names: /fluxjax-<session>-<keyed hash>, the hash (SipHash-2-4, two
+// halves) keyed by the job's secret (>= 128 bits from jax.distributed's key-value
+// store, never in a name) over (reset generation, call site, group index, group
+// size). Whoever comes first creates the segment (O_EXCL, mode 0600, space
+// reserved with posix_fallocate); the others check its owner and mode before
+// mapping it. Once every process of the group has mapped it, the last one unlinks
+// the name: nothing is left in /dev/shm, whatever happens to the processes later.
 //
 // Why one channel per call site and not one per device: XLA:CPU runs
 // independent thunks concurrently, so two fused calls with no data dependency
@@ -55,8 +67,9 @@ class Channel {
 
   int size() const { return size_; }
   size_t slot_bytes() const { return slot_bytes_; }
+  bool shared() const { return shared_; }  // a shared-memory segment (the group spans processes)
 
-  // Receive slot `slot` (= sender rank) of parity `parity` in `owner`'s mailbox.
+  // Receive slot of sender `slot` (!= owner) for parity `parity` in `owner`'s mailbox.
   std::byte* Slot(int owner, int parity, int slot);
 
   // Writes `value` into flag (kind, parity, slot) of `target`'s mailbox.
@@ -65,11 +78,12 @@ class Channel {
 
   // Blocks until flag (kind, parity, slot) of `me`'s mailbox is >= value, the
   // channel fails, or cfg.timeout_us passes. A timeout fails the channel.
+  // Lock-free: no peer can hold anything this waits for.
   Status Wait(int me, FlagKind kind, int parity, int slot, uint64_t value, uint64_t epoch,
               const CommConfig& cfg, const WaitInfo& info);
 
   // Marks the channel failed (in every process of the group) and wakes every
-  // waiter; later calls fail fast.
+  // waiter; later calls fail fast. Never blocks.
   void Fail(const std::string& message);
   Status Health() const;
 
@@ -80,17 +94,22 @@ class Channel {
  private:
   friend std::shared_ptr<Channel> GetChannel(const TpGroup&, int64_t, size_t, uint64_t,
                                              const CommConfig&, Status*);
+
   Channel() = default;
+  void WakeAll();
+  std::string NeverMapped() const;  // diagnostic: processes that never mapped a shared region
 
   int size_ = 0;
   size_t slot_bytes_ = 0;
+  size_t slot_stride_ = 0;
   int64_t callsite_ = 0;
+  uint64_t generation_ = 0;
   TpGroup group_;
   ChannelLayout* layout_ = nullptr;  // start of the region
   std::byte* data_ = nullptr;
   size_t region_bytes_ = 0;
   bool shared_ = false;              // mmap'ed segment (else heap)
-  std::string shm_name_;             // set when this process created the segment
+  std::string shm_name_;             // the segment's name (shared only)
 };
 
 // Returns the channel of (call site, TP group), creating or opening it on first
@@ -99,7 +118,7 @@ class Channel {
 std::shared_ptr<Channel> GetChannel(const TpGroup& group, int64_t callsite, size_t slot_bytes,
                                     uint64_t signature, const CommConfig& cfg, Status* status);
 
-// A stable 64-bit hash of a few integers (op signatures, segment names).
+// A stable 64-bit hash of a few integers (op signatures; not keyed, not secret).
 uint64_t HashInts(std::initializer_list<int64_t> values);
 
 // One op invocation on one rank (RAII: BeginCall in Open, EndCall on scope
