@@ -37,9 +37,9 @@ flux_jax.set_config(flux_jax.Config(timeout_s=float(os.environ.get("FLUX_TEST_TI
                                     debug_poison_outputs=True))
 
 
-def next_callsite():
-    """The call-site id the next fused lowering takes (flux_jax/_lowering.py counts them)."""
-    return int(re.fullmatch(r"count\((\d+)\)", repr(flux_jax._lowering._callsite_ids)).group(1))
+def callsites(lowered_text):
+    """The call-site ids of a lowered program's fused custom calls (derived from the program)."""
+    return [int(v) for v in re.findall(r"callsite = (-?\d+)", lowered_text)]
 
 
 def sync(client, step):
@@ -171,9 +171,8 @@ elif scenario in ("squat_legacy", "squat_exact"):
         squatted.append("/dev/shm" + name)
 
     if scenario == "squat_legacy":
-        if process_id == 0:
-            first = next_callsite()
-            for c in range(first, first + 64):
+        if process_id == 0:  # the old scheme numbered call sites 1, 2, 3, ...
+            for c in range(1, 65):
                 squat(shm_names.legacy_name(session, c, [d.id for d in mesh.devices.ravel()]), 0o666)
         sync(client, "squatted")
         try:
@@ -184,12 +183,17 @@ elif scenario in ("squat_legacy", "squat_exact"):
     else:
         x, w = global_array(mesh, P("tp", None), x_host), global_array(mesh, P(None, "tp"), w_host)
         programs = []
-        for _ in range(2):
-            first = next_callsite()
-            f = jax.jit(jax.shard_map(functools.partial(flux_jax.ag_matmul, axis_name="tp", impl="fused"),
-                                      mesh=mesh, in_specs=(P("tp", None), P(None, "tp")),
+        def first_program(a, b):
+            return flux_jax.ag_matmul(a, b, axis_name="tp", impl="fused")
+
+        def second_program(a, b):  # another module name: other call-site ids
+            return flux_jax.ag_matmul(a, b, axis_name="tp", impl="fused")
+
+        for body in (first_program, second_program):
+            f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp", None), P(None, "tp")),
                                       out_specs=P(None, "tp")))
-            programs.append((f.lower(x, w).compile(), range(first, next_callsite())))
+            lowered = f.lower(x, w)
+            programs.append((lowered.compile(), callsites(lowered.as_text())))
         secret = flux_jax._distributed._shm_secret
         result["secret_bits"] = len(secret) * 4
         result["owner_tested"] = os.geteuid() == 0
