@@ -169,9 +169,10 @@ def plan(p: Problem, impl: str, config: Config, *, backward: bool = False, on_ho
     """The plan for one call.
 
     impl="xla" is the twin; impl="fused" is a fused path or FusedUnavailableError; impl="auto"
-    is a fused path only where a tuning table measured one faster, else the twin. `backward=True` plans the
-    paired op of a fused op's backward pass: a fused path wherever one can run. `on_hopper=True`
-    plans as on a Hopper GPU with a CUDA build, whatever this process has (explain_auto).
+    is a fused path only where a tuning table measured one faster, else the twin.
+    `backward=True` plans the paired op of a fused op's backward pass: a fused path wherever one
+    can run. `on_hopper=True` plans as on a Hopper GPU with a CUDA build, whatever this process
+    has (explain_auto).
     """
     if config.debug_drop_rank >= p.tp:
         raise ValueError(f"Config.debug_drop_rank={config.debug_drop_rank} names no rank of a TP group "

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_matches, cpu_mesh, place, random_array, to64
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -23,7 +24,6 @@ import flux_jax
 import flux_jax.tune
 from flux_jax import _auto_rule, _plan, _tuning
 from flux_jax.tune import _table
-from helpers import assert_matches, cpu_mesh, place, random_array, to64
 
 SHAPES = "ag_matmul:64x32x64,matmul_rs:64x64x32"
 FAST = ["--allow-cpu", "--repeats", "1", "--target-ms", "5"]
@@ -78,7 +78,7 @@ def test_help_names_every_input_and_the_docs():
 
 
 def test_refuses_cpu_without_allow_cpu_and_tp_1():
-    rc, out, err = _tool("--shapes", SHAPES, "--tp", "2")
+    rc, _, err = _tool("--shapes", SHAPES, "--tp", "2")
     assert rc == 2 and "no GPU here" in err and "--allow-cpu" in err, err
     rc, _, err = _tool("--shapes", SHAPES, "--tp", "1", "--allow-cpu")
     assert rc == 2 and "TP=1 has nothing to overlap" in err, err
@@ -103,13 +103,14 @@ def test_end_to_end_on_cpu_writes_a_table(measured):
     assert table.devices[kind].platform == "cpu"
     for entry in table.entries:
         assert (entry.device_kind, entry.gpu_count, entry.tp, entry.dtype) == (kind, 8, 8, "bfloat16")
-        assert set(entry.speedup) <= {"overlap", "latency", "decode"} and "overlap" in entry.speedup
+        assert set(entry.speedup) <= {"overlap", "latency", "decode"}  # paths timed above the noise
         assert entry.path in _tuning.PATHS
     raw = json.loads(path.read_text())
     assert raw["format"] == "flux_jax.tuning" and raw["schema_version"] == _tuning.SCHEMA_VERSION
-    extra = raw["entries"][0]
-    assert {"ms", "max_rel_err", "shape", "shape_class", "global_shape"} <= set(extra)
-    assert all(err <= 2e-2 for err in extra["max_rel_err"].values())
+    for entry in raw["entries"]:
+        assert {"ms", "max_rel_err", "shape", "shape_class", "global_shape"} <= set(entry)
+        assert {"overlap", "latency"} <= set(entry["max_rel_err"])  # every fused path was checked
+        assert all(err <= 2e-2 for err in entry["max_rel_err"].values())
 
 
 def test_rerun_skips_measured_entries(measured):

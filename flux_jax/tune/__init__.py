@@ -308,6 +308,8 @@ def _measure(shape: Shape, platform: str, params: _timing.Params, seed: int, log
     if not twin_ms > 0:
         return dataclasses.replace(row, status="unresolved: the twin's median time is <= 0 (noise); raise --target-ms")
     row.speedup = {p: twin_ms / ms for p, ms in row.ms.items() if p != "twin" and ms > 0}
+    for p in sorted(set(row.ms) - set(row.speedup) - {"twin"}):
+        log(f"    {p}: not resolved (median time <= 0: noise); not a candidate (raise --target-ms)")
     return row
 
 
@@ -392,13 +394,14 @@ def _tp_sizes(tp, count: int) -> list[int]:
 
 def run(*, model: str | None = None, shapes=None, from_function=None, ms=None, tp=None, dtypes=("bfloat16",),
         out=None, budget_minutes: float | None = None, allow_cpu: bool = False, repeats: int | None = None,
-        target_ms: float | None = None, min_speedup: float = MIN_SPEEDUP, seed: int = 0, log=print) -> Result:
+        target_ms: float | None = None, min_speedup: float = MIN_SPEEDUP, seed: int = 0, log=print,
+        dtype=None) -> Result:
     """Measures the fused paths against the twin and writes the tuning table; see `main --help`.
 
     Exactly one of `model` (a preset name: MODELS), `shapes` ("op:MxKxN,..." global shapes) and
     `from_function` ("module:function" or a callable returning (fn, args)) says what to measure;
     `ms` the M values of a model preset, `tp` the TP sizes (default: every local device),
-    `dtypes` the dtypes. `out`: the table file (default: this device kind's in the user cache;
+    `dtypes` (or `dtype`) the dtypes. `out`: the table file (default: this device kind's in the user cache;
     entries there are kept and skipped). Raises TuneError for a request it cannot run.
     """
     start = time.monotonic()
@@ -411,7 +414,7 @@ def run(*, model: str | None = None, shapes=None, from_function=None, ms=None, t
     platform = _platform(allow_cpu, log)
     devices = jax.local_devices()
     kind, count = devices[0].device_kind, len(devices)
-    dtypes = _names(dtypes, "--dtype", DTYPES)
+    dtypes = _names(dtype if dtype is not None else dtypes, "--dtype", DTYPES)
     if from_function is not None:
         requested = function_shapes(from_function)
         _tp_sizes([s.tp for s in requested], count)
@@ -435,7 +438,7 @@ def run(*, model: str | None = None, shapes=None, from_function=None, ms=None, t
         log("measuring the link (XLA's all-gather) ...")
         gbps, latency_us = _measure_link(max(s.tp for s in requested), params, platform == "cpu")
         sms = getattr(devices[0], "core_count", None) if platform == "cuda" else os.cpu_count()
-        device = _tuning.Device(kind, "gpu" if platform == "cuda" else "cpu", int(sms), gbps, latency_us)
+        device = _tuning.Device(kind, "gpu" if platform == "cuda" else "cpu", int(sms or 1), gbps, latency_us)
         log(f"  {gbps:.1f} GB/s per device, {latency_us:.1f} us for the smallest all-gather, {device.sms} SMs")
     table = _table.merged(table, device, [])
     _table.write(path, table)
