@@ -25,6 +25,15 @@ from flux_jax.twins import ag_matmul_xla, matmul_rs_xla  # noqa: E402
 
 __version__ = build_info()["version"]
 
+
+def __getattr__(name):
+    if name == "tune":  # the tuning tool (python -m flux_jax.tune), imported when first used
+        import importlib
+
+        return importlib.import_module("flux_jax.tune")
+    raise AttributeError(f"module 'flux_jax' has no attribute {name!r}")
+
+
 __all__ = [
     "Config",
     "FusedUnavailableError",

@@ -19,6 +19,8 @@ from typing import Iterator
 
 from jax._src import config as _jax_config  # private: the only jit-key-aware configuration state
 
+from flux_jax import _tuning
+
 FUSED_PATHS = ("auto", "overlap", "latency", "decode")
 
 
@@ -41,6 +43,10 @@ class Config:
         that moves the rows itself: decode sizes; calls its kernels cannot serve take
         "latency"), or "auto" (the planner's choice, flux_jax/_plan.py; see
         `flux_jax.explain`).
+      tuning: the path of a tuning table (written by `python -m flux_jax.tune`; docs/tuning.md)
+        that impl="auto" follows before this GPU kind's table in the user cache and the built-in
+        one; e.g. one file on a shared file system for a whole cluster. None: those two only.
+        CPU calls follow a table only when it is given here.
       debug_drop_rank: tests only: this TP rank never signals its peers, so they hit the
         timeout path. -1 disables it; must be below the TP size of every fused call.
       debug_jitter_us: tests only, CPU backend: sleep a random 0..N microseconds before every
@@ -51,6 +57,7 @@ class Config:
 
     timeout_s: float = 60.0
     fused_path: str = "auto"
+    tuning: str | None = None
     debug_drop_rank: int = -1
     debug_jitter_us: int = 0
     debug_poison_outputs: bool = False
@@ -64,6 +71,7 @@ class Config:
         if self.fused_path not in FUSED_PATHS:
             raise ValueError('Config.fused_path must be one of "' + '", "'.join(FUSED_PATHS) +
                              f'", got {self.fused_path!r}')
+        _tuning.validate_path(self.tuning)
         _check_int("Config.debug_drop_rank", self.debug_drop_rank, -1, 1 << 20)
         _check_int("Config.debug_jitter_us", self.debug_jitter_us, 0, 10_000_000)
         if not isinstance(self.debug_poison_outputs, bool):

@@ -69,7 +69,8 @@ def explain(fn, *args, **kwargs) -> Explanation:
 
 
 def explain_auto(op: str, M: int, K: int, N: int, tp: int, dtype="bfloat16") -> str:
-    """What impl="auto" runs on Hopper GPUs for a global GEMM shape, and why (one sentence).
+    """What impl="auto" runs on Hopper GPUs for a global GEMM shape, why, and which tuning table
+    decided (one sentence; docs/tuning.md).
 
     `op` is "ag_matmul" (x [M, K] row-sharded, w [K, N] column-sharded) or "matmul_rs"
     (x [M, K] and w [K, N] sharded on K). Shapes are global, as in the benchmarks.

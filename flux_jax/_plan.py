@@ -7,7 +7,8 @@ known (a TP group that spans hosts or cannot map its peers' memory takes the twi
   op, per-rank GEMM shape, dtype, TP size, platform   (`Problem`)
   impl ("auto" | "fused" | "xla") and Config.fused_path
   the kernels this build has and their limits (cpp/include/flux_jax/limits.h, via the extension)
-  the built-in rule for Hopper at TP=2 (flux_jax/_auto_rule.py)
+  the tuning tables (flux_jax/_tuning: Config.tuning's, this GPU kind's in the user cache, the
+  built-in one measured on 2x H200 at TP=2); this module is the only caller of their lookup
 
 Paths: "twin" (XLA's own collective and GEMM), "overlap" (one kernel: the GEMM consumes rows as
 they arrive), "latency" (our one-kernel collective next to XLA's GEMM), "decode" (one
@@ -23,7 +24,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from flux_jax import _auto_rule, _native
+from flux_jax import _native, _tuning
 from flux_jax._config import Config
 from flux_jax._errors import FusedUnavailableError
 
@@ -148,24 +149,30 @@ def _feasible(p: Problem, path: str) -> tuple[str, str]:
     return path, why
 
 
-def _measured_rule(p: Problem) -> tuple[str, str]:
-    """The built-in rule: ("overlap" | "latency" | "decode" | "xla", why)."""
-    choice = _auto_rule.choose(p.op, p.tp, p.rows, p.k, p.n, p.dtype)
-    return choice, _auto_rule.reason(p.op, p.tp, p.rows, p.k, p.n, p.dtype, choice)
+def _default_fused(p: Problem) -> str:
+    """The fused path for a call that must be fused where no tuning table names one: the overlap
+    kernel once it has rows to pipeline (AG: 2048 rows and ~1.5 waves of 128 x 256 output tiles;
+    RS: 1024 rows), else the latency path."""
+    if p.op == "ag_matmul":
+        device = _tuning.local_device("gpu")
+        sms = device.sms if device is not None and device.sms else 132
+        return "overlap" if p.rows >= 2048 and -(-p.rows // 128) * -(-p.n // 256) >= 1.45 * sms else "latency"
+    return "overlap" if p.rows >= 1024 else "latency"
 
 
-def _best_fused(p: Problem) -> str:
-    """The fused path for a call that must be fused when the rule would take the twin."""
-    return _auto_rule.best_fused_path(p.op, p.tp, p.rows, p.k, p.n, p.dtype)
+def _unmeasured(p: Problem) -> str:
+    return (f"tp={p.tp} has not been measured for {p.op} in {np.dtype(p.dtype).name} near this shape on "
+            "this GPU kind: no tuning table covers it (python -m flux_jax.tune measures it; docs/tuning.md)")
 
 
 def plan(p: Problem, impl: str, config: Config, *, backward: bool = False, on_hopper: bool = False) -> Plan:
     """The plan for one call.
 
     impl="xla" is the twin; impl="fused" is a fused path or FusedUnavailableError; impl="auto"
-    is a fused path only where one was measured faster, else the twin. `backward=True` plans the
-    paired op of a fused op's backward pass: a fused path wherever one can run. `on_hopper=True`
-    plans as on a Hopper GPU with a CUDA build, whatever this process has (explain_auto).
+    is a fused path only where a tuning table measured one faster, else the twin.
+    `backward=True` plans the paired op of a fused op's backward pass: a fused path wherever one
+    can run. `on_hopper=True` plans as on a Hopper GPU with a CUDA build, whatever this process
+    has (explain_auto).
     """
     if config.debug_drop_rank >= p.tp:
         raise ValueError(f"Config.debug_drop_rank={config.debug_drop_rank} names no rank of a TP group "
@@ -181,17 +188,23 @@ def plan(p: Problem, impl: str, config: Config, *, backward: bool = False, on_ho
     if config.fused_path != "auto":
         path, why = _feasible(p, config.fused_path)
         return Plan(path, why or f'Config.fused_path="{config.fused_path}"', "config")
-    if p.platform == "cpu":
-        if must_fuse:
-            return Plan("overlap", "the CPU backend runs one protocol", "platform")
-        return Plan("twin", "the CPU backend is a protocol reference, slower than XLA:CPU's dot", "platform")
-    choice, why = _measured_rule(p)
-    if choice == "xla":
+    tuned = _tuning.lookup(p, config.tuning, on_hopper=on_hopper)
+    if tuned is None:
+        if p.platform == "cpu" and not on_hopper:
+            if must_fuse:
+                return Plan("overlap", "the CPU backend runs one protocol", "platform")
+            return Plan("twin", "the CPU backend is a protocol reference, slower than XLA:CPU's dot", "platform")
         if not must_fuse:
-            return Plan("twin", why, "built-in rule (H200, TP=2)")
-        choice, why = _best_fused(p), f'impl="fused" ({why})'
+            return Plan("twin", _unmeasured(p), "no tuning table")
+        path, adjusted = _feasible(p, _default_fused(p))
+        return Plan(path, adjusted or f'impl="fused" ({_unmeasured(p)})', "default fused path")
+    choice, why = tuned.path, tuned.reason
+    if choice == "twin":
+        if not must_fuse:
+            return Plan("twin", why, tuned.source)
+        choice, why = tuned.fused or _default_fused(p), f'impl="fused" ({why})'
     path, adjusted = _feasible(p, choice)
-    return Plan(path, adjusted or why, "built-in rule (H200, TP=2)")
+    return Plan(path, adjusted or why, tuned.source)
 
 
 def for_topology(plan: Plan, op: str, reason: str | None, forced: bool) -> Plan:

@@ -1,0 +1,61 @@
+"""The tool's table writing: measured speedups -> entries -> a merged table file.
+
+The built-in table (flux_jax/_auto_rule.py's points) is written by this code too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from flux_jax import _tuning
+from flux_jax._tuning import Device, Entry, Table
+
+# A fused path must beat the twin by this factor to be chosen: the timing method's run-to-run
+# spread is about 1-2% (benchmarks/README.md), and auto must never be slower than XLA.
+MIN_SPEEDUP = 1.02
+
+
+def choose(speedup: dict, min_speedup: float = MIN_SPEEDUP) -> str:
+    """The fastest fused path where it beat the twin by `min_speedup`, else "twin"."""
+    if not speedup:
+        return "twin"
+    best = max(sorted(speedup), key=speedup.get)
+    return best if speedup[best] >= min_speedup else "twin"
+
+
+def make_entry(device: Device, gpu_count: int, tp: int, dtype, op: str, rows: int, k: int, n: int,
+               speedup: dict, *, path: str | None = None, note: str = "",
+               min_speedup: float = MIN_SPEEDUP) -> Entry:
+    """The entry of one measured per-rank GEMM (rows x k x n). `path` defaults to `choose`'s."""
+    dtype = np.dtype(dtype).name
+    shape_class = _tuning.shape_class(op, rows, k, n, dtype, tp, device)
+    return Entry(device.kind, gpu_count, tp, dtype, op, shape_class, (rows, k, n),
+                 path or choose(speedup, min_speedup), dict(speedup), note)
+
+
+def merged(table: Table | None, device: Device, entries, extra: dict | None = None) -> Table:
+    """`table` (or an empty one) with `device` and `entries` added; an entry replaces one with
+    the same key. `extra`: per-key fields kept next to an entry (the measured times, errors)."""
+    if table is None:
+        table = Table("", {}, ())
+    by_key = {e.key: e for e in table.entries}
+    kept = dict(table.extra)
+    for e in entries:
+        by_key[e.key] = e
+        kept.pop(e.key, None)
+    kept.update(extra or {})
+    devices = dict(table.devices)
+    devices[device.kind] = device
+    return dataclasses.replace(table, devices=devices, entries=tuple(by_key.values()), extra=kept)
+
+
+def read_or_none(path) -> Table | None:
+    """The table at `path`, None when there is no file (TuningTableError when it is invalid)."""
+    import os
+
+    return _tuning.load(path) if os.path.exists(path) else None
+
+
+write = _tuning.write

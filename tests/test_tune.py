@@ -1,0 +1,350 @@
+"""flux_jax.tune and the tuning tables impl="auto" follows (docs/tuning.md).
+
+On CPU the tool runs with --allow-cpu (the CPU backend against the twin: the timings mean
+nothing, the mechanics are real); impl="auto" follows a CPU table given as Config(tuning=path).
+"""
+
+import contextlib
+import functools
+import importlib.resources
+import io
+import json
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_matches, cpu_mesh, place, random_array, to64
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import flux_jax
+import flux_jax.tune
+from flux_jax import _auto_rule, _plan, _tuning
+from flux_jax.tune import _table
+
+SHAPES = "ag_matmul:64x32x64,matmul_rs:64x64x32"
+FAST = ["--allow-cpu", "--repeats", "1", "--target-ms", "5"]
+
+
+def _tool(*argv) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = flux_jax.tune.main(list(argv))
+        except SystemExit as exit_:
+            rc = exit_.code
+    return rc, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    """One run of the tool on 8 CPU devices: the table's path and the run's output."""
+    path = tmp_path_factory.mktemp("tune") / "table.json"
+    rc, out, err = _tool("--shapes", SHAPES, "--tp", "8", "--out", str(path), *FAST)
+    assert rc == 0, err
+    return path, out
+
+
+def _auto_fn(op, mesh, impl="auto"):
+    if op == "ag_matmul":
+        specs, body = (P("tp", None), P(None, "tp")), flux_jax.ag_matmul
+        out_spec = P(None, "tp")
+    else:
+        specs, body = (P(None, "tp"), P("tp", None)), flux_jax.matmul_rs
+        out_spec = P("tp", None)
+    fn = jax.shard_map(functools.partial(body, axis_name="tp", impl=impl), mesh=mesh, in_specs=specs,
+                       out_specs=out_spec)
+    return jax.jit(fn), specs, fn
+
+
+def _rewritten(src: pathlib.Path, dst: pathlib.Path, path: str) -> str:
+    """A copy of the table at `src` whose every entry chose `path`."""
+    data = json.loads(src.read_text())
+    for entry in data["entries"]:
+        entry["path"] = path
+    dst.write_text(json.dumps(data))
+    return str(dst)
+
+
+def test_help_names_every_input_and_the_docs():
+    rc, out, _ = _tool("--help")
+    assert rc == 0
+    for flag in ("--model", "--shapes", "--from", "--tp", "--dtype", "--out", "--budget-minutes", "--allow-cpu",
+                 "llama3-8b", "docs/tuning.md", "XDG_CACHE_HOME"):
+        assert flag in out, flag
+
+
+def test_refuses_cpu_without_allow_cpu_and_tp_1():
+    rc, _, err = _tool("--shapes", SHAPES, "--tp", "2")
+    assert rc == 2 and "no GPU here" in err and "--allow-cpu" in err, err
+    rc, _, err = _tool("--shapes", SHAPES, "--tp", "1", "--allow-cpu")
+    assert rc == 2 and "TP=1 has nothing to overlap" in err, err
+    rc, _, err = _tool("--shapes", SHAPES, "--tp", "16", "--allow-cpu")
+    assert rc == 2 and "needs 16 devices" in err, err
+    rc, _, err = _tool("--shapes", "ag_matmul:64x32", "--allow-cpu")
+    assert rc == 2 and "op:MxKxN" in err, err
+    rc, _, err = _tool("--from", "no_such_module_here:f", "--allow-cpu")
+    assert rc == 2 and "no_such_module_here" in err, err
+    rc, _, err = _tool("--allow-cpu")
+    assert rc == 2 and "say what to measure" in err, err
+
+
+def test_end_to_end_on_cpu_writes_a_table(measured):
+    path, out = measured
+    assert "timings do not predict GPU speed" in out
+    assert re.search(r"\[#+\] 2/2", out), out  # the progress bar
+    assert "auto runs" in out and "ag_matmul  64x32x64" in out  # the summary table
+    table = _tuning.load(path)
+    assert sorted(e.op for e in table.entries) == ["ag_matmul", "matmul_rs"]
+    kind = jax.devices("cpu")[0].device_kind
+    assert table.devices[kind].platform == "cpu"
+    for entry in table.entries:
+        assert (entry.device_kind, entry.gpu_count, entry.tp, entry.dtype) == (kind, 8, 8, "bfloat16")
+        assert set(entry.speedup) <= {"overlap", "latency", "decode"}  # paths timed above the noise
+        assert entry.path in _tuning.PATHS
+    raw = json.loads(path.read_text())
+    assert raw["format"] == "flux_jax.tuning" and raw["schema_version"] == _tuning.SCHEMA_VERSION
+    for entry in raw["entries"]:
+        assert {"ms", "max_rel_err", "shape", "shape_class", "global_shape"} <= set(entry)
+        assert {"overlap", "latency"} <= set(entry["max_rel_err"])  # every fused path was checked
+        assert all(err <= 2e-2 for err in entry["max_rel_err"].values())
+
+
+def test_rerun_skips_measured_entries(measured):
+    path, _ = measured
+    before = path.read_text()
+    rc, out, err = _tool("--shapes", SHAPES, "--tp", "8", "--out", str(path), *FAST)
+    assert rc == 0, err
+    assert out.count("measured before, skipped") == 2, out
+    assert "measuring the link" not in out  # the table's device facts are kept
+    assert path.read_text() == before
+
+
+@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs"])
+def test_auto_follows_a_table_that_prefers_fused_or_the_twin(measured, tmp_path, op):
+    path, _ = measured
+    mesh = cpu_mesh((8,), ("tp",), AxisType.Auto)
+    fn, (x_spec, w_spec), _ = _auto_fn(op, mesh)
+    rng = np.random.default_rng()
+    shape_x, shape_w = ((64, 32), (32, 64)) if op == "ag_matmul" else ((64, 64), (64, 32))
+    x, w = random_array(rng, shape_x, jnp.bfloat16), random_array(rng, shape_w, jnp.bfloat16)
+    xs, ws = place(mesh, x, x_spec), place(mesh, w, w_spec)
+    twin = _auto_fn(op, mesh, "xla")[0]
+    target = f'custom_call_target="flux_jax_{op}"'  # in the compiled HLO
+    # No table: on CPU auto takes the twin.
+    assert target not in fn.lower(xs, ws).compile().as_text()
+    fused = _rewritten(path, tmp_path / "fused.json", "overlap")
+    with flux_jax.config(tuning=fused):
+        assert target in fn.lower(xs, ws).compile().as_text()
+        out = fn(xs, ws)
+        (site,) = flux_jax.explain(_auto_fn(op, mesh)[2], xs, ws)  # a fresh function: explain traces
+    assert site.plan.path == "overlap" and site.plan.decided_by == f"tuning table {fused}"
+    assert "measured at this shape class" in str(site)
+    assert_matches(out, np.tensordot(to64(x), to64(w), axes=1), twin(xs, ws), "bfloat16", f"{op} auto (table)")
+    prefers_twin = _rewritten(path, tmp_path / "twin.json", "twin")
+    with flux_jax.config(tuning=prefers_twin):
+        assert 'custom_call_target="flux_jax_' not in fn.lower(xs, ws).compile().as_text()
+        (site,) = flux_jax.explain(_auto_fn(op, mesh)[2], xs, ws)  # a fresh function: explain traces
+    assert site.plan.path == "twin" and site.plan.decided_by == f"tuning table {prefers_twin}"
+    # impl="fused" under a table that prefers the twin still runs fused: the best fused path measured.
+    forced = _auto_fn(op, mesh, "fused")[0]
+    with flux_jax.config(tuning=prefers_twin):
+        assert 'custom_call_target="flux_jax_' in forced.lower(xs, ws).compile().as_text()
+
+
+def test_budget_stops_cleanly_and_a_rerun_continues(tmp_path):
+    path = tmp_path / "budget.json"
+    shapes = "ag_matmul:64x32x64,ag_matmul:512x32x64,matmul_rs:64x64x32"
+    argv = ("--shapes", shapes, "--tp", "2", "--dtype", "float32", "--budget-minutes", "0.0001", "--out", str(path),
+            *FAST)
+    rc, out, err = _tool(*argv)
+    assert rc == 0, err
+    assert "budget of 0.0001 min reached" in out and "re-run the same command" in out, out
+    assert out.count("not measured (budget)") == 2, out
+    assert len(_tuning.load(path).entries) == 1  # at least one shape per run; the table is valid
+    rc, out, err = _tool(*argv)
+    assert rc == 0, err
+    assert "measured before, skipped" in out and out.count("not measured (budget)") == 1, out
+    table = _tuning.load(path)
+    assert sorted(e.shape for e in table.entries) == [(64, 32, 32), (512, 32, 32)]
+
+
+def _cpu_device(**kw):
+    kind = jax.devices("cpu")[0].device_kind
+    return _tuning.Device(kind, kw.get("platform", "cpu"), 8, 1.0, 1.0)
+
+
+def _write(tmp_path, entries, device=None, name="table.json"):
+    device = device or _cpu_device()
+    path = tmp_path / name
+    _table.write(path, _table.merged(None, device, entries))
+    return str(path)
+
+
+def _entry(rows, path, speedup, device=None, op="ag_matmul", tp=8, gpu_count=8):
+    return _table.make_entry(device or _cpu_device(), gpu_count, tp, "bfloat16", op, rows, 64, 64, speedup, path=path)
+
+
+def _plan_cpu(rows, table, op="ag_matmul", impl="auto"):
+    problem = _plan.Problem(op, rows, 64, 64, np.dtype(jnp.bfloat16), 8, "cpu")
+    return _plan.plan(problem, impl, flux_jax.Config(tuning=table))
+
+
+def test_between_measured_points_auto_interpolates_only_where_the_neighbours_agree(tmp_path):
+    agree = _write(tmp_path, [_entry(256, "overlap", {"overlap": 1.3}), _entry(1024, "overlap", {"overlap": 1.2})],
+                   name="agree.json")
+    plan = _plan_cpu(512, agree)
+    assert plan.path == "overlap" and "between measured points that agree" in plan.reason
+    disagree = _write(tmp_path, [_entry(256, "overlap", {"overlap": 1.3}), _entry(1024, "twin", {"overlap": 0.9})],
+                      name="disagree.json")
+    plan = _plan_cpu(512, disagree)
+    assert plan.path == "twin" and "disagree" in plan.reason, plan
+    assert _plan_cpu(512, disagree, impl="fused").path == "overlap"  # impl="fused": the best fused path
+    both_beat = _write(tmp_path, [_entry(256, "overlap", {"overlap": 1.3, "latency": 1.1}),
+                                  _entry(1024, "latency", {"overlap": 0.9, "latency": 1.2})], name="both.json")
+    plan = _plan_cpu(512, both_beat)
+    assert plan.path == "latency" and "beat the twin at both" in plan.reason, plan
+    # Far from every measured point the table says nothing: CPU calls keep the CPU default.
+    assert _plan_cpu(64 * 1024, agree).decided_by == "platform"
+    # Exactly at a measured point its entry decides.
+    plan = _plan_cpu(1024, disagree)
+    assert plan.path == "twin" and "measured at this shape class" in plan.reason
+    # Another TP size, op or dtype is not covered by these entries.
+    assert _plan_cpu(512, agree, op="matmul_rs").decided_by == "platform"
+
+
+def test_gpu_tables_in_order_config_then_user_cache_then_built_in(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    kind = "NVIDIA Test GPU"
+    monkeypatch.setattr(_tuning, "local_device", lambda platform: _tuning.LocalDevice(kind, 2, 132))
+    device = _tuning.Device(kind, "gpu", 132, 300.0, 10.0)
+    problem = _plan.Problem("ag_matmul", 4096, 8192, 4096, np.dtype(jnp.bfloat16), 2, "cuda")
+
+    def plan(config):
+        return _plan.plan(problem, "auto", config, on_hopper=True)
+
+    assert plan(flux_jax.Config()).decided_by == _tuning.BUILTIN_SOURCE
+    cached = _tuning.cache_path(kind)
+    assert cached == tmp_path / "cache" / "flux_jax" / "tuning" / "NVIDIA_Test_GPU.json"
+    twin = _table.make_entry(device, 2, 2, "bfloat16", "ag_matmul", 4096, 8192, 4096, {"overlap": 0.95})
+    _table.write(cached, _table.merged(None, device, [twin]))
+    decided = plan(flux_jax.Config())
+    assert decided.path == "twin" and decided.decided_by == f"tuning table {cached}"
+    latency = _table.make_entry(device, 2, 2, "bfloat16", "ag_matmul", 4096, 8192, 4096, {"latency": 1.3})
+    explicit = _write(tmp_path, [latency], device, "explicit.json")
+    decided = plan(flux_jax.Config(tuning=explicit))
+    assert decided.path == "latency" and decided.decided_by == f"tuning table {explicit}"
+    with flux_jax.config(tuning=explicit):
+        assert f"decided by tuning table {explicit}" in flux_jax.explain_auto("ag_matmul", 4096, 8192, 8192, 2)
+    # A table of another GPU kind is not this GPU's: the next one decides.
+    other = _tuning.Device("Other GPU", "gpu", 132, 300.0, 10.0)
+    foreign = _write(tmp_path, [_table.make_entry(other, 2, 2, "bfloat16", "ag_matmul", 4096, 8192, 4096,
+                                                  {"latency": 1.3})], other, "foreign.json")
+    assert plan(flux_jax.Config(tuning=foreign)).decided_by == f"tuning table {cached}"
+    # TP sizes no table has measured take the twin, and say so.
+    problem = _plan.Problem("ag_matmul", 4096, 8192, 4096, np.dtype(jnp.bfloat16), 4, "cuda")
+    decided = plan(flux_jax.Config())
+    assert decided.path == "twin" and "tp=4 has not been measured" in decided.reason
+
+
+def test_table_errors_are_clear(tmp_path):
+    def fails(text, match):
+        bad = tmp_path / "bad.json"
+        bad.write_text(text)
+        with pytest.raises(_tuning.TuningTableError, match=match):
+            flux_jax.Config(tuning=str(bad))
+        rc, _, err = _tool("--shapes", SHAPES, "--tp", "2", "--out", str(bad), *FAST)
+        assert rc == 2 and "tuning table" in err, err  # the tool never overwrites a bad table
+
+    good = json.loads(_tuning.dumps(_tuning.builtin()))
+    fails("{not json", "is not JSON")
+    fails("[]", "not a flux_jax tuning table")
+    fails(json.dumps(dict(good, schema_version=99)), r"schema version 99; this flux_jax reads version 1")
+    fails(json.dumps(dict(good, entries=[dict(good["entries"][0], path="fastest")])), r"entry 0: field 'path'")
+    fails(json.dumps(dict(good, entries=[dict(good["entries"][0], device_kind="TPU")])), "is not in the table's devices")
+    entry = dict(good["entries"][0], shape_class=dict(good["entries"][0]["shape_class"], log2_flop=1.0))
+    fails(json.dumps(dict(good, entries=[entry])), "does not match its shape")
+    fails(json.dumps(dict(good, entries=[good["entries"][0]] * 2)), "a second entry")
+    with pytest.raises(_tuning.TuningTableError, match="cannot be read"):
+        flux_jax.Config(tuning=str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="Config.tuning must be None or the path"):
+        flux_jax.Config(tuning=3)
+    # Without a shape_class an entry's class is computed from its shape.
+    del good["entries"][0]["shape_class"]
+    lean = tmp_path / "lean.json"
+    lean.write_text(json.dumps(good))
+    assert len(_tuning.load(lean).entries) == len(good["entries"])
+
+
+def test_only_the_planner_calls_the_table_lookup():
+    package = pathlib.Path(flux_jax.__file__).parent
+    callers = {str(f.relative_to(package)) for f in package.rglob("*.py")
+               if re.search(r"(?<!def )\blookup\(", f.read_text())}
+    assert callers == {"_plan.py"}, callers
+
+
+def test_built_in_table_is_the_rule_points_written_by_the_tool():
+    shipped = importlib.resources.files("flux_jax._tuning").joinpath("h200_tp2.json")
+    assert shipped.is_file()  # package data (pyproject's wheel.packages ships flux_jax/ whole)
+    device, entries = _auto_rule.entries()
+    assert shipped.read_text() == _tuning.dumps(_table.merged(None, device, entries)), (
+        "flux_jax/_tuning/h200_tp2.json is stale: python -m flux_jax._auto_rule rewrites it")
+    table = _tuning.builtin()
+    assert table.builtin and {e.dtype for e in table.entries} == {"bfloat16", "float16"}
+    assert not any(e.path == "decode" for e in table.entries if e.dtype == "float16")
+    # Every listed point keeps the rule's choice when the planner reads the table.
+    for op, rows, k, n, path, _, _ in _auto_rule.POINTS:
+        assert _auto_rule.choose(op, 2, rows, k, n, jnp.bfloat16) == ("xla" if path == "twin" else path), (op, rows, k, n)
+    problem = _plan.Problem("ag_matmul", 4096, 8192, 4096, np.dtype(jnp.bfloat16), 2, "cuda")
+    assert _plan.plan(problem, "auto", flux_jax.Config(), on_hopper=True).decided_by == _tuning.BUILTIN_SOURCE
+
+
+def test_shape_class_follows_waves_on_the_gpu_sm_count():
+    h200 = _tuning.Device("NVIDIA H200", "gpu", 132, 226.9, 19.7)
+    fits = _tuning.shape_class("ag_matmul", 192, 4096, 3200, "bfloat16", 2, h200)
+    overflows = _tuning.shape_class("ag_matmul", 192, 4096, 3208, "bfloat16", 2, h200)
+    assert (fits.decode_waves, overflows.decode_waves) == (1.0, 1.125)  # 100 + 32 CTAs vs 102 + 32 on 132 SMs
+    fewer_sms = _tuning.shape_class("ag_matmul", 192, 4096, 3200, "bfloat16", 2, h200, sms=114)
+    assert fewer_sms.decode_waves > 1.0 and fewer_sms.log2_waves > fits.log2_waves
+    # Rows below one 64-row MMA tile do the same GEMM work.
+    assert _tuning.shape_class("matmul_rs", 8, 2048, 4096, "bfloat16", 2, h200).log2_flop == \
+        _tuning.shape_class("matmul_rs", 64, 2048, 4096, "bfloat16", 2, h200).log2_flop
+    # A faster link makes the same bytes a shorter transfer.
+    fast = dataclasses_replace(h200, link_gbps=2 * h200.link_gbps, link_latency_us=0.0)
+    slow = dataclasses_replace(h200, link_latency_us=0.0)
+    assert _tuning.shape_class("ag_matmul", 8192, 8192, 4096, "bfloat16", 2, fast).log2_transfer_us == \
+        _tuning.shape_class("ag_matmul", 8192, 8192, 4096, "bfloat16", 2, slow).log2_transfer_us - 1
+
+
+def dataclasses_replace(obj, **kw):
+    import dataclasses
+
+    return dataclasses.replace(obj, **kw)
+
+
+def _block():
+    mesh = cpu_mesh((4,), ("tp",), AxisType.Auto)
+
+    def block(x, w1, w2):
+        h = flux_jax.ag_matmul(x, w1, axis_name="tp")
+        return flux_jax.matmul_rs(jnp.tanh(h), w2, axis_name="tp")
+
+    fn = jax.shard_map(block, mesh=mesh, in_specs=(P("tp"), P(None, "tp"), P("tp", None)), out_specs=P("tp"))
+    z = functools.partial(jnp.zeros, dtype=jnp.bfloat16)
+    return fn, (z((64, 32)), z((32, 128)), z((128, 32)))
+
+
+def test_shapes_of_a_function_and_of_a_model_preset():
+    shapes = flux_jax.tune.function_shapes(_block)
+    assert [(s.op, s.M, s.K, s.N, s.tp, s.dtype) for s in shapes] == [
+        ("ag_matmul", 64, 32, 128, 4, "bfloat16"), ("matmul_rs", 64, 128, 32, 4, "bfloat16")]
+    from benchmarks.presets import _llama_layers
+
+    ours = [(op, k, n) for op, k, n, _ in flux_jax.tune._models.layers("llama3-8b")]
+    theirs = [({"ag": "ag_matmul", "rs": "matmul_rs"}[op], k, n) for op, k, n, _ in _llama_layers("8B")]
+    assert ours == theirs
+    preset = flux_jax.tune.model_shapes("llama3-70b", [64, 4096], [2, 4], ["bfloat16"])
+    assert len(preset) == 2 * 4 * 2 and {s.tp for s in preset} == {2, 4}
