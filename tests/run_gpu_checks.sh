@@ -6,6 +6,10 @@
 #   tests/run_gpu_checks.sh <out-dir> [cutlass: a source root, or a .tgz of include/ and
 #                                      tools/util/include/; default: the nvidia-cutlass wheel]
 #
+# With PREBUILT=<dir> (holding _flux_jax_ffi*.so and the loopback executables, e.g. copied from
+# a build tree made elsewhere) nothing is built here: the package is this checkout's flux_jax/
+# with that extension. (An extension built by a toolchain that links libstdc++ statically
+# crashed inside iostreams in a JAX process; a build whose libstdc++ is the system's did not.)
 # Writes build.log (with ptxas register / spill reports), loopback.log, pytest.log and
 # summary.txt into <out-dir>. Each stage is bounded (STAGE_TIMEOUT_S, default 240 s). Extra
 # commands to run after the checks, with flux_jax importable: EXTRA="..." (output in extra.log).
@@ -29,12 +33,19 @@ fi
 # ---- build: the extension (into /tmp/site) and the loopback executables, one CMake tree
 start=$SECONDS
 build=/tmp/flux-jax-build
+if [[ -n ${PREBUILT:-} ]]; then
+  rm -rf /tmp/site && mkdir -p /tmp/site $build/cpp/tests/loopback
+  cp -r "$repo/flux_jax" /tmp/site/ && cp "$PREBUILT"/_flux_jax_ffi*.so /tmp/site/flux_jax/
+  cp "$PREBUILT"/ops_loopback "$PREBUILT"/rs_decode_loopback $build/cpp/tests/loopback/
+  : > "$out/build.log"
+else
 (cd "$repo" && CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) timeout $((2 * limit)) python3 -m pip install --no-deps --no-build-isolation --no-index \
   --target /tmp/site -Cbuild-dir=$build ${cutlass:+-Ccmake.define.FLUX_JAX_CUTLASS_DIR=$cutlass} \
   -Ccmake.define.FLUX_JAX_BUILD_LOOPBACK_TESTS=ON -Ccmake.define.FLUX_JAX_PTXAS_VERBOSE=ON \
   -Cbuild.verbose=true . > "$out/build.log" 2>&1) || { note "build: FAILED"; tail -40 "$out/build.log"; exit 1; }
 timeout "$limit" cmake --build $build --target ops_loopback rs_decode_loopback -j"$(nproc)" >> "$out/build.log" 2>&1 \
   || { note "loopback build: FAILED"; tail -40 "$out/build.log"; exit 1; }
+fi
 export PYTHONPATH=/tmp/site
 note "build: ok, $((SECONDS - start)) s; $(cd /tmp && python3 -c 'import flux_jax; print(flux_jax.build_info())')"
 note "ptxas, kernels by registers and spills: $(grep -o 'Used [0-9]* registers' "$out/build.log" | sort | uniq -c | \
