@@ -28,6 +28,14 @@ from flux_jax._config import Config
 from flux_jax._errors import FusedUnavailableError
 
 PATHS = ("twin", "overlap", "latency", "decode")
+# Ops whose CUDA paths end in the all_reduce kernel (latency_collectives.cu), TP <= latency_max_tp.
+_ALL_REDUCE_OPS = ("matmul_ar",)
+# Ops the built-in rule has no measurements of: impl="auto" takes the twin on GPUs and a call
+# that must be fused the latency path (XLA's GEMM next to our collective).
+_UNMEASURED_ON_GPUS = {
+    "matmul_ar": "matmul_ar has never been measured on GPUs, so impl=\"auto\" takes the twin there "
+                 "(impl=\"fused\" takes the latency path: XLA's GEMM + our all_reduce)",
+}
 _GPU_DTYPES = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -119,6 +127,9 @@ def unavailable_on_hopper(p: Problem) -> str | None:
         return f"the CUDA kernels need per-rank K and N multiples of {align} (got K={p.k}, N={p.n})"
     if p.tp > lim["gpu_max_tp"]:
         return f"the CUDA kernels serve TP groups of at most {lim['gpu_max_tp']} ranks, not {p.tp}"
+    if p.op in _ALL_REDUCE_OPS and p.tp > lim["latency_max_tp"]:
+        return (f"{p.op}'s CUDA paths all run the all_reduce kernel, which serves TP groups of at most "
+                f"{lim['latency_max_tp']} ranks, not {p.tp}")
     return None
 
 
@@ -150,12 +161,16 @@ def _feasible(p: Problem, path: str) -> tuple[str, str]:
 
 def _measured_rule(p: Problem) -> tuple[str, str]:
     """The built-in rule: ("overlap" | "latency" | "decode" | "xla", why)."""
+    if p.op in _UNMEASURED_ON_GPUS:
+        return "xla", _UNMEASURED_ON_GPUS[p.op]
     choice = _auto_rule.choose(p.op, p.tp, p.rows, p.k, p.n, p.dtype)
     return choice, _auto_rule.reason(p.op, p.tp, p.rows, p.k, p.n, p.dtype, choice)
 
 
 def _best_fused(p: Problem) -> str:
     """The fused path for a call that must be fused when the rule would take the twin."""
+    if p.op in _UNMEASURED_ON_GPUS:
+        return "latency"
     return _auto_rule.best_fused_path(p.op, p.tp, p.rows, p.k, p.n, p.dtype)
 
 
