@@ -35,8 +35,9 @@ def column_matmul_xla(x, w, *, axis_name: str):
     """x @ w with x replicated over `axis_name`; the backward all-reduces dx = psum(dy @ w^T).
 
     Megatron's column-parallel linear without sequence parallelism ("f": identity forward,
-    all-reduce backward). The all-reduce is explicit, so the gradient is the same whether or
-    not the shard_map checks manual-axis types.
+    all-reduce backward). In a shard_map with check_vma=False, JAX's convention sums a replicated
+    value's cotangent elsewhere (the shard_map boundary, psum's transpose), and dx stays local,
+    as for a plain jnp.dot.
     """
     # Both operands vary over every other manual axis either varies over (x stays as typed over
     # `axis_name`), so the custom_vjp's cotangents type-check; pcast's transpose sums them there.
@@ -55,7 +56,9 @@ def _column_matmul_fwd(x, w, axis_name):
 
 def _column_matmul_bwd(axis_name, residuals, dy):
     x, w = residuals
-    dx = lax.psum(jnp.dot(dy, w.T), axis_name)
+    dx = jnp.dot(dy, w.T)
+    if axis_name in _varying(w):  # types checked (w was cast to vary over the axis)
+        dx = lax.psum(dx, axis_name)
     lead = tuple(range(x.ndim - 1))
     dw = lax.dot_general(x, dy, ((lead, lead), ((), ())))
     return _typed_like(dx, _varying(x)), _typed_like(dw.astype(w.dtype), _varying(w))

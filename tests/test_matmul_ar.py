@@ -374,3 +374,32 @@ def test_gpu_lowering_drops_the_rank_operand(path):
     calls = re.findall(r"stablehlo\.custom_call @(flux_jax_\w+)\(([^)]*)\)", text)
     counts = {t: len([a for a in args.split(",") if a.strip()]) for t, args in calls}
     assert counts == ({"flux_jax_matmul_ar": 2} if path == "overlap" else {"flux_jax_all_reduce": 1})
+
+
+@pytest.mark.parametrize("op", ["matmul_ar", "column_matmul"])
+def test_gradients_without_type_checks_follow_the_twin(op):
+    """shard_map(check_vma=False): JAX's convention for replicated values' cotangents differs
+    (psum transposes to psum; the boundary sums replicated inputs); both ops follow their twins
+    (column_matmul: and a plain jnp.dot)."""
+    rng = np.random.default_rng()
+    mesh = cpu_mesh((4,), ("tp",))
+    if op == "matmul_ar":
+        x, w = random_array(rng, (6, 32), jnp.float32), random_array(rng, (32, 8), jnp.float32)
+        specs, out = (P(None, "tp"), P("tp", None)), P()
+    else:
+        x, w = random_array(rng, (6, 8), jnp.float32), random_array(rng, (8, 16), jnp.float32)
+        specs, out = (P(), P(None, "tp")), P(None, "tp")
+    args = (place(mesh, x, specs[0]), place(mesh, w, specs[1]))
+
+    def grads(body):
+        f = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out, check_vma=False)
+        return jax.jit(jax.value_and_grad(lambda x, w: jnp.sum(jnp.sin(f(x, w))), argnums=(0, 1)))(*args)
+
+    fn = getattr(flux_jax, op)
+    got = grads(functools.partial(fn, axis_name="tp", impl="fused"))
+    wants = [grads(functools.partial(fn, axis_name="tp", impl="xla"))]
+    if op == "column_matmul":
+        wants.append(grads(jnp.dot))
+    for want in wants:
+        for g, t in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(t), rtol=1e-5, atol=1e-5)

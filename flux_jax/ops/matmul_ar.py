@@ -53,6 +53,10 @@ def _bwd(call: Call, residuals, cotangents):
     """The output is replicated, so is its cotangent: both gradients are local GEMMs."""
     x, w = residuals
     (dy,) = cotangents
+    if not _types_checked(w, call.axis_name):
+        # shard_map(check_vma=False): JAX's convention there is that a replicated value's
+        # cotangent is a per-rank partial (psum transposes to psum); follow the twin.
+        dy = lax.psum(dy, call.axis_name)
     dy = unify_varying(call.axis_name, dy, x)[0]  # typed as x: varying over the axis
     dx = jnp.dot(dy, weight_2d(w, call.transpose_w).T)
     return dx.astype(x.dtype), _autodiff.weight_grad(x, dy, call.transpose_w).astype(w.dtype)
@@ -155,6 +159,10 @@ def _column_fwd(x, w, call: Call):
 
 def _column_bwd(call: Call, residuals, dy):
     x, w = residuals
+    if not _types_checked(w, call.axis_name):
+        # shard_map(check_vma=False): the sum of dx over the axis is JAX's (the shard_map boundary
+        # or the transpose of whatever replicated x), as for jnp.dot and the twin: dx stays local.
+        return jnp.dot(dy, w.T).astype(x.dtype), _autodiff.weight_grad(x, dy, False).astype(w.dtype)
     dy, w_u = unify_varying(call.axis_name, dy, w)
     (dx,) = SPEC.core(dy, w_u, call)  # [M, ..., K] = sum over ranks of dy @ w^T, replicated
     dw = _autodiff.weight_grad(x, dy, False)
@@ -162,6 +170,12 @@ def _column_bwd(call: Call, residuals, dy):
 
 
 _column_core = _autodiff.make_core(_column_primal, _column_fwd, _column_bwd)
+
+
+def _types_checked(w, axis_name: str) -> bool:
+    """Whether the enclosing shard_map checks manual-axis types (check_vma=True): the weight was
+    cast to vary over the axis when the op was called, which leaves no trace without checking."""
+    return axis_name in _varying(w)
 
 
 def _pcast_to(a, axes: frozenset):
