@@ -18,7 +18,7 @@ from matplotlib.patches import Patch  # noqa: E402
 from benchmarks.metrics import REFERENCE  # noqa: E402
 from benchmarks.variants import LIMIT_VARIANTS, VARIANTS  # noqa: E402
 
-_OP_NAME = {"ag": "AllGather -> GEMM", "rs": "GEMM -> ReduceScatter"}
+_OP_NAME = {"ag": "AllGather -> GEMM", "rs": "GEMM -> ReduceScatter", "ar": "GEMM -> AllReduce"}
 # One color per variant in every subplot and every file.
 _COLOR = {variant: plt.get_cmap("tab20")(i % 20) for i, variant in enumerate(VARIANTS)}
 

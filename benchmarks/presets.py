@@ -2,14 +2,15 @@
 
 Shapes are global GEMM shapes. For op "ag" (AllGather -> GEMM) x [M, K] is row-sharded over
 tp and w [K, N] column-sharded; for op "rs" (GEMM -> ReduceScatter) x [M, K] is sharded on K,
-w [K, N] row-sharded, and the output [M, N] row-sharded.
+w [K, N] row-sharded, and the output [M, N] row-sharded; for op "ar" (GEMM -> AllReduce, tensor
+parallelism without sequence parallelism) x and w as for "rs" and the output [M, N] replicated.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-OPS = ("ag", "rs")
+OPS = ("ag", "rs", "ar")
 M_SWEEP = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 M_DECODE = (1, 8, 16, 32, 64, 128, 256, 512, 1024)
 # Held-out M values: none is in M_SWEEP or M_DECODE, none a power of two, two not multiples of
@@ -39,7 +40,7 @@ class Case:
 
     def invalid_reason(self) -> str | None:
         """Why this shape cannot be sharded at its tp, or None."""
-        if self.M % self.tp:
+        if self.M % self.tp and self.op != "ar":  # matmul_ar shards no rows
             return f"M={self.M} is not divisible by tp={self.tp} (rows are sharded)"
         sharded = ("N", self.N) if self.op == "ag" else ("K", self.K)
         if sharded[1] % self.tp:
@@ -66,6 +67,15 @@ _MODELS = {
     "Qwen14B": (5120, 13824, 40, 8, 128),  # Qwen2.5-14B-like: K and N not powers of two
     "Phi3mini": (3072, 8192, 32, 32, 96),  # Phi-3-mini-like: head dim 96, no GQA
 }
+
+
+def _row_parallel_layers(model: str) -> tuple:
+    """A decoder's row-parallel GEMMs as GEMM -> AllReduce (no sequence parallelism): out-proj, down."""
+    hidden, ffn, q_heads, _, head_dim = _MODELS[model]
+    return (
+        ("ar", q_heads * head_dim, hidden, f"{model} out-proj"),
+        ("ar", ffn, hidden, f"{model} down"),
+    )
 
 
 def _llama_layers(model: str) -> tuple:
@@ -106,7 +116,15 @@ def _build_presets() -> dict[str, Preset]:
         # Issue 8's target shapes: K = N = 8192, AG and RS, at the decode / chunked-prefill M.
         "decode-8192-tp2": Preset(
             "decode-8192-tp2", 2, "bfloat16", (), (),
-            tuple((op, m, 8192, 8192, "K=N=8192") for op in OPS for m in (64, 128, 256, 512, 1024)),
+            tuple((op, m, 8192, 8192, "K=N=8192") for op in ("ag", "rs") for m in (64, 128, 256, 512, 1024)),
+        ),
+        # matmul_ar (TP without sequence parallelism) at decode sizes: the row-parallel layers of
+        # LLaMA-3 8B and 70B; the twin is psum(dot), the limits the GEMM and the all-reduce alone.
+        "decode-ar-tp2": Preset(
+            "decode-ar-tp2", 2, "bfloat16", _row_parallel_layers("8B") + _row_parallel_layers("70B"), M_DECODE
+        ),
+        "decode-ar-tp4": Preset(
+            "decode-ar-tp4", 4, "bfloat16", _row_parallel_layers("8B") + _row_parallel_layers("70B"), M_DECODE
         ),
         # Issue 4's GEMM check: per GPU an 8192^3 GEMM (AG at tp=2 splits N), for
         # flux_gemm_only (our GEMM alone) vs gemm_only (XLA's jnp.dot).

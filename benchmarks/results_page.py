@@ -33,7 +33,7 @@ FIGURES = HERE / "figures"
 MARKER = "<!-- Generated below by `python -m benchmarks.results_page`; edit above this line only. -->"
 PLOT_KINDS = ("speedup", "time_split")
 
-_OPS = {"ag": "AllGather -> GEMM", "rs": "GEMM -> ReduceScatter"}
+_OPS = {"ag": "AllGather -> GEMM", "rs": "GEMM -> ReduceScatter", "ar": "GEMM -> AllReduce"}
 # One line per preset above its runs (presets.py has the shapes).
 PRESET_BLURBS = {
     "llama8b-tp2": "LLaMA-3 8B layers (qkv and gate+up AllGather, out-proj and down ReduceScatter), M = 2048-16384.",
@@ -50,7 +50,7 @@ PRESET_BLURBS = {
 def _coverage(rows: list[dict], meta: dict) -> str:
     ops = sorted({r["op"] for r in rows})
     ms = sorted({r["M"] for r in rows})
-    what = " and ".join(_OPS[op] for op in ops) if len(ops) == 1 else "Both ops"
+    what = _OPS[ops[0]] if len(ops) == 1 else "Both ops" if len(ops) == 2 else "All three ops"
     span = f"M = {ms[0]}" if len(ms) == 1 else f"M = {ms[0]}-{ms[-1]}"
     extra = [meta["rows_dtype"]] if meta.get("rows_dtype", "bfloat16") != "bfloat16" else []
     extra += ["forward + backward (`--grad`)"] if meta.get("grad") else []

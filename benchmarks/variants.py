@@ -34,6 +34,7 @@ AXIS = "tp"
 SPECS = {
     "ag": (P(AXIS, None), P(None, AXIS), P(None, AXIS)),
     "rs": (P(None, AXIS), P(AXIS, None), P(AXIS, None)),
+    "ar": (P(None, AXIS), P(AXIS, None), P()),
 }
 # Variants that give the limit max(T_gemm, T_comm), not the op itself.
 LIMIT_VARIANTS = ("gemm_only", "comm_only")
@@ -145,16 +146,18 @@ def _op_shard_map(ctx: CaseContext, per_shard, check_vma: bool = True, note: str
 
 
 def xla_shard_map(ctx: CaseContext) -> Built:
-    """The XLA twin: all_gather + dot / dot + psum_scatter inside shard_map (the reference)."""
+    """The XLA twin: all_gather + dot / dot + psum_scatter / dot + psum inside shard_map (the reference)."""
     if ctx.case.op == "ag":
         per_shard = lambda x, w: jnp.dot(lax.all_gather(x, AXIS, axis=0, tiled=True), w)  # noqa: E731
+    elif ctx.case.op == "ar":
+        per_shard = lambda x, w: lax.psum(jnp.dot(x, w), AXIS)  # noqa: E731
     else:
         per_shard = lambda x, w: lax.psum_scatter(jnp.dot(x, w), AXIS, scatter_dimension=0, tiled=True)  # noqa: E731
     return _op_shard_map(ctx, per_shard)
 
 
 def _flux(ctx: CaseContext, impl: str, path: str = "auto") -> Built:
-    op = flux_jax.ag_matmul if ctx.case.op == "ag" else flux_jax.matmul_rs
+    op = {"ag": flux_jax.ag_matmul, "rs": flux_jax.matmul_rs, "ar": flux_jax.matmul_ar}[ctx.case.op]
     body = functools.partial(op, axis_name=AXIS, impl=impl)
 
     def traced_with_path(*args):  # the configuration is read while tracing
@@ -207,6 +210,8 @@ def xla_jit(ctx: CaseContext) -> Built:
 
 def _ring(ctx: CaseContext, bidi: bool) -> Built:
     case = ctx.case
+    if case.op == "ar":
+        raise Unavailable("no ring variant of GEMM -> AllReduce")
     rows = case.M // case.tp  # rows per block: x rows per shard (ag) or output rows per shard (rs)
     if bidi and rows % 2:
         raise Unavailable(f"the bidirectional ring splits blocks in halves: M/tp={rows} is odd")
@@ -346,13 +351,21 @@ def flux_gemm_only(ctx: CaseContext) -> Built:
 
 
 def comm_only(ctx: CaseContext) -> Built:
-    """The collective alone: all_gather of x (ag) / psum_scatter of an [M, N] array (rs).
+    """The collective alone: all_gather of x (ag) / psum_scatter (rs) / psum (ar) of an [M, N] array.
 
     With --grad: the collective and its transpose (ag: all_gather of x, then reduce-scatter of
-    an [M, K] cotangent per shard, as dx's; rs: reduce-scatter, then all_gather of the cotangent).
+    an [M, K] cotangent per shard, as dx's; rs: reduce-scatter, then all_gather of the cotangent;
+    ar: the psum alone, since its transpose moves nothing: the replicated cotangent stays local).
     """
     case = ctx.case
     spec = P(AXIS, None)
+    if case.op == "ar":  # each shard its own [M, N] partial; every shard gets the sum
+        host = random_normal(case_rng(case, ctx.seed, "partials"), (case.tp * case.M, case.N), case.dtype)
+        expected = np.tile(host.reshape(case.tp, case.M, case.N).astype(np.float32).sum(0), (case.tp, 1))
+        sharded = jax.shard_map(lambda y: lax.psum(y, AXIS), mesh=ctx.mesh, in_specs=(spec,), out_specs=spec)
+        note = "the all-reduce alone (its transpose moves nothing)" if ctx.grad else ""
+        return Built(sharded, (ctx.place("comm_ar", host, spec),), ctx.mesh, spec, spec,
+                     lambda out: rel_max_err(out, expected), note)
     if case.op == "ag":
         host = ctx.x
         step = lambda x: lax.all_gather(x, AXIS, axis=0, tiled=True)  # noqa: E731

@@ -2,6 +2,7 @@
 
     python examples/train_transformer.py              # no GPU: 8 CPU devices, dp=2 x tp=4, ~2 min
     python examples/train_transformer.py --compare    # impl="fused" and impl="xla" from one seed
+    python examples/train_transformer.py --no-sequence-parallel   # TP without SP: matmul_ar
     python examples/train_transformer.py --ckpt-dir /tmp/ckpt          # stop it (Ctrl-C) ...
     python examples/train_transformer.py --ckpt-dir /tmp/ckpt --resume # ... and continue
 
@@ -12,7 +13,10 @@ One process per GPU (or per group of CPU devices), e.g. 2 processes on one host:
 
 Each block's four projections (QKV, attention out, gate+up, down) are
 flux_jax.ag_matmul / flux_jax.matmul_rs calls inside one shard_map over the
-dp x tp mesh (Megatron sequence parallelism, see docs/flax.md). The text is a
+dp x tp mesh (Megatron sequence parallelism, see docs/flax.md). With
+--no-sequence-parallel every TP rank holds the whole sequence and the projections
+are flux_jax.column_matmul / flux_jax.matmul_ar (one fused all-reduce per
+row projection forward, one per column projection backward). The text is a
 character corpus generated from a small grammar (examples/training/text.py),
 so nothing is downloaded. Optimizer: AdamW, linear warm-up then cosine decay,
 gradient clipping. On a GPU host the defaults switch to all local GPUs as TP
@@ -82,6 +86,9 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
                    help="recompute block activations in the backward pass (the 8B preset's default)")
     g.add_argument("--flux-config", default="",
                    help="flux_jax.Config fields for the whole run, e.g. 'gpu_tile_group_m=16' (GPU tuning)")
+    g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
+                   help="shard the sequence over TP between blocks (ag_matmul / matmul_rs); "
+                        "--no-sequence-parallel keeps it whole on every TP rank (column_matmul / matmul_ar)")
     g.add_argument("--attention", choices=["auto", "xla", "cudnn"], default="auto",
                    help="jax.nn.dot_product_attention backend (auto: cuDNN flash attention on GPU "
                         "with bf16/f16, XLA otherwise; XLA materializes the [T, T] scores)")
@@ -187,7 +194,8 @@ def make_mesh(args) -> jax.sharding.Mesh:
 def model_config(args, vocab_size: int, impl: str) -> GPTConfig:
     return GPTConfig(vocab_size=vocab_size, hidden=args.hidden, layers=args.layers, heads=args.heads,
                      kv_heads=args.kv_heads, ffn=args.ffn, impl=impl, dtype=args.dtype, remat=args.remat,
-                     attention_implementation=None if args.attention == "xla" else args.attention)
+                     attention_implementation=None if args.attention == "xla" else args.attention,
+                     sequence_parallel=args.sequence_parallel)
 
 
 def make_optimizer(args) -> optax.GradientTransformation:
@@ -333,8 +341,9 @@ def train(args, mesh, vocab: CharVocab, train_data, eval_data, impl: str) -> dic
 
 def describe(args, vocab_size: int) -> str:
     devices = jax.devices()
+    sp = "" if args.sequence_parallel else " (no sequence parallelism)"
     return (f"flux_jax {flux_jax.__version__} | {len(devices)} x {devices[0].platform} | mesh dp={args.dp} x "
-            f"tp={args.tp} | GPT {args.layers} layers, hidden {args.hidden}, heads {args.heads}/"
+            f"tp={args.tp}{sp} | GPT {args.layers} layers, hidden {args.hidden}, heads {args.heads}/"
             f"{args.kv_heads} kv, ffn {args.ffn}, vocab {vocab_size} | seq {args.seq} x batch {args.batch}, "
             f"{args.steps} steps, {args.dtype}")
 
@@ -350,7 +359,7 @@ def main(argv=None) -> dict:
     mesh = make_mesh(args)
     try:  # shapes that cannot shard: a usage error naming the numbers, before anything runs
         check_config(model_config(args, len(vocab), impls[0]), mesh)
-        check_tokens_shape((args.batch, args.seq), mesh)
+        check_tokens_shape((args.batch, args.seq), mesh, sequence_parallel=args.sequence_parallel)
     except ValueError as e:
         parser.error(str(e))
     try:  # a misspelled or out-of-range --flux-config field: a usage error now, not after compiling

@@ -1,12 +1,15 @@
 """flux_jax: tensor-parallel communication fused into GEMMs, for JAX.
 
 FLUX (arXiv 2406.06858) as XLA FFI custom calls: AllGather -> GEMM and
-GEMM -> ReduceScatter kernels whose tiles wait only for the rows they need.
+GEMM -> ReduceScatter kernels whose tiles wait only for the rows they need, and
+GEMM -> AllReduce for tensor parallelism without sequence parallelism.
 
 Per-shard ops (inside jax.shard_map):
   flux_jax.ag_matmul(x, w, axis_name=..., impl="auto", return_gathered=False)
   flux_jax.matmul_rs(x, w, axis_name=..., impl="auto")
-Global-view helpers: flux_jax.ag_matmul_sharded / flux_jax.matmul_rs_sharded.
+  flux_jax.matmul_ar(x, w, axis_name=..., impl="auto")
+  flux_jax.column_matmul(x, w, axis_name=..., impl="auto")  (its backward is a fused matmul_ar)
+Global-view helpers: flux_jax.<op>_sharded for each op above.
 """
 
 from flux_jax import _native
@@ -19,9 +22,9 @@ from flux_jax._errors import FusedUnavailableError  # noqa: E402
 from flux_jax._explain import explain, explain_auto  # noqa: E402
 from flux_jax._native import build_info  # noqa: E402
 from flux_jax._state import HandlerHostTime, device_errors, handler_host_time, reset, workspace_bytes  # noqa: E402
-from flux_jax.ops import ag_matmul, matmul_rs  # noqa: E402
-from flux_jax.sharding import ag_matmul_sharded, matmul_rs_sharded  # noqa: E402
-from flux_jax.twins import ag_matmul_xla, matmul_rs_xla  # noqa: E402
+from flux_jax.ops import ag_matmul, column_matmul, matmul_ar, matmul_rs  # noqa: E402
+from flux_jax.sharding import ag_matmul_sharded, column_matmul_sharded, matmul_ar_sharded, matmul_rs_sharded  # noqa: E402
+from flux_jax.twins import ag_matmul_xla, column_matmul_xla, matmul_ar_xla, matmul_rs_xla  # noqa: E402
 
 __version__ = build_info()["version"]
 
@@ -42,6 +45,9 @@ __all__ = [
     "ag_matmul_sharded",
     "ag_matmul_xla",
     "build_info",
+    "column_matmul",
+    "column_matmul_sharded",
+    "column_matmul_xla",
     "config",
     "device_errors",
     "explain",
@@ -49,6 +55,9 @@ __all__ = [
     "initialize_distributed",
     "get_config",
     "handler_host_time",
+    "matmul_ar",
+    "matmul_ar_sharded",
+    "matmul_ar_xla",
     "matmul_rs",
     "matmul_rs_sharded",
     "matmul_rs_xla",

@@ -72,15 +72,15 @@ def explain_auto(op: str, M: int, K: int, N: int, tp: int, dtype="bfloat16") -> 
     """What impl="auto" runs on Hopper GPUs for a global GEMM shape, why, and which tuning table
     decided (one sentence; docs/tuning.md).
 
-    `op` is "ag_matmul" (x [M, K] row-sharded, w [K, N] column-sharded) or "matmul_rs"
-    (x [M, K] and w [K, N] sharded on K). Shapes are global, as in the benchmarks.
+    `op` is "ag_matmul" (x [M, K] row-sharded, w [K, N] column-sharded), "matmul_rs" or
+    "matmul_ar" (x [M, K] and w [K, N] sharded on K). Shapes are global, as in the benchmarks.
     """
-    if op not in ("ag_matmul", "matmul_rs"):
-        raise ValueError(f'op must be "ag_matmul" or "matmul_rs", got {op!r}')
+    if op not in ("ag_matmul", "matmul_rs", "matmul_ar"):
+        raise ValueError(f'op must be "ag_matmul", "matmul_rs" or "matmul_ar", got {op!r}')
     if min(M, K, N, tp) < 1:
         raise ValueError(f"M, K, N and tp must be >= 1, got M={M} K={K} N={N} tp={tp}")
     sharded = N if op == "ag_matmul" else K
-    if sharded % tp or M % tp:
+    if sharded % tp or (M % tp and op != "matmul_ar"):  # matmul_ar shards no rows
         raise ValueError(f"{op} cannot shard M={M}, {'N' if op == 'ag_matmul' else 'K'}={sharded} over tp={tp}")
     k, n = (K, N // tp) if op == "ag_matmul" else (K // tp, N)
     dtype = np.dtype(dtype)

@@ -29,6 +29,14 @@ from flux_jax._config import Config
 from flux_jax._errors import FusedUnavailableError
 
 PATHS = ("twin", "overlap", "latency", "decode")
+# Ops whose CUDA paths end in the all_reduce kernel (latency_collectives.cu), TP <= latency_max_tp.
+_ALL_REDUCE_OPS = ("matmul_ar",)
+# Ops the built-in rule has no measurements of: impl="auto" takes the twin on GPUs and a call
+# that must be fused the latency path (XLA's GEMM next to our collective).
+_UNMEASURED_ON_GPUS = {
+    "matmul_ar": "matmul_ar has never been measured on GPUs, so impl=\"auto\" takes the twin there "
+                 "(impl=\"fused\" takes the latency path: XLA's GEMM + our all_reduce)",
+}
 _GPU_DTYPES = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -120,6 +128,9 @@ def unavailable_on_hopper(p: Problem) -> str | None:
         return f"the CUDA kernels need per-rank K and N multiples of {align} (got K={p.k}, N={p.n})"
     if p.tp > lim["gpu_max_tp"]:
         return f"the CUDA kernels serve TP groups of at most {lim['gpu_max_tp']} ranks, not {p.tp}"
+    if p.op in _ALL_REDUCE_OPS and p.tp > lim["latency_max_tp"]:
+        return (f"{p.op}'s CUDA paths all run the all_reduce kernel, which serves TP groups of at most "
+                f"{lim['latency_max_tp']} ranks, not {p.tp}")
     return None
 
 
@@ -152,7 +163,9 @@ def _feasible(p: Problem, path: str) -> tuple[str, str]:
 def _default_fused(p: Problem) -> str:
     """The fused path for a call that must be fused where no tuning table names one: the overlap
     kernel once it has rows to pipeline (AG: 2048 rows and ~1.5 waves of 128 x 256 output tiles;
-    RS: 1024 rows), else the latency path."""
+    RS: 1024 rows), else the latency path. matmul_ar, unmeasured on GPUs, takes the latency path."""
+    if p.op in _UNMEASURED_ON_GPUS:
+        return "latency"
     if p.op == "ag_matmul":
         device = _tuning.local_device("gpu")
         sms = device.sms if device is not None and device.sms else 132
@@ -161,6 +174,8 @@ def _default_fused(p: Problem) -> str:
 
 
 def _unmeasured(p: Problem) -> str:
+    if p.op in _UNMEASURED_ON_GPUS:
+        return _UNMEASURED_ON_GPUS[p.op]
     return (f"tp={p.tp} has not been measured for {p.op} in {np.dtype(p.dtype).name} near this shape on "
             "this GPU kind: no tuning table covers it (python -m flux_jax.tune measures it; docs/tuning.md)")
 

@@ -14,7 +14,7 @@ import jax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from flux_jax.ops import ag_matmul, matmul_rs
+from flux_jax.ops import ag_matmul, column_matmul, matmul_ar, matmul_rs
 
 
 def _place(x, mesh, spec):
@@ -64,5 +64,43 @@ def matmul_rs_sharded(x, w, *, mesh, axis_name: str, impl: str = "auto"):
     w_spec = P(axis_name, None)
     out_spec = P(axis_name, *([None] * (x.ndim - 1)))
     body = functools.partial(matmul_rs, axis_name=axis_name, impl=impl)
+    f = jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=out_spec)
+    return f(_place(x, mesh, x_spec), _place(w, mesh, w_spec))
+
+
+def matmul_ar_sharded(x, w, *, mesh, axis_name: str, impl: str = "auto"):
+    """Global-view GEMM -> AllReduce (row-parallel linear, replicated output).
+
+    Args:
+      x: global [M, ..., K], placed sharded on its last (contraction) dim: P(None, ..., axis_name).
+      w: global [K, N], placed row-sharded over `axis_name`: P(axis_name, None).
+      mesh: a jax.sharding.Mesh containing `axis_name`.
+
+    Returns:
+      x @ w, global [M, ..., N], replicated over `axis_name`: P(None, ...).
+    """
+    x_spec = P(*([None] * (x.ndim - 1)), axis_name)
+    w_spec = P(axis_name, None)
+    out_spec = P(*([None] * x.ndim))
+    body = functools.partial(matmul_ar, axis_name=axis_name, impl=impl)
+    f = jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=out_spec)
+    return f(_place(x, mesh, x_spec), _place(w, mesh, w_spec))
+
+
+def column_matmul_sharded(x, w, *, mesh, axis_name: str, impl: str = "auto"):
+    """Global-view column-parallel GEMM on a replicated input (its backward is a fused matmul_ar).
+
+    Args:
+      x: global [M, ..., K], replicated over `axis_name`: P(None, ...).
+      w: global [K, N], placed column-sharded over `axis_name`: P(None, axis_name).
+      mesh: a jax.sharding.Mesh containing `axis_name`.
+
+    Returns:
+      x @ w, global [M, ..., N], column-sharded over `axis_name`: P(None, ..., axis_name).
+    """
+    x_spec = P(*([None] * x.ndim))
+    w_spec = P(None, axis_name)
+    out_spec = P(*([None] * (x.ndim - 1)), axis_name)
+    body = functools.partial(column_matmul, axis_name=axis_name, impl=impl)
     f = jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=out_spec)
     return f(_place(x, mesh, x_spec), _place(w, mesh, w_spec))

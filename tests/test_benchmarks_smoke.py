@@ -1,6 +1,7 @@
 """CPU smoke run of the benchmark harness (benchmarks/): end to end, in seconds.
 
-Runs `python -m benchmarks.run` in-process on the cpu-smoke preset (its M=64 shapes) with a
+Runs `python -m benchmarks.run` in-process on the cpu-smoke preset (its M=64 shapes, all three
+ops: ag, rs and ar) with a
 few variants (two of them GPU-only, so they must show up as unavailable rows) and short loops,
 and checks the JSON, the markdown table, the plots and the RESULTS.md writer; then checks
 the ring collective matmuls against the twin at tp=8.
@@ -36,12 +37,12 @@ def test_cpu_smoke_run_writes_complete_results(tmp_path):
     meta, rows = data["metadata"], data["rows"]
     assert all(meta[key] is not None for key in META_KEYS)
     assert meta["hardware"]["platform"] == "cpu" and meta["tp"] == 8
-    assert len(rows) == 2 * len(VARIANTS)  # M=64 for ag and rs, one row per variant
+    assert len(rows) == 3 * len(VARIANTS)  # M=64 for ag, rs and ar, one row per variant
     for row in rows:
         assert set(ROW_KEYS) <= set(row), f"missing keys {set(ROW_KEYS) - set(row)}"
         assert row["status"] == "ok" or row["status"].startswith("unavailable: "), row
     by = {(r["op"], r["M"], r["variant"]): r for r in rows}
-    for op in ("ag", "rs"):
+    for op in ("ag", "rs", "ar"):
         assert by[op, 64, "pallas_mgpu"]["status"].startswith("unavailable: ")
         assert by[op, 64, "xla_windowed_einsum"]["status"].startswith("unavailable: GPU only")
         assert by[op, 64, "flux_fused"]["status"] == "ok"
@@ -132,9 +133,9 @@ def test_preheat_runs_the_long_loop_for_the_requested_time():
     assert timer.preheat() == 0
 
 
-@pytest.mark.parametrize("op", ["ag", "rs"])
+@pytest.mark.parametrize("op", ["ag", "rs", "ar"])
 def test_grad_mode_times_the_training_step_and_checks_dx(op):
-    """--grad: every step returns dx = ct @ w^T (both ops), checked against a float32 reference."""
+    """--grad: every step returns dx = ct @ w^T (every op), checked against a float32 reference."""
     import jax
     import numpy as np
 

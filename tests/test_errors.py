@@ -27,7 +27,9 @@ def _zeros(shape, dtype=jnp.float32):
     return jnp.ones(shape, dtype)
 
 
-OPS = [flux_jax.ag_matmul, flux_jax.matmul_rs]
+OPS = [flux_jax.ag_matmul, flux_jax.matmul_rs, flux_jax.matmul_ar, flux_jax.column_matmul]
+# The ops whose forward is a fused custom call (column_matmul's forward is a local GEMM).
+FUSED_FORWARD = OPS[:3]
 
 
 @pytest.mark.parametrize("fn", OPS)
@@ -84,13 +86,16 @@ def test_unknown_axis(fn):
         _run(fn, _zeros((16, 16)), _zeros((16, 8)), in_specs=(P(), P()), out_specs=P(), axis_name=("tp",))
 
 
-@pytest.mark.parametrize("fn", OPS)
+@pytest.mark.parametrize("fn", FUSED_FORWARD)
 def test_partial_manual_shard_map_runs_fused(fn):
     """shard_map manual over tp only, dp left to the partitioner: the fused op runs (in a manual
     region over dp that it opens itself) and equals the twin."""
     mesh = cpu_mesh((2, 4), ("dp", "tp"), AxisType.Auto)
-    specs = (P("tp"), P(None, "tp")) if fn is flux_jax.ag_matmul else (P(None, "tp"), P("tp"))
-    out = P(None, "tp") if fn is flux_jax.ag_matmul else P("tp")
+    specs, out = {
+        flux_jax.ag_matmul: ((P("tp"), P(None, "tp")), P(None, "tp")),
+        flux_jax.matmul_rs: ((P(None, "tp"), P("tp")), P("tp")),
+        flux_jax.matmul_ar: ((P(None, "tp"), P("tp")), P()),
+    }[fn]
 
     def call(impl):
         f = jax.jit(jax.shard_map(functools.partial(fn, axis_name="tp", impl=impl), mesh=mesh, in_specs=specs,

@@ -130,6 +130,25 @@ LAYERS = {
                                                    rngs=rngs),
         ref=lambda x, p: ref_block(x, p, HEADS // KV_HEADS),
         x_spec=lambda m: P(*_act(m, "tp"), None), out_spec=lambda m: P(*_act(m, "tp"), None)),
+    # Without sequence parallelism: the whole sequence on every TP rank (column_matmul / matmul_ar).
+    "column_no_sp": dict(
+        make=lambda mesh, impl, rngs: ColumnParallelLinear(
+            HIDDEN, (16, 2), use_bias=True, bias_init=nnx.initializers.normal(1.0), mesh=mesh, impl=impl,
+            sequence_parallel=False, rngs=rngs),
+        ref=lambda x, p: ref_dense(x, p["kernel"]) + p["bias"],
+        x_spec=lambda m: P(*_act(m, None), None), out_spec=lambda m: P(*_act(m, None), "tp", None)),
+    "row_bias_no_sp": dict(
+        make=lambda mesh, impl, rngs: RowParallelLinear(
+            FFN, HIDDEN, use_bias=True, bias_init=nnx.initializers.normal(1.0), mesh=mesh,
+            impl=impl, sequence_parallel=False, rngs=rngs),
+        ref=lambda x, p: ref_dense(x, p["kernel"]) + p["bias"],
+        x_spec=lambda m: P(*_act(m, None), "tp"), out_spec=lambda m: P(*_act(m, None), None),
+        in_features=FFN),
+    "decoder_block_no_sp": dict(
+        make=lambda mesh, impl, rngs: DecoderBlock(HIDDEN, HEADS, KV_HEADS, FFN, mesh=mesh, impl=impl,
+                                                   sequence_parallel=False, rngs=rngs),
+        ref=lambda x, p: ref_block(x, p, HEADS // KV_HEADS),
+        x_spec=lambda m: P(*_act(m, None), None), out_spec=lambda m: P(*_act(m, None), None)),
 }
 
 
@@ -206,13 +225,15 @@ def _gpt_config(impl, **overrides):
 
 
 @pytest.mark.parametrize(
-    "mesh_name, impl, axis_type, remat",
-    [("dp2xtp4", "fused", AxisType.Explicit, False), ("dp2xtp4", "xla", AxisType.Explicit, False),
-     ("tp8", "fused", AxisType.Explicit, False), ("tp8", "xla", AxisType.Explicit, False),
-     ("dp2xtp4", "fused", AxisType.Auto, True)])
-def test_gpt_forward_backward_matches_reference(mesh_name, impl, axis_type, remat):
+    "mesh_name, impl, axis_type, remat, sp",
+    [("dp2xtp4", "fused", AxisType.Explicit, False, True), ("dp2xtp4", "xla", AxisType.Explicit, False, True),
+     ("tp8", "fused", AxisType.Explicit, False, True), ("tp8", "xla", AxisType.Explicit, False, True),
+     ("dp2xtp4", "fused", AxisType.Auto, True, True),
+     ("dp2xtp4", "fused", AxisType.Explicit, False, False), ("tp8", "xla", AxisType.Explicit, False, False),
+     ("tp8", "fused", AxisType.Auto, True, False)])
+def test_gpt_forward_backward_matches_reference(mesh_name, impl, axis_type, remat, sp):
     mesh = mesh_of(mesh_name, axis_type)
-    model = GPT(_gpt_config(impl, remat=remat), mesh=mesh, rngs=nnx.Rngs(0))
+    model = GPT(_gpt_config(impl, remat=remat, sequence_parallel=sp), mesh=mesh, rngs=nnx.Rngs(0))
     _randomize(model, seed=3)
     graphdef, params = nnx.split(model, nnx.Param)
     rng = np.random.default_rng(4)
@@ -267,6 +288,31 @@ def test_fused_gpt_sends_every_tp_collective_through_flux(mesh_name, remat):
         assert 4 * layers < calls["flux_jax_matmul_rs"] <= 6 * layers, calls
 
 
+@pytest.mark.parametrize("mesh_name", ["tp8", "dp2xtp4"])
+def test_fused_gpt_without_sequence_parallelism_all_reduces_through_flux(mesh_name):
+    """sequence_parallel=False: each block's two row projections are fused matmul_ar calls forward
+    and its two column projections' backward all-reduces are fused matmul_ar calls; no XLA
+    all-reduce is left over TP (with dp > 1 XLA still sums the gradients over dp)."""
+    import collections
+    import re
+
+    mesh = mesh_of(mesh_name)
+    config = _gpt_config("fused", sequence_parallel=False)
+    model = GPT(config, mesh=mesh, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model, nnx.Param)
+    tokens = jax.device_put(np.zeros((BATCH, SEQ), np.int32), jax.NamedSharding(mesh, model.token_spec()))
+
+    def loss(params, tokens):
+        return jnp.sum(nnx.merge(graphdef, params)(tokens))
+
+    hlo = jax.jit(jax.grad(loss)).lower(params, tokens).compile().as_text()
+    calls = collections.Counter(re.findall(r'custom_call_target="(flux_jax_[a-z_]+)"', hlo))
+    assert calls == {"flux_jax_matmul_ar": 4 * config.layers}, calls
+    assert not re.search(r"\b(all-gather|reduce-scatter)(-start)?\(", hlo)
+    if mesh_name == "tp8":
+        assert not re.search(r"\ball-reduce(-start)?\(", hlo), "an XLA all-reduce is left"
+
+
 def test_params_are_sharded_as_annotated():
     mesh = mesh_of("dp2xtp4")
     model = GPT(_gpt_config("fused"), mesh=mesh, rngs=nnx.Rngs(0))
@@ -317,6 +363,12 @@ def test_tokens_that_cannot_shard_raise(shape, message):
     model = GPT(_gpt_config("xla", layers=1), mesh=mesh_of("dp2xtp4"), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=message):
         model(jnp.zeros(shape, jnp.int32))
+
+
+def test_without_sequence_parallelism_any_sequence_length_shards():
+    model = GPT(_gpt_config("fused", layers=1, sequence_parallel=False), mesh=mesh_of("dp2xtp4"), rngs=nnx.Rngs(0))
+    assert model.token_spec() == P("dp", None)
+    assert model(jnp.zeros((BATCH, 10), jnp.int32)).shape == (BATCH, 10, VOCAB)
 
 
 def test_layer_shapes_that_cannot_shard_raise():

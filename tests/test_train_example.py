@@ -41,6 +41,18 @@ def test_fused_and_xla_give_the_same_losses(example, tmp_path):
     assert fused[-1] < fused[0]
 
 
+def test_without_sequence_parallelism_fused_and_xla_give_the_same_losses(example, tmp_path):
+    """--no-sequence-parallel: column_matmul / matmul_ar projections, any sequence length."""
+    summary = example.main([*TINY, "--seq", "15", "--steps", "8", "--compare", "--no-sequence-parallel",
+                            "--out", str(tmp_path)])
+    assert summary["config"]["sequence_parallel"] is False
+    fused, xla = summary["runs"]["fused"]["losses"], summary["runs"]["xla"]["losses"]
+    assert len(fused) == len(xla) == 8
+    for step, (a, b) in enumerate(zip(fused, xla), start=1):
+        assert abs(a - b) <= 1e-4 * max(abs(b), 1.0), f"step {step}: fused {a} vs xla {b}"
+    assert fused[-1] < fused[0]
+
+
 def test_cpu_default_command_runs_end_to_end(tmp_path):
     """The README's main command with its CPU defaults (mesh, impl), reduced in size."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the example sets up 8 devices itself

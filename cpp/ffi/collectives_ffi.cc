@@ -1,4 +1,4 @@
-// FFI adapters of the latency path's collectives (all_gather, reduce_scatter):
+// FFI adapters of the latency path's collectives (all_gather, reduce_scatter, all_reduce):
 // decode the buffers into CollectiveParams, call the backend, map the Status.
 #include <optional>
 
@@ -67,6 +67,43 @@ ffi::Error RunCuda(void* stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::
   return Run<op>(stream, device_ordinal, std::nullopt, x, out, attrs);
 }
 
+// all_reduce: out has x's shape; every rank gets the rank-ordered sum.
+ffi::Error RunAllReduce(void* stream, int32_t device_ordinal, std::optional<int32_t> host_rank,
+                        ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out, const CollectiveAttrs& attrs) {
+  ScopedHandlerTimer timer(HandlerOp::kAllReduce);
+  TpGroup group;
+  CommConfig cfg;
+  CollectiveParams p;
+  const Platform platform = stream ? Platform::kCuda : Platform::kCpu;
+  Status s = DecodeCommon(attrs, platform, device_ordinal, host_rank, &group, &cfg);
+  Folded xf;
+  if (s.ok()) s = Fold(x, "all_reduce", &xf);
+  if (s.ok()) s = ToDType(x.element_type(), "all_reduce", &p.dtype);
+  if (s.ok() && out->element_type() != x.element_type()) {
+    s = Status::InvalidArgument("all_reduce: x and out must share one dtype");
+  }
+  if (s.ok()) {
+    p.rows = xf.rows;
+    p.cols = xf.cols;
+    p.x = x.untyped_data();
+    p.out = out->untyped_data();
+    s = CheckElements("all_reduce out", out->element_count(), p.rows * p.cols);
+  }
+  if (s.ok()) s = AllReduceCanImplement(p, group);
+  if (s.ok()) s = stream ? RunAllReduceCuda(p, group, cfg, stream) : RunAllReduceCpu(p, group, cfg);
+  return ToFfiError(s);
+}
+
+ffi::Error RunAllReduceCpuHandler(int32_t device_ordinal, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank,
+                                  ffi::Result<ffi::AnyBuffer> out, CollectiveAttrs attrs) {
+  return RunAllReduce(nullptr, device_ordinal, rank.typed_data()[0], x, out, attrs);
+}
+
+ffi::Error RunAllReduceCudaHandler(void* stream, int32_t device_ordinal, ffi::AnyBuffer x,
+                                   ffi::Result<ffi::AnyBuffer> out, CollectiveAttrs attrs) {
+  return RunAllReduce(stream, device_ordinal, std::nullopt, x, out, attrs);
+}
+
 }  // namespace
 }  // namespace flux_jax::ffi_adapter
 
@@ -100,5 +137,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FluxJaxAllGatherCuda, flux_jax::ffi_adapter::RunCu
                               FLUX_JAX_CUDA_COLLECTIVE_BINDING());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FluxJaxReduceScatterCuda,
                               flux_jax::ffi_adapter::RunCuda<Collective::kReduceScatter>,
+                              FLUX_JAX_CUDA_COLLECTIVE_BINDING());
+#endif
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FluxJaxAllReduceCpu, flux_jax::ffi_adapter::RunAllReduceCpuHandler,
+                              FLUX_JAX_CPU_COLLECTIVE_BINDING());
+#ifdef FLUX_JAX_WITH_CUDA
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FluxJaxAllReduceCuda, flux_jax::ffi_adapter::RunAllReduceCudaHandler,
                               FLUX_JAX_CUDA_COLLECTIVE_BINDING());
 #endif

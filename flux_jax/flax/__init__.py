@@ -8,6 +8,8 @@ e.g. through `sharded_call`):
   SwiGLUMLP              fused gate+up column layer, down row layer
   RMSNorm, DecoderBlock
 Model (global view): GPT(GPTConfig(...), mesh=mesh, rngs=...)(tokens) -> logits.
+Without sequence parallelism (sequence_parallel=False on any of them, or GPTConfig): every TP
+rank holds the whole sequence; column layers run column_matmul, row layers matmul_ar.
 
 See docs/flax.md for the sharding picture and the design.
 """

@@ -13,6 +13,9 @@ kv-head axis over TP gives each rank whole groups, so one ag_matmul replaces
 three. Query head h = g * q_per_kv + j belongs to kv head g, the grouping that
 jax.nn.dot_product_attention uses, and the out-projection's rows follow the
 same head order, so rank r's attention output meets rank r's rows of it.
+
+With `sequence_parallel=False` x is the whole sequence on every rank, [S, B, D], and the two
+projections are column_matmul (QKV) and matmul_ar (out): the same heads per rank, no gather.
 """
 
 from __future__ import annotations
@@ -52,13 +55,14 @@ class GroupedQueryAttention(nnx.Module):
       head_dim: defaults to hidden // heads.
       attention_implementation: passed to jax.nn.dot_product_attention
         (None/"xla": plain XLA; "cudnn": cuDNN flash attention on NVIDIA GPUs).
+      sequence_parallel: x is this rank's slice of the sequence (True) or all of it (False).
     """
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, *, mesh: jax.sharding.Mesh,
                  tp_axis: str = "tp", head_dim: int | None = None, rope_theta: float = 10000.0,
                  impl: str = "auto", dtype=None, param_dtype=jnp.float32,
                  attention_implementation: str | None = None, out_init: Callable | None = None,
-                 rngs: nnx.Rngs):
+                 sequence_parallel: bool = True, rngs: nnx.Rngs):
         tp = axis_size(mesh, tp_axis)
         if heads % kv_heads:
             raise ValueError(f"heads={heads} is not a multiple of kv_heads={kv_heads} (grouped-query "
@@ -74,16 +78,17 @@ class GroupedQueryAttention(nnx.Module):
         self.rope_theta = rope_theta
         self.attention_implementation = attention_implementation
         common = dict(mesh=mesh, tp_axis=tp_axis, impl=impl, dtype=dtype, param_dtype=param_dtype,
-                      rngs=rngs)
+                      sequence_parallel=sequence_parallel, rngs=rngs)
         self.qkv = ColumnParallelLinear(hidden, (kv_heads, self.q_per_kv + 2, head_dim), **common)
         self.out = RowParallelLinear(heads * head_dim, hidden, kernel_init=out_init, **common)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        """Per shard: [S/tp, B, hidden] -> [S/tp, B, hidden]."""
+        """Per shard: [S/tp, B, hidden] -> [S/tp, B, hidden] ([S, B, hidden] on every rank
+        without sequence parallelism)."""
         qkv = self.qkv(x)  # [S, B, kv_local, q_per_kv + 2, Dh]
         seq, batch, kv_local = qkv.shape[:3]
         g = self.q_per_kv
-        positions = jnp.arange(seq)  # the full sequence is here after the all-gather
+        positions = jnp.arange(seq)  # the full sequence is here (gathered, or never split)
         q = rotary_embedding(qkv[..., :g, :], positions, self.rope_theta)
         k = rotary_embedding(qkv[..., g, :], positions, self.rope_theta)
         v = qkv[..., g + 1, :]

@@ -2,7 +2,9 @@
 
 Between blocks the activations are sequence-parallel, x [S/tp, B, D]: norms
 and residual adds run on this rank's tokens only, and every collective sits
-inside one of the four projections (QKV, attention out, gate+up, down).
+inside one of the four projections (QKV, attention out, gate+up, down). With
+`sequence_parallel=False` every rank holds the whole sequence, x [S, B, D], and
+the projections are column_matmul / matmul_ar.
 """
 
 from __future__ import annotations
@@ -44,11 +46,11 @@ class SwiGLUMLP(nnx.Module):
 
     def __init__(self, hidden: int, ffn: int, *, mesh: jax.sharding.Mesh, tp_axis: str = "tp",
                  impl: str = "auto", dtype=None, param_dtype=jnp.float32,
-                 out_init: Callable | None = None, rngs: nnx.Rngs):
+                 out_init: Callable | None = None, sequence_parallel: bool = True, rngs: nnx.Rngs):
         check_divisible("ffn", ffn, tp_axis, axis_size(mesh, tp_axis),
                         "the MLP's hidden units are sharded over TP")
         common = dict(mesh=mesh, tp_axis=tp_axis, impl=impl, dtype=dtype, param_dtype=param_dtype,
-                      rngs=rngs)
+                      sequence_parallel=sequence_parallel, rngs=rngs)
         self.gate_up = ColumnParallelLinear(hidden, (ffn, 2), **common)
         self.down = RowParallelLinear(ffn, hidden, kernel_init=out_init, **common)
 
@@ -62,16 +64,18 @@ class DecoderBlock(nnx.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(x)).
 
     Per shard: x [S/tp, B, hidden] -> [S/tp, B, hidden]. Four flux_jax calls
-    forward (two ag_matmul, two matmul_rs), and their adjoints backward.
+    forward (two ag_matmul, two matmul_rs), and their adjoints backward. With
+    `sequence_parallel=False`: x [S, B, hidden] on every rank, two fused matmul_ar
+    forward and two (column_matmul's) backward.
     """
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, ffn: int, *, mesh: jax.sharding.Mesh,
                  tp_axis: str = "tp", head_dim: int | None = None, rope_theta: float = 10000.0,
                  norm_eps: float = 1e-6, impl: str = "auto", dtype=None, param_dtype=jnp.float32,
                  attention_implementation: str | None = None, out_init: Callable | None = None,
-                 rngs: nnx.Rngs):
+                 sequence_parallel: bool = True, rngs: nnx.Rngs):
         common = dict(mesh=mesh, tp_axis=tp_axis, impl=impl, dtype=dtype, param_dtype=param_dtype,
-                      out_init=out_init, rngs=rngs)
+                      out_init=out_init, sequence_parallel=sequence_parallel, rngs=rngs)
         self.attn_norm = RMSNorm(hidden, mesh=mesh, eps=norm_eps, param_dtype=param_dtype)
         self.attn = GroupedQueryAttention(hidden, heads, kv_heads, head_dim=head_dim,
                                           rope_theta=rope_theta,

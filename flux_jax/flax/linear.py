@@ -1,4 +1,4 @@
-"""Megatron-style tensor-parallel linear layers over sequence-parallel activations.
+"""Megatron-style tensor-parallel linear layers, with or without sequence parallelism.
 
 Both layers are *per-shard*: their `__call__` runs inside a `jax.shard_map`
 that maps the tensor-parallel axis (every axis, as `flux_jax.flax.sharded_call`
@@ -16,6 +16,16 @@ activations [B, S, ...] (the gather / scatter runs over dimension 1).
 A column layer followed by a row layer is one Megatron block: the sequence is
 gathered inside the first GEMM and scattered again inside the second
 (flux_jax.ag_matmul / flux_jax.matmul_rs), with no other communication.
+
+With `sequence_parallel=False` (inference decode, small TP) every rank holds the whole
+sequence between blocks:
+
+  ColumnParallelLinear   x [S, ..., K] (replicated) --GEMM--> [S, ..., N/tp]
+                         backward: dx = AllReduce(dy @ w^T) fused  (flux_jax.column_matmul)
+  RowParallelLinear      x [S, ..., K/tp] --GEMM+AllReduce--> [S, ..., N] (replicated)
+                         backward: local GEMMs                    (flux_jax.matmul_ar)
+
+one fused op in each direction of a block.
 """
 
 from __future__ import annotations
@@ -75,12 +85,17 @@ class ColumnParallelLinear(nnx.Module):
       kernel [in_features, *out_features]  (None, tp, None, ...)
       bias   [*out_features]               (tp, None, ...)   if use_bias
     The bias is sharded like the columns it is added to.
+
+    With `sequence_parallel=False` x is the whole sequence on every rank, [S, ..., in_features]
+    (replicated over tp), and the layer is flux_jax.column_matmul: a local GEMM whose backward
+    all-reduces dx in a fused matmul_ar.
     """
 
     def __init__(self, in_features: int, out_features: int | Sequence[int], *, mesh: jax.sharding.Mesh,
                  tp_axis: str = "tp", use_bias: bool = False, impl: str = "auto", dtype=None,
                  param_dtype=jnp.float32, kernel_init: Callable | None = None,
-                 bias_init: Callable = nnx.initializers.zeros, seq_axis: int = 0, rngs: nnx.Rngs):
+                 bias_init: Callable = nnx.initializers.zeros, sequence_parallel: bool = True,
+                 seq_axis: int = 0, rngs: nnx.Rngs):
         check_impl(impl)
         self.seq_axis = seq_axis
         out_shape = (out_features,) if isinstance(out_features, int) else tuple(out_features)
@@ -89,6 +104,7 @@ class ColumnParallelLinear(nnx.Module):
                         tp_axis, tp, "a column-parallel layer splits its output columns over TP")
         self.in_features, self.out_shape = in_features, out_shape
         self.tp_axis, self.impl, self.dtype = tp_axis, impl, dtype
+        self.sequence_parallel = sequence_parallel
         kernel_shape = (in_features, *out_shape)
         kernel_init = kernel_init or _fan_in_init(len(kernel_shape))
         tail = (None,) * (len(out_shape) - 1)
@@ -101,11 +117,15 @@ class ColumnParallelLinear(nnx.Module):
         self.bias = nnx.data(bias)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        """Per shard: [S/tp, ..., in_features] -> [S, ..., *out_local] (S at `seq_axis`)."""
+        """Per shard: [S/tp, ..., in_features] -> [S, ..., *out_local] (S at `seq_axis`; without
+        sequence parallelism: [S, ..., in_features] -> [S, ..., *out_local])."""
         dtype = self.dtype or x.dtype
         kernel = self.kernel[...]  # local shard [in, out0/tp, *rest]
         w = kernel.reshape(kernel.shape[0], -1).astype(dtype)
-        y = flux_jax.ag_matmul(x.astype(dtype), w, axis_name=self.tp_axis, axis=self.seq_axis, impl=self.impl)
+        if self.sequence_parallel:
+            y = flux_jax.ag_matmul(x.astype(dtype), w, axis_name=self.tp_axis, axis=self.seq_axis, impl=self.impl)
+        else:
+            y = flux_jax.column_matmul(x.astype(dtype), w, axis_name=self.tp_axis, impl=self.impl)
         y = y.reshape(*y.shape[:-1], *kernel.shape[1:])
         if self.bias is not None:
             y = y + self.bias[...].astype(dtype)
@@ -123,12 +143,16 @@ class RowParallelLinear(nnx.Module):
       bias   [out_features]               (None,)   if use_bias
     The bias is replicated and added once, after the reduce-scatter (adding it
     before would count it tp times).
+
+    With `sequence_parallel=False` the partial products are all-reduced instead (flux_jax.matmul_ar):
+    x [S, ..., in_features/tp] -> y [S, ..., out_features], the same bits on every rank.
     """
 
     def __init__(self, in_features: int, out_features: int, *, mesh: jax.sharding.Mesh,
                  tp_axis: str = "tp", use_bias: bool = False, impl: str = "auto", dtype=None,
                  param_dtype=jnp.float32, kernel_init: Callable | None = None,
-                 bias_init: Callable = nnx.initializers.zeros, seq_axis: int = 0, rngs: nnx.Rngs):
+                 bias_init: Callable = nnx.initializers.zeros, sequence_parallel: bool = True,
+                 seq_axis: int = 0, rngs: nnx.Rngs):
         check_impl(impl)
         self.seq_axis = seq_axis
         tp = axis_size(mesh, tp_axis)
@@ -136,6 +160,7 @@ class RowParallelLinear(nnx.Module):
                         "a row-parallel layer splits its input features over TP")
         self.in_features, self.out_features = in_features, out_features
         self.tp_axis, self.impl, self.dtype = tp_axis, impl, dtype
+        self.sequence_parallel = sequence_parallel
         kernel_init = kernel_init or _fan_in_init(2)
         init = nnx.with_partitioning(kernel_init, (tp_axis, None), mesh=mesh)
         self.kernel = nnx.Param(init(rngs.params(), (in_features, out_features), param_dtype))
@@ -146,11 +171,15 @@ class RowParallelLinear(nnx.Module):
         self.bias = nnx.data(bias)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        """Per shard: [S, ..., in_features/tp] -> [S/tp, ..., out_features] (S at `seq_axis`)."""
+        """Per shard: [S, ..., in_features/tp] -> [S/tp, ..., out_features] (S at `seq_axis`;
+        without sequence parallelism: -> [S, ..., out_features], replicated)."""
         dtype = self.dtype or x.dtype
         w = self.kernel[...].astype(dtype)
-        y = flux_jax.matmul_rs(x.astype(dtype), w, axis_name=self.tp_axis, scatter_dimension=self.seq_axis,
-                               impl=self.impl)
+        if self.sequence_parallel:
+            y = flux_jax.matmul_rs(x.astype(dtype), w, axis_name=self.tp_axis, scatter_dimension=self.seq_axis,
+                                   impl=self.impl)
+        else:
+            y = flux_jax.matmul_ar(x.astype(dtype), w, axis_name=self.tp_axis, impl=self.impl)
         if self.bias is not None:
             y = y + self.bias[...].astype(dtype)
         return y

@@ -4,7 +4,8 @@
 [B, S, vocab]. Inside, the whole forward runs in one jax.shard_map over every
 mesh axis (the fused kernels need a fully manual shard_map): the batch is split
 over the data-parallel axes (all axes except `tp_axis`) and the sequence over
-`tp_axis` (Megatron sequence parallelism).
+`tp_axis` (Megatron sequence parallelism), or, with `sequence_parallel=False`, every rank of
+`tp_axis` holds the whole sequence (the row projections all-reduce: flux_jax.matmul_ar).
 
 The LM head is a replicated [hidden, vocab] matmul on each rank's own tokens:
 the vocabularies this model targets are small (characters, bytes), so a
@@ -41,6 +42,8 @@ class GPTConfig:
       attention_implementation: jax.nn.dot_product_attention backend (None, "xla", "cudnn").
       remat: recompute each block's activations in the backward pass (saves memory).
       tp_axis: name of the tensor-parallel mesh axis; every other mesh axis is data parallel.
+      sequence_parallel: shard the sequence over `tp_axis` between blocks (ag_matmul /
+        matmul_rs), or keep it whole on every rank (column_matmul / matmul_ar).
     """
 
     vocab_size: int
@@ -58,6 +61,7 @@ class GPTConfig:
     attention_implementation: str | None = None
     remat: bool = False
     tp_axis: str = "tp"
+    sequence_parallel: bool = True
 
 
 def check_config(config: GPTConfig, mesh: jax.sharding.Mesh) -> None:
@@ -84,13 +88,15 @@ def check_config(config: GPTConfig, mesh: jax.sharding.Mesh) -> None:
         jnp.dtype(getattr(config, field))  # raises TypeError for an unknown dtype name
 
 
-def check_tokens_shape(shape, mesh: jax.sharding.Mesh, tp_axis: str = "tp") -> None:
+def check_tokens_shape(shape, mesh: jax.sharding.Mesh, tp_axis: str = "tp",
+                       sequence_parallel: bool = True) -> None:
     """Raises ValueError, naming the numbers, for a [batch, seq] that cannot shard on `mesh`."""
     if len(shape) != 2:
         raise ValueError(f"tokens must be [batch, seq], got shape {tuple(shape)}")
     batch, seq = shape
     tp, dp = axis_size(mesh, tp_axis), data_parallel_size(mesh, tp_axis)
-    check_divisible("seq", seq, tp_axis, tp, "the sequence is sharded over TP (sequence parallelism)")
+    if sequence_parallel:
+        check_divisible("seq", seq, tp_axis, tp, "the sequence is sharded over TP (sequence parallelism)")
     if batch % dp:
         axes = " x ".join(f"{a}={mesh.shape[a]}" for a in data_axes(mesh, tp_axis))
         raise ValueError(f"batch={batch} is not divisible by the data-parallel size {dp} ({axes}): "
@@ -125,7 +131,7 @@ class GPT(nnx.Module):
                          rope_theta=config.rope_theta, norm_eps=config.norm_eps, impl=config.impl,
                          dtype=dtype, param_dtype=param_dtype,
                          attention_implementation=config.attention_implementation,
-                         out_init=out_init, rngs=rngs)
+                         out_init=out_init, sequence_parallel=config.sequence_parallel, rngs=rngs)
             for _ in range(config.layers)
         ])
         self.final_norm = RMSNorm(config.hidden, mesh=mesh, eps=config.norm_eps, param_dtype=param_dtype)
@@ -135,11 +141,14 @@ class GPT(nnx.Module):
             rngs.params(), (config.hidden, config.vocab_size), param_dtype))
 
     def token_spec(self) -> P:
-        """PartitionSpec of tokens [B, S]: batch over the data axes, sequence over TP."""
-        return P(batch_axis_entry(self.mesh, self.config.tp_axis), self.config.tp_axis)
+        """PartitionSpec of tokens [B, S]: batch over the data axes, sequence over TP (or
+        replicated over TP without sequence parallelism)."""
+        seq = self.config.tp_axis if self.config.sequence_parallel else None
+        return P(batch_axis_entry(self.mesh, self.config.tp_axis), seq)
 
     def forward_shard(self, tokens: jax.Array) -> jax.Array:
-        """Per shard: tokens [B/dp, S/tp] -> float32 logits [B/dp, S/tp, vocab]."""
+        """Per shard: tokens [B/dp, S/tp] -> float32 logits [B/dp, S/tp, vocab] ([B/dp, S] ->
+        [B/dp, S, vocab] without sequence parallelism)."""
         dtype = jnp.dtype(self.config.dtype)
         x = jnp.take(self.embedding[...], tokens.T, axis=0).astype(dtype)  # [S/tp, B/dp, D]
         for block in self.blocks:
@@ -153,7 +162,7 @@ class GPT(nnx.Module):
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Global tokens [B, S] (int) -> logits [B, S, vocab] (float32), sharded like the tokens."""
-        check_tokens_shape(tokens.shape, self.mesh, self.config.tp_axis)
+        check_tokens_shape(tokens.shape, self.mesh, self.config.tp_axis, self.config.sequence_parallel)
         spec = self.token_spec()
         return sharded_call(self, GPT.forward_shard, tokens, mesh=self.mesh, in_specs=(spec,),
                             out_specs=P(*spec, None))

@@ -64,6 +64,8 @@ class OpSpec:
         collective custom call, `collective(name, x, out_shape)`.
       fwd / bwd: the custom_vjp rules: fwd(x, w, call) -> (outputs, residuals);
         bwd(call, residuals, cotangents) -> (dx, dw).
+      replicated: the outputs are the same on every rank of the axis (an all-reduce), so they
+        are typed invariant over it, as lax.psum's are.
     """
 
     name: str
@@ -73,6 +75,7 @@ class OpSpec:
     latency: Callable
     fwd: Callable
     bwd: Callable
+    replicated: bool = False
     primitive: Primitive = dataclasses.field(init=False)
     core: Callable = dataclasses.field(init=False)
 
@@ -103,7 +106,8 @@ def define(spec: OpSpec) -> OpSpec:
 
     def abstract_eval(x, w, rank, *, call: Call):
         del rank
-        return [x.update(shape=s) for s in spec.out_shapes(x.shape, w.shape, call)]
+        outs = [x.update(shape=s) for s in spec.out_shapes(x.shape, w.shape, call)]
+        return [invariant_over(o, call.axis_name) for o in outs] if spec.replicated else outs
 
     prim.def_abstract_eval(abstract_eval)
     batching.primitive_batchers[prim] = functools.partial(_batch_rows, prim)
@@ -138,6 +142,14 @@ def _varying(x) -> frozenset:
     if mat is not None:
         return frozenset(mat.varying)
     return frozenset(getattr(t, "vma", ()))
+
+
+def invariant_over(aval, axis_name: str):
+    """`aval` typed as the same on every rank of `axis_name` (lax.psum's output type)."""
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is None or axis_name not in mat.varying:
+        return aval
+    return aval.update(manual_axis_type=mat.update(varying=mat.varying - {axis_name}))
 
 
 def unify_varying(axis_name: str, *xs):

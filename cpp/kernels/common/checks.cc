@@ -4,6 +4,7 @@
 
 #include "flux_jax/ag_matmul.h"
 #include "flux_jax/collectives.h"
+#include "flux_jax/matmul_ar.h"
 #include "flux_jax/matmul_rs.h"
 
 namespace flux_jax {
@@ -47,6 +48,24 @@ Status ReduceScatterCanImplement(const CollectiveParams& p, const TpGroup& group
     return Status::InvalidArgument("reduce_scatter: rows " + std::to_string(p.rows) +
                                    " not divisible by TP size " + std::to_string(group.size));
   }
+  return Status::Ok();
+}
+
+Status MatmulArCanImplement(const MatmulArParams& p, const TpGroup& group) {
+  if (p.m < 0 || p.k <= 0 || p.n <= 0) {
+    return Status::InvalidArgument("matmul_ar: bad shape m=" + std::to_string(p.m) +
+                                   " k=" + std::to_string(p.k) + " n=" + std::to_string(p.n));
+  }
+  if (group.size < 1) return Status::InvalidArgument("matmul_ar: empty TP group");
+  return Status::Ok();
+}
+
+Status AllReduceCanImplement(const CollectiveParams& p, const TpGroup& group) {
+  if (p.rows < 0 || p.cols <= 0) {
+    return Status::InvalidArgument("all_reduce: bad shape rows=" + std::to_string(p.rows) +
+                                   " cols=" + std::to_string(p.cols));
+  }
+  if (group.size < 1) return Status::InvalidArgument("all_reduce: empty TP group");
   return Status::Ok();
 }
 

@@ -7,6 +7,9 @@
 //   reduce_scatter, rank r:  push x[chunk q] -> peer q's slot[r];
 //                            out = sum over q = 0..tp-1 of (q == r ? x[chunk r] : slot[q]),
 //                            accumulated in float32 in rank order (bitwise reproducible)
+//   all_reduce, rank r:      push x -> every peer's slot[r];
+//                            out = sum over q = 0..tp-1 of (q == r ? x : slot[q]), in float32
+//                            in rank order: the same bits on every rank
 #include <cstring>
 #include <vector>
 
@@ -89,6 +92,37 @@ Status RunReduceScatterCpu(const CollectiveParams& p, const TpGroup& group, cons
     if (src != rank) channel.Signal(src, cpu::FlagKind::kFreed, parity, rank, epoch, cfg);
   }
   cpu::FromFloat(acc.data(), chunk_elems, p.dtype, p.out);
+  return Status::Ok();
+}
+
+Status RunAllReduceCpu(const CollectiveParams& p, const TpGroup& group, const CommConfig& cfg) {
+  FLUX_JAX_RETURN_IF_ERROR(AllReduceCanImplement(p, group));
+  const int tp = group.size, rank = group.rank;
+  const int64_t elems = p.rows * p.cols;
+  const size_t bytes = static_cast<size_t>(elems) * DTypeBytes(p.dtype);
+  const uint64_t signature = cpu::HashInts({5, p.rows, p.cols, static_cast<int64_t>(p.dtype)});
+  cpu::ChannelCall call;
+  FLUX_JAX_RETURN_IF_ERROR(call.Open(group, cfg, bytes, signature));
+  cpu::Channel& channel = call.channel();
+  const uint64_t epoch = call.epoch();
+  const int parity = call.parity();
+  if (cfg.poison_outputs) std::memset(p.out, 0xFF, bytes);
+
+  FLUX_JAX_RETURN_IF_ERROR(PushToPeers(channel, rank, tp, parity, epoch, bytes, cfg, "all_reduce",
+                                       [&](int) { return p.x; }));
+  std::vector<float> acc(static_cast<size_t>(elems), 0.0f), part(acc.size());
+  for (int src = 0; src < tp; ++src) {  // rank order on every rank: the same sum everywhere
+    const void* rows = p.x;
+    if (src != rank) {
+      FLUX_JAX_RETURN_IF_ERROR(channel.Wait(rank, cpu::FlagKind::kArrived, parity, src, epoch,
+                                             epoch, cfg, {"all_reduce", src, src}));
+      rows = channel.Slot(rank, parity, src);
+    }
+    cpu::ToFloat(rows, p.dtype, elems, part.data());
+    for (int64_t i = 0; i < elems; ++i) acc[i] += part[i];
+    if (src != rank) channel.Signal(src, cpu::FlagKind::kFreed, parity, rank, epoch, cfg);
+  }
+  cpu::FromFloat(acc.data(), elems, p.dtype, p.out);
   return Status::Ok();
 }
 

@@ -19,6 +19,7 @@ enum WaitSite : int32_t {
   kSiteReduceScatter = 5,  // latency path; piece = thread block
   kSiteDecodeRows = 6,     // decode path's GEMM; piece = push block
   kSiteDecodeSums = 7,     // matmul_rs's decode GEMM epilogue; piece = output tile
+  kSiteAllReduce = 8,      // latency path; piece = thread block
 };
 
 // Host-visible error record, one per device (cudaHostAllocMapped).

@@ -15,6 +15,12 @@
 //   out[chunk q][lo_i:hi_i] = slot[b][q][..]      order of (q == r ? x[chunk r] : slot[b][q]),
 //                                                 in float32, rounded once
 //
+//   all_reduce, rank r, block i: as reduce_scatter with the whole x as every peer's chunk:
+//   v = x[lo_i:hi_i]; peer p.slot[b][r][lo_i:hi_i] = v for every peer p (one load, tp - 1 stores);
+//   bar, fence.sys; peer p.flag[r][i] = epoch; wait flag[q][i] >= epoch for every q != r;
+//   out[lo_i:hi_i] = sum over q = 0..tp-1 in rank order of (q == r ? x : slot[b][q]), in float32,
+//   rounded once: every rank adds the same values in the same order, so all hold the same bits.
+//
 // b = epoch & 1 (double-buffered slots). Why a sender may overwrite slot[b] of
 // call e+2 without asking: it starts call e+2 only after its call e+1 saw the
 // peer's flags of e+1, which the peer raises in its kernel e+1, i.e. after its
@@ -30,6 +36,7 @@
 
 #include <algorithm>
 
+#include "all_reduce.h"
 #include "cuda_util.h"
 #include "device_sync.cuh"
 #include "flux_jax/collectives.h"
@@ -199,6 +206,67 @@ __global__ void __launch_bounds__(kThreads) ReduceScatterKernel(CollectiveArgs a
   }
 }
 
+// out[lo, hi) = the rank-ordered float32 sum of own[lo, hi) (rank a.rank) and the peers'
+// slots, rounded once; NaN where a peer's block never arrived (`ok` false).
+template <typename T>
+__device__ __forceinline__ void SumInRankOrder(const CollectiveArgs& a, const uint4* own, int64_t lo,
+                                               int64_t hi, bool ok) {
+  for (int64_t base = lo + threadIdx.x; base < hi; base += int64_t{kThreads} * kBatch) {
+    float2 acc[kBatch][4] = {};
+    for (int q = 0; q < a.tp; ++q) {  // rank order: the same sum on every rank, every run
+      const uint4* src = q == a.rank ? own : a.my_slots + q * a.chunk_vecs;
+      uint4 val[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {  // the batch's loads first, all in flight together
+        const int64_t v = base + int64_t{u} * kThreads;
+        if (v < hi) val[u] = q == a.rank ? __ldg(src + v) : src[v];
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const uint32_t w[4] = {val[u].x, val[u].y, val[u].z, val[u].w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 f = Pair<T>::ToFloat2(w[j]);
+          acc[u][j].x += f.x;
+          acc[u][j].y += f.y;
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int64_t v = base + int64_t{u} * kThreads;
+      if (v >= hi) continue;
+      uint4 r;
+      r.x = Pair<T>::FromFloat2(acc[u][0]);
+      r.y = Pair<T>::FromFloat2(acc[u][1]);
+      r.z = Pair<T>::FromFloat2(acc[u][2]);
+      r.w = Pair<T>::FromFloat2(acc[u][3]);
+      a.out[v] = ok ? r : NaN16();
+    }
+  }
+}
+
+// One-shot all_reduce: every rank pushes its whole x into every peer's slot, then sums all tp.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) AllReduceKernel(CollectiveArgs a) {
+  int64_t lo, hi;
+  BlockRange(a.chunk_vecs, &lo, &hi);
+  BatchedCopy(
+      lo, hi, [&](int64_t v) { return __ldg(a.x + v); },
+      [&](int64_t v, uint4 val) {
+#pragma unroll
+        for (int p = 0; p < kMaxPeers; ++p) {
+          if (p < a.tp && p != a.rank) a.peer_slot[p][v] = val;
+        }
+      });
+  SignalPeers(a);
+  bool ok = true;
+  for (int q = 0; q < a.tp; ++q) {
+    if (q != a.rank) ok = WaitSender(a, q) && ok;
+  }
+  SumInRankOrder<T>(a, a.x, lo, hi, ok);
+}
+
 enum class Kind { kAllGather, kReduceScatter };
 
 Status Run(Kind kind, const CollectiveParams& p, const TpGroup& group, const CommConfig& cfg,
@@ -273,6 +341,80 @@ Status PreloadLatencyCollectives() {
   FLUX_CUDA_TRY(cudaFuncGetAttributes(&attrs, AllGatherKernel));
   FLUX_CUDA_TRY(cudaFuncGetAttributes(&attrs, ReduceScatterKernel<__nv_bfloat16>));
   FLUX_CUDA_TRY(cudaFuncGetAttributes(&attrs, ReduceScatterKernel<__half>));
+  FLUX_CUDA_TRY(cudaFuncGetAttributes(&attrs, AllReduceKernel<__nv_bfloat16>));
+  FLUX_CUDA_TRY(cudaFuncGetAttributes(&attrs, AllReduceKernel<__half>));
+  return Status::Ok();
+}
+
+Status EnqueueAllReduce(const CollectiveParams& p, const TpGroup& group, const CommConfig& cfg,
+                        cudaStream_t S, const PartialWriter& write_partial) {
+  if (p.dtype == DType::kF32) {
+    return Status::InvalidArgument("all_reduce: the CUDA kernel takes bfloat16 or float16");
+  }
+  const int tp = group.size, r = group.rank;
+  DeviceGuard guard(group.ordinals[r]);
+  const size_t bytes = static_cast<size_t>(p.rows * p.cols) * DTypeBytes(p.dtype);
+  if (bytes % sizeof(uint4) != 0 || reinterpret_cast<uintptr_t>(p.out) % 16 ||
+      (!write_partial && reinterpret_cast<uintptr_t>(p.x) % 16)) {
+    return Status::InvalidArgument("all_reduce: rows of " + std::to_string(p.cols) +
+                                   " elements are not a multiple of 16 bytes (need cols % 8 == 0)");
+  }
+  if (tp > kMaxPeers) {
+    return Status::InvalidArgument("all_reduce: the latency path supports TP <= " + std::to_string(kMaxPeers) +
+                                   ", got " + std::to_string(tp));
+  }
+  // Nothing to move (every rank has the same empty shape): no kernel and no epoch (see above).
+  if (bytes == 0) return Status::Ok();
+  if (tp == 1) {
+    if (write_partial) {
+      GroupWorkspace* ws = nullptr;  // no communication; the workspace holds the GEMM's alpha
+      FLUX_JAX_RETURN_IF_ERROR(AcquireWorkspace(group, 0, cfg, S, &ws));
+      if (cfg.poison_outputs) FLUX_CUDA_TRY(cudaMemsetAsync(p.out, 0xFF, bytes, S));
+      return write_partial(*ws, p.out);
+    }
+    FLUX_CUDA_TRY(cudaMemcpyAsync(p.out, p.x, bytes, cudaMemcpyDeviceToDevice, S));
+    return Status::Ok();
+  }
+  // Each parity half of the slot area holds tp slots of the whole partial: the peers' and,
+  // for a written partial, this rank's own.
+  GroupWorkspace* ws = nullptr;
+  FLUX_JAX_RETURN_IF_ERROR(AcquireWorkspace(group, 0, cfg, S, &ws, 2 * tp * bytes));
+  ws->epoch += 1;  // every rank counts every fused call of the group: epochs agree
+  if (cfg.poison_outputs) FLUX_CUDA_TRY(cudaMemsetAsync(p.out, 0xFF, bytes, S));
+
+  const size_t parity_offset = (ws->epoch & 1) * (ws->slots_capacity / 2);  // >= tp * bytes
+  const void* x = p.x;
+  if (write_partial) {
+    // This rank's own slot: peers write only the slots of their own ranks, and the kernel that
+    // last read this one (call epoch - 2) ran earlier on this stream.
+    void* partial = ws->slots + parity_offset + r * bytes;
+    FLUX_JAX_RETURN_IF_ERROR(write_partial(*ws, partial));
+    x = partial;
+  }
+  CollectiveArgs a{};
+  a.x = static_cast<const uint4*>(x);
+  a.out = static_cast<uint4*>(p.out);
+  for (int q = 0; q < tp; ++q) {
+    if (q == r) continue;
+    a.peer_slot[q] = reinterpret_cast<uint4*>(ws->peers[q].slots + parity_offset + r * bytes);
+    a.peer_flag[q] = ws->peers[q].block_arrived + r * kMaxLatencyBlocks;
+  }
+  a.my_slots = reinterpret_cast<const uint4*>(ws->slots + parity_offset);
+  a.my_flags = ws->block_arrived;
+  a.chunk_vecs = static_cast<int64_t>(bytes / sizeof(uint4));
+  a.tp = tp;
+  a.rank = r;
+  a.signal = cfg.drop_rank != r;
+  a.site = kSiteAllReduce;
+  a.ctx = ws->Wait(cfg.timeout_us);
+  const int64_t want = (static_cast<int64_t>(bytes) + kMinBytesPerBlock - 1) / kMinBytesPerBlock;
+  const int blocks = static_cast<int>(std::clamp<int64_t>(want, 1, std::min(kMaxLatencyBlocks, ws->sm_count)));
+  if (p.dtype == DType::kBF16) {
+    AllReduceKernel<__nv_bfloat16><<<blocks, kThreads, 0, S>>>(a);
+  } else {
+    AllReduceKernel<__half><<<blocks, kThreads, 0, S>>>(a);
+  }
+  FLUX_CUDA_TRY(cudaGetLastError());
   return Status::Ok();
 }
 
@@ -290,6 +432,12 @@ Status RunReduceScatterCuda(const CollectiveParams& p, const TpGroup& group, con
                             void* stream) {
   FLUX_JAX_RETURN_IF_ERROR(ReduceScatterCanImplement(p, group));
   return cuda::Run(cuda::Kind::kReduceScatter, p, group, cfg, stream);
+}
+
+Status RunAllReduceCuda(const CollectiveParams& p, const TpGroup& group, const CommConfig& cfg,
+                        void* stream) {
+  FLUX_JAX_RETURN_IF_ERROR(AllReduceCanImplement(p, group));
+  return cuda::EnqueueAllReduce(p, group, cfg, static_cast<cudaStream_t>(stream), nullptr);
 }
 
 }  // namespace flux_jax

@@ -437,6 +437,7 @@ Status CheckDeviceError(int device) {
     case kSiteReduceScatter: os << " waited in reduce_scatter for block " << e.piece << " of the partial sums of rank " << e.peer; break;
     case kSiteDecodeRows: os << " waited in ag_matmul's decode GEMM for push block " << e.piece << " of the rows of rank " << e.peer; break;
     case kSiteDecodeSums: os << " waited in matmul_rs's decode GEMM for the partial sums of output tile " << e.piece << " from rank " << e.peer; break;
+    case kSiteAllReduce: os << " waited in all_reduce for block " << e.piece << " of the partial sums of rank " << e.peer; break;
     default: os << " waited on an unknown site"; break;
   }
   os << "; epoch " << e.epoch << ", flag value seen " << e.seen

@@ -1,7 +1,8 @@
 // The fused ops' multi-rank GPU paths with every rank on ONE GPU ("loopback"): TP 2, 4 and 8 on
 // a single device, each rank a host thread with its own stream (as XLA runs one thread per
-// device), all calling the same host APIs the FFI handlers call
-// (RunAgMatmulCuda, RunMatmulRsCuda, RunAllGatherCuda, RunReduceScatterCuda) on a TP group whose
+// device), all calling the same host APIs the FFI handlers call (RunAgMatmulCuda,
+// RunMatmulRsCuda, RunMatmulArCuda, RunAllGatherCuda, RunReduceScatterCuda, RunAllReduceCuda)
+// on a TP group whose
 // ranks all map to device 0. The workspace gives each rank 9/10 / tp of the SMs (workspace.cc),
 // so every rank's persistent kernels are resident at once.
 //
@@ -17,7 +18,9 @@
 // float64 host reference:
 //   |out - ref| <= eps * (|ref| + sum over ranks of |partial|) + 2^-14 * sum |x| |w|
 // (eps = 2^-7 bf16 / 2^-10 f16: the output's rounding and, for matmul_rs, the partials'); the
-// collectives bit for bit (reduce_scatter: float32 sums in rank order, rounded once).
+// collectives bit for bit (reduce_scatter, all_reduce: float32 sums in rank order, rounded once).
+// matmul_ar: rank 0 against the reference, every other rank bit for bit against rank 0 (its
+// output must be the same bits on every rank).
 //
 // Build and run: README.md in this directory (CMake target `ops_loopback`).
 // `--cpu` runs the same calls on the CPU backend (no GPU needed: checks this program);
@@ -45,6 +48,7 @@
 #include "flux_jax/collectives.h"
 #include "flux_jax/cpu_channels.h"
 #include "flux_jax/cuda_runtime.h"
+#include "flux_jax/matmul_ar.h"
 #include "flux_jax/matmul_rs.h"
 #include "flux_jax/params.h"
 #include "loopback_common.h"
@@ -54,13 +58,14 @@ using loopback::SetUpProcess;
 
 namespace {
 
-enum class Op { kAgMatmul, kMatmulRs, kAllGather, kReduceScatter };
+enum class Op { kAgMatmul, kMatmulRs, kAllGather, kReduceScatter, kMatmulAr, kAllReduce };
 enum class Path { kOverlap, kDecode, kCollective };
 
 struct Case {
   Op op;
   Path path;
-  int64_t m, k, n;  // ag_matmul: m_local, K, n_local; matmul_rs: M, k_local, N; collectives: rows, cols
+  int64_t m, k, n;  // ag_matmul: m_local, K, n_local; matmul_rs / matmul_ar: M, k_local, N;
+                    // collectives: rows, cols
   DType dtype = DType::kBF16;
   bool w_transposed = false;
   bool gathered = false;  // ag_matmul's return_gathered
@@ -98,9 +103,11 @@ CommConfig MakeCommConfig(const Case& c, const CallOptions& o) {
   cfg.path = c.path == Path::kDecode ? FusedPath::kDecode : FusedPath::kOverlap;
   return cfg;
 }
+// The last checked output of each rank (matmul_ar: compared across ranks bit for bit).
+std::vector<std::vector<uint16_t>> g_outputs;
 
 std::string Describe(const Case& c, int tp) {
-  const char* op[] = {"ag_matmul", "matmul_rs", "all_gather", "reduce_scatter"};
+  const char* op[] = {"ag_matmul", "matmul_rs", "all_gather", "reduce_scatter", "matmul_ar", "all_reduce"};
   const char* path[] = {"overlap", "decode", "collective"};
   char buf[200];
   std::snprintf(buf, sizeof(buf), "tp %d %-14s %-10s %5lld x %5lld x %5lld %s%s%s", tp, op[static_cast<int>(c.op)],
@@ -177,7 +184,7 @@ struct Inputs {
 Inputs MakeInputs(const Case& c, int tp, unsigned seed) {
   std::mt19937 gen(seed);
   std::normal_distribution<float> normal(0.f, 1.f);
-  const bool matmul = c.op == Op::kAgMatmul || c.op == Op::kMatmulRs;
+  const bool matmul = c.op == Op::kAgMatmul || c.op == Op::kMatmulRs || c.op == Op::kMatmulAr;
   const float w_scale = 1.f / std::sqrt(static_cast<float>(c.k));
   Inputs in;
   for (auto& set : in.x) {
@@ -375,6 +382,8 @@ class RankThread {
       case Op::kMatmulRs: b.out_elems = c.m / tp_ * c.n; break;
       case Op::kAllGather: b.out_elems = tp_ * c.m * c.n; break;
       case Op::kReduceScatter: b.out_elems = c.m / tp_ * c.n; break;
+      case Op::kMatmulAr: b.out_elems = c.m * c.n; break;
+      case Op::kAllReduce: b.out_elems = c.m * c.n; break;
     }
     b.out = Alloc(b.out_elems * 2);
     if (b.gathered_elems) b.gathered = Alloc(b.gathered_elems * 2);
@@ -404,9 +413,16 @@ class RankThread {
       p.m = c.m, p.k = c.k, p.n = c.n, p.dtype = c.dtype, p.w_transposed = c.w_transposed;
       return g_cpu ? RunMatmulRsCpu(p, group_, cfg) : RunMatmulRsCuda(p, group_, cfg, stream_);
     }
+    if (c.op == Op::kMatmulAr) {
+      MatmulArParams p;
+      p.x = b.x[set], p.w = b.w, p.out = b.out;
+      p.m = c.m, p.k = c.k, p.n = c.n, p.dtype = c.dtype, p.w_transposed = c.w_transposed;
+      return g_cpu ? RunMatmulArCpu(p, group_, cfg) : RunMatmulArCuda(p, group_, cfg, stream_);
+    }
     CollectiveParams p;
     p.x = b.x[set], p.out = b.out, p.rows = c.m, p.cols = c.n, p.dtype = c.dtype;
     if (c.op == Op::kAllGather) return g_cpu ? RunAllGatherCpu(p, group_, cfg) : RunAllGatherCuda(p, group_, cfg, stream_);
+    if (c.op == Op::kAllReduce) return g_cpu ? RunAllReduceCpu(p, group_, cfg) : RunAllReduceCuda(p, group_, cfg, stream_);
     return g_cpu ? RunReduceScatterCpu(p, group_, cfg) : RunReduceScatterCuda(p, group_, cfg, stream_);
   }
 
@@ -427,7 +443,21 @@ class RankThread {
     std::vector<uint16_t> out(b.out_elems), gathered(b.gathered_elems);
     Download(out.data(), b.out, out.size() * 2);
     if (b.gathered) Download(gathered.data(), b.gathered, gathered.size() * 2);
-    return Compare(c, in, set, out, gathered, call);
+    if (c.op != Op::kMatmulAr) return Compare(c, in, set, out, gathered, call);
+    // matmul_ar: rank 0 against the reference, the others bit for bit against rank 0.
+    g_outputs[rank_] = out;
+    rendezvous_->Arrive();
+    int bad = rank_ == 0 ? Compare(c, in, set, out, gathered, call) : 0;
+    if (rank_ != 0 && out != g_outputs[0]) {
+      size_t first = 0;
+      while (out[first] == g_outputs[0][first]) ++first;
+      std::printf("  FAIL rank %d call %llu (%s): output differs from rank 0's (first at %zu: %g, rank 0 %g)\n", rank_,
+                  static_cast<unsigned long long>(call), Describe(c, tp_).c_str(), first, ToFloat(out[first], c.dtype),
+                  ToFloat(g_outputs[0][first], c.dtype));
+      bad = 1;
+    }
+    rendezvous_->Arrive();  // rank 0's output stays until every rank compared
+    return bad;
   }
 
   // Failed properties of one call's output (0 or 1); nan_ok: NaN elements pass (a failed call).
@@ -486,6 +516,27 @@ class RankThread {
           expect(static_cast<int64_t>(i), out[i], want, 0);
         }
         break;
+      case Op::kMatmulAr:
+        for (int64_t row = 0; row < c.m; ++row) {
+          for (int64_t col = 0; col < c.n; ++col) {
+            Ref sum;
+            for (int q = 0; q < tp_; ++q) {
+              const Ref r = Dot(c, xf[q], row, in.wt[q], col);
+              sum.value += r.value, sum.partials += r.partials, sum.magnitude += r.magnitude;
+            }
+            expect(row * c.n + col, ToFloat(out[row * c.n + col], c.dtype), sum.value,
+                   eps * (std::fabs(sum.value) + sum.partials) + std::ldexp(sum.magnitude, -14));
+          }
+        }
+        break;
+      case Op::kAllReduce:
+        for (size_t i = 0; i < out.size(); ++i) {
+          float sum = 0.f;  // rank order, float32, rounded once: the same bits on every rank
+          for (int q = 0; q < tp_; ++q) sum += ToFloat(xs[q][i], c.dtype);
+          if (nan_ok && std::isnan(ToFloat(out[i], c.dtype))) continue;
+          expect(static_cast<int64_t>(i), out[i], FromFloat(sum, c.dtype), 0);
+        }
+        break;
       case Op::kReduceScatter:
         for (size_t i = 0; i < out.size(); ++i) {
           float sum = 0.f;
@@ -512,7 +563,7 @@ class RankThread {
 };
 
 // Cases (indices into CasesFor) rerun with a silent rank: each path's bounded waits.
-const std::vector<size_t> kDropCases = {0, 5, 8, 13, 14, 16, 18};
+const std::vector<size_t> kDropCases = {0, 5, 8, 13, 14, 16, 18, 20, 23};
 
 std::vector<Case> CasesFor(int tp) {
   // m_local / M per rank count are chosen so that the host references stay under a second.
@@ -538,6 +589,13 @@ std::vector<Case> CasesFor(int tp) {
       {Op::kAllGather, Path::kCollective, 40, 0, 1032, DType::kF16},
       {Op::kReduceScatter, Path::kCollective, 128, 0, 2048},
       {Op::kReduceScatter, Path::kCollective, 8 * tp, 0, 8200, DType::kF16},
+      {Op::kAllReduce, Path::kCollective, 16, 0, 4096},
+      {Op::kAllReduce, Path::kCollective, 3, 0, 1032, DType::kF16},
+      {Op::kAllReduce, Path::kCollective, 256, 0, 8192},  // 4 MiB a rank: many blocks, big slots
+      {Op::kMatmulAr, Path::kOverlap, 1, 1024, 2048},
+      {Op::kMatmulAr, Path::kOverlap, 64, 512, 1024, DType::kF16},
+      {Op::kMatmulAr, Path::kOverlap, 96, 520, 1032},  // a partial row tile, K and N tails
+      {Op::kMatmulAr, Path::kOverlap, 128, 768, 512, DType::kBF16, /*w_transposed=*/true},
   };
   return cases;
 }
@@ -597,6 +655,7 @@ int main(int argc, char** argv) {
     std::vector<Inputs> inputs;
     for (size_t i = 0; i < cases.size(); ++i) inputs.push_back(MakeInputs(cases[i], tp, 1000 * tp + i));
     Rendezvous rendezvous(tp);
+    g_outputs.assign(tp, {});
     std::vector<std::thread> threads;
     for (int r = 0; r < tp; ++r) {
       threads.emplace_back([&, r] {

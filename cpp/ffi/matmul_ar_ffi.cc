@@ -1,0 +1,86 @@
+// FFI adapter of the fused GEMM -> AllReduce: decode buffers and attributes
+// into MatmulArParams, call the backend, turn its Status into ffi::Error.
+#include <optional>
+
+#include "attrs.h"
+#include "ffi_common.h"
+#include "flux_jax/matmul_ar.h"
+#include "handler_stats.h"
+#include "handlers.h"
+
+namespace flux_jax::ffi_adapter {
+namespace {
+
+Status MakeParams(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
+                  const GemmAttrs& attrs, const TpGroup& group, MatmulArParams* p) {
+  auto wd = w.dimensions();
+  Folded xf;
+  FLUX_JAX_RETURN_IF_ERROR(Fold(x, "matmul_ar x", &xf));
+  if (wd.size() != 2) return Status::InvalidArgument("matmul_ar: w must be 2-D");
+  FLUX_JAX_RETURN_IF_ERROR(ToDType(x.element_type(), "matmul_ar x", &p->dtype));
+  if (w.element_type() != x.element_type() || out->element_type() != x.element_type()) {
+    return Status::InvalidArgument("matmul_ar: x, w and out must share one dtype");
+  }
+  p->w_transposed = attrs.w_transposed;
+  p->m = xf.rows;
+  p->k = xf.cols;
+  p->n = p->w_transposed ? wd[0] : wd[1];
+  if ((p->w_transposed ? wd[1] : wd[0]) != p->k) {
+    return Status::InvalidArgument("matmul_ar: contraction sizes of x and w differ");
+  }
+  p->x = x.untyped_data();
+  p->w = w.untyped_data();
+  p->out = out->untyped_data();
+  FLUX_JAX_RETURN_IF_ERROR(MatmulArCanImplement(*p, group));
+  return CheckElements("matmul_ar out", out->element_count(), p->m * p->n);
+}
+
+// `stream` is null on CPU; `host_rank` only there (see ag_matmul_ffi.cc).
+ffi::Error MatmulAr(void* stream, int32_t device_ordinal, std::optional<int32_t> host_rank, ffi::AnyBuffer x,
+                    ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out, const GemmAttrs& attrs) {
+  ScopedHandlerTimer timer(HandlerOp::kMatmulAr);
+  TpGroup group;
+  CommConfig cfg;
+  MatmulArParams p;
+  const Platform platform = stream ? Platform::kCuda : Platform::kCpu;
+  Status s = DecodeGemm(attrs, platform, device_ordinal, host_rank, &group, &cfg);
+  if (s.ok()) s = MakeParams(x, w, out, attrs, group, &p);
+  if (s.ok()) s = stream ? RunMatmulArCuda(p, group, cfg, stream) : RunMatmulArCpu(p, group, cfg);
+  return ToFfiError(s);
+}
+
+ffi::Error MatmulArCpu(int32_t device_ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                       ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> out,
+                       GemmAttrs attrs) {
+  return MatmulAr(nullptr, device_ordinal, rank.typed_data()[0], x, w, out, attrs);
+}
+
+ffi::Error MatmulArCuda(void* stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                        ffi::Result<ffi::AnyBuffer> out, GemmAttrs attrs) {
+  return MatmulAr(stream, device_ordinal, std::nullopt, x, w, out, attrs);
+}
+
+}  // namespace
+}  // namespace flux_jax::ffi_adapter
+
+namespace ffi = xla::ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FluxJaxMatmulArCpu, flux_jax::ffi_adapter::MatmulArCpu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()         // x [m, k_local]
+                                  .Arg<ffi::AnyBuffer>()         // w [k_local, n] or [n, k_local]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rank = lax.axis_index
+                                  .Ret<ffi::AnyBuffer>()         // out [m, n], the same on every rank
+                                  .Attrs<flux_jax::ffi_adapter::GemmAttrs>());
+
+#ifdef FLUX_JAX_WITH_CUDA
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FluxJaxMatmulArCuda, flux_jax::ffi_adapter::MatmulArCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<void*>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()         // x [m, k_local]
+                                  .Arg<ffi::AnyBuffer>()         // w [k_local, n] or [n, k_local]
+                                  .Ret<ffi::AnyBuffer>()         // out [m, n], the same on every rank
+                                  .Attrs<flux_jax::ffi_adapter::GemmAttrs>());
+#endif

@@ -1,0 +1,183 @@
+"""GEMM -> AllReduce: `matmul_ar(x, w) == psum(x @ w over `axis`)`, and its column-parallel
+partner `column_matmul`, whose backward is a fused matmul_ar.
+
+Tensor parallelism without sequence parallelism (inference decode, small TP): the row-parallel
+projection's partial sums are all-reduced and every rank keeps the whole output. Paths:
+  CPU    "overlap": one custom call, flux_jax_matmul_ar (GEMM, push of the float32 partial,
+         rank-ordered sum); "latency": XLA's GEMM next to our flux_jax_all_reduce.
+  CUDA   "latency": XLA's GEMM next to our one-kernel all_reduce (NVLink stores, per-block
+         epoch flags, rank-ordered float32 sum); "overlap": one custom call whose handler enqueues
+         our GEMM into the workspace and then the same all_reduce kernel. No decode kernel: a
+         decode plan takes the latency path.
+Every path sums the tp partials in rank order 0..tp-1 in float32 and rounds once, so the
+output is bitwise the same on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+from jax import lax
+
+from flux_jax import _autodiff, _explain, _plan, _validation, twins
+from flux_jax._config import get_config, get_gpu_tuning
+from flux_jax.ops import _common
+from flux_jax.ops._spec import Call, OpSpec, _varying, bind, define, unify_varying, weight_2d
+
+NAME = "matmul_ar"
+
+
+def _out_shapes(x_shape, w_shape, call: Call):
+    return [(*x_shape[:-1], w_shape[0] if call.transpose_w else w_shape[1])]
+
+
+def _gemm(x_shape, w_shape, call: Call):
+    return math.prod(x_shape[:-1]), x_shape[-1], (w_shape[0] if call.transpose_w else w_shape[1])
+
+
+def _twin(x, w, call: Call):
+    return [twins.matmul_ar_xla(x, weight_2d(w, call.transpose_w), axis_name=call.axis_name)]
+
+
+def _latency(x, w, call: Call, collective):
+    partial = jnp.dot(x, weight_2d(w, call.transpose_w))
+    return [collective("all_reduce", partial, partial.shape)]
+
+
+def _fwd(x, w, call: Call):
+    return bind(SPEC, x, w, call), (x, w)
+
+
+def _bwd(call: Call, residuals, cotangents):
+    """The output is replicated, so is its cotangent: both gradients are local GEMMs."""
+    x, w = residuals
+    (dy,) = cotangents
+    if not _types_checked(w, call.axis_name):
+        # shard_map(check_vma=False): JAX's convention there is that a replicated value's
+        # cotangent is a per-rank partial (psum transposes to psum); follow the twin.
+        dy = lax.psum(dy, call.axis_name)
+    dy = unify_varying(call.axis_name, dy, x)[0]  # typed as x: varying over the axis
+    dx = jnp.dot(dy, weight_2d(w, call.transpose_w).T)
+    return dx.astype(x.dtype), _autodiff.weight_grad(x, dy, w, call.transpose_w).astype(w.dtype)
+
+
+SPEC = define(OpSpec(NAME, _out_shapes, _gemm, _twin, _latency, _fwd, _bwd, replicated=True))
+
+
+def matmul_ar(x, w, *, axis_name: str, impl: str = "auto"):
+    """GEMM -> AllReduce, for use inside `jax.shard_map`.
+
+    Computes exactly `lax.psum(jnp.dot(x, w), axis_name)`: float32 accumulation, the output in
+    x's dtype, and the same bits on every rank (the tp partials are summed in rank order
+    0..tp-1 on every path).
+
+    Sharding contract (per shard, TP degree tp = size of `axis_name`):
+      x: [M, ..., k_local], this rank's slice of the contraction;
+      w: [k_local, N], this rank's rows of the weight (row-parallel);
+      returns [M, ..., N], the sum over ranks of x @ w, replicated over `axis_name` (typed
+      invariant over it, as lax.psum's output).
+
+    Args:
+      x, w: float32, bfloat16 or float16 arrays of the same dtype.
+      axis_name: the mesh axis to all-reduce over (the tensor-parallel axis).
+      impl: "fused", "xla" or "auto" (see `ag_matmul`). It has not been measured on GPUs yet:
+        "auto" takes the twin there, "fused" the latency path (XLA's GEMM + our all_reduce).
+
+    Differentiable (custom_vjp): the cotangent of the replicated output is replicated, so
+    dx = dy @ w^T and dw = x^T @ dy are local GEMMs with no communication.
+    """
+    _validation.check_impl(NAME, impl)
+    _validation.check_operands(NAME, x, w)
+    info = _validation.check_axis(NAME, axis_name)
+    call = _common.plan_call(SPEC, x, w, info, impl)
+    if call is None:
+        return twins.matmul_ar_xla(x, w, axis_name=axis_name)
+    (out,) = _common.run(SPEC, x, w, call)
+    return out
+
+
+# ---- the column-parallel side ---------------------------------------------------------------
+
+
+def column_matmul(x, w, *, axis_name: str, impl: str = "auto"):
+    """Column-parallel GEMM on a replicated input, for use inside `jax.shard_map`.
+
+    Forward: y = x @ w, a local GEMM. Backward: dx = matmul_ar(dy, w^T) (the all-reduce of the
+    input gradient that a replicated input needs, fused with its GEMM) and dw = x^T @ dy.
+    With `matmul_ar` as the row-parallel side, a Megatron block without sequence parallelism has
+    one fused op in each direction.
+
+    Sharding contract (per shard, TP degree tp = size of `axis_name`):
+      x: [M, ..., K], the same on every rank of `axis_name` (replicated);
+      w: [K, n_local], this rank's columns of the weight (column-parallel);
+      returns [M, ..., n_local].
+
+    Args:
+      x, w: float32, bfloat16 or float16 arrays of the same dtype.
+      axis_name: the mesh axis the weight's columns are split over.
+      impl: what the backward's all-reduce runs: "fused", "xla" or "auto", with the meaning
+        they have for `matmul_ar` (its plan is made, and `flux_jax.explain` lists it, when the
+        forward is traced). "xla" is `flux_jax.column_matmul_xla`.
+    """
+    _validation.check_impl("column_matmul", impl)
+    _validation.check_operands("column_matmul", x, w)
+    info = _validation.check_axis("column_matmul", axis_name)
+    call = _backward_call(x, w, info, impl)
+    if call is None:
+        return twins.column_matmul_xla(x, w, axis_name=axis_name)
+    # x stays typed as it comes (replicated: invariant over the axis); both operands vary over
+    # every other manual axis either of them varies over, so the cotangents type-check.
+    others = (_varying(x) | _varying(w)) - {axis_name}
+    x = _pcast_to(x, others)
+    w = _pcast_to(w, others | {axis_name})
+    return _column_core(x, w, call)
+
+
+def _backward_call(x, w, info, impl: str) -> Call | None:
+    """The Call of the backward's matmul_ar(dy, w^T), planned now; None for the twin."""
+    dy_shape = (*x.shape[:-1], w.shape[1])
+    problem = SPEC.problem(dy_shape, w.shape, x.dtype, info.tp_size, info.platform, True)
+    config = get_config()
+    plan = _plan.plan(problem, impl, config)
+    _common.logger.debug("flux_jax.column_matmul (backward matmul_ar): %s -> %s", problem.describe(),
+                         plan.describe())
+    _explain.record(NAME, problem, plan, backward=True)
+    if not plan.fused:
+        return None
+    return Call(info.axis_name, info.tp_size, True, impl, True, plan, config, get_gpu_tuning(),
+                platform=info.platform)
+
+
+def _column_primal(x, w, call: Call):
+    return jnp.dot(x, w)
+
+
+def _column_fwd(x, w, call: Call):
+    return jnp.dot(x, w), (x, w)
+
+
+def _column_bwd(call: Call, residuals, dy):
+    x, w = residuals
+    if not _types_checked(w, call.axis_name):
+        # shard_map(check_vma=False): the sum of dx over the axis is JAX's (the shard_map boundary
+        # or the transpose of whatever replicated x), as for jnp.dot and the twin: dx stays local.
+        return jnp.dot(dy, w.T).astype(x.dtype), _autodiff.weight_grad(x, dy, w, False).astype(w.dtype)
+    dy, w_u = unify_varying(call.axis_name, dy, w)
+    (dx,) = SPEC.core(dy, w_u, call)  # [M, ..., K] = sum over ranks of dy @ w^T, replicated
+    dw = _autodiff.weight_grad(x, dy, w, False)
+    return _pcast_to(dx, _varying(x)), _pcast_to(dw.astype(w.dtype), _varying(w))
+
+
+_column_core = _autodiff.make_core(_column_primal, _column_fwd, _column_bwd)
+
+
+def _types_checked(w, axis_name: str) -> bool:
+    """Whether the enclosing shard_map checks manual-axis types (check_vma=True): the weight was
+    cast to vary over the axis when the op was called, which leaves no trace without checking."""
+    return axis_name in _varying(w)
+
+
+def _pcast_to(a, axes: frozenset):
+    missing = tuple(sorted(frozenset(axes) - _varying(a)))
+    return lax.pcast(a, missing, to="varying") if missing else a
