@@ -6,6 +6,7 @@ GEMM -> ReduceScatter kernels whose tiles wait only for the rows they need.
 Per-shard ops (inside jax.shard_map):
   flux_jax.ag_matmul(x, w, axis_name=..., impl="auto", return_gathered=False)
   flux_jax.matmul_rs(x, w, axis_name=..., impl="auto")
+  fp8=True / fp8=flux_jax.Fp8(...) on either: FP8 operands, current scaling (flux_jax/fp8.py)
 Global-view helpers: flux_jax.ag_matmul_sharded / flux_jax.matmul_rs_sharded.
 """
 
@@ -18,6 +19,7 @@ from flux_jax._distributed import initialize as initialize_distributed  # noqa: 
 from flux_jax._errors import FusedUnavailableError  # noqa: E402
 from flux_jax._explain import explain, explain_auto  # noqa: E402
 from flux_jax._native import build_info  # noqa: E402
+from flux_jax.fp8 import Fp8  # noqa: E402
 from flux_jax._state import HandlerHostTime, device_errors, handler_host_time, reset, workspace_bytes  # noqa: E402
 from flux_jax.ops import ag_matmul, matmul_rs  # noqa: E402
 from flux_jax.sharding import ag_matmul_sharded, matmul_rs_sharded  # noqa: E402
@@ -27,6 +29,7 @@ __version__ = build_info()["version"]
 
 __all__ = [
     "Config",
+    "Fp8",
     "FusedUnavailableError",
     "HandlerHostTime",
     "ag_matmul",
