@@ -52,13 +52,14 @@ class GroupedQueryAttention(nnx.Module):
       head_dim: defaults to hidden // heads.
       attention_implementation: passed to jax.nn.dot_product_attention
         (None/"xla": plain XLA; "cudnn": cuDNN flash attention on NVIDIA GPUs).
+      fp8: the QKV and out projections on FP8 operands (False, True or a flux_jax.Fp8).
     """
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, *, mesh: jax.sharding.Mesh,
                  tp_axis: str = "tp", head_dim: int | None = None, rope_theta: float = 10000.0,
                  impl: str = "auto", dtype=None, param_dtype=jnp.float32,
                  attention_implementation: str | None = None, out_init: Callable | None = None,
-                 rngs: nnx.Rngs):
+                 fp8=False, rngs: nnx.Rngs):
         tp = axis_size(mesh, tp_axis)
         if heads % kv_heads:
             raise ValueError(f"heads={heads} is not a multiple of kv_heads={kv_heads} (grouped-query "
@@ -74,7 +75,7 @@ class GroupedQueryAttention(nnx.Module):
         self.rope_theta = rope_theta
         self.attention_implementation = attention_implementation
         common = dict(mesh=mesh, tp_axis=tp_axis, impl=impl, dtype=dtype, param_dtype=param_dtype,
-                      rngs=rngs)
+                      fp8=fp8, rngs=rngs)
         self.qkv = ColumnParallelLinear(hidden, (kv_heads, self.q_per_kv + 2, head_dim), **common)
         self.out = RowParallelLinear(heads * head_dim, hidden, kernel_init=out_init, **common)
 

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import flux_jax
+from flux_jax import fp8 as fp8_lib
 
 IMPLS = ("auto", "fused", "xla")
 
@@ -45,6 +46,11 @@ def check_divisible(what: str, value: int, axis_name: str, size: int, why: str) 
 def check_impl(impl: str) -> None:
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+
+
+def check_fp8(layer: str, fp8) -> None:
+    """fp8 must be what flux_jax.ag_matmul / matmul_rs take: None, a bool or a flux_jax.Fp8."""
+    fp8_lib.resolve(layer, fp8)
 
 
 def _fan_in_init(ndim: int) -> Callable:
@@ -71,13 +77,18 @@ class ColumnParallelLinear(nnx.Module):
       kernel [in_features, *out_features]  (None, tp, None, ...)
       bias   [*out_features]               (tp, None, ...)   if use_bias
     The bias is sharded like the columns it is added to.
+
+    `fp8=True` (or a flux_jax.Fp8 recipe) runs the GEMM on FP8 operands: the rows are
+    quantized per row before they are gathered, the kernel per tensor (flux_jax.ag_matmul).
     """
 
     def __init__(self, in_features: int, out_features: int | Sequence[int], *, mesh: jax.sharding.Mesh,
                  tp_axis: str = "tp", use_bias: bool = False, impl: str = "auto", dtype=None,
                  param_dtype=jnp.float32, kernel_init: Callable | None = None,
-                 bias_init: Callable = nnx.initializers.zeros, rngs: nnx.Rngs):
+                 bias_init: Callable = nnx.initializers.zeros, fp8=False, rngs: nnx.Rngs):
         check_impl(impl)
+        check_fp8("ColumnParallelLinear", fp8)
+        self.fp8 = fp8
         out_shape = (out_features,) if isinstance(out_features, int) else tuple(out_features)
         tp = axis_size(mesh, tp_axis)
         check_divisible("out_features" if len(out_shape) == 1 else "out_features[0]", out_shape[0],
@@ -100,7 +111,7 @@ class ColumnParallelLinear(nnx.Module):
         dtype = self.dtype or x.dtype
         kernel = self.kernel[...]  # local shard [in, out0/tp, *rest]
         w = kernel.reshape(kernel.shape[0], -1).astype(dtype)
-        y = flux_jax.ag_matmul(x.astype(dtype), w, axis_name=self.tp_axis, impl=self.impl)
+        y = flux_jax.ag_matmul(x.astype(dtype), w, axis_name=self.tp_axis, impl=self.impl, fp8=self.fp8)
         y = y.reshape(*y.shape[:-1], *kernel.shape[1:])
         if self.bias is not None:
             y = y + self.bias[...].astype(dtype)
@@ -118,13 +129,18 @@ class RowParallelLinear(nnx.Module):
       bias   [out_features]               (None,)   if use_bias
     The bias is replicated and added once, after the reduce-scatter (adding it
     before would count it tp times).
+
+    `fp8=True` (or a flux_jax.Fp8 recipe) runs the GEMM on FP8 operands and reduce-scatters
+    its partial in the compute dtype (flux_jax.matmul_rs).
     """
 
     def __init__(self, in_features: int, out_features: int, *, mesh: jax.sharding.Mesh,
                  tp_axis: str = "tp", use_bias: bool = False, impl: str = "auto", dtype=None,
                  param_dtype=jnp.float32, kernel_init: Callable | None = None,
-                 bias_init: Callable = nnx.initializers.zeros, rngs: nnx.Rngs):
+                 bias_init: Callable = nnx.initializers.zeros, fp8=False, rngs: nnx.Rngs):
         check_impl(impl)
+        check_fp8("RowParallelLinear", fp8)
+        self.fp8 = fp8
         tp = axis_size(mesh, tp_axis)
         check_divisible("in_features", in_features, tp_axis, tp,
                         "a row-parallel layer splits its input features over TP")
@@ -143,7 +159,7 @@ class RowParallelLinear(nnx.Module):
         """Per shard: [S, ..., in_features/tp] -> [S/tp, ..., out_features]."""
         dtype = self.dtype or x.dtype
         w = self.kernel[...].astype(dtype)
-        y = flux_jax.matmul_rs(x.astype(dtype), w, axis_name=self.tp_axis, impl=self.impl)
+        y = flux_jax.matmul_rs(x.astype(dtype), w, axis_name=self.tp_axis, impl=self.impl, fp8=self.fp8)
         if self.bias is not None:
             y = y + self.bias[...].astype(dtype)
         return y

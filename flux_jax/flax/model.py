@@ -23,8 +23,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from flux_jax.flax.block import DecoderBlock, RMSNorm
-from flux_jax.flax.linear import axis_size, check_divisible, check_impl
+from flux_jax.flax.linear import axis_size, check_divisible, check_fp8, check_impl
 from flux_jax.flax.sharding import batch_axis_entry, data_axes, data_parallel_size, sharded_call
+from flux_jax.fp8 import Fp8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +42,8 @@ class GPTConfig:
       attention_implementation: jax.nn.dot_product_attention backend (None, "xla", "cudnn").
       remat: recompute each block's activations in the backward pass (saves memory).
       tp_axis: name of the tensor-parallel mesh axis; every other mesh axis is data parallel.
+      fp8: the four projections' GEMMs on FP8 operands: False, True or a flux_jax.Fp8 recipe
+        (flux_jax/fp8.py); the embedding, attention and LM head keep `dtype`.
     """
 
     vocab_size: int
@@ -58,11 +61,13 @@ class GPTConfig:
     attention_implementation: str | None = None
     remat: bool = False
     tp_axis: str = "tp"
+    fp8: bool | Fp8 = False
 
 
 def check_config(config: GPTConfig, mesh: jax.sharding.Mesh) -> None:
     """Raises ValueError, naming the numbers, for a config that cannot shard on `mesh`."""
     check_impl(config.impl)
+    check_fp8("GPTConfig", config.fp8)
     tp = axis_size(mesh, config.tp_axis)
     name = config.tp_axis
     for field in ("vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn"):
@@ -125,7 +130,7 @@ class GPT(nnx.Module):
                          rope_theta=config.rope_theta, norm_eps=config.norm_eps, impl=config.impl,
                          dtype=dtype, param_dtype=param_dtype,
                          attention_implementation=config.attention_implementation,
-                         out_init=out_init, rngs=rngs)
+                         out_init=out_init, fp8=config.fp8, rngs=rngs)
             for _ in range(config.layers)
         ])
         self.final_norm = RMSNorm(config.hidden, mesh=mesh, eps=config.norm_eps, param_dtype=param_dtype)
@@ -148,8 +153,12 @@ class GPT(nnx.Module):
             else:
                 x = block(x)
         x = self.final_norm(x)
-        return jnp.einsum("sbd,dv->bsv", x, self.lm_head[...].astype(dtype),
-                          preferred_element_type=jnp.float32)
+        # One 2-D GEMM [S*B, D] x [D, V]: XLA:CPU has no bf16 x bf16 -> f32 kernel for the 3-D
+        # einsum "sbd,dv->bsv" (DotThunk), but runs the 2-D one.
+        seq, batch, hidden = x.shape
+        logits = jnp.dot(x.reshape(seq * batch, hidden), self.lm_head[...].astype(dtype),
+                         preferred_element_type=jnp.float32)
+        return logits.reshape(seq, batch, -1).transpose(1, 0, 2)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Global tokens [B, S] (int) -> logits [B, S, vocab] (float32), sharded like the tokens."""
