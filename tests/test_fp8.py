@@ -94,9 +94,9 @@ def test_output_is_fp8_accurate_quantized_and_matches_the_twin(op, dtype_name):
     err = np.abs(got - ref)
     bound = _fp8_bound(x64, w64, dtype_name, op, tp)
     assert np.all(err <= bound), f"{op} {dtype_name}: error exceeds the e4m3 bound by up to {np.max(err / bound):.2f}x"
-    # visibly quantized: much further from the exact product than the unquantized op
+    # visibly quantized: further from the exact product than the unquantized op (bf16 rounding)
     plain_err = np.max(np.abs(to64(plain(xs, ws)) - ref))
-    assert np.max(err) > max(4 * plain_err, 2.0 ** -9 * np.max(np.abs(ref))), (np.max(err), plain_err)
+    assert np.max(err) > max(2 * plain_err, 2.0 ** -8 * np.max(np.abs(ref))), (np.max(err), plain_err)
     # the twin quantizes the same way: they differ by the output's rounding at most
     twin_out = to64(twin(xs, ws))
     ab = np.tensordot(np.abs(x64), np.abs(w64), axes=1)
@@ -376,3 +376,18 @@ def test_vmap_over_x_keeps_per_row_scales():
     np.testing.assert_allclose(outs["fused"], outs["xla"], rtol=1e-6, atol=1e-6)
     ref = np.einsum("bsk,kn->bsn", to64(x), to64(w))
     assert np.max(np.abs(outs["fused"] - ref)) / np.max(np.abs(ref)) < 0.1
+
+
+def test_global_view_helpers_and_explain_auto():
+    rng = np.random.default_rng()
+    mesh = cpu_mesh((4,), ("tp",))
+    for op, helper in (("ag", flux_jax.ag_matmul_sharded), ("rs", flux_jax.matmul_rs_sharded)):
+        x, w = _operands(rng, op, 4, 2, 16, 8, jnp.float32)
+        specs = ag_specs(mesh, "tp", 2) if op == "ag" else rs_specs(mesh, "tp", 2)
+        xs, ws = _placed(mesh, specs[:2], x, w)
+        fused = to64(jax.jit(functools.partial(helper, mesh=mesh, axis_name="tp", impl="fused", fp8=True))(xs, ws))
+        twin = to64(jax.jit(functools.partial(helper, mesh=mesh, axis_name="tp", impl="xla", fp8=True))(xs, ws))
+        np.testing.assert_allclose(fused, twin, rtol=1e-6, atol=1e-6 * np.max(np.abs(twin)))
+        assert np.all(np.abs(fused - to64(x) @ to64(w)) <= _fp8_bound(to64(x), to64(w), "float32", op, 4))
+    text = flux_jax.explain_auto("ag_matmul", 256, 4096, 4096, 2, fp8=True)
+    assert "with FP8 operands" in text and "the XLA twin" in text and "not measured" in text
