@@ -92,7 +92,7 @@ def ag_matmul(x, w, *, axis_name: str, axis: int = 0, impl: str = "auto", return
 
     Differentiable (custom_vjp): the input gradient is a fused matmul_rs(dy, w^T) and the
     weight gradient reuses the gathered x. With `fp8` the quantization is straight-through:
-    dx = matmul_rs(dy, w^T) runs as an FP8 GEMM (dy in float8_e5m2, one scale per row, x w in
+    dx = matmul_rs(dy, w^T) runs as an FP8 GEMM (dy in float8_e5m2, one scale per row, w in
     e4m3) before its reduce-scatter; dw = AG(x)^T dy runs in x's dtype on the dequantized
     gathered rows, because its contraction runs over the rows, where the per-row scales live
     (an epilogue can only scale the output's rows and columns).
