@@ -8,7 +8,8 @@ import numpy as np
 from benchmarks.presets import OPS, Case
 
 # Max |out - twin| / max |twin| above which a variant is WRONG.
-TOLERANCE = {"bfloat16": 2e-2, "float16": 2e-2, "float32": 1e-3}
+# fp8: against the FP8 twin (the same quantization), so bf16's tolerance.
+TOLERANCE = {"bfloat16": 2e-2, "float16": 2e-2, "float32": 1e-3, "fp8": 2e-2}
 
 
 def case_rng(case: Case, seed: int, stream: str = "xw") -> np.random.Generator:
@@ -24,7 +25,8 @@ def random_normal(rng: np.random.Generator, shape, dtype: str) -> np.ndarray:
 def make_xw(case: Case, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """The global operands x [M, K] and w [K, N] of a case, on the host."""
     rng = case_rng(case, seed)
-    return random_normal(rng, (case.M, case.K), case.dtype), random_normal(rng, (case.K, case.N), case.dtype)
+    dtype = case.operand_dtype
+    return random_normal(rng, (case.M, case.K), dtype), random_normal(rng, (case.K, case.N), dtype)
 
 
 def rel_max_err(out, ref, rows_per_chunk: int = 2048) -> float:

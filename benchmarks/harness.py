@@ -62,6 +62,7 @@ def _prepare(name: str, ctx: CaseContext, params: TimingParams, windowed: Window
         if name == "xla_windowed_einsum":
             ctx.require_gpu("XLA:GPU windowed-einsum flags")
             ctx.require_forward("the windowed-einsum subprocess times the forward")
+            ctx.require_unquantized("XLA's windowed einsum on the unquantized dot")
             timer, err, note = windowed.prepare(ctx.case, ctx.seed, params)
             return Entry(name, [Candidate(timer, err, note, None)])
         built = variants.BUILDERS[name](ctx)

@@ -4,6 +4,9 @@ Shapes are global GEMM shapes. For op "ag" (AllGather -> GEMM) x [M, K] is row-s
 tp and w [K, N] column-sharded; for op "rs" (GEMM -> ReduceScatter) x [M, K] is sharded on K,
 w [K, N] row-sharded, and the output [M, N] row-sharded; for op "ar" (GEMM -> AllReduce, tensor
 parallelism without sequence parallelism) x and w as for "rs" and the output [M, N] replicated.
+
+dtype "fp8": bfloat16 operands and the ops with fp8=True (flux_jax.Fp8(): e4m3 operands, per-row
+and per-tensor current scaling); the twin is the FP8 twin and gemm_only its FP8 GEMM.
 """
 
 from __future__ import annotations
@@ -37,6 +40,16 @@ class Case:
     @property
     def key(self) -> tuple:
         return (self.op, self.M, self.K, self.N)
+
+    @property
+    def fp8(self) -> bool:
+        """The ops run with fp8=True on operand_dtype inputs."""
+        return self.dtype == "fp8"
+
+    @property
+    def operand_dtype(self) -> str:
+        """The dtype of x and w (and of the cotangent, the output and the partials)."""
+        return "bfloat16" if self.fp8 else self.dtype
 
     def invalid_reason(self) -> str | None:
         """Why this shape cannot be sharded at its tp, or None."""
@@ -149,6 +162,9 @@ def _build_presets() -> dict[str, Preset]:
         for tp in (2, 4, 8):
             name = f"llama{model.lower()}-tp{tp}"
             presets[name] = Preset(name, tp, "bfloat16", _llama_layers(model), M_SWEEP)
+        # FP8 operands (dtype "fp8"), against the FP8 twin and its FP8 GEMM.
+        name = f"llama{model.lower()}-fp8-tp2"
+        presets[name] = Preset(name, 2, "fp8", _llama_layers(model), M_SWEEP)
     return presets
 
 

@@ -58,7 +58,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="untimed run of a variant's long loop before each of its samples (0: none)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     parser.add_argument(
-        "--dtype", choices=("bfloat16", "float16", "float32"), default=None, help="override the preset's dtype"
+        "--dtype", choices=("bfloat16", "float16", "float32", "fp8"), default=None,
+        help="override the preset's dtype (fp8: bf16 operands, the ops with fp8=True)"
     )
     parser.add_argument("--profiler", action="store_true", help="GPU: also record CUPTI kernel time (mosaic profiler)")
     parser.add_argument("--grad", action="store_true",

@@ -9,6 +9,10 @@ With `ctx.grad` (harness `--grad`) a step is a training step of the op: forward 
 with a random cotangent ct of the output, returning dx, with y and dw kept live (see
 `with_grad`). The limits become the three GEMMs alone (gemm_only) and the op's two collectives,
 forward and transposed (comm_only). Variants without a backward here are Unavailable.
+
+With dtype "fp8" (Case.fp8) the ops run with fp8=True on bf16 operands: the reference is the FP8
+twin, gemm_only its FP8 GEMM (quantize, then XLA's GEMM on the FP8 operands), comm_only moves
+the FP8 rows (1-byte elements) where the op does; variants without an FP8 form are Unavailable.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from jax import lax
 from jax.sharding import AxisType, NamedSharding
@@ -91,6 +96,10 @@ class CaseContext:
         if self.grad:
             raise Unavailable(f"forward only ({what})")
 
+    def require_unquantized(self, what: str):
+        if self.case.fp8:
+            raise Unavailable(f"no FP8 form ({what})")
+
 
 def case_context(case: Case, seed: int, grad: bool = False) -> CaseContext:
     """What every builder of `case` shares: the meshes, the seeded host operands and, for
@@ -99,7 +108,7 @@ def case_context(case: Case, seed: int, grad: bool = False) -> CaseContext:
     ctx = CaseContext(case, "gpu" if platform in ("gpu", "cuda") else platform, *make_meshes(case.tp),
                       *make_xw(case, seed), seed, grad=grad)
     if grad:
-        ctx.ct = random_normal(case_rng(case, seed, "cotangent"), (case.M, case.N), case.dtype)
+        ctx.ct = random_normal(case_rng(case, seed, "cotangent"), (case.M, case.N), case.operand_dtype)
     return ctx
 
 
@@ -146,7 +155,11 @@ def _op_shard_map(ctx: CaseContext, per_shard, check_vma: bool = True, note: str
 
 
 def xla_shard_map(ctx: CaseContext) -> Built:
-    """The XLA twin: all_gather + dot / dot + psum_scatter / dot + psum inside shard_map (the reference)."""
+    """The XLA twin: all_gather + dot / dot + psum_scatter / dot + psum inside shard_map (the reference).
+    fp8: the FP8 twin (flux_jax.ag_matmul_xla / matmul_rs_xla with fp8=True)."""
+    if ctx.case.fp8:
+        twin = flux_jax.ag_matmul_xla if ctx.case.op == "ag" else flux_jax.matmul_rs_xla
+        return _op_shard_map(ctx, functools.partial(twin, axis_name=AXIS, fp8=True))
     if ctx.case.op == "ag":
         per_shard = lambda x, w: jnp.dot(lax.all_gather(x, AXIS, axis=0, tiled=True), w)  # noqa: E731
     elif ctx.case.op == "ar":
@@ -157,8 +170,11 @@ def xla_shard_map(ctx: CaseContext) -> Built:
 
 
 def _flux(ctx: CaseContext, impl: str, path: str = "auto") -> Built:
+    if ctx.case.fp8 and path in ("overlap", "decode"):
+        raise Unavailable(f"no FP8 {path} kernel (the FP8 ops run the latency composition)")
     op = {"ag": flux_jax.ag_matmul, "rs": flux_jax.matmul_rs, "ar": flux_jax.matmul_ar}[ctx.case.op]
-    body = functools.partial(op, axis_name=AXIS, impl=impl)
+    kw = {"fp8": ctx.case.fp8} if ctx.case.fp8 else {}
+    body = functools.partial(op, axis_name=AXIS, impl=impl, **kw)
 
     def traced_with_path(*args):  # the configuration is read while tracing
         with flux_jax.config(fused_path=path):
@@ -201,6 +217,7 @@ def flux_decode(ctx: CaseContext) -> Built:
 def xla_jit(ctx: CaseContext) -> Built:
     """Plain jit on the Auto mesh: XLA's partitioner inserts the collective itself."""
     ctx.require_forward("not built for --grad")
+    ctx.require_unquantized("XLA's partitioner on the unquantized dot")
     x_spec, _, out_spec = SPECS[ctx.case.op]
     out_sharding = NamedSharding(ctx.auto_mesh, out_spec)
     step = lambda x, w: lax.with_sharding_constraint(jnp.dot(x, w), out_sharding)  # noqa: E731
@@ -209,6 +226,7 @@ def xla_jit(ctx: CaseContext) -> Built:
 
 
 def _ring(ctx: CaseContext, bidi: bool) -> Built:
+    ctx.require_unquantized("the rings move and multiply unquantized blocks")
     case = ctx.case
     if case.op == "ar":
         raise Unavailable("no ring variant of GEMM -> AllReduce")
@@ -262,6 +280,7 @@ def pallas_mgpu(ctx: CaseContext) -> list[Built]:
         raise Unavailable("AG only (collective_matmul_mgpu has no GEMM -> reduce-scatter kernel)")
     ctx.require_gpu("Mosaic GPU kernel")
     ctx.require_forward("the Pallas kernel has no VJP")
+    ctx.require_unquantized("the Mosaic GPU kernel")
     if case.tp != jax.device_count():
         raise Unavailable(f"the kernel needs axis size == all devices ({jax.device_count()}), tp={case.tp}")
     from jax.experimental.pallas.ops.gpu.collective_matmul_mgpu import all_gather_lhs_matmul
@@ -290,8 +309,11 @@ def gemm_only(ctx: CaseContext) -> Built:
     """The per-GPU GEMM of the op without communication (ag: [M,K]x[K,N/tp]; rs: [M,K/tp]x[K/tp,N]).
 
     With --grad: its forward and both backward GEMMs (y, dx, dw) on the same per-GPU shapes.
+    fp8: the FP8 twin's GEMM (flux_jax.fp8.matmul: quantize, XLA's GEMM on the FP8 operands);
+    with --grad y and dx in FP8 (dy e5m2), dw in bf16, as the FP8 ops run them.
     """
     case = ctx.case
+    gemm = _fp8_gemm if case.fp8 else jnp.dot
     x_spec, w_spec, out_spec = SPECS[case.op]
     w = ctx.place("w", ctx.w, w_spec)
     if case.op == "ag":  # every shard holds all of x: the gathered operand
@@ -310,13 +332,28 @@ def gemm_only(ctx: CaseContext) -> Built:
         if ctx.grad:  # every partial sees the whole cotangent: each shard's dx is the twin's
             check = ctx.against_twin
     if not ctx.grad:
-        step = jax.shard_map(jnp.dot, mesh=ctx.mesh, in_specs=(x_spec, w_spec), out_specs=out_spec)
+        step = jax.shard_map(gemm, mesh=ctx.mesh, in_specs=(x_spec, w_spec), out_specs=out_spec)
         return Built(step, (x, w), ctx.mesh, x_spec, out_spec, check)
     ct_host = ctx.ct if case.op == "ag" else np.tile(ctx.ct, (case.tp, 1))
     ct = ctx.place(f"ct_gemm_{case.op}", ct_host, out_spec)
-    step = jax.shard_map(with_grad(jnp.dot), mesh=ctx.mesh, in_specs=(x_spec, w_spec, out_spec),
-                         out_specs=x_spec)
+    step = jax.shard_map(_fp8_gemm_grad_step if case.fp8 else with_grad(jnp.dot), mesh=ctx.mesh,
+                         in_specs=(x_spec, w_spec, out_spec), out_specs=x_spec)
     return Built(step, (x, w, ct), ctx.mesh, x_spec, x_spec, check)
+
+
+def _fp8_gemm(x, w):
+    return flux_jax.fp8.matmul(x, w, flux_jax.Fp8())
+
+
+def _fp8_gemm_grad_step(x, w, ct):
+    """The FP8 ops' three GEMMs: y and dx = ct @ w^T in FP8 (ct e5m2), dw = x^T ct in x's dtype;
+    returns dx with y and dw live (see with_grad)."""
+    recipe = flux_jax.Fp8()
+    y = flux_jax.fp8.matmul(x, w, recipe)
+    dx = flux_jax.fp8.matmul(ct, w, recipe, transpose_w=True, grad=True)
+    dw = jnp.dot(x.T, ct)
+    live = (y[0, 0].astype(jnp.float32) + dw[0, 0].astype(jnp.float32)) * 0
+    return dx + live.astype(dx.dtype)
 
 
 def flux_gemm_only(ctx: CaseContext) -> Built:
@@ -327,6 +364,7 @@ def flux_gemm_only(ctx: CaseContext) -> Built:
     """
     ctx.require_gpu("the CPU backend is a reference, not a fast GEMM")
     ctx.require_forward("not built for --grad")
+    ctx.require_unquantized("our GEMM kernel takes bf16 / f16")
     case = ctx.case
     devices = np.asarray(ctx.mesh.devices).reshape(case.tp, 1)
     mesh = jax.sharding.Mesh(devices, (AXIS, "one"), axis_types=(AxisType.Explicit,) * 2)
@@ -356,8 +394,12 @@ def comm_only(ctx: CaseContext) -> Built:
     With --grad: the collective and its transpose (ag: all_gather of x, then reduce-scatter of
     an [M, K] cotangent per shard, as dx's; rs: reduce-scatter, then all_gather of the cotangent;
     ar: the psum alone, since its transpose moves nothing: the replicated cotangent stays local).
+    fp8: the rows that travel as FP8 (x forward, the cotangent of rs backward) travel as 1-byte
+    elements; partials stay bf16.
     """
     case = ctx.case
+    if case.fp8:
+        return _fp8_comm_only(ctx)
     spec = P(AXIS, None)
     if case.op == "ar":  # each shard its own [M, N] partial; every shard gets the sum
         host = random_normal(case_rng(case, ctx.seed, "partials"), (case.tp * case.M, case.N), case.dtype)
@@ -387,6 +429,42 @@ def comm_only(ctx: CaseContext) -> Built:
 
     ct = ctx.place(f"comm_ct_{case.op}", ct_host, spec)
     sharded = jax.shard_map(with_grad(step), mesh=ctx.mesh, in_specs=(spec, spec), out_specs=spec)
+    return Built(sharded, (arg, ct), ctx.mesh, spec, spec, lambda out: rel_max_err(out, expected))
+
+
+def _as_fp8_bytes(host: np.ndarray, fmt) -> np.ndarray:
+    """The 1-byte pattern of `host` in an FP8 format (N(0, 1) data fits unscaled), as uint8: it
+    moves like the FP8 rows and keeps the timing loop's carry arithmetic on integers."""
+    return host.astype(np.float32).astype(fmt).view(np.uint8)
+
+
+def _fp8_comm_only(ctx: CaseContext) -> Built:
+    case = ctx.case
+    spec = P(AXIS, None)
+    gather = lambda a: lax.all_gather(a, AXIS, axis=0, tiled=True)  # noqa: E731
+    scatter = lambda a: lax.psum_scatter(a, AXIS, scatter_dimension=0, tiled=True)  # noqa: E731
+    if case.op == "ag":  # the e4m3 rows of x; backward: dx's bf16 partials reduce-scattered
+        host = _as_fp8_bytes(ctx.x, ml_dtypes.float8_e4m3fn)
+        expected = np.tile(host, (case.tp, 1))
+        if ctx.grad:
+            ct_host = random_normal(case_rng(case, ctx.seed, "comm_cotangent"), (case.tp * case.M, case.K),
+                                    case.operand_dtype)
+            expected = ct_host.reshape(case.tp, case.M, case.K).astype(np.float32).sum(0)
+            step = lambda x, ct: scatter(ct) + (gather(x)[0, 0] * 0).astype(ct.dtype)  # noqa: E731
+    else:  # the bf16 partials; backward: the e5m2 rows of the cotangent gathered
+        host = random_normal(case_rng(case, ctx.seed, "partials"), (case.tp * case.M, case.N), case.operand_dtype)
+        expected = host.reshape(case.tp, case.M, case.N).astype(np.float32).sum(0)
+        if ctx.grad:
+            ct_host = _as_fp8_bytes(ctx.ct, ml_dtypes.float8_e5m2)
+            expected = np.tile(ct_host, (case.tp, 1))
+            step = lambda y, ct: gather(ct) + (scatter(y)[0, 0] * 0).astype(ct.dtype)  # noqa: E731
+    arg = ctx.place(f"comm_fp8_{case.op}", host, spec)
+    if not ctx.grad:
+        sharded = jax.shard_map(gather if case.op == "ag" else scatter, mesh=ctx.mesh, in_specs=(spec,),
+                                out_specs=spec)
+        return Built(sharded, (arg,), ctx.mesh, spec, spec, lambda out: rel_max_err(out, expected))
+    ct = ctx.place(f"comm_fp8_ct_{case.op}", ct_host, spec)
+    sharded = jax.shard_map(step, mesh=ctx.mesh, in_specs=(spec, spec), out_specs=spec)
     return Built(sharded, (arg, ct), ctx.mesh, spec, spec, lambda out: rel_max_err(out, expected))
 
 

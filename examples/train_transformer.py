@@ -3,6 +3,7 @@
     python examples/train_transformer.py              # no GPU: 8 CPU devices, dp=2 x tp=4, ~2 min
     python examples/train_transformer.py --compare    # impl="fused" and impl="xla" from one seed
     python examples/train_transformer.py --no-sequence-parallel   # TP without SP: matmul_ar
+    python examples/train_transformer.py --fp8        # the projections' GEMMs on FP8 operands
     python examples/train_transformer.py --ckpt-dir /tmp/ckpt          # stop it (Ctrl-C) ...
     python examples/train_transformer.py --ckpt-dir /tmp/ckpt --resume # ... and continue
 
@@ -82,6 +83,9 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
     g.add_argument("--impl", choices=["fused", "xla", "auto"],
                    help="flux_jax implementation of the projections (default: fused on CPU, to "
                         "exercise the protocol; auto on GPU, fused only where measured faster)")
+    g.add_argument("--fp8", action="store_true",
+                   help="the projections' GEMMs on FP8 operands (flux_jax.Fp8(): e4m3 forward, e5m2 "
+                        "gradients, current scaling); the rest of the model keeps --dtype")
     g.add_argument("--remat", action=argparse.BooleanOptionalAction, default=None,
                    help="recompute block activations in the backward pass (the 8B preset's default)")
     g.add_argument("--flux-config", default="",
@@ -195,7 +199,7 @@ def model_config(args, vocab_size: int, impl: str) -> GPTConfig:
     return GPTConfig(vocab_size=vocab_size, hidden=args.hidden, layers=args.layers, heads=args.heads,
                      kv_heads=args.kv_heads, ffn=args.ffn, impl=impl, dtype=args.dtype, remat=args.remat,
                      attention_implementation=None if args.attention == "xla" else args.attention,
-                     sequence_parallel=args.sequence_parallel)
+                     sequence_parallel=args.sequence_parallel, fp8=args.fp8)
 
 
 def make_optimizer(args) -> optax.GradientTransformation:
@@ -345,7 +349,7 @@ def describe(args, vocab_size: int) -> str:
     return (f"flux_jax {flux_jax.__version__} | {len(devices)} x {devices[0].platform} | mesh dp={args.dp} x "
             f"tp={args.tp}{sp} | GPT {args.layers} layers, hidden {args.hidden}, heads {args.heads}/"
             f"{args.kv_heads} kv, ffn {args.ffn}, vocab {vocab_size} | seq {args.seq} x batch {args.batch}, "
-            f"{args.steps} steps, {args.dtype}")
+            f"{args.steps} steps, {args.dtype}" + (" with FP8 projections" if args.fp8 else ""))
 
 
 def main(argv=None) -> dict:

@@ -9,6 +9,7 @@ Per-shard ops (inside jax.shard_map):
   flux_jax.matmul_rs(x, w, axis_name=..., impl="auto")
   flux_jax.matmul_ar(x, w, axis_name=..., impl="auto")
   flux_jax.column_matmul(x, w, axis_name=..., impl="auto")  (its backward is a fused matmul_ar)
+  fp8=True / fp8=flux_jax.Fp8(...) on ag_matmul and matmul_rs: FP8 operands, current scaling
 Global-view helpers: flux_jax.<op>_sharded for each op above.
 """
 
@@ -21,6 +22,7 @@ from flux_jax._distributed import initialize as initialize_distributed  # noqa: 
 from flux_jax._errors import FusedUnavailableError  # noqa: E402
 from flux_jax._explain import explain, explain_auto  # noqa: E402
 from flux_jax._native import build_info  # noqa: E402
+from flux_jax.fp8 import Fp8  # noqa: E402
 from flux_jax._state import HandlerHostTime, device_errors, handler_host_time, reset, workspace_bytes  # noqa: E402
 from flux_jax.ops import ag_matmul, column_matmul, matmul_ar, matmul_rs  # noqa: E402
 from flux_jax.sharding import ag_matmul_sharded, column_matmul_sharded, matmul_ar_sharded, matmul_rs_sharded  # noqa: E402
@@ -39,6 +41,7 @@ def __getattr__(name):
 
 __all__ = [
     "Config",
+    "Fp8",
     "FusedUnavailableError",
     "HandlerHostTime",
     "ag_matmul",

@@ -68,12 +68,13 @@ def explain(fn, *args, **kwargs) -> Explanation:
     return sites
 
 
-def explain_auto(op: str, M: int, K: int, N: int, tp: int, dtype="bfloat16") -> str:
+def explain_auto(op: str, M: int, K: int, N: int, tp: int, dtype="bfloat16", fp8: bool = False) -> str:
     """What impl="auto" runs on Hopper GPUs for a global GEMM shape, why, and which tuning table
     decided (one sentence; docs/tuning.md).
 
     `op` is "ag_matmul" (x [M, K] row-sharded, w [K, N] column-sharded), "matmul_rs" or
     "matmul_ar" (x [M, K] and w [K, N] sharded on K). Shapes are global, as in the benchmarks.
+    `fp8`: the call with fp8=True (the default recipe's e4m3 operands).
     """
     if op not in ("ag_matmul", "matmul_rs", "matmul_ar"):
         raise ValueError(f'op must be "ag_matmul", "matmul_rs" or "matmul_ar", got {op!r}')
@@ -84,7 +85,7 @@ def explain_auto(op: str, M: int, K: int, N: int, tp: int, dtype="bfloat16") -> 
         raise ValueError(f"{op} cannot shard M={M}, {'N' if op == 'ag_matmul' else 'K'}={sharded} over tp={tp}")
     k, n = (K, N // tp) if op == "ag_matmul" else (K // tp, N)
     dtype = np.dtype(dtype)
-    problem = _plan.Problem(op, M, k, n, dtype, tp, "cuda")
-    where = f"{op} M={M} K={K} N={N} tp={tp} {dtype.name} on GPU"
+    problem = _plan.Problem(op, M, k, n, dtype, tp, "cuda", fp8="float8_e4m3fn" if fp8 else None)
+    where = f"{op} M={M} K={K} N={N} tp={tp} {dtype.name}{' with FP8 operands' if fp8 else ''} on GPU"
     plan = _plan.plan(problem, "auto", get_config(), on_hopper=True)
     return f"{where}: {plan.describe()}"

@@ -188,6 +188,14 @@ def _callsite(ctx, op: str, avals, detail: str) -> int:
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") >> 1
 
 
+def _sub_callsite(callsite: int, index: int):
+    """The id of the `index`-th collective of one call site (index 0 keeps the site's own id)."""
+    if index == 0:
+        return np.int64(callsite)
+    key = f"{callsite}|{index}".encode()
+    return np.int64(int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1)
+
+
 def _common_attrs(groups: np.ndarray, call, callsite: int) -> dict:
     cfg = call.config
     return dict(
@@ -230,7 +238,7 @@ def register(spec) -> None:
         plan = call.plan
         if platform != call.platform:  # lowered for another platform than it was traced on
             problem = spec.problem(ctx.avals_in[0].shape, ctx.avals_in[1].shape, ctx.avals_in[0].dtype,
-                                 call.tp, platform, call.transpose_w)
+                                 call.tp, platform, call.transpose_w, call.fp8_format)
             plan = _plan.plan(problem, call.impl, call.config, backward=call.backward)
         groups = None
         if plan.fused:
@@ -270,14 +278,20 @@ def register(spec) -> None:
 
 
 def _lower_latency(spec, ctx, x, w, rank, call, groups, pass_rank):
-    """The latency path: XLA's GEMM next to our one-kernel collective custom call."""
+    """The latency path: XLA's GEMM next to our one-kernel collective custom call(s)."""
     callsite = _callsite(ctx, spec.name, ctx.avals_in[:2], "latency")
     attrs = tuple((k, tuple(v.tolist()) if isinstance(v, np.ndarray) else v)
                   for k, v in _common_attrs(groups, call, callsite).items())
+    count = [0]
 
     def collective(name, operand, shape, rank_operand):
         operands = (operand, rank_operand) if pass_rank else (operand,)
-        return _collective_p.bind(*operands, name=name, out_shape=tuple(shape), attrs=attrs)
+        # A composition may run several collectives (FP8: the rows and their scales); each
+        # gets its own call-site id (the CPU backend pairs calls by it), the same in every process.
+        site = _sub_callsite(callsite, count[0])
+        count[0] += 1
+        site_attrs = tuple((k, site if k == "callsite" else v) for k, v in attrs)
+        return _collective_p.bind(*operands, name=name, out_shape=tuple(shape), attrs=site_attrs)
 
     def latency(x, w, rank):
         return spec.latency(x, w, call, lambda name, operand, shape: collective(name, operand, shape, rank))

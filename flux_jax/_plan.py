@@ -58,11 +58,13 @@ class Problem:
     tp: int
     platform: str
     transpose_w: bool = False
+    fp8: str | None = None  # FP8 operands: the row operand's format (flux_jax/fp8.py), else None
 
     def describe(self) -> str:
         w = " (transposed weight)" if self.transpose_w else ""
+        fp8 = f" (FP8: rows in {self.fp8})" if self.fp8 else ""
         return (f"{self.op} rows={self.rows} k={self.k} n={self.n} per rank, "
-                f"{np.dtype(self.dtype).name}, tp={self.tp}, {self.platform}{w}")
+                f"{np.dtype(self.dtype).name}{fp8}, tp={self.tp}, {self.platform}{w}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +122,8 @@ def unavailable(p: Problem) -> str | None:
 
 def unavailable_on_hopper(p: Problem) -> str | None:
     """Why the CUDA kernels cannot serve this call on a Hopper GPU, or None."""
+    if p.fp8:
+        return _fp8_unavailable_on_hopper(p)
     lim = limits()
     if np.dtype(p.dtype) not in _GPU_DTYPES:
         return f"the CUDA kernels take bfloat16 or float16 inputs, not {np.dtype(p.dtype).name}"
@@ -132,6 +136,40 @@ def unavailable_on_hopper(p: Problem) -> str | None:
         return (f"{p.op}'s CUDA paths all run the all_reduce kernel, which serves TP groups of at most "
                 f"{lim['latency_max_tp']} ranks, not {p.tp}")
     return None
+
+
+def _fp8_unavailable_on_hopper(p: Problem) -> str | None:
+    """FP8 calls run the latency composition: our collective moves the FP8 rows (1-byte
+    elements, 16-byte vectors) or the partial in x's dtype (summed in bf16 / f16 pairs)."""
+    lim = limits()
+    if p.tp > lim["latency_max_tp"]:
+        return f"the FP8 ops run the latency collectives, which serve at most {lim['latency_max_tp']} ranks, not {p.tp}"
+    if p.op == "ag_matmul" and p.k % 16:
+        return f"the FP8 rows move as 16-byte vectors: per-rank K must be a multiple of 16 (got K={p.k})"
+    if p.op != "ag_matmul":
+        if np.dtype(p.dtype) not in _GPU_DTYPES:
+            return (f"the CUDA reduce-scatter sums the FP8 GEMM's partial in x's dtype: bfloat16 or "
+                    f"float16, not {np.dtype(p.dtype).name}")
+        if p.n % lim["gpu_align_elements"]:
+            return f"the CUDA collectives need per-rank N multiples of {lim['gpu_align_elements']} (got N={p.n})"
+    return None
+
+
+def _plan_fp8(p: Problem, config: Config, must_fuse: bool) -> Plan:
+    """FP8 calls (available kernels): the latency composition where they must fuse, else the twin."""
+    how = ("FP8 runs the latency composition: quantize, our collective moves the FP8 rows and "
+           "their scales (or the partial), XLA's FP8 GEMM")
+    if config.fused_path not in ("auto", "latency"):
+        return Plan("latency", f'{how} (no FP8 {config.fused_path} kernel for Config.fused_path="'
+                    f'{config.fused_path}")', "config")
+    if config.fused_path == "latency":
+        return Plan("latency", f'Config.fused_path="latency"; {how}', "config")
+    if must_fuse:
+        return Plan("latency", how, "platform" if p.platform == "cpu" else "kernels")
+    if p.platform == "cpu":
+        return Plan("twin", "the CPU backend is a protocol reference, slower than XLA:CPU's dot", "platform")
+    return Plan("twin", 'the FP8 fused path (latency composition) is not measured on GPU yet; impl="fused" '
+                "runs it", "FP8 rule (unmeasured: the twin)")
 
 
 def decode_supported(p: Problem) -> bool:
@@ -200,6 +238,8 @@ def plan(p: Problem, impl: str, config: Config, *, backward: bool = False, on_ho
             raise FusedUnavailableError(f'flux_jax.{p.op}(impl="fused") cannot run here: {reason}')
         return Plan("twin", reason, "kernels")
     must_fuse = impl == "fused" or backward
+    if p.fp8:
+        return _plan_fp8(p, config, must_fuse)
     if config.fused_path != "auto":
         path, why = _feasible(p, config.fused_path)
         return Plan(path, why or f'Config.fused_path="{config.fused_path}"', "config")

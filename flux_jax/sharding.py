@@ -23,13 +23,15 @@ def _place(x, mesh, spec):
     return x
 
 
-def ag_matmul_sharded(x, w, *, mesh, axis_name: str, impl: str = "auto", return_gathered: bool = False):
+def ag_matmul_sharded(x, w, *, mesh, axis_name: str, impl: str = "auto", return_gathered: bool = False,
+                      fp8=None):
     """Global-view AllGather -> GEMM (column-parallel linear over sequence-sharded rows).
 
     Args:
       x: global [M, ..., K], placed row-sharded over `axis_name`: P(axis_name, None, ...).
       w: global [K, N], placed column-sharded over `axis_name`: P(None, axis_name).
       mesh: a jax.sharding.Mesh containing `axis_name`.
+      impl, return_gathered, fp8: as in flux_jax.ag_matmul.
 
     Returns:
       x @ w, global [M, ..., N], column-sharded over `axis_name`: P(None, ..., axis_name);
@@ -39,7 +41,7 @@ def ag_matmul_sharded(x, w, *, mesh, axis_name: str, impl: str = "auto", return_
     x_spec = P(axis_name, *([None] * (x.ndim - 1)))
     w_spec = P(None, axis_name)
     out_spec = P(*([None] * (x.ndim - 1)), axis_name)
-    body = functools.partial(ag_matmul, axis_name=axis_name, impl=impl, return_gathered=return_gathered)
+    body = functools.partial(ag_matmul, axis_name=axis_name, impl=impl, return_gathered=return_gathered, fp8=fp8)
     out_specs = (out_spec, P()) if return_gathered else out_spec
     # The gathered copy is identical on every rank but typed as varying, so the
     # replicated out_spec needs check_vma off.
@@ -48,13 +50,14 @@ def ag_matmul_sharded(x, w, *, mesh, axis_name: str, impl: str = "auto", return_
     return f(_place(x, mesh, x_spec), _place(w, mesh, w_spec))
 
 
-def matmul_rs_sharded(x, w, *, mesh, axis_name: str, impl: str = "auto"):
+def matmul_rs_sharded(x, w, *, mesh, axis_name: str, impl: str = "auto", fp8=None):
     """Global-view GEMM -> ReduceScatter (row-parallel linear, sequence-sharded output).
 
     Args:
       x: global [M, ..., K], placed sharded on its last (contraction) dim: P(None, ..., axis_name).
       w: global [K, N], placed row-sharded over `axis_name`: P(axis_name, None).
       mesh: a jax.sharding.Mesh containing `axis_name`.
+      impl, fp8: as in flux_jax.matmul_rs.
 
     Returns:
       x @ w, global [M, ..., N], row-sharded over `axis_name`: P(axis_name, None, ...).
@@ -63,7 +66,7 @@ def matmul_rs_sharded(x, w, *, mesh, axis_name: str, impl: str = "auto"):
     x_spec = P(*([None] * (x.ndim - 1)), axis_name)
     w_spec = P(axis_name, None)
     out_spec = P(axis_name, *([None] * (x.ndim - 1)))
-    body = functools.partial(matmul_rs, axis_name=axis_name, impl=impl)
+    body = functools.partial(matmul_rs, axis_name=axis_name, impl=impl, fp8=fp8)
     f = jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=out_spec)
     return f(_place(x, mesh, x_spec), _place(w, mesh, w_spec))
 

@@ -53,6 +53,20 @@ def test_without_sequence_parallelism_fused_and_xla_give_the_same_losses(example
     assert fused[-1] < fused[0]
 
 
+def test_fp8_loss_curve_tracks_the_bf16_one(example, tmp_path):
+    """--fp8 (the projections on FP8 operands, fused latency path) trains like bf16: the loss of
+    every step stays within 2% of the bf16 run's from the same seed, and falls."""
+    common = [*TINY, "--dtype", "bfloat16", "--steps", "10"]
+    bf16 = example.main([*common, "--out", str(tmp_path / "bf16")])["runs"]["fused"]["losses"]
+    summary = example.main([*common, "--fp8", "--out", str(tmp_path / "fp8")])
+    fp8 = summary["runs"]["fused"]["losses"]
+    assert summary["config"]["fp8"] is True and len(fp8) == len(bf16) == 10
+    for step, (a, b) in enumerate(zip(fp8, bf16), start=1):
+        assert abs(a - b) <= 0.02 * max(abs(b), 1.0), f"step {step}: fp8 {a} vs bf16 {b}"
+    assert fp8 != bf16  # quantized: not the same numbers
+    assert fp8[-1] < fp8[0]
+
+
 def test_cpu_default_command_runs_end_to_end(tmp_path):
     """The README's main command with its CPU defaults (mesh, impl), reduced in size."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the example sets up 8 devices itself

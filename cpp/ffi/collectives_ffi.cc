@@ -18,7 +18,9 @@ Status MakeParams(Collective op, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> o
   const char* name = op == Collective::kAllGather ? "all_gather" : "reduce_scatter";
   Folded xf;
   FLUX_JAX_RETURN_IF_ERROR(Fold(x, name, &xf));
-  FLUX_JAX_RETURN_IF_ERROR(ToDType(x.element_type(), name, &p->dtype));
+  // The all_gather moves bytes (FP8 payloads too); reductions take float types only.
+  FLUX_JAX_RETURN_IF_ERROR(op == Collective::kAllGather ? ToPayloadDType(x.element_type(), name, &p->dtype)
+                                                        : ToDType(x.element_type(), name, &p->dtype));
   if (out->element_type() != x.element_type()) {
     return Status::InvalidArgument(std::string(name) + ": x and out must share one dtype");
   }

@@ -35,6 +35,19 @@ inline Status ToDType(ffi::DataType t, const char* what, DType* out) {
                                  " (float32, bfloat16 and float16 are supported)");
 }
 
+// A payload that is only moved (the all_gather): ToDType's types plus 1-byte ones
+// (FP8 operands), which travel as DType::kU8 whatever their format.
+inline Status ToPayloadDType(ffi::DataType t, const char* what, DType* out) {
+  switch (t) {
+    case ffi::DataType::F8E4M3FN:
+    case ffi::DataType::F8E5M2:
+    case ffi::DataType::U8:
+    case ffi::DataType::S8: *out = DType::kU8; return Status::Ok();
+    default: break;
+  }
+  return ToDType(t, what, out);
+}
+
 // x [rows, ..., cols] as the kernels see it: [rows * ..., cols] (the same bytes). The
 // gathered / scattered dimension comes first, so folding keeps every rank's block contiguous.
 struct Folded {

@@ -56,13 +56,14 @@ class GroupedQueryAttention(nnx.Module):
       attention_implementation: passed to jax.nn.dot_product_attention
         (None/"xla": plain XLA; "cudnn": cuDNN flash attention on NVIDIA GPUs).
       sequence_parallel: x is this rank's slice of the sequence (True) or all of it (False).
+      fp8: the QKV and out projections on FP8 operands (False, True or a flux_jax.Fp8).
     """
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, *, mesh: jax.sharding.Mesh,
                  tp_axis: str = "tp", head_dim: int | None = None, rope_theta: float = 10000.0,
                  impl: str = "auto", dtype=None, param_dtype=jnp.float32,
                  attention_implementation: str | None = None, out_init: Callable | None = None,
-                 sequence_parallel: bool = True, rngs: nnx.Rngs):
+                 sequence_parallel: bool = True, fp8=False, rngs: nnx.Rngs):
         tp = axis_size(mesh, tp_axis)
         if heads % kv_heads:
             raise ValueError(f"heads={heads} is not a multiple of kv_heads={kv_heads} (grouped-query "
@@ -78,7 +79,7 @@ class GroupedQueryAttention(nnx.Module):
         self.rope_theta = rope_theta
         self.attention_implementation = attention_implementation
         common = dict(mesh=mesh, tp_axis=tp_axis, impl=impl, dtype=dtype, param_dtype=param_dtype,
-                      sequence_parallel=sequence_parallel, rngs=rngs)
+                      sequence_parallel=sequence_parallel, fp8=fp8, rngs=rngs)
         self.qkv = ColumnParallelLinear(hidden, (kv_heads, self.q_per_kv + 2, head_dim), **common)
         self.out = RowParallelLinear(heads * head_dim, hidden, kernel_init=out_init, **common)
 

@@ -46,11 +46,12 @@ class SwiGLUMLP(nnx.Module):
 
     def __init__(self, hidden: int, ffn: int, *, mesh: jax.sharding.Mesh, tp_axis: str = "tp",
                  impl: str = "auto", dtype=None, param_dtype=jnp.float32,
-                 out_init: Callable | None = None, sequence_parallel: bool = True, rngs: nnx.Rngs):
+                 out_init: Callable | None = None, sequence_parallel: bool = True, fp8=False,
+                 rngs: nnx.Rngs):
         check_divisible("ffn", ffn, tp_axis, axis_size(mesh, tp_axis),
                         "the MLP's hidden units are sharded over TP")
         common = dict(mesh=mesh, tp_axis=tp_axis, impl=impl, dtype=dtype, param_dtype=param_dtype,
-                      sequence_parallel=sequence_parallel, rngs=rngs)
+                      sequence_parallel=sequence_parallel, fp8=fp8, rngs=rngs)
         self.gate_up = ColumnParallelLinear(hidden, (ffn, 2), **common)
         self.down = RowParallelLinear(ffn, hidden, kernel_init=out_init, **common)
 
@@ -73,9 +74,9 @@ class DecoderBlock(nnx.Module):
                  tp_axis: str = "tp", head_dim: int | None = None, rope_theta: float = 10000.0,
                  norm_eps: float = 1e-6, impl: str = "auto", dtype=None, param_dtype=jnp.float32,
                  attention_implementation: str | None = None, out_init: Callable | None = None,
-                 sequence_parallel: bool = True, rngs: nnx.Rngs):
+                 sequence_parallel: bool = True, fp8=False, rngs: nnx.Rngs):
         common = dict(mesh=mesh, tp_axis=tp_axis, impl=impl, dtype=dtype, param_dtype=param_dtype,
-                      out_init=out_init, sequence_parallel=sequence_parallel, rngs=rngs)
+                      out_init=out_init, sequence_parallel=sequence_parallel, fp8=fp8, rngs=rngs)
         self.attn_norm = RMSNorm(hidden, mesh=mesh, eps=norm_eps, param_dtype=param_dtype)
         self.attn = GroupedQueryAttention(hidden, heads, kv_heads, head_dim=head_dim,
                                           rope_theta=rope_theta,

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import flux_jax
+from flux_jax import fp8 as fp8_lib
 
 IMPLS = ("auto", "fused", "xla")
 
@@ -59,6 +60,11 @@ def check_divisible(what: str, value: int, axis_name: str, size: int, why: str) 
 def check_impl(impl: str) -> None:
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+
+
+def check_fp8(layer: str, fp8) -> None:
+    """fp8 must be what flux_jax.ag_matmul / matmul_rs take: None, a bool or a flux_jax.Fp8."""
+    fp8_lib.resolve(layer, fp8)
 
 
 def _fan_in_init(ndim: int) -> Callable:
@@ -89,14 +95,21 @@ class ColumnParallelLinear(nnx.Module):
     With `sequence_parallel=False` x is the whole sequence on every rank, [S, ..., in_features]
     (replicated over tp), and the layer is flux_jax.column_matmul: a local GEMM whose backward
     all-reduces dx in a fused matmul_ar.
+    `fp8=True` (or a flux_jax.Fp8 recipe) runs the GEMM on FP8 operands: the rows are
+    quantized per row before they are gathered, the kernel per tensor (flux_jax.ag_matmul).
     """
 
     def __init__(self, in_features: int, out_features: int | Sequence[int], *, mesh: jax.sharding.Mesh,
                  tp_axis: str = "tp", use_bias: bool = False, impl: str = "auto", dtype=None,
                  param_dtype=jnp.float32, kernel_init: Callable | None = None,
                  bias_init: Callable = nnx.initializers.zeros, sequence_parallel: bool = True,
-                 seq_axis: int = 0, rngs: nnx.Rngs):
+                 seq_axis: int = 0, fp8=False, rngs: nnx.Rngs):
         check_impl(impl)
+        check_fp8("ColumnParallelLinear", fp8)
+        if fp8 and not sequence_parallel:
+            raise ValueError("ColumnParallelLinear: fp8 runs with sequence parallelism (ag_matmul / matmul_rs); "
+                             "matmul_ar and column_matmul have no FP8 form yet")
+        self.fp8 = fp8
         self.seq_axis = seq_axis
         out_shape = (out_features,) if isinstance(out_features, int) else tuple(out_features)
         tp = axis_size(mesh, tp_axis)
@@ -123,7 +136,8 @@ class ColumnParallelLinear(nnx.Module):
         kernel = self.kernel[...]  # local shard [in, out0/tp, *rest]
         w = kernel.reshape(kernel.shape[0], -1).astype(dtype)
         if self.sequence_parallel:
-            y = flux_jax.ag_matmul(x.astype(dtype), w, axis_name=self.tp_axis, axis=self.seq_axis, impl=self.impl)
+            y = flux_jax.ag_matmul(x.astype(dtype), w, axis_name=self.tp_axis, axis=self.seq_axis, impl=self.impl,
+                                   fp8=self.fp8)
         else:
             y = flux_jax.column_matmul(x.astype(dtype), w, axis_name=self.tp_axis, impl=self.impl)
         y = y.reshape(*y.shape[:-1], *kernel.shape[1:])
@@ -146,14 +160,21 @@ class RowParallelLinear(nnx.Module):
 
     With `sequence_parallel=False` the partial products are all-reduced instead (flux_jax.matmul_ar):
     x [S, ..., in_features/tp] -> y [S, ..., out_features], the same bits on every rank.
+    `fp8=True` (or a flux_jax.Fp8 recipe) runs the GEMM on FP8 operands and reduce-scatters
+    its partial in the compute dtype (flux_jax.matmul_rs).
     """
 
     def __init__(self, in_features: int, out_features: int, *, mesh: jax.sharding.Mesh,
                  tp_axis: str = "tp", use_bias: bool = False, impl: str = "auto", dtype=None,
                  param_dtype=jnp.float32, kernel_init: Callable | None = None,
                  bias_init: Callable = nnx.initializers.zeros, sequence_parallel: bool = True,
-                 seq_axis: int = 0, rngs: nnx.Rngs):
+                 seq_axis: int = 0, fp8=False, rngs: nnx.Rngs):
         check_impl(impl)
+        check_fp8("RowParallelLinear", fp8)
+        if fp8 and not sequence_parallel:
+            raise ValueError("RowParallelLinear: fp8 runs with sequence parallelism (ag_matmul / matmul_rs); "
+                             "matmul_ar and column_matmul have no FP8 form yet")
+        self.fp8 = fp8
         self.seq_axis = seq_axis
         tp = axis_size(mesh, tp_axis)
         check_divisible("in_features", in_features, tp_axis, tp,
@@ -177,7 +198,7 @@ class RowParallelLinear(nnx.Module):
         w = self.kernel[...].astype(dtype)
         if self.sequence_parallel:
             y = flux_jax.matmul_rs(x.astype(dtype), w, axis_name=self.tp_axis, scatter_dimension=self.seq_axis,
-                                   impl=self.impl)
+                                   impl=self.impl, fp8=self.fp8)
         else:
             y = flux_jax.matmul_ar(x.astype(dtype), w, axis_name=self.tp_axis, impl=self.impl)
         if self.bias is not None:

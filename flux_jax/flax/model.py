@@ -24,8 +24,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from flux_jax.flax.block import DecoderBlock, RMSNorm
-from flux_jax.flax.linear import axis_size, check_divisible, check_impl
+from flux_jax.flax.linear import axis_size, check_divisible, check_fp8, check_impl
 from flux_jax.flax.sharding import batch_axis_entry, data_axes, data_parallel_size, sharded_call
+from flux_jax.fp8 import Fp8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +45,8 @@ class GPTConfig:
       tp_axis: name of the tensor-parallel mesh axis; every other mesh axis is data parallel.
       sequence_parallel: shard the sequence over `tp_axis` between blocks (ag_matmul /
         matmul_rs), or keep it whole on every rank (column_matmul / matmul_ar).
+      fp8: the four projections' GEMMs on FP8 operands: False, True or a flux_jax.Fp8 recipe
+        (flux_jax/fp8.py); the embedding, attention and LM head keep `dtype`.
     """
 
     vocab_size: int
@@ -62,11 +65,13 @@ class GPTConfig:
     remat: bool = False
     tp_axis: str = "tp"
     sequence_parallel: bool = True
+    fp8: bool | Fp8 = False
 
 
 def check_config(config: GPTConfig, mesh: jax.sharding.Mesh) -> None:
     """Raises ValueError, naming the numbers, for a config that cannot shard on `mesh`."""
     check_impl(config.impl)
+    check_fp8("GPTConfig", config.fp8)
     tp = axis_size(mesh, config.tp_axis)
     name = config.tp_axis
     for field in ("vocab_size", "hidden", "layers", "heads", "kv_heads", "ffn"):
@@ -131,7 +136,8 @@ class GPT(nnx.Module):
                          rope_theta=config.rope_theta, norm_eps=config.norm_eps, impl=config.impl,
                          dtype=dtype, param_dtype=param_dtype,
                          attention_implementation=config.attention_implementation,
-                         out_init=out_init, sequence_parallel=config.sequence_parallel, rngs=rngs)
+                         out_init=out_init, sequence_parallel=config.sequence_parallel, fp8=config.fp8,
+                         rngs=rngs)
             for _ in range(config.layers)
         ])
         self.final_norm = RMSNorm(config.hidden, mesh=mesh, eps=config.norm_eps, param_dtype=param_dtype)
@@ -157,8 +163,12 @@ class GPT(nnx.Module):
             else:
                 x = block(x)
         x = self.final_norm(x)
-        return jnp.einsum("sbd,dv->bsv", x, self.lm_head[...].astype(dtype),
-                          preferred_element_type=jnp.float32)
+        # One 2-D GEMM [S*B, D] x [D, V]: XLA:CPU has no bf16 x bf16 -> f32 kernel for the 3-D
+        # einsum "sbd,dv->bsv" (DotThunk), but runs the 2-D one.
+        seq, batch, hidden = x.shape
+        logits = jnp.dot(x.reshape(seq * batch, hidden), self.lm_head[...].astype(dtype),
+                         preferred_element_type=jnp.float32)
+        return logits.reshape(seq, batch, -1).transpose(1, 0, 2)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Global tokens [B, S] (int) -> logits [B, S, vocab] (float32), sharded like the tokens."""

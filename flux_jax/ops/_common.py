@@ -12,9 +12,11 @@ from flux_jax.ops._spec import Call, OpSpec, unify_varying
 logger = logging.getLogger("flux_jax")
 
 
-def plan_call(spec: OpSpec, x_front, w, info: AxisInfo, impl: str, **params) -> Call | None:
-    """The Call for a fused run of `spec` on x (the split dimension first), or None for the twin."""
-    problem = spec.problem(x_front.shape, w.shape, x_front.dtype, info.tp_size, info.platform, False)
+def plan_call(spec: OpSpec, x_front, w, info: AxisInfo, impl: str, fp8=None, **params) -> Call | None:
+    """The Call for a fused run of `spec` on x (the split dimension first), or None for the twin
+    (`fp8`: the FP8 recipe, or None)."""
+    fp8_format = None if fp8 is None else fp8.x_dtype(False).name
+    problem = spec.problem(x_front.shape, w.shape, x_front.dtype, info.tp_size, info.platform, False, fp8_format)
     config = get_config()
     plan = _plan.plan(problem, impl, config)
     logger.debug("flux_jax.%s: %s -> %s", spec.name, problem.describe(), plan.describe())
@@ -22,7 +24,7 @@ def plan_call(spec: OpSpec, x_front, w, info: AxisInfo, impl: str, **params) -> 
     if not plan.fused:
         return None
     return Call(info.axis_name, info.tp_size, False, impl, False, plan, config, get_gpu_tuning(),
-                platform=info.platform, **params)
+                platform=info.platform, fp8=fp8, **params)
 
 
 def run(spec: OpSpec, x_front, w, call: Call) -> list:
@@ -35,10 +37,11 @@ def backward_call(spec: OpSpec, dy, w, call: Call) -> Call:
     """The Call of `spec` (the paired op) in the backward pass of `call`: the weight read
     transposed, a fused path wherever one can run (impl="fused" stays strict)."""
     transpose_w = not call.transpose_w
-    problem = spec.problem(dy.shape, w.shape, dy.dtype, call.tp, call.platform, transpose_w)
+    fp8_format = None if call.fp8 is None else call.fp8.x_dtype(True).name
+    problem = spec.problem(dy.shape, w.shape, dy.dtype, call.tp, call.platform, transpose_w, fp8_format)
     plan = _plan.plan(problem, "fused" if call.forced else "auto", call.config, backward=True)
     logger.debug("flux_jax.%s (backward): %s -> %s", spec.name, problem.describe(), plan.describe())
     _explain.record(spec.name, problem, plan, backward=True)
     return Call(call.axis_name, call.tp, transpose_w, call.impl, True, plan, call.config, call.tuning,
-                platform=call.platform, return_gathered=spec.name == "ag_matmul")
+                platform=call.platform, return_gathered=spec.name == "ag_matmul", fp8=call.fp8)
 

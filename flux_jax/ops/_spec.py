@@ -21,8 +21,10 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import batching
 
+from flux_jax import fp8 as _fp8
 from flux_jax._config import Config, GpuTuning
 from flux_jax._plan import Plan, Problem
+from flux_jax.fp8 import Fp8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,11 +45,19 @@ class Call:
     # partially manual shard_map leaves to the partitioner: the TP groups' (device ids,
     # process indices), found on the concrete mesh outside that region.
     groups: tuple | None = None
+    # FP8 operands (flux_jax/fp8.py): the recipe, or None. The row operand is x in the forward
+    # and dy in a backward call (`backward`), quantized in the recipe's backward format.
+    fp8: Fp8 | None = None
 
     @property
     def forced(self) -> bool:
         """impl="fused": an error, not the twin, where the mesh rules fusion out."""
         return self.impl == "fused"
+
+    @property
+    def fp8_format(self) -> str | None:
+        """The row operand's FP8 format (the planner's `Problem.fp8`), or None."""
+        return None if self.fp8 is None else self.fp8.x_dtype(self.backward).name
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -83,11 +93,12 @@ class OpSpec:
     def target(self) -> str:
         return f"flux_jax_{self.name}"
 
-    def problem(self, x_shape, w_shape, dtype, tp: int, platform: str, transpose_w: bool) -> Problem:
-        """The planner's view of a call on operands x [rows, ..., k], w."""
+    def problem(self, x_shape, w_shape, dtype, tp: int, platform: str, transpose_w: bool,
+                fp8: str | None = None) -> Problem:
+        """The planner's view of a call on operands x [rows, ..., k], w (`fp8`: Call.fp8_format)."""
         probe = Call("", tp, transpose_w, "auto", False, None, None, None)  # only shape fields are read
         rows, k, n = self.gemm(x_shape, w_shape, probe)
-        return Problem(self.name, int(rows), int(k), int(n), np.dtype(dtype), tp, platform, transpose_w)
+        return Problem(self.name, int(rows), int(k), int(n), np.dtype(dtype), tp, platform, transpose_w, fp8)
 
 
 REGISTRY: dict[str, OpSpec] = {}
@@ -95,6 +106,26 @@ REGISTRY: dict[str, OpSpec] = {}
 
 def weight_2d(w, transpose_w: bool):
     return w.T if transpose_w else w
+
+
+def local_gemm(x, w, call: Call):
+    """x @ op(w), the GEMM of the GEMM-first ops (matmul_rs, ...): XLA's dot, or with `call.fp8`
+    the FP8 GEMM on x and w quantized per the recipe (x's dtype out either way)."""
+    if call.fp8 is not None:
+        return _fp8.matmul(x, w, call.fp8, transpose_w=call.transpose_w, grad=call.backward)
+    return jnp.dot(x, weight_2d(w, call.transpose_w))
+
+
+def gathered_gemm(x, w, call: Call, gather) -> list:
+    """[AG(x) @ op(w)] (+ [AG(x)] with `call.return_gathered`), the AllGather-first ops, with
+    `gather(a)` the all_gather of dimension 0 (lax's or our collective). With `call.fp8` the FP8
+    rows and their scales are gathered and the gathered x comes back dequantized."""
+    if call.fp8 is not None:
+        return _fp8.gathered_matmul(x, w, call.fp8, gather, call.tp, transpose_w=call.transpose_w,
+                                   grad=call.backward, return_gathered=call.return_gathered)
+    x_full = gather(x)
+    out = jnp.dot(x_full, weight_2d(w, call.transpose_w))
+    return [out, x_full] if call.return_gathered else [out]
 
 
 def define(spec: OpSpec) -> OpSpec:

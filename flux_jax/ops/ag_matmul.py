@@ -9,8 +9,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from flux_jax import _autodiff, _validation, twins
+from flux_jax import fp8 as _fp8
 from flux_jax.ops import _common
-from flux_jax.ops._spec import REGISTRY, Call, OpSpec, bind, define, weight_2d
+from flux_jax.ops._spec import REGISTRY, Call, OpSpec, bind, define, gathered_gemm, weight_2d
 
 NAME = "ag_matmul"
 
@@ -27,15 +28,15 @@ def _gemm(x_shape, w_shape, call: Call):
 
 
 def _twin(x, w, call: Call):
+    if call.fp8 is not None:  # the FP8 twin's forward (its custom_vjp lives in twins.py)
+        return gathered_gemm(x, w, call, lambda a: lax.all_gather(a, call.axis_name, axis=0, tiled=True))
     out = twins.ag_matmul_xla(x, weight_2d(w, call.transpose_w), axis_name=call.axis_name,
                               return_gathered=call.return_gathered)
     return list(out) if call.return_gathered else [out]
 
 
 def _latency(x, w, call: Call, collective):
-    x_full = collective("all_gather", x, (call.tp * x.shape[0], *x.shape[1:]))
-    out = jnp.dot(x_full, weight_2d(w, call.transpose_w))
-    return [out, x_full] if call.return_gathered else [out]
+    return gathered_gemm(x, w, call, lambda a: collective("all_gather", a, (call.tp * a.shape[0], *a.shape[1:])))
 
 
 def _fwd(x, w, call: Call):
@@ -57,10 +58,12 @@ def _bwd(call: Call, residuals, cotangents):
 SPEC = define(OpSpec(NAME, _out_shapes, _gemm, _twin, _latency, _fwd, _bwd))
 
 
-def ag_matmul(x, w, *, axis_name: str, axis: int = 0, impl: str = "auto", return_gathered: bool = False):
+def ag_matmul(x, w, *, axis_name: str, axis: int = 0, impl: str = "auto", return_gathered: bool = False,
+              fp8=None):
     """AllGather -> GEMM, for use inside `jax.shard_map`.
 
-    Computes exactly `jnp.dot(lax.all_gather(x, axis_name, axis=axis, tiled=True), w)`.
+    Computes exactly `jnp.dot(lax.all_gather(x, axis_name, axis=axis, tiled=True), w)` (with
+    `fp8`, that GEMM on FP8 operands).
 
     Sharding contract (per shard, TP degree tp = size of `axis_name`):
       x: [..., m_local (at `axis`), ..., K], this rank's slice of dimension `axis` (rank r holds
@@ -76,19 +79,34 @@ def ag_matmul(x, w, *, axis_name: str, axis: int = 0, impl: str = "auto", return
       impl: "fused" (the FFI kernel: CPU backend or CUDA; an error where it cannot run),
         "xla" (the pure-JAX twin), or "auto" (fused where it is implemented and measured
         faster, else the twin; `flux_jax.explain` says which ran and why).
-      return_gathered: also return the gathered x (e.g. to reuse in a backward pass).
+      return_gathered: also return the gathered x (e.g. to reuse in a backward pass); with
+        `fp8`, the gathered FP8 rows dequantized to x's dtype.
+      fp8: None / False (no quantization), True (the default recipe `flux_jax.Fp8()`) or an
+        `Fp8` recipe: x is quantized to float8_e4m3fn with one scale per row (each rank's rows
+        travel with their own scales), w per tensor (or per output column); the gather moves
+        the FP8 rows and their float32 scales, the GEMM runs on FP8 operands with float32
+        accumulation and the scales after, and the result has x's dtype. impl="fused" runs it
+        as our all_gather custom call next to XLA's FP8 GEMM (the latency path; CPU and GPU);
+        impl="xla" is the same quantization with lax.all_gather; impl="auto" takes the latter
+        on GPU (the fused FP8 path is not measured yet). See flux_jax/fp8.py.
 
     Differentiable (custom_vjp): the input gradient is a fused matmul_rs(dy, w^T) and the
-    weight gradient reuses the gathered x.
+    weight gradient reuses the gathered x. With `fp8` the quantization is straight-through:
+    dx = matmul_rs(dy, w^T) runs as an FP8 GEMM (dy in float8_e5m2, one scale per row, w in
+    e4m3) before its reduce-scatter; dw = AG(x)^T dy runs in x's dtype on the dequantized
+    gathered rows, because its contraction runs over the rows, where the per-row scales live
+    (an epilogue can only scale the output's rows and columns).
     """
     _validation.check_impl(NAME, impl)
     _validation.check_operands(NAME, x, w)
+    recipe = _fp8.resolve(NAME, fp8)
     axis = _validation.check_dimension(NAME, x, axis, "axis")
     info = _validation.check_axis(NAME, axis_name)
     x_front = jnp.moveaxis(x, axis, 0)
-    call = _common.plan_call(SPEC, x_front, w, info, impl, return_gathered=return_gathered)
+    call = _common.plan_call(SPEC, x_front, w, info, impl, fp8=recipe, return_gathered=return_gathered)
     if call is None:
-        return twins.ag_matmul_xla(x, w, axis_name=axis_name, axis=axis, return_gathered=return_gathered)
+        return twins.ag_matmul_xla(x, w, axis_name=axis_name, axis=axis, return_gathered=return_gathered,
+                                   fp8=recipe)
     outs = _common.run(SPEC, x_front, w, call)
     out = jnp.moveaxis(outs[0], 0, axis)
     return (out, jnp.moveaxis(outs[1], 0, axis)) if return_gathered else out

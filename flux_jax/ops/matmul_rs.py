@@ -5,10 +5,12 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
+from jax import lax
 
 from flux_jax import _autodiff, _validation, twins
+from flux_jax import fp8 as _fp8
 from flux_jax.ops import _common
-from flux_jax.ops._spec import REGISTRY, Call, OpSpec, bind, define, weight_2d
+from flux_jax.ops._spec import REGISTRY, Call, OpSpec, bind, define, local_gemm, weight_2d
 
 NAME = "matmul_rs"
 
@@ -22,11 +24,13 @@ def _gemm(x_shape, w_shape, call: Call):
 
 
 def _twin(x, w, call: Call):
+    if call.fp8 is not None:  # the FP8 twin's forward (its custom_vjp lives in twins.py)
+        return [lax.psum_scatter(local_gemm(x, w, call), call.axis_name, scatter_dimension=0, tiled=True)]
     return [twins.matmul_rs_xla(x, weight_2d(w, call.transpose_w), axis_name=call.axis_name)]
 
 
 def _latency(x, w, call: Call, collective):
-    partial = jnp.dot(x, weight_2d(w, call.transpose_w))
+    partial = local_gemm(x, w, call)
     return [collective("reduce_scatter", partial, (x.shape[0] // call.tp, *partial.shape[1:]))]
 
 
@@ -45,11 +49,12 @@ def _bwd(call: Call, residuals, cotangents):
 SPEC = define(OpSpec(NAME, _out_shapes, _gemm, _twin, _latency, _fwd, _bwd))
 
 
-def matmul_rs(x, w, *, axis_name: str, scatter_dimension: int = 0, impl: str = "auto"):
+def matmul_rs(x, w, *, axis_name: str, scatter_dimension: int = 0, impl: str = "auto", fp8=None):
     """GEMM -> ReduceScatter, for use inside `jax.shard_map`.
 
     Computes exactly
-    `lax.psum_scatter(jnp.dot(x, w), axis_name, scatter_dimension=scatter_dimension, tiled=True)`.
+    `lax.psum_scatter(jnp.dot(x, w), axis_name, scatter_dimension=scatter_dimension, tiled=True)`
+    (with `fp8`, that GEMM on FP8 operands).
 
     Sharding contract (per shard, TP degree tp = size of `axis_name`):
       x: [..., M (at `scatter_dimension`), ..., k_local], this rank's slice of the contraction;
@@ -62,19 +67,27 @@ def matmul_rs(x, w, *, axis_name: str, scatter_dimension: int = 0, impl: str = "
       axis_name: the mesh axis to reduce-scatter over (the tensor-parallel axis).
       scatter_dimension: the dimension of the result to scatter (any but the last).
       impl: "fused", "xla" or "auto" (see `ag_matmul`).
+      fp8: None / False, True or an `Fp8` recipe (see `ag_matmul`): x is quantized per row and
+        w per tensor (or per output column), each rank runs the FP8 GEMM (float32 accumulation,
+        the scales after) and the partial, in x's dtype, is reduce-scattered (impl="fused": our
+        reduce_scatter custom call; impl="xla": lax.psum_scatter).
 
     The fused CPU and GPU kernels sum the partials in a fixed rank order, so results are
     bitwise reproducible. Differentiable (custom_vjp): the input gradient is a fused
-    ag_matmul(dy, w^T) whose gathered dy also feeds the weight gradient.
+    ag_matmul(dy, w^T) whose gathered dy also feeds the weight gradient. With `fp8`: dx is the
+    FP8 ag_matmul of dy (float8_e5m2 rows, gathered with their scales) and w^T (e4m3); dw =
+    x^T AG(dy) runs in x's dtype on the dequantized gathered dy (its contraction runs over the
+    rows, where the per-row scales live).
     """
     _validation.check_impl(NAME, impl)
     _validation.check_operands(NAME, x, w)
+    recipe = _fp8.resolve(NAME, fp8)
     dim = _validation.check_dimension(NAME, x, scatter_dimension, "scatter_dimension")
     info = _validation.check_axis(NAME, axis_name)
     _validation.check_divisible(NAME, x, dim, info.tp_size, axis_name)
     x_front = jnp.moveaxis(x, dim, 0)
-    call = _common.plan_call(SPEC, x_front, w, info, impl)
+    call = _common.plan_call(SPEC, x_front, w, info, impl, fp8=recipe)
     if call is None:
-        return twins.matmul_rs_xla(x, w, axis_name=axis_name, scatter_dimension=dim)
+        return twins.matmul_rs_xla(x, w, axis_name=axis_name, scatter_dimension=dim, fp8=recipe)
     (out,) = _common.run(SPEC, x_front, w, call)
     return jnp.moveaxis(out, 0, dim)

@@ -10,14 +10,17 @@
 
 namespace flux_jax {
 
-enum class DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+// kU8: a 1-byte payload (float8_e4m3fn, float8_e5m2, uint8, int8) that is moved,
+// never converted or summed: only the all_gather takes it (FP8 operands).
+enum class DType : int { kF32 = 0, kBF16 = 1, kF16 = 2, kU8 = 3 };
 
-inline size_t DTypeBytes(DType t) { return t == DType::kF32 ? 4 : 2; }
+inline size_t DTypeBytes(DType t) { return t == DType::kF32 ? 4 : t == DType::kU8 ? 1 : 2; }
 inline const char* DTypeName(DType t) {
   switch (t) {
     case DType::kF32: return "float32";
     case DType::kBF16: return "bfloat16";
     case DType::kF16: return "float16";
+    case DType::kU8: return "1-byte";
   }
   return "?";
 }

@@ -44,6 +44,9 @@ Status ReduceScatterCanImplement(const CollectiveParams& p, const TpGroup& group
     return Status::InvalidArgument("reduce_scatter: bad shape rows=" + std::to_string(p.rows) +
                                    " cols=" + std::to_string(p.cols));
   }
+  if (DTypeBytes(p.dtype) == 1) {
+    return Status::InvalidArgument("reduce_scatter: sums float32, bfloat16 or float16, not a 1-byte payload");
+  }
   if (group.size < 1 || p.rows % group.size != 0) {
     return Status::InvalidArgument("reduce_scatter: rows " + std::to_string(p.rows) +
                                    " not divisible by TP size " + std::to_string(group.size));

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 
 namespace flux_jax::cpu {
 namespace {
@@ -92,6 +93,9 @@ void ToFloat(const void* src, DType dtype, int64_t count, float* dst) {
       for (int64_t i = 0; i < count; ++i) dst[i] = F16ToFloat(s[i]);
       return;
     }
+    case DType::kU8:  // 1-byte payloads are only moved (all_gather), never converted: NaN shows misuse
+      std::fill(dst, dst + count, std::numeric_limits<float>::quiet_NaN());
+      return;
   }
 }
 
@@ -110,6 +114,9 @@ void FromFloat(const float* src, int64_t count, DType dtype, void* dst) {
       for (int64_t i = 0; i < count; ++i) d[i] = FloatToF16(src[i]);
       return;
     }
+    case DType::kU8:  // never converted (see ToFloat): all bits set, NaN in every FP8 format
+      std::memset(dst, 0xFF, static_cast<size_t>(count));
+      return;
   }
 }
 

@@ -34,6 +34,7 @@ Status RunGemm(const GemmPlan& plan, DType dtype, cudaStream_t stream, int devic
       return plan.b_kmajor ? RunGemm_f16_kmajor(plan, stream, device, sm_count)
                            : RunGemm_f16_nmajor(plan, stream, device, sm_count);
     case DType::kF32:
+    case DType::kU8:
       break;
   }
   return Status::InvalidArgument(

@@ -100,7 +100,8 @@ __device__ __forceinline__ bool WaitSender(const CollectiveArgs& a, int q) {
   return result;
 }
 
-__device__ __forceinline__ uint4 NaN16() { return make_uint4(~0u, ~0u, ~0u, ~0u); }  // bf16/f16 NaN
+// All bits set: NaN in every float format the kernels move (f32, bf16, f16, FP8 e4m3fn / e5m2).
+__device__ __forceinline__ uint4 NaN16() { return make_uint4(~0u, ~0u, ~0u, ~0u); }
 
 template <class Load, class Store>
 __device__ __forceinline__ void BatchedCopy(int64_t lo, int64_t hi, Load load, Store store) {
@@ -272,8 +273,10 @@ enum class Kind { kAllGather, kReduceScatter };
 Status Run(Kind kind, const CollectiveParams& p, const TpGroup& group, const CommConfig& cfg,
            void* stream_ptr) {
   const char* name = kind == Kind::kAllGather ? "all_gather" : "reduce_scatter";
-  if (p.dtype == DType::kF32) {
-    return Status::InvalidArgument(std::string(name) + ": the CUDA kernel takes bfloat16 or float16");
+  // The all_gather copies bytes (FP8 payloads, float32 scales); the reduce_scatter sums pairs.
+  if (kind == Kind::kReduceScatter && p.dtype != DType::kBF16 && p.dtype != DType::kF16) {
+    return Status::InvalidArgument(std::string(name) + ": the CUDA kernel sums bfloat16 or float16, not " +
+                                   DTypeName(p.dtype));
   }
   auto S = static_cast<cudaStream_t>(stream_ptr);
   const int tp = group.size, r = group.rank;
@@ -284,8 +287,9 @@ Status Run(Kind kind, const CollectiveParams& p, const TpGroup& group, const Com
   const size_t chunk_bytes = static_cast<size_t>(chunk_rows * p.cols) * elt;
   if (chunk_bytes % sizeof(uint4) != 0 || reinterpret_cast<uintptr_t>(p.x) % 16 ||
       reinterpret_cast<uintptr_t>(p.out) % 16) {
-    return Status::InvalidArgument(std::string(name) + ": rows of " + std::to_string(p.cols) +
-                                   " elements are not a multiple of 16 bytes (need cols % 8 == 0)");
+    return Status::InvalidArgument(std::string(name) + ": a rank's " + std::to_string(chunk_rows) + " rows of " +
+                                   std::to_string(p.cols) + " " + DTypeName(p.dtype) +
+                                   " elements are not a multiple of 16 bytes (the kernel moves 16-byte vectors)");
   }
   const size_t out_bytes = kind == Kind::kAllGather ? tp * chunk_bytes : chunk_bytes;
   if (tp > kMaxPeers) {

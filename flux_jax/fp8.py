@@ -1,0 +1,211 @@
+"""FP8 operands for the fused ops: the recipe `Fp8`, current scaling and the FP8 GEMM.
+
+`ag_matmul(..., fp8=True)` / `matmul_rs(..., fp8=True)` (or `fp8=Fp8(...)`) take high-precision
+x and w (float32, bfloat16, float16), quantize them with current scaling (the amax of the values
+at hand, no history), run the op on the FP8 operands with float32 accumulation and the scales
+applied after the GEMM, and return x's dtype. Scaling granularity:
+
+  x   one scale per row: a rank's rows travel with their own scales, so no amax crosses ranks;
+  w   one scale per tensor, or one per output column of the GEMM (`weight_scaling="column"`);
+  dy  (backward) one scale per row, in the backward format (float8_e5m2 by default).
+
+Quantization is straight-through: the gradients reach the high-precision x and w as if the
+rounding were the identity. The backward runs the paired op on FP8 operands, as the forward:
+
+  ag_matmul:  dx = matmul_rs(dy, w^T): dy (e5m2, per row) x w (e4m3) FP8 GEMM, then the
+              reduce-scatter of the partial in x's dtype;
+              dw = AG(x)^T dy in x's dtype, AG(x) the dequantized FP8 rows the forward gathered.
+  matmul_rs:  dx = ag_matmul(dy, w^T): the e5m2 rows of dy and their scales are gathered, then
+              the FP8 GEMM with w (e4m3);
+              dw = x^T AG(dy) in x's dtype, AG(dy) the dequantized e5m2 rows that gather moved.
+
+The weight gradients run in x's dtype: their contraction runs over the rows (tokens), the
+dimension the per-row scales live on, and a GEMM can apply scales after accumulating only
+along its output's rows and columns; an FP8 dw would need x and dy quantized a second time
+per column (a second rounding, and another pass over the gathered rows).
+
+The GEMM is XLA's: `dot_general` directly on the FP8 operands with float32 accumulation, then
+the scales (XLA's GEMM rewriter emits cuBLASLt's FP8 GEMM for it on Hopper; XLA:CPU computes
+it exactly in float32). The same functions build the XLA twin (lax collectives; flux_jax/twins.py)
+and the fused latency composition (our collective custom calls; flux_jax/ops/), so the two
+differ only in the collective's kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+FORMATS = ("float8_e4m3fn", "float8_e5m2")
+_ALIASES = {"e4m3": "float8_e4m3fn", "e4m3fn": "float8_e4m3fn", "e5m2": "float8_e5m2"}
+WEIGHT_SCALINGS = ("tensor", "column")
+# The latency collectives move 16-byte vectors: a rank's float32 row scales are padded to a
+# multiple of 4 before they are gathered.
+_SCALE_ALIGN = 4
+
+
+def _format_name(value, field: str) -> str:
+    if isinstance(value, str):
+        name = _ALIASES.get(value.lower(), value.lower())
+    else:
+        try:
+            name = np.dtype(value).name
+        except TypeError:
+            raise TypeError(f"flux_jax.Fp8: {field} must be an FP8 dtype or its name "
+                            f"({', '.join(FORMATS)}), got {value!r}") from None
+    if name not in FORMATS:
+        raise ValueError(f"flux_jax.Fp8: {field} must be one of {FORMATS} (or 'e4m3' / 'e5m2'), "
+                         f"got {value!r}")
+    return name
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8:
+    """An FP8 recipe for the fused ops (hashable: it is part of the traced program).
+
+    Attributes:
+      forward_format: x and w in the forward GEMM, and w in the backward ones. float8_e4m3fn
+        (e4m3: 3 mantissa bits, max 448); e5m2 is refused here because w takes this format in
+        every GEMM and FP8 GEMMs need an e4m3 operand (cuBLASLt has no e5m2 x e5m2 kernel).
+      backward_format: dy, the output's cotangent, in the backward GEMMs: float8_e5m2 (the
+        default: 2 mantissa bits, max 57344, the range gradients need) or float8_e4m3fn.
+      weight_scaling: "tensor" (one scale for w) or "column" (one per output column of each
+        GEMM: per column of w in the forward, per row of w in the backward, which reads w
+        transposed). x and dy always have one scale per row.
+      margin: scales map a row's (a tensor's) amax to the format's max / 2**margin; a margin
+        leaves headroom, at the cost of that many bits of the low end.
+
+    Scales are current (from the values at hand) and float32; an all-zero row gets scale 1.
+    Formats also take the short names "e4m3" / "e5m2" or the jnp dtypes.
+    """
+
+    forward_format: Any = "float8_e4m3fn"
+    backward_format: Any = "float8_e5m2"
+    weight_scaling: str = "tensor"
+    margin: int = 0
+
+    def __post_init__(self):
+        forward = _format_name(self.forward_format, "forward_format")
+        backward = _format_name(self.backward_format, "backward_format")
+        if forward != "float8_e4m3fn":
+            raise ValueError("flux_jax.Fp8: forward_format must be float8_e4m3fn: w takes it in every "
+                             "GEMM, and an FP8 GEMM needs an e4m3 operand (there is no e5m2 x e5m2 "
+                             f"GEMM); got {self.forward_format!r}")
+        if self.weight_scaling not in WEIGHT_SCALINGS:
+            raise ValueError(f"flux_jax.Fp8: weight_scaling must be one of {WEIGHT_SCALINGS}, got "
+                             f"{self.weight_scaling!r}")
+        if isinstance(self.margin, bool) or not isinstance(self.margin, (int, np.integer)):
+            raise TypeError(f"flux_jax.Fp8: margin must be an int (a power-of-two headroom), got "
+                            f"{self.margin!r}")
+        if not 0 <= self.margin <= 8:
+            raise ValueError(f"flux_jax.Fp8: margin must be in 0..8 (scales map amax to max / "
+                             f"2**margin), got {self.margin}")
+        object.__setattr__(self, "forward_format", forward)
+        object.__setattr__(self, "backward_format", backward)
+        object.__setattr__(self, "margin", int(self.margin))
+
+    def x_dtype(self, grad: bool = False) -> np.dtype:
+        """The format of the GEMM's row operand: x in the forward, dy (`grad`) in the backward."""
+        return jnp.dtype(self.backward_format if grad else self.forward_format)
+
+    @property
+    def w_dtype(self) -> np.dtype:
+        return jnp.dtype(self.forward_format)
+
+
+def resolve(op: str, fp8) -> Fp8 | None:
+    """The recipe of an op's `fp8=` argument: None / False -> None, True -> Fp8(), an Fp8 as is."""
+    if fp8 is None or fp8 is False:
+        return None
+    if fp8 is True:
+        return Fp8()
+    if isinstance(fp8, Fp8):
+        return fp8
+    raise TypeError(f"flux_jax.{op}: fp8 must be True, False, None or a flux_jax.Fp8 recipe, got {fp8!r}")
+
+
+# ---- quantization ----------------------------------------------------------------------------
+
+
+def quantize(a, dtype, axis=None, margin: int = 0):
+    """(q, scale) with a ~= q * scale: q in the FP8 `dtype`, scale float32 with the amax taken over
+    `axis` (None: the whole tensor) and kept as size-1 dimensions. Round to nearest even."""
+    dtype = jnp.dtype(dtype)
+    fmax = float(jnp.finfo(dtype).max)
+    a32 = a.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(a32), axis=axis, keepdims=True)
+    scale = jnp.where(amax > 0, amax / np.float32(fmax / 2.0 ** margin), np.float32(1.0))
+    q = jnp.clip(a32 / scale, -fmax, fmax).astype(dtype)
+    return q, scale
+
+
+def dequantize(q, scale, dtype):
+    """q * scale in `dtype` (the inverse of `quantize` up to its rounding)."""
+    return (q.astype(jnp.float32) * scale).astype(dtype)
+
+
+def quantize_rows(x, recipe: Fp8, grad: bool = False):
+    """x [rows, ..., k] -> (q, scale [rows, ..., 1]): one scale per row."""
+    return quantize(x, recipe.x_dtype(grad), axis=-1, margin=recipe.margin)
+
+
+def quantize_weight(w, recipe: Fp8, transpose_w: bool = False):
+    """w [k, n] (or [n, k] read transposed) -> (q in w's layout, scale of op(w)'s columns: [n] or [])."""
+    if recipe.weight_scaling == "tensor":
+        q, scale = quantize(w, recipe.w_dtype, axis=None, margin=recipe.margin)
+        return q, scale.reshape(())
+    contraction = 1 if transpose_w else 0
+    q, scale = quantize(w, recipe.w_dtype, axis=contraction, margin=recipe.margin)
+    return q, scale.reshape(-1)
+
+
+# ---- the FP8 GEMM --------------------------------------------------------------------------
+
+
+def scaled_dot(xq, x_scale, wq, w_scale, transpose_w: bool, out_dtype):
+    """(xq * x_scale) @ op(wq * w_scale) in `out_dtype`: the GEMM on the FP8 operands with float32
+    accumulation, the scales after (row scales [rows, ..., 1], column scales [n] or [])."""
+    dims = (((xq.ndim - 1,), (1 if transpose_w else 0,)), ((), ()))
+    acc = lax.dot_general(xq, wq, dims, preferred_element_type=jnp.float32)
+    return (acc * x_scale * w_scale).astype(out_dtype)
+
+
+def matmul(x, w, recipe: Fp8, *, transpose_w: bool = False, grad: bool = False):
+    """x @ op(w) through FP8: x [rows, ..., k] per row (in the backward format with `grad`), w per
+    the recipe; returns x's dtype. The GEMM of the GEMM-first ops (matmul_rs, matmul_ar)."""
+    xq, xs = quantize_rows(x, recipe, grad)
+    wq, ws = quantize_weight(w, recipe, transpose_w)
+    return scaled_dot(xq, xs, wq, ws, transpose_w, x.dtype)
+
+
+def gather_scales(gather: Callable, scale, tp: int):
+    """Gathers row scales [rows, ..., 1] with `gather` (dimension 0, rank order) as one
+    [rows * ..., 1] float32 column padded to a multiple of 4 rows (16 bytes), -> [tp * rows, ..., 1]."""
+    flat = scale.reshape(-1)
+    count = flat.shape[0]
+    pad = -count % _SCALE_ALIGN
+    if pad:
+        flat = jnp.concatenate([flat, jnp.ones((pad,), flat.dtype)])
+    gathered = gather(flat.reshape(-1, 1)).reshape(tp, count + pad)
+    if pad:
+        gathered = gathered[:, :count]
+    return gathered.reshape(tp * scale.shape[0], *scale.shape[1:])
+
+
+def gathered_matmul(x, w, recipe: Fp8, gather: Callable, tp: int, *, transpose_w: bool = False,
+                    grad: bool = False, return_gathered: bool = False):
+    """AG(x) @ op(w) through FP8, x [rows, ..., k] gathered on dimension 0 by `gather`: quantize
+    per row, gather the FP8 rows and (alongside) their scales, FP8 GEMM. Returns [out] or
+    [out, AG(x) dequantized in x's dtype]."""
+    xq, xs = quantize_rows(x, recipe, grad)
+    wq, ws = quantize_weight(w, recipe, transpose_w)
+    xq_full = gather(xq)
+    xs_full = gather_scales(gather, xs, tp)
+    out = scaled_dot(xq_full, xs_full, wq, ws, transpose_w, x.dtype)
+    if not return_gathered:
+        return [out]
+    return [out, dequantize(xq_full, xs_full, x.dtype)]
