@@ -153,9 +153,10 @@ static __device__ __noinline__ bool WaitFlag(const uint64_t* flag, const WaitCon
   }
 }
 
-// Waits for every piece that covers rows [row0, row0 + rows) (clamped).
-__device__ __forceinline__ void WaitRows(const RowGate& g, int32_t row0, int32_t rows) {
-  if (g.flags == nullptr) return;
+// Waits for every piece that covers rows [row0, row0 + rows) (clamped). False
+// if a wait gave up (recorded, alpha poisoned): the rows may be stale or torn.
+__device__ __forceinline__ bool WaitRows(const RowGate& g, int32_t row0, int32_t rows) {
+  if (g.flags == nullptr) return true;
   const int32_t last = min(row0 + rows, g.total_rows) - 1;
   int32_t row = row0;
   while (row <= last) {
@@ -166,7 +167,7 @@ __device__ __forceinline__ void WaitRows(const RowGate& g, int32_t row0, int32_t
       const int32_t peer = (chunk + g.peer_of_chunk0) % g.tp;
       if (!WaitFlag(g.flags + chunk * g.pieces_per_chunk + piece, g.ctx, g.site, peer, chunk,
                     piece)) {
-        return;
+        return false;
       }
     }
     const int32_t next_piece_row = chunk * g.rows_per_chunk + (piece + 1) * g.rows_per_piece;
@@ -174,6 +175,31 @@ __device__ __forceinline__ void WaitRows(const RowGate& g, int32_t row0, int32_t
   }
   // TMA (async proxy) reads of data another agent wrote follow this wait.
   asm volatile("fence.proxy.async.global;" ::: "memory");
+  return true;
+}
+
+// The whole warp (every lane calls it) writes NaN (all bits set: NaN in
+// bfloat16 and float16) into rows [row0, row0 + rows) x columns [col0, col0 +
+// cols) of a row-major matrix of 2-byte elements (`ld` elements per row; col0,
+// cols and ld multiples of 8, `base` 16-byte aligned), clamped to
+// total_rows x total_cols, for TMA (async proxy) loads issued after it by any
+// lane. A tile whose input rows never came reads NaN instead of stale rows: a
+// copy that lands late overwrites NaN with this epoch's data, never leaves an
+// older value.
+__device__ __forceinline__ void WarpPoisonTile(void* base, int64_t ld, int32_t row0, int32_t rows, int32_t col0,
+                                               int32_t cols, int32_t total_rows, int32_t total_cols) {
+  const int32_t lane = threadIdx.x & 31;
+  rows = min(rows, total_rows - row0);
+  const int32_t vecs = min(cols, total_cols - col0) / 8;  // 16-byte vectors per row
+  for (int32_t i = lane; rows > 0 && vecs > 0 && i < rows * vecs; i += 32) {
+    const int32_t r = i / vecs, v = i - r * vecs;
+    auto* p = static_cast<char*>(base) + ((row0 + r) * ld + col0 + v * 8) * 2;
+    *reinterpret_cast<uint4*>(p) = make_uint4(~0u, ~0u, ~0u, ~0u);
+  }
+  // Each writer orders its stores before the async proxy's reads, then the warp meets (as
+  // CUTLASS orders shared-memory writes before a TMA store).
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+  __syncwarp();
 }
 
 // The whole warp waits for every flag of senders q_lo..q_hi of a PushGate, each

@@ -1,5 +1,6 @@
 #include <cuda.h>  // driver API types only; the entry point is resolved at run time
 
+#include <algorithm>
 #include <mutex>
 #include <string>
 
@@ -43,6 +44,18 @@ __global__ void PresenceHandshakeKernel(PresenceSignal signal, const uint64_t* p
   WaitFlag(present + peer, ctx, kSitePresent, peer, -1, -1);
 }
 
+__global__ void __launch_bounds__(512) CopyUnlessPoisonedKernel(uint4* dst, const uint4* src, int64_t vecs,
+                                                                int64_t skip_lo, int64_t skip_len,
+                                                                const float* alpha) {
+  const float a = *reinterpret_cast<const volatile float*>(alpha);
+  const bool poisoned = a != a;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < vecs; i += stride) {
+    const int64_t v = i < skip_lo ? i : i + skip_len;
+    dst[v] = poisoned ? make_uint4(~0u, ~0u, ~0u, ~0u) : src[v];
+  }
+}
+
 }  // namespace
 
 Status StreamWriteValue64(cudaStream_t stream, uint64_t* addr, uint64_t value) {
@@ -66,9 +79,28 @@ Status StreamWaitValue64Geq(cudaStream_t stream, const uint64_t* addr, uint64_t 
   return Status::Ok();
 }
 
+Status LaunchCopyUnlessPoisoned(cudaStream_t stream, void* dst, const void* src, int64_t bytes, int64_t skip_lo,
+                                int64_t skip_hi, const float* alpha, int sm_count) {
+  constexpr int kThreads = 512;
+  skip_lo = std::clamp<int64_t>(skip_lo, 0, bytes);
+  skip_hi = std::clamp<int64_t>(skip_hi, skip_lo, bytes);
+  const int64_t vecs = (bytes - (skip_hi - skip_lo)) / 16;
+  if (vecs <= 0) return Status::Ok();
+  if ((bytes | skip_lo | skip_hi | reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) % 16 != 0) {
+    return Status::Internal("flux_jax: the gathered copy needs 16-byte sizes and addresses");
+  }
+  // Four blocks per SM: a plain grid-stride copy at close to the bandwidth of a device-local copy.
+  const int64_t blocks = std::min<int64_t>((vecs + kThreads - 1) / kThreads, 4 * std::max(1, sm_count));
+  CopyUnlessPoisonedKernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+      static_cast<uint4*>(dst), static_cast<const uint4*>(src), vecs, skip_lo / 16, (skip_hi - skip_lo) / 16, alpha);
+  FLUX_CUDA_TRY(cudaGetLastError());
+  return Status::Ok();
+}
+
 Status PreloadStreamOps() {
   cudaFuncAttributes attrs;
   FLUX_CUDA_TRY(cudaFuncGetAttributes(&attrs, PresenceHandshakeKernel));
+  FLUX_CUDA_TRY(cudaFuncGetAttributes(&attrs, CopyUnlessPoisonedKernel));
   StreamValue64Fn fn = nullptr;
   FLUX_JAX_RETURN_IF_ERROR(ResolveWriteValue64(&fn));
   return ResolveWaitValue64(&fn);
