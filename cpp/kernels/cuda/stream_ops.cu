@@ -34,14 +34,34 @@ Status ResolveStreamValue64(const char* name, StreamValue64Fn* fn) {
 Status ResolveWriteValue64(StreamValue64Fn* fn) { return ResolveStreamValue64<0>("cuStreamWriteValue64", fn); }
 Status ResolveWaitValue64(StreamValue64Fn* fn) { return ResolveStreamValue64<1>("cuStreamWaitValue64", fn); }
 
+// Lane p announces this rank to peer p, then waits for peer p. The lanes whose
+// wait gave up are recorded once, together (DeviceError::missing), naming the
+// lowest missing rank as the peer, so a rank's error lists every rank that had
+// not reached the op instead of whichever lane's record landed first.
 __global__ void PresenceHandshakeKernel(PresenceSignal signal, const uint64_t* present, int tp,
                                         WaitContext ctx) {
   const int peer = static_cast<int>(threadIdx.x);
-  if (peer >= tp || peer == ctx.rank) return;
-  if (signal.signal) {
+  const bool mine = peer < tp && peer != ctx.rank;
+  if (mine && signal.signal) {
     asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(signal.peer_slot[peer]), "l"(ctx.epoch) : "memory");
   }
-  WaitFlag(present + peer, ctx, kSitePresent, peer, -1, -1);
+  int32_t how = 0;
+  uint64_t seen = 0;
+  if (mine) {
+    WaitDeadline deadline;
+    for (;;) {
+      seen = LoadAcquireSys(present + peer);
+      if (seen >= ctx.epoch) break;
+      if ((how = deadline.Expired(ctx)) != 0) break;
+    }
+  }
+  const uint32_t missing = __ballot_sync(0xffffffffu, how != 0);
+  // A timeout of any lane makes the record a timeout (the others may have given up because of it).
+  const bool timed_out = __any_sync(0xffffffffu, how == kWaitTimedOut);
+  if (missing != 0 && peer == __ffs(missing) - 1) {
+    RecordGiveUp(ctx, timed_out ? kWaitTimedOut : kWaitGaveUp, kSitePresent, peer, -1, -1, seen,
+                 static_cast<int32_t>(missing));
+  }
 }
 
 __global__ void __launch_bounds__(512) CopyUnlessPoisonedKernel(uint4* dst, const uint4* src, int64_t vecs,
