@@ -33,12 +33,17 @@ def reset() -> None:
 
 
 def device_errors() -> dict[int, str]:
-    """Device-side timeouts recorded on local GPUs, {device ordinal: diagnostic}.
+    """Device-side waits that gave up on local GPUs, {device ordinal: diagnostic}.
 
-    A GPU wait that times out cannot fail the call that is already running:
-    it poisons that call's outputs with NaN and records what it waited for; the
-    next fused call on that GPU raises the diagnostic. This reports it without
-    making another call. Always empty on CPU.
+    A GPU wait that times out cannot fail the call that is already running: it
+    makes that call's outputs NaN where they depend on the missing data (every
+    element is NaN or right, never finite and wrong) and records what it waited
+    for; the next fused call on that GPU raises the diagnostic. This reports it
+    without making another call. Each rank of a TP group on the GPU whose wait
+    gave up has its own line, naming the rank it waited for and the epoch; a wait
+    that gave up because another wait on the GPU timed out first says so and
+    names that one. Without such a line, the GPU's first timeout (possibly copied
+    from another GPU of its group). Cleared by `reset()`. Always empty on CPU.
     """
     ext = _native.extension()
     if not hasattr(ext, "cuda_device_error"):

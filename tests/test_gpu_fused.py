@@ -291,6 +291,12 @@ def test_missing_peer_times_out_then_reset(gpus):
     assert_matches(good(xs, ws), to64(x) @ to64(w), twin(xs, ws), "bfloat16", "after reset")
 
 
+def test_rs_overlap_missing_peer_is_nan_or_right(gpus):
+    """matmul_rs's overlap ring with rank 1 silent: a partial-sum wait that gives up after its
+    tile's epilogue read alpha makes the tile's C NaN, so no element comes out finite and wrong."""
+    missing_peer_times_out_then_reset(gpus, "rs", "overlap", 512, "waited for rank 1 to reach the op")
+
+
 @pytest.mark.parametrize("op", ["ag", "rs"])
 def test_latency_path_small_m(gpus, op):
     """Decode / chunked-prefill sizes on the latency path, random K and N (multiples of 8 per rank)."""

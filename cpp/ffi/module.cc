@@ -3,11 +3,14 @@
 #include <nanobind/nanobind.h>
 
 #include <stdexcept>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include "flux_jax/cpu_channels.h"
+#include "flux_jax/gpu_checks.h"
+#include "flux_jax/wait_record.h"
 #include "flux_jax/limits.h"
 #include "flux_jax/process.h"
 #include "flux_jax/tile_order.h"
@@ -92,6 +95,28 @@ nb::dict BuildInfo() {
   return info;
 }
 
+// A device-side wait record (flux_jax/wait_record.h) from {field: value}; absent fields are 0.
+flux_jax::DeviceError WaitRecord(const nb::dict& d) {
+  auto get = [&](const char* key) -> int64_t { return d.contains(key) ? nb::cast<int64_t>(d[key]) : 0; };
+  flux_jax::DeviceError e{};
+  e.code = static_cast<int32_t>(get("code"));
+  e.site = static_cast<int32_t>(get("site"));
+  e.device = static_cast<int32_t>(get("device"));
+  e.rank = static_cast<int32_t>(get("rank"));
+  e.peer = static_cast<int32_t>(get("peer"));
+  e.chunk = static_cast<int32_t>(get("chunk"));
+  e.piece = static_cast<int32_t>(get("piece"));
+  e.missing = static_cast<int32_t>(get("missing"));
+  e.epoch = static_cast<uint64_t>(get("epoch"));
+  e.seen = static_cast<uint64_t>(get("seen"));
+  return e;
+}
+
+flux_jax::IpcAreaSizes AreaSizes(const std::vector<uint64_t>& v) {
+  if (v.size() != 4) throw std::invalid_argument("need (ctrl, data, slots, ll) bytes");
+  return {v[0], v[1], v[2], v[3]};
+}
+
 }  // namespace
 
 NB_MODULE(_flux_jax_ffi, m) {
@@ -145,6 +170,36 @@ NB_MODULE(_flux_jax_ffi, m) {
       },
       nb::arg("tiles_m"), nb::arg("tiles_n"), nb::arg("group"), nb::arg("rotate"),
       "The overlap GEMM's (m, n) tile order (flux_jax/tile_order.h), for tests.");
+  // The CUDA backend's diagnostics and setup checks, host-only: tested on CPU
+  // (tests/test_gpu_diagnostics.py) with the code the GPU build runs.
+  m.def(
+      "describe_wait_failure",
+      [](const nb::dict& own, const nb::dict& first, int device, const std::string& group) {
+        return flux_jax::DescribeWaitFailure(WaitRecord(own), WaitRecord(first), device, group);
+      },
+      nb::arg("own"), nb::arg("first"), nb::arg("device"), nb::arg("group"),
+      "The error of a rank whose device-side wait record is `own`, after the GPU's first failure `first` "
+      "(flux_jax/wait_record.h); '' if neither holds one.");
+  m.def(
+      "check_hardware_queues",
+      [](std::optional<std::string> env, int ranks_on_gpu, int device, const std::string& group) {
+        return flux_jax::CheckHardwareQueues(env ? env->c_str() : nullptr, ranks_on_gpu, device, group).message();
+      },
+      nb::arg("env").none(), nb::arg("ranks_on_gpu"), nb::arg("device"), nb::arg("group"),
+      "'' if CUDA_DEVICE_MAX_CONNECTIONS=`env` (None: unset) serves `ranks_on_gpu` ranks of a TP group "
+      "on one GPU, else the error (flux_jax/gpu_checks.h).");
+  m.def(
+      "check_ipc_peer",
+      [](int peer, int tp, int declared_rank, int declared_tp, const std::vector<uint64_t>& declared,
+         const std::vector<uint64_t>& expected, const std::vector<uint64_t>& mapped, const std::string& group) {
+        return flux_jax::CheckIpcPeer(peer, tp, declared_rank, declared_tp, AreaSizes(declared), AreaSizes(expected),
+                                      AreaSizes(mapped), group)
+            .message();
+      },
+      nb::arg("peer"), nb::arg("tp"), nb::arg("declared_rank"), nb::arg("declared_tp"), nb::arg("declared"),
+      nb::arg("expected"), nb::arg("mapped"), nb::arg("group"),
+      "'' if a peer's CUDA IPC blob (declared sizes, mapped sizes) fits this process's member, else the error "
+      "(flux_jax/gpu_checks.h).");
 #ifdef FLUX_JAX_WITH_CUDA
   m.def("cuda_kernels", &Ops, "Ops with CUDA kernels in this build (all of ops.def).");
   m.def("reset_cuda_workspaces", &flux_jax::ResetCudaWorkspaces,
@@ -152,7 +207,7 @@ NB_MODULE(_flux_jax_ffi, m) {
   m.def("cuda_workspace_bytes", &flux_jax::CudaWorkspaceBytes, nb::arg("device"),
         "Workspace bytes held on a GPU outside XLA's pool.");
   m.def("cuda_device_error", &flux_jax::CudaDeviceError, nb::arg("device"),
-        "Diagnostic of a timed-out device-side wait on a GPU, or ''.");
+        "Diagnostic of the device-side waits that gave up on a GPU (a line per rank), or ''.");
   m.def(
       "cuda_ipc_export",
       [](const std::vector<int64_t>& devices, const std::vector<int64_t>& processes, int32_t ordinal,

@@ -17,8 +17,14 @@ void ResetCudaWorkspaces();
 // Bytes of workspace held on a device (outside XLA's memory pool).
 size_t CudaWorkspaceBytes(int device);
 
-// "" if no device-side wait on `device` timed out, else the diagnostic.
+// "" if no device-side wait on `device` gave up, else the diagnostic: one line per rank of a TP
+// group on that GPU whose wait gave up, each naming the rank it waited for (else the GPU's first
+// failure, e.g. copied from another GPU of its group).
 std::string CudaDeviceError(int device);
+
+// Tests (tools/loopback): the next growth of a workspace area by rank `rank` of any group fails
+// as if its GPU were out of memory (-1: none).
+void CudaFailNextWorkspaceGrowthForTesting(int rank);
 
 // Cross-process TP groups: set up the member of `ordinal` in the group whose
 // ranks are `devices` (global ids) in `processes`, returning its CUDA IPC blob;

@@ -10,7 +10,7 @@
 //     tiles of chunk r (read x_r         [x_r -> gathered[r], if requested]
 //       directly, no wait)
 //     tiles of chunk r+1 (producer waits arrived[piece] >= e, then TMA-loads A)
-//   [remote chunks -> gathered, if requested]
+//   [remote chunks -> gathered, if requested; NaN if a wait gave up]
 //   wait C (x_r must outlive the pushes)
 //
 // Pushes start as soon as the peer is present and overlap the local tiles;
@@ -69,15 +69,13 @@ Status RunAgMatmulCuda(const AgMatmulParams& p, const TpGroup& group, const Comm
   // Comm stream: push my chunk, piece by piece, to every peer.
   FLUX_CUDA_TRY(cudaStreamWaitEvent(ws->comm, ws->ev_start, 0));
   FLUX_JAX_RETURN_IF_ERROR(StreamWriteValue64(ws->comm, ws->cells + 1, epoch));
-  for (int i = 1; i < tp; ++i) {
+  for (int i = 1; i < tp && cfg.drop_rank != r; ++i) {  // drop_rank (tests): sends neither data nor flags
     const int peer = (r - i + tp) % tp;
     for (int j = 0; j < pieces; ++j) {
       const int64_t row0 = static_cast<int64_t>(j) * piece_rows;
       const size_t bytes = static_cast<size_t>(std::min<int64_t>(piece_rows, p.m_local - row0)) * row_bytes;
-      uint64_t* flag = cfg.drop_rank == r ? nullptr  // tests: never signal the peer
-                                          : ws->peers[peer].arrived + r * pieces + j;
       FLUX_JAX_RETURN_IF_ERROR(PushPiece(*ws, ws->peers[peer].data + (r * p.m_local + row0) * row_bytes,
-                                         x + row0 * row_bytes, bytes, flag));
+                                         x + row0 * row_bytes, bytes, ws->peers[peer].arrived + r * pieces + j));
     }
   }
   // The gathered output (training keeps it for dW): its local chunk is ready now, so the copy
@@ -106,14 +104,13 @@ Status RunAgMatmulCuda(const AgMatmulParams& p, const TpGroup& group, const Comm
   FLUX_JAX_RETURN_IF_ERROR(RunGemm(plan, p.dtype, S, device, ws->sm_count));
 
   if (p.gathered) {
-    auto gathered = static_cast<char*>(p.gathered);
-    if (aligned) {
-      if (r > 0) FLUX_CUDA_TRY(cudaMemcpyAsync(gathered, ws->data, r * chunk_bytes, cudaMemcpyDeviceToDevice, S));
-      const size_t tail = (tp - r - 1) * chunk_bytes;
-      if (tail) FLUX_CUDA_TRY(cudaMemcpyAsync(gathered + (r + 1) * chunk_bytes, ws->data + (r + 1) * chunk_bytes, tail, cudaMemcpyDeviceToDevice, S));
-    } else {
-      FLUX_CUDA_TRY(cudaMemcpyAsync(gathered, ws->data, tp * chunk_bytes, cudaMemcpyDeviceToDevice, S));
-    }
+    // The received rows, or NaN if a wait of this GEMM gave up (its alpha is NaN then): the rows it
+    // waited for may be stale (an earlier call's) or torn, like the GEMM's output. Aligned, the
+    // local chunk is already there (comm stream, above).
+    const int64_t skip_lo = aligned ? static_cast<int64_t>(r * chunk_bytes) : 0;
+    const int64_t skip_hi = aligned ? static_cast<int64_t>((r + 1) * chunk_bytes) : 0;
+    FLUX_JAX_RETURN_IF_ERROR(LaunchCopyUnlessPoisoned(S, p.gathered, ws->data, static_cast<int64_t>(tp * chunk_bytes),
+                                                      skip_lo, skip_hi, ws->alpha, ws->sm_count));
   }
   FLUX_CUDA_TRY(cudaStreamWaitEvent(S, ws->ev_comm_done, 0));
   return Status::Ok();

@@ -22,7 +22,7 @@
 //
 //   rank 0 of 2, 256 rows:   row tile 0 (own rows)    |wait local|==== GEMM ====|
 //                            row tile 1 (rank 1 rows) |wait NVLink push ...|==== GEMM ====|
-//   [gathered = G[b], if requested]
+//   [gathered = G[b], if requested; NaN if a wait gave up]
 //
 // G[b] is the parity half b = e & 1 of the slot area, so it shares the latency
 // collectives' reuse argument (latency_collectives.cu): a rank writes G[b] of
@@ -37,6 +37,7 @@
 #include "cuda_util.h"
 #include "decode_gemm.h"
 #include "nvlink_stores.cuh"
+#include "stream_ops.h"
 #include "workspace.h"
 
 namespace flux_jax::cuda {
@@ -55,7 +56,7 @@ struct PushArgs {
   uint64_t* flag[kDecodeMaxRanks];    // block_arrived[r][.] on rank q
   int64_t chunk_vecs;
   int32_t tp, rank;
-  bool signal_peers;            // false: debug_drop_rank (tests the timeout path)
+  bool signal_peers;            // false: debug_drop_rank (tests the timeout path): no rows, no flags to peers
   bool local_first;             // own copy and flag before the peers' (GEMM row tiles per sender)
   uint64_t epoch;
 };
@@ -78,7 +79,8 @@ __global__ void __launch_bounds__(kThreads) PushRowsKernel(PushArgs a) {
   BatchedCopy<kThreads, /*kBatch=*/4>(lo, hi, load, [&](int64_t v, uint4 val) {
 #pragma unroll
     for (int q = 0; q < kDecodeMaxRanks; ++q) {
-      if (q < a.tp && !(a.local_first && q == a.rank)) a.dst[q][v] = val;
+      if (q >= a.tp || (a.local_first && q == a.rank)) continue;
+      if (q == a.rank || a.signal_peers) a.dst[q][v] = val;  // drop_rank (tests): no data to peers either
     }
   });
   __syncthreads();
@@ -157,8 +159,9 @@ Status RunAgMatmulDecode(const AgMatmulParams& p, const TpGroup& group, const Co
   plan.gate.ctx = ws->Wait(cfg.timeout_us);
   plan.early_launch = cfg.tuning.decode_early_launch;
   FLUX_JAX_RETURN_IF_ERROR(RunDecodeGemm(plan, p.dtype, S, device, ws->sm_count));
-  if (p.gathered) {
-    FLUX_CUDA_TRY(cudaMemcpyAsync(p.gathered, plan.x, tp * chunk_bytes, cudaMemcpyDeviceToDevice, S));
+  if (p.gathered) {  // NaN if a wait of the GEMM gave up: the rows of G[b] may be an earlier call's
+    FLUX_JAX_RETURN_IF_ERROR(LaunchCopyUnlessPoisoned(S, p.gathered, plan.x, static_cast<int64_t>(tp * chunk_bytes), 0,
+                                                      0, ws->alpha, ws->sm_count));
   }
   return Status::Ok();
 }

@@ -159,8 +159,9 @@ __device__ __forceinline__ void ExchangeTile(const DecodeExchange& e, int32_t ti
           seen = lo[u].y;
         }
       }
-      if (pending != 0 && deadline.Expired(e.ctx)) {
-        RecordTimeout(e.ctx, kSiteDecodeSums, q, -1, tile, seen);  // keeps an earlier record
+      if (pending == 0) break;
+      if (const int32_t how = deadline.Expired(e.ctx)) {
+        RecordGiveUp(e.ctx, how, kSiteDecodeSums, q, -1, tile, seen);  // keeps an earlier record
         ok = false;
         break;
       }

@@ -1,45 +1,25 @@
-// Device-side flag waits with deadlines, and the error record they fill.
+// Device-side flag waits with deadlines, and the error records they fill.
 //
 // Every wait on the GPU is bounded: a flag that does not reach its epoch
-// within the timeout records who waited for what in a DeviceError (mapped host
-// memory, read by the next host call) and poisons the GEMM's alpha with NaN so
-// the tiles it could not compute correctly come out as NaN, never as a silent
-// wrong answer. After that, other waits on the device give up at once.
+// within the timeout records who waited for what (flux_jax/wait_record.h:
+// in its member's record, and as the device's first failure) and poisons the
+// GEMM's alpha with NaN so the tiles it could not compute correctly come out
+// as NaN, never as a silent wrong answer. After that, other waits on the
+// device give up at once; each records that it gave up (not a timeout of its
+// own) in its member's record and poisons its own alpha.
 #pragma once
 
 #include <cstdint>
 
+#include "flux_jax/wait_record.h"
+
 namespace flux_jax::cuda {
-
-enum WaitSite : int32_t {
-  kSitePresent = 1,
-  kSiteGemmA = 2,
-  kSiteEpilogueC = 3,
-  kSiteAllGather = 4,      // latency path; piece = thread block
-  kSiteReduceScatter = 5,  // latency path; piece = thread block
-  kSiteDecodeRows = 6,     // decode path's GEMM; piece = push block
-  kSiteDecodeSums = 7,     // matmul_rs's decode GEMM epilogue; piece = output tile
-  kSiteAllReduce = 8,      // latency path; piece = thread block
-};
-
-// Host-visible error record, one per device (cudaHostAllocMapped).
-struct DeviceError {
-  int32_t code;  // 0: none, 1: wait timed out
-  int32_t site;  // WaitSite
-  int32_t device;
-  int32_t rank;
-  int32_t peer;   // rank expected to write the flag (-1 unknown)
-  int32_t chunk;  // chunk / step of rows the flag guards (-1 none)
-  int32_t piece;
-  int32_t pad;
-  uint64_t epoch;
-  uint64_t seen;  // flag value when the wait gave up
-};
 
 // Everything a device-side wait needs besides the flag.
 struct WaitContext {
-  DeviceError* error = nullptr;  // device pointer of this device's record
-  float* alpha = nullptr;        // GEMM alpha in device memory (1.0f; NaN once poisoned)
+  DeviceError* error = nullptr;         // device pointer of this member's record (the rank's first give-up)
+  DeviceError* device_error = nullptr;  // this device's record: its first timeout; once set, every wait gives up
+  float* alpha = nullptr;               // GEMM alpha in device memory (1.0f; NaN once poisoned)
   int64_t timeout_ns = 0;
   int32_t device = 0;
   int32_t rank = 0;
@@ -101,38 +81,50 @@ __device__ __forceinline__ uint64_t LoadAcquireSys(const uint64_t* p) {
   return v;
 }
 
-// Records a wait that gave up (the first failure on this device fills the
-// record; later ones keep it) and poisons alpha, so the GEMM tiles computed
-// from now on are NaN. Every wait that gives up calls it.
-__device__ __forceinline__ void RecordTimeout(const WaitContext& ctx, int32_t site, int32_t peer, int32_t chunk,
-                                              int32_t piece, uint64_t seen) {
-  if (atomicCAS(&ctx.error->code, 0, -1) == 0) {
-    ctx.error->site = site;
-    ctx.error->device = ctx.device;
-    ctx.error->rank = ctx.rank;
-    ctx.error->peer = peer;
-    ctx.error->chunk = chunk;
-    ctx.error->piece = piece;
-    ctx.error->epoch = ctx.epoch;
-    ctx.error->seen = seen;
-    __threadfence_system();
-    atomicExch(&ctx.error->code, 1);
-  }
+// Fills `e` unless it already holds a record (the first one stays).
+__device__ __forceinline__ void FillRecord(DeviceError* e, int32_t code, const WaitContext& ctx, int32_t site,
+                                           int32_t peer, int32_t chunk, int32_t piece, uint64_t seen,
+                                           int32_t missing) {
+  if (atomicCAS(&e->code, kWaitNone, kWaitWriting) != kWaitNone) return;
+  e->site = site;
+  e->device = ctx.device;
+  e->rank = ctx.rank;
+  e->peer = peer;
+  e->chunk = chunk;
+  e->piece = piece;
+  e->missing = missing;
+  e->epoch = ctx.epoch;
+  e->seen = seen;
+  __threadfence_system();
+  atomicExch(&e->code, code);
+}
+
+// Records a wait that gave up and poisons alpha, so the GEMM tiles computed from
+// now on are NaN. Every wait that gives up calls it. `how` (WaitDeadline::Expired):
+// kWaitTimedOut fills the member's record and, if it is the first on this
+// device, the device's (which makes every other wait on it give up);
+// kWaitGaveUp (another wait had failed first) fills only the member's record,
+// so it never passes for a timeout of its own nor names a peer as the cause.
+__device__ __forceinline__ void RecordGiveUp(const WaitContext& ctx, int32_t how, int32_t site, int32_t peer,
+                                             int32_t chunk, int32_t piece, uint64_t seen, int32_t missing = 0) {
+  FillRecord(ctx.error, how, ctx, site, peer, chunk, piece, seen, missing);
+  if (how == kWaitTimedOut) FillRecord(ctx.device_error, how, ctx, site, peer, chunk, piece, seen, missing);
   *reinterpret_cast<volatile float*>(ctx.alpha) = __int_as_float(0x7fc00000);
   __threadfence();
 }
 
-// A deadline for a spinning wait: Expired() every 256 polls reads the clock,
-// and gives up at once if another wait on this device already failed.
+// A deadline for a spinning wait: Expired() every 256 polls reads the clock.
+// Returns 0 (keep waiting), kWaitTimedOut, or kWaitGaveUp at once if another
+// wait on this device already failed (or flux_jax.reset() is draining it).
 struct WaitDeadline {
   uint64_t start = 0;
   uint32_t polls = 0;
-  __device__ __forceinline__ bool Expired(const WaitContext& ctx) {
-    if ((++polls & 255u) != 0) return false;
-    if (*reinterpret_cast<volatile int32_t*>(&ctx.error->code) != 0) return true;
+  __device__ __forceinline__ int32_t Expired(const WaitContext& ctx) {
+    if ((++polls & 255u) != 0) return 0;
+    if (*reinterpret_cast<volatile int32_t*>(&ctx.device_error->code) != kWaitNone) return kWaitGaveUp;
     const uint64_t now = GlobalTimerNs();
     if (start == 0) start = now;
-    return static_cast<int64_t>(now - start) > ctx.timeout_ns;
+    return static_cast<int64_t>(now - start) > ctx.timeout_ns ? kWaitTimedOut : 0;
   }
 };
 
@@ -144,19 +136,20 @@ static __device__ __noinline__ bool WaitFlag(const uint64_t* flag, const WaitCon
   for (;;) {
     const uint64_t seen = LoadAcquireSys(flag);
     if (seen >= ctx.epoch) return true;
-    if (deadline.Expired(ctx)) {
-      // Also when another wait on this device failed first (its record stays: RecordTimeout keeps
-      // the first): this wait's GEMM must still poison its own alpha, or the tiles computed from
-      // rows that never came would come out finite and wrong (found by the loopback tests at TP 8).
-      RecordTimeout(ctx, site, peer, chunk, piece, seen);
+    if (const int32_t how = deadline.Expired(ctx)) {
+      // Also when another wait on this device failed first: this wait's GEMM must still poison its
+      // own alpha, or the tiles computed from rows that never came would come out finite and wrong
+      // (found by the loopback tests at TP 8).
+      RecordGiveUp(ctx, how, site, peer, chunk, piece, seen);
       return false;
     }
   }
 }
 
-// Waits for every piece that covers rows [row0, row0 + rows) (clamped).
-__device__ __forceinline__ void WaitRows(const RowGate& g, int32_t row0, int32_t rows) {
-  if (g.flags == nullptr) return;
+// Waits for every piece that covers rows [row0, row0 + rows) (clamped). False
+// if a wait gave up (recorded, alpha poisoned): the rows may be stale or torn.
+__device__ __forceinline__ bool WaitRows(const RowGate& g, int32_t row0, int32_t rows) {
+  if (g.flags == nullptr) return true;
   const int32_t last = min(row0 + rows, g.total_rows) - 1;
   int32_t row = row0;
   while (row <= last) {
@@ -167,7 +160,7 @@ __device__ __forceinline__ void WaitRows(const RowGate& g, int32_t row0, int32_t
       const int32_t peer = (chunk + g.peer_of_chunk0) % g.tp;
       if (!WaitFlag(g.flags + chunk * g.pieces_per_chunk + piece, g.ctx, g.site, peer, chunk,
                     piece)) {
-        return;
+        return false;
       }
     }
     const int32_t next_piece_row = chunk * g.rows_per_chunk + (piece + 1) * g.rows_per_piece;
@@ -175,6 +168,31 @@ __device__ __forceinline__ void WaitRows(const RowGate& g, int32_t row0, int32_t
   }
   // TMA (async proxy) reads of data another agent wrote follow this wait.
   asm volatile("fence.proxy.async.global;" ::: "memory");
+  return true;
+}
+
+// The whole warp (every lane calls it) writes NaN (all bits set: NaN in
+// bfloat16 and float16) into rows [row0, row0 + rows) x columns [col0, col0 +
+// cols) of a row-major matrix of 2-byte elements (`ld` elements per row; col0,
+// cols and ld multiples of 8, `base` 16-byte aligned), clamped to
+// total_rows x total_cols, for TMA (async proxy) loads issued after it by any
+// lane. A tile whose input rows never came reads NaN instead of stale rows: a
+// copy that lands late overwrites NaN with this epoch's data, never leaves an
+// older value.
+__device__ __forceinline__ void WarpPoisonTile(void* base, int64_t ld, int32_t row0, int32_t rows, int32_t col0,
+                                               int32_t cols, int32_t total_rows, int32_t total_cols) {
+  const int32_t lane = threadIdx.x & 31;
+  rows = min(rows, total_rows - row0);
+  const int32_t vecs = min(cols, total_cols - col0) / 8;  // 16-byte vectors per row
+  for (int32_t i = lane; rows > 0 && vecs > 0 && i < rows * vecs; i += 32) {
+    const int32_t r = i / vecs, v = i - r * vecs;
+    auto* p = static_cast<char*>(base) + ((row0 + r) * ld + col0 + v * 8) * 2;
+    *reinterpret_cast<uint4*>(p) = make_uint4(~0u, ~0u, ~0u, ~0u);
+  }
+  // Each writer orders its stores before the async proxy's reads, then the warp meets (as
+  // CUTLASS orders shared-memory writes before a TMA store).
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+  __syncwarp();
 }
 
 // The whole warp waits for every flag of senders q_lo..q_hi of a PushGate, each

@@ -233,6 +233,13 @@ struct GatedMainloop : Base {
 // Epilogue: gate the C (source) loads of a tile on its row-piece flags; raise
 // the tile counters of its D rows once they are written (TileSignal).
 //
+// A C wait that gives up makes the tile NaN by its C, not by alpha: the
+// consumers read alpha when the tile's store begins, which may be before the
+// load warp's wait gives up (and poisons alpha), so the load warp writes NaN
+// into the tile's C rows (the received partial sums, in our workspace) before
+// it loads them. A push that lands late overwrites NaN with this epoch's
+// partial sums, never with older ones, so every element is NaN or right.
+//
 // The counters: warp 0 of the consumers issues the tile's TMA stores. With
 // `immediate` it waits for them right after the tile (the next tile's MMAs of
 // that warpgroup start ~1 us later); otherwise at the start of the next tile's
@@ -247,6 +254,8 @@ struct GatedEpilogue : Base {
   using typename Base::StorePipelineState;
   using typename Base::TensorStorage;
 
+  static_assert(sizeof(typename Base::ElementC) == 2, "WarpPoisonTile writes 2-byte NaNs");
+
   struct Arguments : Base::Arguments {
     RowGate gate;
     TileSignal signal;
@@ -254,6 +263,8 @@ struct GatedEpilogue : Base {
   struct Params : Base::Params {
     RowGate gate;
     TileSignal signal;
+    void* c = nullptr;  // C (row-major, ldc elements per row): poisoned per tile when its wait gives up
+    int64_t ldc = 0;
   };
 
   template <class ProblemShape>
@@ -264,11 +275,13 @@ struct GatedEpilogue : Base {
         Base::to_underlying_arguments(problem_shape, args, workspace);
     params.gate = args.gate;
     params.signal = args.signal;
+    params.c = const_cast<void*>(static_cast<void const*>(args.ptr_C));
+    params.ldc = static_cast<int64_t>(cute::get<0>(args.dC));
     return params;
   }
 
   CUTLASS_HOST_DEVICE GatedEpilogue(Params const& params, TensorStorage& shared_tensors)
-      : Base(params, shared_tensors), gate_(&params.gate), signal_(&params.signal) {}
+      : Base(params, shared_tensors), gated_(&params), signal_(&params.signal) {}
 
   template <class ProblemShapeMNKL, class TileShapeMNK, class TileCoordMNKL, class TiledMma,
             class... Rest>
@@ -278,10 +291,15 @@ struct GatedEpilogue : Base {
                            TileCoordMNKL tile_coord_mnkl, TiledMma tiled_mma, int thread_idx,
                            TensorStorage& shared_tensors, Rest... rest) {
     const int block_m = cute::size<0>(tile_shape_MNK);
-    if (cute::elect_one_sync()) {
-      WaitRows(*gate_, static_cast<int>(cute::get<0>(tile_coord_mnkl)) * block_m, block_m);
+    const int row0 = static_cast<int>(cute::get<0>(tile_coord_mnkl)) * block_m;
+    bool arrived = true;
+    if (cute::elect_one_sync()) arrived = WaitRows(gated_->gate, row0, block_m);
+    if (!__all_sync(0xffffffffu, arrived)) {  // the rows may be stale or torn: load NaN instead
+      const int block_n = cute::size<1>(tile_shape_MNK);
+      WarpPoisonTile(gated_->c, gated_->ldc, row0, block_m, static_cast<int>(cute::get<1>(tile_coord_mnkl)) * block_n,
+                     block_n, static_cast<int>(cute::get<0>(problem_shape_mnkl)),
+                     static_cast<int>(cute::get<1>(problem_shape_mnkl)));
     }
-    __syncwarp();
     return Base::load(load_pipeline, load_pipe_producer_state, problem_shape_mnkl, tile_shape_MNK,
                       tile_coord_mnkl, tiled_mma, thread_idx, shared_tensors, rest...);
   }
@@ -329,7 +347,7 @@ struct GatedEpilogue : Base {
 
  private:
   static constexpr int kTileRows = cute::size<0>(typename Base::CtaTileMNK{});
-  RowGate const* gate_;
+  Params const* gated_;
   TileSignal const* signal_;
   int pending_row0_ = -1;
 };

@@ -73,8 +73,8 @@ Status RunGemmInstance(const GemmPlan& p, cudaStream_t stream, int device, int s
   // As in the decode GEMM: a nonzero batch stride makes the epilogue read alpha per tile (batch 0
   // only), not once at kernel start, so a tile whose rows never came (its wait gave up and
   // poisoned alpha before its loads) comes out NaN instead of finite and wrong (found by
-  // cpp/tests/loopback). A partial-sum (C) wait that gives up after the tile's epilogue read alpha
-  // can still leave that tile finite; the next call reports the error.
+  // cpp/tests/loopback). A partial-sum (C) wait may give up after the tile's epilogue read alpha;
+  // it makes the tile's C NaN instead (GatedEpilogue::load).
   ep.thread.dAlpha = {cute::_0{}, cute::_0{}, 1};
   ep.thread.beta = p.beta;
   ep.ptr_C = static_cast<Element const*>(p.c != nullptr ? p.c : p.d);

@@ -131,15 +131,15 @@ Status RunMatmulRsCuda(const MatmulRsParams& p, const TpGroup& group, const Comm
         FLUX_CUDA_TRY(cudaStreamWaitEvent(ws->comm, ws->ev_step[j], 0));
       }
       if (j == 0 && q0 == 0) FLUX_JAX_RETURN_IF_ERROR(StreamWriteValue64(ws->comm, ws->cells + 1, epoch));
-      for (int q = q0; q < q1; ++q) {
+      for (int q = q0; q < q1 && cfg.drop_rank != r; ++q) {  // drop_rank (tests): sends neither data nor flags
         const int64_t p0 = static_cast<int64_t>(q) * piece_rows;
         const size_t bytes = static_cast<size_t>(std::min<int64_t>(piece_rows, m_out - p0)) * out_row_bytes;
         if (tile_signal) {
           FLUX_JAX_RETURN_IF_ERROR(StreamWaitValue64Geq(ws->comm, ws->tiles_done + q, ws->tiles_done_expected[q]));
         }
-        uint64_t* flag = cfg.drop_rank == r ? nullptr : ws->peers[next].arrived + j * pieces + q;
         FLUX_JAX_RETURN_IF_ERROR(PushPiece(*ws, ws->peers[next].data + j * slot_bytes + p0 * out_row_bytes,
-                                           stage + j * slot_bytes + p0 * out_row_bytes, bytes, flag));
+                                           stage + j * slot_bytes + p0 * out_row_bytes, bytes,
+                                           ws->peers[next].arrived + j * pieces + q));
       }
     }
   }

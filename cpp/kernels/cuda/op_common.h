@@ -130,10 +130,9 @@ inline Status PresenceHandshake(GroupWorkspace& ws, cudaStream_t stream, const C
 // Copy-engine push of `bytes` to a peer, then its flag = epoch on the same stream, so the
 // flag lands after the data: an 8-byte copy from cells[1] (which holds the epoch on the comm
 // stream). (A stream memory op, cuStreamWriteValue64, measured 1.5-7% slower per call on
-// 2x H200, 2026-11-30.) A null flag sends the data without signalling (debug_drop_rank).
+// 2x H200, 2026-11-30.)
 inline Status PushPiece(GroupWorkspace& ws, void* dst, const void* src, size_t bytes, uint64_t* peer_flag) {
   if (bytes) FLUX_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, ws.comm));
-  if (peer_flag == nullptr) return Status::Ok();
   FLUX_CUDA_TRY(cudaMemcpyAsync(peer_flag, ws.cells + 1, sizeof(uint64_t), cudaMemcpyDeviceToDevice, ws.comm));
   return Status::Ok();
 }

@@ -14,6 +14,8 @@ std::string CudaDeviceError(int device) {
   return s.ok() ? std::string() : s.message();
 }
 
+void CudaFailNextWorkspaceGrowthForTesting(int rank) { cuda::FailNextGrowthForTesting(rank); }
+
 namespace {
 Status Group(const std::vector<int64_t>& devices, const std::vector<int64_t>& processes,
              int32_t ordinal, TpGroup* group) {

@@ -39,6 +39,15 @@ struct PresenceSignal {
 Status LaunchPresenceHandshake(cudaStream_t stream, const PresenceSignal& signal,
                                const uint64_t* present, int tp, const WaitContext& ctx);
 
+// The `return_gathered` copies after a GEMM that waited for the rows they copy:
+// dst[b] = src[b] for the bytes b of [0, bytes) outside [skip_lo, skip_hi), or
+// NaN (all bits set, in bfloat16 and float16) for all of them if *alpha is NaN:
+// a wait of this member gave up, so rows it guarded may be stale or torn (its
+// GEMM's output is NaN for the same reason). One kernel on `stream`, after the
+// GEMM; every size and offset a multiple of 16 bytes.
+Status LaunchCopyUnlessPoisoned(cudaStream_t stream, void* dst, const void* src, int64_t bytes, int64_t skip_lo,
+                                int64_t skip_hi, const float* alpha, int sm_count);
+
 // Loads the handshake kernel into the current device's context (see PreloadGemmKernels).
 Status PreloadStreamOps();
 

@@ -4,14 +4,18 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <sstream>
 #include <string>
 #include <tuple>
 
+#include <cuda.h>  // driver API types only (cuMemGetAddressRange, resolved at run time)
+
 #include "ag_matmul_decode.h"
 #include "cuda_util.h"
+#include "flux_jax/gpu_checks.h"
 #include "gemm_plan.h"
 #include "stream_ops.h"
 
@@ -19,6 +23,8 @@ namespace flux_jax::cuda {
 namespace {
 
 constexpr int kMaxDevices = 64;
+// Members of TP groups in this process, over all groups and devices, until flux_jax.reset().
+constexpr int kMaxMembers = 1024;
 constexpr size_t kCtrlWords = kMaxTp + kMaxFlags + 2 + kMaxTp * kMaxLatencyBlocks + kMaxPieces;
 constexpr size_t kGrowGranule = size_t{64} << 20;  // grow in 64 MiB steps
 
@@ -56,7 +62,7 @@ class HostBarrier {
 struct Group {
   explicit Group(const TpGroup& g)
       : devices(g.devices), barrier(g.size), members(g.size), remote(g.size),
-        cross_process(g.cross_process) {}
+        cross_process(g.cross_process), name(g.Describe()) {}
   std::vector<int64_t> devices;
   HostBarrier barrier;
   std::vector<std::unique_ptr<GroupWorkspace>> members;  // by rank; each owned by its device's thread
@@ -65,6 +71,22 @@ struct Group {
   std::vector<PeerView> remote;                           // by rank
   std::vector<std::pair<int, void*>> opened;              // (device, IPC mapping) to close
   bool cross_process = false;
+  std::string name;  // TpGroup::Describe()
+
+  // Set when a member's setup or growth failed: the members' views of each other are in doubt
+  // (a peer may hold a freed or null area), so every later call of every member fails with this.
+  void MarkFailed(const std::string& why) {
+    std::lock_guard<std::mutex> lock(failed_mu);
+    if (failed.empty()) failed = why;
+  }
+  Status Failed() {
+    std::lock_guard<std::mutex> lock(failed_mu);
+    if (failed.empty()) return Status::Ok();
+    return Status::ResourceExhausted(failed + " The workspace of " + name +
+                                     " is unusable: every fused op of the group fails until flux_jax.reset().");
+  }
+  std::mutex failed_mu;
+  std::string failed;
 };
 
 std::mutex& RegistryMutex() {
@@ -76,17 +98,40 @@ std::map<std::vector<int64_t>, std::shared_ptr<Group>>& Registry() {
   return *registry;
 }
 
+// Error records in mapped host memory: [0, kMaxDevices) one per device, then one per member.
 DeviceError* ErrorRecords(Status* status) {
   static DeviceError* records = nullptr;
   static std::once_flag once;
   static cudaError_t err = cudaSuccess;
   std::call_once(once, [] {
-    err = cudaHostAlloc(reinterpret_cast<void**>(&records), sizeof(DeviceError) * kMaxDevices,
-                        cudaHostAllocMapped | cudaHostAllocPortable);
-    if (err == cudaSuccess) std::memset(records, 0, sizeof(DeviceError) * kMaxDevices);
+    constexpr size_t bytes = sizeof(DeviceError) * (kMaxDevices + kMaxMembers);
+    err = cudaHostAlloc(reinterpret_cast<void**>(&records), bytes, cudaHostAllocMapped | cudaHostAllocPortable);
+    if (err == cudaSuccess) std::memset(records, 0, bytes);
   });
   *status = CudaStatus(err, "cudaHostAlloc(error records)", __FILE__, __LINE__);
   return records;
+}
+
+std::atomic<int>& MembersRecorded() {  // member records handed out since the last reset
+  static std::atomic<int> count{0};
+  return count;
+}
+
+// A consistent copy of a record the GPU may be writing (code kWaitWriting: wait for it).
+DeviceError Snapshot(const DeviceError& e) {
+  const volatile int32_t* code = &e.code;
+  for (int spins = 0; *code == kWaitWriting && spins < 1'000'000; ++spins) {
+  }
+  std::atomic_thread_fence(std::memory_order_acquire);
+  DeviceError copy;
+  std::memcpy(&copy, &e, sizeof(copy));
+  copy.code = *code;
+  return copy;
+}
+
+std::atomic<int>& GrowthFailureRank() {  // FailNextGrowthForTesting
+  static std::atomic<int> rank{-1};
+  return rank;
 }
 
 std::string Describe(const TpGroup& g) { return g.Describe(); }
@@ -164,7 +209,14 @@ Status InitMember(const TpGroup& g, GroupWorkspace* w) {
   Status st;
   DeviceError* records = ErrorRecords(&st);
   FLUX_JAX_RETURN_IF_ERROR(st);
-  FLUX_CUDA_TRY(cudaHostGetDevicePointer(reinterpret_cast<void**>(&w->error), records + device, 0));
+  const int slot = MembersRecorded().fetch_add(1);
+  if (slot >= kMaxMembers) {
+    return Status::ResourceExhausted("flux_jax: more than " + std::to_string(kMaxMembers) +
+                                     " TP group members in this process since the last flux_jax.reset()");
+  }
+  w->error_host = records + kMaxDevices + slot;
+  FLUX_CUDA_TRY(cudaHostGetDevicePointer(reinterpret_cast<void**>(&w->error), w->error_host, 0));
+  FLUX_CUDA_TRY(cudaHostGetDevicePointer(reinterpret_cast<void**>(&w->device_error), records + device, 0));
   return Status::Ok();
 }
 
@@ -206,22 +258,47 @@ void PropagateError(const std::vector<int32_t>& devices, int device) {
   for (int32_t d : devices) {
     if (d == device || d < 0 || d >= kMaxDevices) continue;
     volatile int32_t* code = &records[d].code;
-    if (*code != 0) continue;
-    DeviceError copy = records[device];
-    copy.code = 0;
+    if (*code != kWaitNone) continue;
+    DeviceError copy = Snapshot(records[device]);
+    if (copy.code != kWaitTimedOut) return;
+    copy.code = kWaitNone;
     std::memcpy(&records[d], &copy, sizeof(copy));
     std::atomic_thread_fence(std::memory_order_seq_cst);
-    *code = 1;
+    *code = kWaitTimedOut;
   }
+}
+
+// The error of `member` (null: not set up) of `g` on `device`, if one of its waits gave up or the
+// device has failed (flux_jax/wait_record.h); copied to the group's other devices in this
+// process, so their pending waits give up at once.
+Status MemberError(const TpGroup& g, const GroupWorkspace* member, int device) {
+  Status st;
+  DeviceError* records = ErrorRecords(&st);
+  FLUX_JAX_RETURN_IF_ERROR(st);
+  const bool own_set = member != nullptr && member->error_host != nullptr &&
+                       *reinterpret_cast<const volatile int32_t*>(&member->error_host->code) != kWaitNone;
+  if (!own_set && *reinterpret_cast<const volatile int32_t*>(&records[device].code) == kWaitNone) {
+    return Status::Ok();  // every call: two loads, no formatting
+  }
+  const DeviceError own = own_set ? Snapshot(*member->error_host) : DeviceError{};
+  const DeviceError first = Snapshot(records[device]);
+  const std::string text = DescribeWaitFailure(own, first, device, g.Describe());
+  if (text.empty()) return Status::Ok();
+  if (first.code == kWaitTimedOut) PropagateError(g.ordinals, device);
+  return Status::DeadlineExceeded(text);
 }
 
 // ---- Cross-process groups (CUDA IPC) -----------------------------------------
 
-// What one member publishes: IPC handles of its three allocations.
+// What one member publishes: who it is, the sizes of its areas, and their IPC handles.
+constexpr uint32_t kIpcMagic = 0x464a5731;  // "FJW1"; a different layout gets a different value
 struct IpcBlob {
+  uint32_t magic;
+  int32_t rank, tp, pad;
+  uint64_t ctrl_bytes, data_bytes, slot_bytes, ll_bytes;
   cudaIpcMemHandle_t ctrl, data, slots, ll;
-  uint64_t data_bytes, slot_bytes, ll_bytes;
 };
+constexpr size_t kCtrlBytes = kCtrlWords * sizeof(uint64_t) + 64;  // the words and alpha
 
 std::shared_ptr<Group> GroupOf(const TpGroup& g, bool create) {
   std::lock_guard<std::mutex> lock(RegistryMutex());
@@ -233,6 +310,27 @@ std::shared_ptr<Group> GroupOf(const TpGroup& g, bool create) {
   return group;
 }
 
+// The areas a call of `w` uses (`needed`: data, slots, low-latency) exist on every peer.
+Status ValidatePeers(const TpGroup& g, const GroupWorkspace& w, size_t data_bytes, size_t slot_bytes,
+                     size_t ll_bytes) {
+  if (static_cast<int>(w.peers.size()) != g.size) {
+    return Status::Internal("flux_jax: rank " + std::to_string(g.rank) + " of " + g.Describe() +
+                            " has no view of its peers' workspaces (its setup did not finish)");
+  }
+  for (int p = 0; p < g.size; ++p) {
+    const PeerView& v = w.peers[p];
+    const char* missing = v.present == nullptr ? "control"
+                          : data_bytes > 0 && v.data == nullptr ? "data"
+                          : slot_bytes > 0 && v.slots == nullptr ? "slot"
+                          : ll_bytes > 0 && v.ll == nullptr ? "low-latency" : nullptr;
+    if (missing != nullptr) {
+      return Status::Internal("flux_jax: rank " + std::to_string(p) + " of " + g.Describe() + " (GPU " +
+                              std::to_string(g.ordinals[p]) + ") has no " + missing + " workspace area");
+    }
+  }
+  return Status::Ok();
+}
+
 Status AcquireIpcWorkspace(const TpGroup& g, size_t data_bytes, size_t slot_bytes, size_t ll_bytes,
                            GroupWorkspace** out) {
   std::shared_ptr<Group> group = GroupOf(g, false);
@@ -242,6 +340,7 @@ Status AcquireIpcWorkspace(const TpGroup& g, size_t data_bytes, size_t slot_byte
                             " is not set up (it is set up when a program with fused ops is "
                             "lowered; after flux_jax.reset(), jit the function again)");
   }
+  FLUX_JAX_RETURN_IF_ERROR(MemberError(g, w, g.ordinals[g.rank]));
   if (w->peers.empty()) {
     for (int r = 0; r < g.size; ++r) {
       if (!group->members[r] && group->remote[r].present == nullptr) {
@@ -260,6 +359,7 @@ Status AcquireIpcWorkspace(const TpGroup& g, size_t data_bytes, size_t slot_byte
         " MiB (slots) / " + std::to_string(w->ll_capacity >> 20) + " MiB (low-latency slots) and cannot grow; raise it with "
         "flux_jax.initialize_distributed(gpu_workspace_mib=...) before the first fused op");
   }
+  FLUX_JAX_RETURN_IF_ERROR(ValidatePeers(g, *w, data_bytes, slot_bytes, ll_bytes));
   *out = w;
   return Status::Ok();
 }
@@ -271,47 +371,60 @@ Status AcquireWorkspace(const TpGroup& g, size_t data_bytes, const CommConfig& c
                         size_t ll_bytes) {
   const int device = g.ordinals[g.rank];
   if (device < 0 || device >= kMaxDevices) return Status::InvalidArgument("device ordinal out of range");
-  if (Status err = CheckDeviceError(device); !err.ok()) {
-    PropagateError(g.ordinals, device);
-    return err;
-  }
   if (g.cross_process) return AcquireIpcWorkspace(g, data_bytes, slot_bytes, ll_bytes, out);
-  std::shared_ptr<Group> group;
-  {
-    std::lock_guard<std::mutex> lock(RegistryMutex());
-    auto& slot = Registry()[g.devices];
-    if (!slot) slot = std::make_shared<Group>(g);
-    group = slot;
-  }
+  std::shared_ptr<Group> group = GroupOf(g, true);
+  std::unique_ptr<GroupWorkspace>& member = group->members[g.rank];  // only this rank's thread touches it
+  FLUX_JAX_RETURN_IF_ERROR(MemberError(g, member.get(), device));
+  FLUX_JAX_RETURN_IF_ERROR(group->Failed());
   const std::string who = "rank " + std::to_string(g.rank) + " of " + Describe(g);
-  std::unique_ptr<GroupWorkspace>& member = group->members[g.rank];
   if (!member) {
-    auto fresh = std::make_unique<GroupWorkspace>();
-    FLUX_JAX_RETURN_IF_ERROR(InitMember(g, fresh.get()));
-    member = std::move(fresh);
-    FLUX_JAX_RETURN_IF_ERROR(group->barrier.Arrive(
-        cfg.timeout_us, "workspace setup (" + who + " waited for its peers to reach the first fused op)"));
-    RefreshPeers(*group, member.get());
+    // Ranks that share a GPU need their own hardware queues (flux_jax/gpu_checks.h): checked
+    // before anything is set up, so every rank of the group fails alike at every call.
+    const int sharing = static_cast<int>(std::count(g.ordinals.begin(), g.ordinals.end(), device));
+    FLUX_JAX_RETURN_IF_ERROR(CheckHardwareQueues(std::getenv("CUDA_DEVICE_MAX_CONNECTIONS"), sharing, device, Describe(g)));
+    member = std::make_unique<GroupWorkspace>();  // kept even if its setup fails: reset() frees it
+    GroupWorkspace* m = member.get();
+    const std::string what = "workspace setup (" + who + " waited for its peers to reach the first fused op)";
+    if (Status st = InitMember(g, m); !st.ok()) {
+      group->MarkFailed("flux_jax: setting up the workspace of " + who + " on GPU " + std::to_string(device) +
+                        " failed: " + st.message());
+      group->barrier.Arrive(cfg.timeout_us, what);  // keep the peers in step: they fail right after it
+      return group->Failed();
+    }
+    if (Status st = group->barrier.Arrive(cfg.timeout_us, what); !st.ok()) {
+      group->MarkFailed(st.message() + ".");
+      return group->Failed();
+    }
+    FLUX_JAX_RETURN_IF_ERROR(group->Failed());  // a peer's setup failed
+    RefreshPeers(*group, m);
     // Warm up every copy path (local and peer) once while the device is idle:
     // the runtime may load internal kernels for them lazily (see InitMember).
     // On the comm stream, waited for here: a device-to-device cudaMemcpy returns
     // before it lands, and a 0 landing in our present slot on a peer after this
     // call's presence kernel wrote the epoch there made the peer wait until its
     // timeout (seen in the loopback tests at TP 4 and 8).
-    GroupWorkspace* m = member.get();
     DeviceGuard guard(device);
-    FLUX_CUDA_TRY(cudaMemcpyAsync(m->cells + 1, m->cells, sizeof(uint64_t), cudaMemcpyDeviceToDevice, m->comm));
-    for (int p = 0; p < g.size; ++p) {
+    Status warm = CudaStatus(cudaMemcpyAsync(m->cells + 1, m->cells, sizeof(uint64_t), cudaMemcpyDeviceToDevice, m->comm),
+                             "cudaMemcpyAsync(warm-up)", __FILE__, __LINE__);
+    for (int p = 0; p < g.size && warm.ok(); ++p) {
       if (p == g.rank) continue;  // writes 0 into our own present slot on the peer: a no-op
-      FLUX_CUDA_TRY(cudaMemcpyAsync(m->peers[p].present + g.rank, m->cells, sizeof(uint64_t),
-                                    cudaMemcpyDeviceToDevice, m->comm));
+      warm = CudaStatus(cudaMemcpyAsync(m->peers[p].present + g.rank, m->cells, sizeof(uint64_t),
+                                        cudaMemcpyDeviceToDevice, m->comm),
+                        "cudaMemcpyAsync(warm-up)", __FILE__, __LINE__);
     }
-    FLUX_CUDA_TRY(cudaStreamSynchronize(m->comm));
+    if (warm.ok()) warm = CudaStatus(cudaStreamSynchronize(m->comm), "cudaStreamSynchronize(warm-up)", __FILE__, __LINE__);
+    if (!warm.ok()) {
+      group->MarkFailed("flux_jax: setting up the workspace of " + who + " on GPU " + std::to_string(device) +
+                        " failed: " + warm.message());
+      return group->Failed();
+    }
   }
   GroupWorkspace* w = member.get();
   // Grows one area of every member: all reach this call, drain what they
   // enqueued (pushes into peers' old buffers included), and only then may
-  // anyone free a buffer.
+  // anyone free a buffer. Any failure from the first barrier on marks the group
+  // failed: members may have left with different views of each other (a freed
+  // old area, a null new one), and using them would fault the GPU.
   // `zeroed`: the low-latency area, whose readers take any word whose epoch matches (0 is no
   // call's epoch), is cleared before any peer can write to it (the barrier below).
   auto grow = [&](char** area, size_t* capacity, size_t bytes, char* PeerView::*peer_area,
@@ -319,31 +432,46 @@ Status AcquireWorkspace(const TpGroup& g, size_t data_bytes, const CommConfig& c
     if (bytes <= *capacity) return Status::Ok();
     DeviceGuard guard(device);
     const std::string what = std::string(name) + " growth (" + who + ")";
-    FLUX_JAX_RETURN_IF_ERROR(group->barrier.Arrive(cfg.timeout_us, what));
-    FLUX_CUDA_TRY(cudaStreamSynchronize(compute_stream));
-    FLUX_CUDA_TRY(cudaStreamSynchronize(w->comm));
-    FLUX_JAX_RETURN_IF_ERROR(group->barrier.Arrive(cfg.timeout_us, what + ", drain"));
-    if (*area) FLUX_CUDA_TRY(cudaFree(*area));
+    const size_t rounded = (bytes + kGrowGranule - 1) / kGrowGranule * kGrowGranule;
+    auto fail = [&](const Status& st) {
+      group->MarkFailed("flux_jax: growing the " + std::string(name) + " of " + who + " on GPU " +
+                        std::to_string(device) + " to " + std::to_string(rounded >> 20) + " MiB failed: " +
+                        st.message());
+      return group->Failed();
+    };
+    if (Status st = group->barrier.Arrive(cfg.timeout_us, what); !st.ok()) return fail(st);
+    Status drained = CudaStatus(cudaStreamSynchronize(compute_stream), "cudaStreamSynchronize(compute)", __FILE__, __LINE__);
+    if (drained.ok()) drained = CudaStatus(cudaStreamSynchronize(w->comm), "cudaStreamSynchronize(comm)", __FILE__, __LINE__);
+    if (!drained.ok()) fail(drained);  // before the barrier: the peers see it after it
+    if (Status st = group->barrier.Arrive(cfg.timeout_us, what + ", drain"); !st.ok()) return fail(st);
+    FLUX_JAX_RETURN_IF_ERROR(group->Failed());  // a member could not drain: nobody frees anything
+    if (*area) cudaFree(*area);
     *area = nullptr;
     *capacity = 0;
-    const size_t rounded = (bytes + kGrowGranule - 1) / kGrowGranule * kGrowGranule;
-    cudaError_t err = cudaMalloc(reinterpret_cast<void**>(area), rounded);
+    int fail_rank = g.rank;
+    cudaError_t err = GrowthFailureRank().compare_exchange_strong(fail_rank, -1)
+                          ? cudaErrorMemoryAllocation  // FailNextGrowthForTesting
+                          : cudaMalloc(reinterpret_cast<void**>(area), rounded);
+    if (err == cudaSuccess && zeroed) {  // landed before any peer may write into it (see InitMember)
+      err = cudaMemsetAsync(*area, 0, rounded, w->comm);
+      if (err == cudaSuccess) err = cudaStreamSynchronize(w->comm);
+    }
     if (err != cudaSuccess) {
       cudaGetLastError();
-      Status st = AllocationError(device, rounded, err);
-      group->barrier.Arrive(cfg.timeout_us, what + ", reallocation");  // keep peers in step
-      return st;
+      if (*area) cudaFree(*area);
+      *area = nullptr;
+      fail(AllocationError(device, rounded, err));  // before the barrier: the peers see it after it
+      group->barrier.Arrive(cfg.timeout_us, what + ", reallocation");  // keep the peers in step
+      return group->Failed();
     }
     *capacity = rounded;
-    if (zeroed) {  // landed before any peer may write into it (see InitMember)
-      FLUX_CUDA_TRY(cudaMemsetAsync(*area, 0, rounded, w->comm));
-      FLUX_CUDA_TRY(cudaStreamSynchronize(w->comm));
-    }
-    FLUX_JAX_RETURN_IF_ERROR(group->barrier.Arrive(cfg.timeout_us, what + ", reallocation"));
+    if (Status st = group->barrier.Arrive(cfg.timeout_us, what + ", reallocation"); !st.ok()) return fail(st);
+    FLUX_JAX_RETURN_IF_ERROR(group->Failed());  // a peer's allocation failed
     RefreshPeers(*group, w);
-    for (const PeerView& peer : w->peers) {
-      if (peer.*peer_area == nullptr) {
-        return Status::ResourceExhausted("flux_jax: a peer failed to allocate its workspace");
+    for (int p = 0; p < g.size; ++p) {
+      if (w->peers[p].*peer_area == nullptr) {
+        return fail(Status::Internal("rank " + std::to_string(p) + " (GPU " + std::to_string(g.ordinals[p]) +
+                                     ") has no " + name + " after it"));
       }
     }
     return Status::Ok();
@@ -351,9 +479,17 @@ Status AcquireWorkspace(const TpGroup& g, size_t data_bytes, const CommConfig& c
   FLUX_JAX_RETURN_IF_ERROR(grow(&w->data, &w->capacity, data_bytes, &PeerView::data, "data workspace", false));
   FLUX_JAX_RETURN_IF_ERROR(grow(&w->slots, &w->slots_capacity, slot_bytes, &PeerView::slots, "slot workspace", false));
   FLUX_JAX_RETURN_IF_ERROR(grow(&w->ll, &w->ll_capacity, ll_bytes, &PeerView::ll, "low-latency workspace", true));
+  // Every call, not only after growth: a view of a peer that a failed setup or growth left behind
+  // must never reach a kernel (it would fault the GPU).
+  if (Status st = ValidatePeers(g, *w, data_bytes, slot_bytes, ll_bytes); !st.ok()) {
+    group->MarkFailed(st.message() + ".");
+    return group->Failed();
+  }
   *out = w;
   return Status::Ok();
 }
+
+void FailNextGrowthForTesting(int rank) { GrowthFailureRank().store(rank); }
 
 Status ExportIpcMember(const TpGroup& g, size_t data_bytes, size_t slot_bytes, std::string* blob) {
   const int device = g.ordinals[g.rank];
@@ -379,6 +515,10 @@ Status ExportIpcMember(const TpGroup& g, size_t data_bytes, size_t slot_bytes, s
   // The low-latency area starts at epoch 0, landed before the blob is published (see InitMember).
   FLUX_CUDA_TRY(cudaMemsetAsync(w->ll, 0, w->ll_capacity, w->comm));
   FLUX_CUDA_TRY(cudaStreamSynchronize(w->comm));
+  b.magic = kIpcMagic;
+  b.rank = g.rank;
+  b.tp = g.size;
+  b.ctrl_bytes = kCtrlBytes;
   b.data_bytes = w->capacity;
   b.slot_bytes = w->slots_capacity;
   b.ll_bytes = w->ll_capacity;
@@ -392,59 +532,100 @@ Status ExportIpcMember(const TpGroup& g, size_t data_bytes, size_t slot_bytes, s
   return Status::Ok();
 }
 
+namespace {
+
+// Bytes of the allocation that holds `p` (cuMemGetAddressRange, resolved at run time): what a
+// CUDA IPC mapping opened from a peer's handle really spans.
+Status MappedBytes(const void* p, uint64_t* bytes) {
+  using Fn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+  static Fn fn = nullptr;
+  static cudaError_t err = cudaSuccess;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* entry = nullptr;
+    cudaDriverEntryPointQueryResult query{};
+    err = cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &entry, 12000, cudaEnableDefault, &query);
+    if (err == cudaSuccess && query != cudaDriverEntryPointSuccess) err = cudaErrorSymbolNotFound;
+    fn = reinterpret_cast<Fn>(entry);
+  });
+  FLUX_JAX_RETURN_IF_ERROR(CudaStatus(err, "cudaGetDriverEntryPointByVersion(cuMemGetAddressRange)", __FILE__, __LINE__));
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  const CUresult r = fn(&base, &size, reinterpret_cast<CUdeviceptr>(p));
+  if (r != CUDA_SUCCESS) return Status::Internal("flux_jax: cuMemGetAddressRange failed with CUresult " + std::to_string(r));
+  // The mapping starts at the allocation's base (cudaIpcOpenMemHandle maps whole allocations).
+  *bytes = size - (reinterpret_cast<CUdeviceptr>(p) - base);
+  return Status::Ok();
+}
+
+}  // namespace
+
 Status ImportIpcPeer(const TpGroup& g, int peer, const std::string& blob) {
   std::shared_ptr<Group> group = GroupOf(g, false);
   if (!group || !group->members[g.rank]) return Status::Internal("flux_jax: import before export");
-  if (blob.size() != sizeof(IpcBlob)) return Status::InvalidArgument("flux_jax: malformed IPC handle blob");
   if (peer < 0 || peer >= g.size || g.ordinals[peer] >= 0) {
     return Status::InvalidArgument("flux_jax: rank " + std::to_string(peer) + " is not a remote rank");
   }
-  IpcBlob b;
+  IpcBlob b{};
+  if (blob.size() >= sizeof(b.magic)) std::memcpy(&b.magic, blob.data(), sizeof(b.magic));
+  if (blob.size() != sizeof(IpcBlob) || b.magic != kIpcMagic) {
+    return Status::InvalidArgument("flux_jax: the CUDA IPC blob of rank " + std::to_string(peer) + " of " + g.Describe() +
+                                   " is not one of this build's (" + std::to_string(blob.size()) + " bytes, expected " +
+                                   std::to_string(sizeof(IpcBlob)) + "): every process must run the same flux_jax build");
+  }
   std::memcpy(&b, blob.data(), sizeof(b));
+  GroupWorkspace* w = group->members[g.rank].get();
+  const IpcAreaSizes declared{b.ctrl_bytes, b.data_bytes, b.slot_bytes, b.ll_bytes};
+  const IpcAreaSizes expected{kCtrlBytes, w->capacity, w->slots_capacity, w->ll_capacity};
+  FLUX_JAX_RETURN_IF_ERROR(CheckIpcPeer(peer, g.size, b.rank, b.tp, declared, expected, IpcAreaSizes{}, g.Describe()));
   const int device = g.ordinals[g.rank];
   DeviceGuard guard(device);
-  void *ctrl = nullptr, *data = nullptr, *slots = nullptr, *ll = nullptr;
-  FLUX_CUDA_TRY(cudaIpcOpenMemHandle(&ctrl, b.ctrl, cudaIpcMemLazyEnablePeerAccess));
-  FLUX_CUDA_TRY(cudaIpcOpenMemHandle(&data, b.data, cudaIpcMemLazyEnablePeerAccess));
-  FLUX_CUDA_TRY(cudaIpcOpenMemHandle(&slots, b.slots, cudaIpcMemLazyEnablePeerAccess));
-  FLUX_CUDA_TRY(cudaIpcOpenMemHandle(&ll, b.ll, cudaIpcMemLazyEnablePeerAccess));
+  void* mapped[4] = {};
+  const cudaIpcMemHandle_t handles[4] = {b.ctrl, b.data, b.slots, b.ll};
+  IpcAreaSizes sizes;
+  uint64_t* size_of[4] = {&sizes.ctrl, &sizes.data, &sizes.slots, &sizes.ll};
+  Status st;
+  for (int i = 0; i < 4 && st.ok(); ++i) {
+    st = CudaStatus(cudaIpcOpenMemHandle(&mapped[i], handles[i], cudaIpcMemLazyEnablePeerAccess),
+                    "cudaIpcOpenMemHandle", __FILE__, __LINE__);
+    if (st.ok()) st = MappedBytes(mapped[i], size_of[i]);
+  }
+  if (st.ok()) st = CheckIpcPeer(peer, g.size, b.rank, b.tp, declared, expected, sizes, g.Describe());
+  if (!st.ok()) {
+    for (void* p : mapped) {
+      if (p) cudaIpcCloseMemHandle(p);
+    }
+    cudaGetLastError();
+    return st;
+  }
   std::lock_guard<std::mutex> lock(RegistryMutex());
-  for (void* p : {ctrl, data, slots, ll}) group->opened.emplace_back(device, p);
-  auto* words = static_cast<uint64_t*>(ctrl);
-  group->remote[peer] = PeerView{words, words + kMaxTp, words + kMaxTp + kMaxFlags + 2,
-                                 static_cast<char*>(data), static_cast<char*>(slots), static_cast<char*>(ll)};
-  // A peer with less room than ours would be overrun: use the smaller capacity.
-  GroupWorkspace* w = group->members[g.rank].get();
-  w->capacity = std::min<size_t>(w->capacity, b.data_bytes);
-  w->slots_capacity = std::min<size_t>(w->slots_capacity, b.slot_bytes);
-  w->ll_capacity = std::min<size_t>(w->ll_capacity, b.ll_bytes);
+  for (void* p : mapped) group->opened.emplace_back(device, p);
+  auto* words = static_cast<uint64_t*>(mapped[0]);
+  group->remote[peer] = PeerView{words, words + kMaxTp, words + kMaxTp + kMaxFlags + 2, static_cast<char*>(mapped[1]),
+                                 static_cast<char*>(mapped[2]), static_cast<char*>(mapped[3])};
   return Status::Ok();
 }
 
 Status CheckDeviceError(int device) {
+  if (device < 0 || device >= kMaxDevices) return Status::InvalidArgument("device ordinal out of range");
   Status st;
   DeviceError* records = ErrorRecords(&st);
   FLUX_JAX_RETURN_IF_ERROR(st);
-  const DeviceError& e = records[device];
-  if (*reinterpret_cast<const volatile int32_t*>(&e.code) != 1) return Status::Ok();
-  std::ostringstream os;
-  os << "flux_jax: a fused op on GPU " << e.device << " timed out (rank " << e.rank;
-  switch (e.site) {
-    case kSitePresent: os << " waited for rank " << e.peer << " to reach the op"; break;
-    case kSiteGemmA: os << " waited for rows of chunk " << e.chunk << ", piece " << e.piece << " from rank " << e.peer; break;
-    case kSiteEpilogueC: os << " waited for partial sums, piece " << e.piece << ", from rank " << e.peer; break;
-    case kSiteAllGather: os << " waited in all_gather for block " << e.piece << " of the rows of rank " << e.peer; break;
-    case kSiteReduceScatter: os << " waited in reduce_scatter for block " << e.piece << " of the partial sums of rank " << e.peer; break;
-    case kSiteDecodeRows: os << " waited in ag_matmul's decode GEMM for push block " << e.piece << " of the rows of rank " << e.peer; break;
-    case kSiteDecodeSums: os << " waited in matmul_rs's decode GEMM for the partial sums of output tile " << e.piece << " from rank " << e.peer; break;
-    case kSiteAllReduce: os << " waited in all_reduce for block " << e.piece << " of the partial sums of rank " << e.peer; break;
-    default: os << " waited on an unknown site"; break;
+  const DeviceError first = Snapshot(records[device]);
+  std::string text;
+  {
+    std::lock_guard<std::mutex> lock(RegistryMutex());
+    for (auto& [devices, group] : Registry()) {
+      for (auto& m : group->members) {
+        if (!m || m->device != device || m->error_host == nullptr) continue;
+        const DeviceError own = Snapshot(*m->error_host);
+        if (own.code != kWaitTimedOut && own.code != kWaitGaveUp) continue;
+        text += (text.empty() ? "" : "\n") + DescribeWaitFailure(own, first, device, group->name);
+      }
+    }
   }
-  os << "; epoch " << e.epoch << ", flag value seen " << e.seen
-     << "). The outputs of that call are invalid (NaN where they depend on the missing data) and "
-        "those of later fused calls on this GPU are NaN. Every device of "
-        "a TP group must run the same fused ops in the same order. Call flux_jax.reset() to clear.";
-  return Status::DeadlineExceeded(os.str());
+  if (text.empty()) text = DescribeWaitFailure(DeviceError{}, first, device, std::string());
+  return text.empty() ? Status::Ok() : Status::DeadlineExceeded(text);
 }
 
 void ResetWorkspaces() {
@@ -452,7 +633,7 @@ void ResetWorkspaces() {
   Status st;
   DeviceError* records = ErrorRecords(&st);
   if (st.ok()) {  // make every pending device-side wait give up before we drain the GPUs
-    for (int d = 0; d < kMaxDevices; ++d) *reinterpret_cast<volatile int32_t*>(&records[d].code) = 2;
+    for (int d = 0; d < kMaxDevices; ++d) *reinterpret_cast<volatile int32_t*>(&records[d].code) = kWaitReset;
     std::atomic_thread_fence(std::memory_order_seq_cst);
   }
   for (auto& [devices, group] : Registry()) {
@@ -466,7 +647,9 @@ void ResetWorkspaces() {
     cudaGetLastError();
   }
   Registry().clear();
-  if (st.ok()) std::memset(records, 0, sizeof(DeviceError) * kMaxDevices);
+  if (st.ok()) std::memset(records, 0, sizeof(DeviceError) * (kMaxDevices + kMaxMembers));
+  MembersRecorded().store(0);
+  GrowthFailureRank().store(-1);
 }
 
 size_t WorkspaceBytes(int device) {

@@ -21,7 +21,10 @@
 // Flags hold epochs (one per fused call of the group, increasing) and are only
 // compared with >=, so they are never reset. The data area grows when a call
 // needs more: all members meet on a host barrier, drain their streams (so no
-// push into an old buffer is still pending), reallocate, and meet again.
+// push into an old buffer is still pending), reallocate, and meet again. A
+// setup or growth that fails on any member marks the whole group failed (the
+// members' views of each other are in doubt): every later call of any member
+// returns that error, naming the GPU and the bytes, until flux_jax.reset().
 #pragma once
 
 #include <cuda_runtime.h>
@@ -83,11 +86,17 @@ struct GroupWorkspace {
   cudaEvent_t ev_step[kMaxTp] = {};
 
   std::vector<PeerView> peers;  // by rank, own included
-  DeviceError* error = nullptr;  // this device's record (mapped host memory)
+  // Error records (mapped host memory, flux_jax/wait_record.h): this member's own (its first wait
+  // that gave up; `error_host` is the host's view of it) and this device's (the first timeout on
+  // the GPU, which makes every other wait there give up).
+  DeviceError* error = nullptr;
+  DeviceError* error_host = nullptr;
+  DeviceError* device_error = nullptr;
 
   WaitContext Wait(int64_t timeout_us) const {
     WaitContext ctx;
     ctx.error = error;
+    ctx.device_error = device_error;
     ctx.alpha = alpha;
     ctx.timeout_ns = timeout_us * 1000;
     ctx.device = device;
@@ -115,8 +124,14 @@ Status AcquireWorkspace(const TpGroup& group, size_t data_bytes, const CommConfi
 Status ExportIpcMember(const TpGroup& group, size_t data_bytes, size_t slot_bytes, std::string* blob);
 Status ImportIpcPeer(const TpGroup& group, int peer_rank, const std::string& blob);
 
-// The sticky error of `device`, if a device-side wait timed out.
+// The sticky error of `device`, if a device-side wait gave up: one line per member of a TP group
+// on it whose wait gave up (each names the rank it waited for), else the device's first failure
+// (e.g. copied from another GPU of its group).
 Status CheckDeviceError(int device);
+
+// Tests (tools/loopback): the next allocation of a growing workspace area by rank `rank` of any
+// group fails as if the GPU were out of memory (-1: none).
+void FailNextGrowthForTesting(int rank);
 
 // Frees every workspace and clears the error records (no op may be running).
 void ResetWorkspaces();

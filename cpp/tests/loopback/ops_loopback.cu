@@ -255,7 +255,10 @@ class RankThread {
   // which the last rank never signals: the others must fail within the timeout with an error that
   // names that rank, never hang; then the workspaces are reset (flux_jax.reset()) and the case runs
   // right again.
-  void Run(const std::vector<Case>& cases, const std::vector<Inputs>& inputs, const std::vector<size_t>& drop_cases) {
+  // Then, for case `growth_case` (an overlap case; -1: none), a workspace growth that fails on the
+  // last rank (GrowthFails).
+  void Run(const std::vector<Case>& cases, const std::vector<Inputs>& inputs, const std::vector<size_t>& drop_cases,
+           int growth_case) {
     if (!g_cpu) {
       CHECK_CUDA(cudaSetDevice(0));
       CHECK_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
@@ -293,6 +296,7 @@ class RankThread {
       std::fflush(stdout);
     }
     for (size_t i : drop_cases) DropLastRank(cases[i], inputs[i], i, &call);
+    if (!g_cpu && !g_self_test && growth_case >= 0) GrowthFails(cases[growth_case], inputs[growth_case], growth_case, &call);
     if (!g_cpu) CHECK_CUDA(cudaStreamDestroy(stream_));
   }
 
@@ -313,6 +317,10 @@ class RankThread {
     const CallOptions saved = opts_;
     opts_.drop_rank = dropped;
     opts_.timeout_us = 300'000;
+    // Every rank enters the failing call together: a rank still computing the host reference of
+    // the checked call above (up to ~1 s) would make its peers time out waiting for it, a true
+    // report that names that rank instead of the silent one.
+    rendezvous_->Arrive();
     const auto t0 = std::chrono::steady_clock::now();
     std::string error = CallStatus(c, b);  // CPU: the waits fail in this call
     if (!g_cpu) {
@@ -332,8 +340,13 @@ class RankThread {
     *call += 2;  // the same count on every rank, whatever failed
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     opts_ = saved;
+    // Each rank's error names its own wait, for the silent rank ("(rank r waited ... rank 7"),
+    // before any cause it gave up for (" because a wait ... had timed out first (rank q ...").
     const std::string who = "rank " + std::to_string(dropped);
-    const bool named = error.find("timed out") != std::string::npos && error.find(who) != std::string::npos;
+    const std::string own = error.substr(0, error.find(" because "));
+    const bool named = error.find("timed out") != std::string::npos &&
+                       (g_cpu || own.find("(rank " + std::to_string(rank_) + " ") != std::string::npos) &&
+                       own.find(who) != std::string::npos;
     if (rank_ != dropped && (!named || s > 10.0)) {
       std::printf("  FAIL rank %d, %s, rank %d silent: %.2f s, error: %s\n", rank_, Describe(c, tp_).c_str(), dropped, s,
                   error.empty() ? "(none)" : error.c_str());
@@ -347,6 +360,55 @@ class RankThread {
                   error.substr(0, 260).c_str());
       g_cpu ? ResetCpuChannels() : ResetCudaWorkspaces();
     }
+    rendezvous_->Arrive();
+    b = Allocate(c, in);
+    bad += Call(c, b, (*call)++, in, /*check=*/true);  // after the reset: right again
+    Free(b);
+    if (bad) failures_->fetch_add(bad);
+    rendezvous_->Arrive();
+    if (rank_ == 0) std::printf(failures_->load() ? "  -> failures so far: %d\n" : "  -> ok (and right after the reset)\n",
+                                failures_->load());
+    std::fflush(stdout);
+  }
+
+  // A workspace growth that fails on the last rank (CudaFailNextWorkspaceGrowthForTesting: its
+  // allocation fails as if the GPU were out of memory) on a fresh group: every rank's call must
+  // fail with an error naming the GPU and the size, and so must the next call (the group is marked
+  // failed; its members' views of each other are in doubt: the failed rank has no data area, and
+  // a peer pushing into it would fault the GPU, ending this program in CHECK_CUDA); after the reset
+  // the case runs right.
+  void GrowthFails(const Case& c, const Inputs& in, size_t index, uint64_t* call) {
+    opts_.callsite = static_cast<int64_t>(index) + 1;
+    rendezvous_->Arrive();
+    if (rank_ == 0) {  // a fresh group: its first call grows the data area from nothing
+      ResetCudaWorkspaces();
+      CudaFailNextWorkspaceGrowthForTesting(tp_ - 1);
+    }
+    rendezvous_->Arrive();
+    Buffers b = Allocate(c, in);
+    int bad = 0;
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      const auto t0 = std::chrono::steady_clock::now();
+      const std::string error = CallStatus(c, b);
+      CHECK_CUDA(cudaStreamSynchronize(stream_));  // a fault (null peer area) ends the program here
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      const bool named = error.find("on GPU 0") != std::string::npos && error.find("MiB") != std::string::npos &&
+                         error.find("rank " + std::to_string(tp_ - 1)) != std::string::npos;
+      if (!named || s > 10.0) {
+        std::printf("  FAIL rank %d, %s, growth failed on rank %d, call %d: %.2f s, error: %s\n", rank_,
+                    Describe(c, tp_).c_str(), tp_ - 1, attempt, s, error.empty() ? "(none)" : error.c_str());
+        ++bad;
+      }
+      if (rank_ == 0 && attempt == 0) {
+        std::printf("%s, growth failed on rank %d: rank 0: %s\n", Describe(c, tp_).c_str(), tp_ - 1,
+                    error.substr(0, 300).c_str());
+      }
+      rendezvous_->Arrive();
+    }
+    *call += 2;
+    Free(b);
+    rendezvous_->Arrive();
+    if (rank_ == 0) ResetCudaWorkspaces();
     rendezvous_->Arrive();
     b = Allocate(c, in);
     bad += Call(c, b, (*call)++, in, /*check=*/true);  // after the reset: right again
@@ -562,8 +624,11 @@ class RankThread {
   cudaStream_t stream_ = nullptr;
 };
 
-// Cases (indices into CasesFor) rerun with a silent rank: each path's bounded waits.
-const std::vector<size_t> kDropCases = {0, 5, 8, 13, 14, 16, 18, 20, 23};
+// Cases (indices into CasesFor) rerun with a silent rank: each path's bounded waits, and the
+// gathered output of both ag_matmul paths (4, 7: NaN or right, never an earlier call's rows).
+const std::vector<size_t> kDropCases = {0, 4, 5, 7, 8, 13, 14, 16, 18, 20, 23};
+// The case whose first call on a fresh group meets a failing workspace growth.
+constexpr size_t kGrowthCase = 8;
 
 std::vector<Case> CasesFor(int tp) {
   // m_local / M per rank count are chosen so that the host references stay under a second.
@@ -598,6 +663,55 @@ std::vector<Case> CasesFor(int tp) {
       {Op::kMatmulAr, Path::kOverlap, 128, 768, 512, DType::kBF16, /*w_transposed=*/true},
   };
   return cases;
+}
+
+// CUDA_DEVICE_MAX_CONNECTIONS below 2 * tp with every rank on one GPU: the fused calls must fail
+// at once, every rank, with an error that names the setting and the value needed (not deadlock
+// into timeouts). Returns the number of ranks that did not.
+int CheckQueues(const Case& c, int tp) {
+  std::atomic<int> bad{0};
+  const Inputs in = MakeInputs(c, tp, 1);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < tp; ++r) {
+    threads.emplace_back([&, r] {
+      CHECK_CUDA(cudaSetDevice(0));
+      cudaStream_t stream;
+      CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+      TpGroup group;
+      group.rank = r;
+      group.size = tp;
+      for (int q = 0; q < tp; ++q) {
+        group.devices.push_back(1000 * tp + q);
+        group.processes.push_back(0);
+        group.ordinals.push_back(0);
+      }
+      CommConfig cfg;
+      cfg.timeout_us = kTimeoutUs;
+      void *x = nullptr, *w = nullptr, *out = nullptr;
+      CHECK_CUDA(cudaMalloc(&x, in.x[0][r].size() * 2));
+      CHECK_CUDA(cudaMalloc(&w, in.w[r].size() * 2));
+      CHECK_CUDA(cudaMalloc(&out, tp * c.m * c.n * 2));
+      AgMatmulParams p;
+      p.x = x, p.w = w, p.out = out, p.m_local = c.m, p.k = c.k, p.n = c.n, p.dtype = c.dtype;
+      const auto t0 = std::chrono::steady_clock::now();
+      const Status st = RunAgMatmulCuda(p, group, cfg, stream);
+      CHECK_CUDA(cudaStreamSynchronize(stream));
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      const std::string needed = "CUDA_DEVICE_MAX_CONNECTIONS=" + std::to_string(2 * tp);
+      if (st.ok() || st.message().find(needed) == std::string::npos || s > 1.0) {
+        std::printf("  FAIL rank %d: CUDA_DEVICE_MAX_CONNECTIONS=%s, tp %d: %.2f s, %s\n", r,
+                    std::getenv("CUDA_DEVICE_MAX_CONNECTIONS"), tp, s, st.ok() ? "no error" : st.message().c_str());
+        bad.fetch_add(1);
+      } else if (r == 0) {
+        std::printf("tp %d, CUDA_DEVICE_MAX_CONNECTIONS=%s: every call fails at once: %s\n", tp,
+                    std::getenv("CUDA_DEVICE_MAX_CONNECTIONS"), st.message().substr(0, 200).c_str());
+      }
+      cudaFree(x), cudaFree(w), cudaFree(out);
+      CHECK_CUDA(cudaStreamDestroy(stream));
+    });
+  }
+  for (auto& t : threads) t.join();
+  return bad.load();
 }
 
 }  // namespace
@@ -641,8 +755,13 @@ int main(int argc, char** argv) {
       picked.clear();
       for (size_t i = 0; i < all.size(); ++i) picked.push_back(i);
     }
+    if (!g_cpu && std::atoi(std::getenv("CUDA_DEVICE_MAX_CONNECTIONS")) < 2 * tp) {
+      failures += CheckQueues(all[0], tp);
+      continue;
+    }
     std::vector<Case> cases;
     std::vector<size_t> drops;
+    int growth = -1;
     for (size_t i : picked) {
       const std::string what = Describe(all[i], tp);
       if (what.find(" " + only_op + " ") == std::string::npos && !only_op.empty()) continue;
@@ -650,6 +769,7 @@ int main(int argc, char** argv) {
       for (size_t d : kDropCases) {
         if (d == i && !g_self_test) drops.push_back(cases.size());
       }
+      if (i == kGrowthCase) growth = static_cast<int>(cases.size());
       cases.push_back(all[i]);
     }
     std::vector<Inputs> inputs;
@@ -660,7 +780,7 @@ int main(int argc, char** argv) {
     for (int r = 0; r < tp; ++r) {
       threads.emplace_back([&, r] {
         RankThread t(r, tp, &rendezvous, &failures);
-        t.Run(cases, inputs, drops);
+        t.Run(cases, inputs, drops, growth);
       });
     }
     for (auto& t : threads) t.join();

@@ -144,6 +144,7 @@ class Loopback {
       e.out = me.out;
       e.signal_peers = r != drop_rank;
       e.ctx.error = me.error_dev;
+      e.ctx.device_error = me.error_dev;  // each rank its own "device": a silent peer times out here
       e.ctx.alpha = me.alpha;
       e.ctx.timeout_ns = timeout_ns;
       e.ctx.device = 0;
