@@ -66,6 +66,7 @@ struct alignas(64) ChannelLayout {
   char failure[kFailureBytes];
   std::atomic<uint64_t> epochs[kMaxTp];    // epochs[r]: touched only by rank r
   std::atomic<int32_t> in_flight[kMaxTp];  // in_flight[r]: calls of rank r running now
+  std::atomic<uint64_t> arrivals[kMaxTp];  // arrivals[r]: calls rank r began, failed ones included
   std::atomic<int32_t> rank_mapped[kMaxTp];  // the process of rank r has mapped the region
 };
 
@@ -125,6 +126,7 @@ void InitLayout(ChannelLayout* layout, const TpGroup& group, int64_t callsite, u
   for (int r = 0; r < kMaxTp; ++r) {
     layout->epochs[r].store(0);
     layout->in_flight[r].store(0);
+    layout->arrivals[r].store(0);
     layout->rank_mapped[r].store(0);
   }
   for (int r = 0; r < group.size; ++r) {
@@ -538,6 +540,7 @@ Status Channel::Health() const {
 }
 
 Status Channel::BeginCall(int rank, uint64_t* epoch) {
+  layout_->arrivals[rank].fetch_add(1);
   FLUX_JAX_RETURN_IF_ERROR(Health());
   if (layout_->in_flight[rank].fetch_add(1) != 0) {
     layout_->in_flight[rank].fetch_sub(1);
@@ -555,6 +558,14 @@ Status Channel::BeginCall(int rank, uint64_t* epoch) {
 }
 
 void Channel::EndCall(int rank) { layout_->in_flight[rank].fetch_sub(1); }
+
+bool Channel::Quiescent() const {
+  uint64_t first = layout_->arrivals[0].load();
+  for (int r = 0; r < size_; ++r) {
+    if (layout_->arrivals[r].load() != first || layout_->in_flight[r].load() != 0) return false;
+  }
+  return true;
+}
 
 namespace {
 
@@ -683,6 +694,23 @@ std::shared_ptr<Channel> GetChannel(const TpGroup& group, int64_t callsite, size
 namespace flux_jax {
 
 void ResetCpuChannels() {
+  // A failed call returns on the device that saw the failure while other devices' threads may not
+  // have reached that call yet; one that came after the reset would open a fresh channel of the
+  // same call site and wait there for peers that already left. So first let every rank of each
+  // in-process channel reach the same call (bounded: a rank that never comes is dead anyway).
+  std::vector<std::shared_ptr<cpu::Channel>> local;
+  {
+    std::lock_guard<std::timed_mutex> lock(cpu::RegistryMutex());
+    for (auto& [key, entry] : cpu::Registry()) {
+      if (entry.channel && !entry.channel->shared()) local.push_back(entry.channel);
+    }
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  for (const auto& channel : local) {
+    while (!channel->Quiescent() && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  }
   std::lock_guard<std::timed_mutex> lock(cpu::RegistryMutex());
   const uint64_t old_generation = cpu::g_generation.load();
   for (auto& [key, entry] : cpu::Registry()) {

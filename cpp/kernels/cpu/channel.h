@@ -87,6 +87,10 @@ class Channel {
   void Fail(const std::string& message);
   Status Health() const;
 
+  // Every rank has begun the same number of calls (failed ones included) and none is running:
+  // flux_jax.reset() waits for this, so no call of a failed program starts after it.
+  bool Quiescent() const;
+
   // Per-rank call bookkeeping. Begin returns the epoch of this call (1, 2, ...).
   Status BeginCall(int rank, uint64_t* epoch);
   void EndCall(int rank);
