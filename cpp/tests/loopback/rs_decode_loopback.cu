@@ -39,6 +39,7 @@
 using flux_jax::DType;
 using loopback::Bf16ToFloat;
 using loopback::FloatToBf16;
+using namespace flux_jax;
 using namespace flux_jax::cuda;
 
 namespace {
