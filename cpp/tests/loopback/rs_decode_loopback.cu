@@ -167,9 +167,10 @@ class Loopback {
     for (int r = 0; r < tp_; ++r) CHECK_CUDA(cudaStreamSynchronize(ranks_[r].stream));
   }
 
-  // Checks call `epoch`'s results (after Sync): every rank's, or with only >= 0 that rank's error
-  // record and output, where a NaN partial (a peer whose wait gave up poisons its later tiles) must
-  // give a NaN output. Returns the number of failed properties.
+  // Checks call `epoch`'s results (after Sync): every rank's, or with only >= 0 the silent rank's
+  // output, which must be NaN or right: peers whose waits gave up poison their later tiles and stop
+  // serving it, so it may time out in turn (noted, not a failure). Returns the number of failed
+  // properties.
   int Check(uint64_t epoch, bool check_partial, int only = -1) {
     const int b = static_cast<int>(epoch & 1);
     const size_t part = static_cast<size_t>(s_.m * s_.n), outn = part / tp_;
@@ -178,10 +179,10 @@ class Loopback {
     for (int r = 0; r < tp_; ++r) {
       if ((only < 0 || r == only) && ranks_[r].error_host->code != 0) {
         const DeviceError& d = *ranks_[r].error_host;
-        std::printf("  FAIL call %llu: rank %d recorded a timeout (site %d peer %d piece %d epoch %llu seen %llu)\n",
-                    static_cast<unsigned long long>(epoch), r, d.site, d.peer, d.piece,
-                    static_cast<unsigned long long>(d.epoch), static_cast<unsigned long long>(d.seen));
-        ++failures;
+        std::printf("  %s call %llu: rank %d recorded a timeout (site %d peer %d piece %d epoch %llu seen %llu)\n",
+                    only < 0 ? "FAIL" : "note:", static_cast<unsigned long long>(epoch), r, d.site, d.peer,
+                    d.piece, static_cast<unsigned long long>(d.epoch), static_cast<unsigned long long>(d.seen));
+        if (only < 0) ++failures;
       }
       p[r].resize(part);
       out[r].resize(outn);
@@ -194,8 +195,8 @@ class Loopback {
       for (size_t i = 0; i < outn; ++i) {
         const size_t src = r * outn + i;  // row r * rpr + i / n of P
         const float want = Expected(p, src);
-        const bool nan_out = only >= 0 && std::isnan(want);
-        if (nan_out ? !std::isnan(Bf16ToFloat(out[r][i])) : out[r][i] != FloatToBf16(want)) {
+        const bool nan_ok = only >= 0 && std::isnan(Bf16ToFloat(out[r][i]));  // the silent rank: NaN or right
+        if (!nan_ok && out[r][i] != FloatToBf16(want)) {
           if (first < 0) first = static_cast<int64_t>(i);
           ++bad;
         }
