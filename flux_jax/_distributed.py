@@ -1,6 +1,6 @@
 """Process identity for fused ops in multi-process jobs (jax.distributed).
 
-Every process of a job needs the same session token (it groups the job's
+Every process of a job needs the same job token (it groups the job's
 shared-memory segments in /dev/shm for people), the same secret (>= 128 bits;
 the extension derives the segments' names from it with a keyed hash, so other
 local users cannot predict them) and the host of every process (a TP group that

@@ -152,7 +152,7 @@ elif scenario in ("peer_dies", "peer_killed"):
     os._exit(0)  # the coordinator lost a peer; do not wait for a clean shutdown
 elif scenario in ("squat_legacy", "squat_exact"):
     # Another local user pre-creates segment names. squat_legacy: the names the channel used to
-    # take (session token + call-site counter, mode 0666, never sized); the ops must not notice.
+    # take (job token + call-site counter, mode 0666, never sized); the ops must not notice.
     # squat_exact: the real names (as if the secret had leaked): a clear error, never a pairing.
     import shm_names
 

@@ -5,7 +5,7 @@ the squatter (cpp/kernels/cpu/channel.cc, SegmentName, is the product's definiti
 
 over the little-endian int64 words (half, reset generation, call site, group index, group
 size). `legacy_name` is the name the channel used before it took a secret: predictable from
-the session token (visible in /dev/shm) and a call-site counter.
+the job token (visible in /dev/shm) and a call-site counter.
 """
 
 import struct

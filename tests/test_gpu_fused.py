@@ -1,7 +1,7 @@
 """The CUDA fused kernels on real GPUs (Hopper, 2 GPUs for TP=2).
 
 Skipped where there are fewer than 2 GPUs; FLUX_JAX_REQUIRE_GPU=1 turns the
-skip into a failure (the GPU session script sets it). Every check compares with
+skip into a failure. Every check compares with
 a float64 oracle on fresh random data, outputs poisoned with NaN first.
 """
 

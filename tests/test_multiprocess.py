@@ -145,7 +145,7 @@ def test_segment_names_match_the_reference_siphash():
 
 @pytest.mark.slow
 def test_squatted_predictable_names_do_not_matter():
-    """A local user pre-creating the names the channel used to take (session token + call-site
+    """A local user pre-creating the names the channel used to take (job token + call-site
     counter, world-writable, never sized) made every later fused op time out."""
     results, _ = _run("squat_legacy", timeout_s="5")
     for pid in (0, 1):

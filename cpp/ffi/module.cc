@@ -130,7 +130,7 @@ NB_MODULE(_flux_jax_ffi, m) {
         "Drop all CPU-backend channels (also clears failed state).");
   m.def("cpu_channel_count", &flux_jax::CpuChannelCount, "Number of live CPU-backend channels.");
   m.def("set_process_identity", &flux_jax::SetProcessIdentity, nb::arg("process_index"),
-        nb::arg("session"), "This process's index and the job's session token ('' if single).");
+        nb::arg("session"), "This process's index and the job's job token ('' if single).");
   m.def(
       "register_local_devices",
       [](const std::string& platform, const std::vector<std::pair<int32_t, int64_t>>& pairs) {

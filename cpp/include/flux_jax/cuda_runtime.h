@@ -22,7 +22,7 @@ size_t CudaWorkspaceBytes(int device);
 // failure, e.g. copied from another GPU of its group).
 std::string CudaDeviceError(int device);
 
-// Tests (tools/loopback): the next growth of a workspace area by rank `rank` of any group fails
+// Tests (cpp/tests/loopback): the next growth of a workspace area by rank `rank` of any group fails
 // as if its GPU were out of memory (-1: none).
 void CudaFailNextWorkspaceGrowthForTesting(int rank);
 

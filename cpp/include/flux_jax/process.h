@@ -1,5 +1,5 @@
 // Process-level identity of this JAX process, set from Python (flux_jax/_distributed.py)
-// before a fused op runs: which process it is, the session token and the
+// before a fused op runs: which process it is, the job token and the
 // shared-memory secret of the job (both shared by its processes through
 // jax.distributed's key-value store), and how local device ordinals (what an FFI
 // handler sees) map to global device ids (what the mesh table holds).

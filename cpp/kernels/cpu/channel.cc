@@ -254,7 +254,7 @@ uint64_t SipHash24(const uint8_t key[16], const uint8_t* msg, size_t len) {
 }
 
 // /fluxjax-<session>-<128-bit keyed hash of (generation, call site, group)> in hex
-// (tests/shm_names.py recomputes it). The session token only groups a job's
+// (tests/shm_names.py recomputes it). The job token only groups a job's
 // segments for people; the hash is what makes the name unpredictable.
 std::string SegmentName(const std::string& session, const std::string& secret, uint64_t generation,
                         int64_t callsite, const TpGroup& group) {

@@ -129,7 +129,7 @@ Status ImportIpcPeer(const TpGroup& group, int peer_rank, const std::string& blo
 // (e.g. copied from another GPU of its group).
 Status CheckDeviceError(int device);
 
-// Tests (tools/loopback): the next allocation of a growing workspace area by rank `rank` of any
+// Tests (cpp/tests/loopback): the next allocation of a growing workspace area by rank `rank` of any
 // group fails as if the GPU were out of memory (-1: none).
 void FailNextGrowthForTesting(int rank);
 
