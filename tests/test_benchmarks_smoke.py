@@ -265,3 +265,54 @@ def test_fp8_cases_run_against_the_fp8_twin(op, grad):
     assert by["jax_ring"]["status"].startswith("unavailable: no FP8 form")
     cases, _ = select_cases(PRESETS["llama8b-fp8-tp2"], 2, ("ag", "rs"), (64,), None)
     assert cases and all(c.fp8 for c in cases)
+
+
+def test_gemm_parity_preset_holds_every_tp2_layer_forward_dx_and_decode():
+    """gemm-parity-1gpu: the per-GPU GEMM of every TP=2 layer preset at M = 2048-16384, forward
+    and in the dx orientation (the weight read transposed), the forward at decode sizes; shapes
+    shared by two layers appear once."""
+    from benchmarks.presets import M_PARITY, M_PARITY_DECODE, OPS, PRESETS, select_cases
+
+    cases, skipped = select_cases(PRESETS["gemm-parity-1gpu"], 1, OPS, None, None)
+    assert not skipped and all(c.tp == 1 and c.op == "ag" for c in cases)
+    keys = [(c.M, c.K, c.N, c.transpose_w) for c in cases]
+    assert len(keys) == len(set(keys))
+    per_gpu = set()
+    for name in ("llama8b-tp2", "llama70b-tp2", "holdout-tp2", "gemm-8192-tp2"):
+        for c in select_cases(PRESETS[name], 2, OPS, None, None)[0]:
+            per_gpu.add((c.K, c.N // 2) if c.op == "ag" else (c.K // 2, c.N))
+    assert {(c.K, c.N) for c in cases if not c.transpose_w} == per_gpu
+    assert {(c.N, c.K) for c in cases if c.transpose_w} == per_gpu
+    for k, n in per_gpu:
+        assert all((m, k, n, False) in keys and (m, n, k, True) in keys for m in M_PARITY)
+    decode = {(c.K, c.N) for c in cases if c.M in M_PARITY_DECODE}
+    assert decode == per_gpu - {(8192, 8192)} and not any(c.transpose_w for c in cases if c.M < 2048)
+    assert "8B qkv" in next(c.layer for c in cases if (c.M, c.K, c.N) == (2048, 4096, 3072))
+    assert "Phi3mini down" in next(c.layer for c in cases if (c.M, c.K, c.N) == (2048, 4096, 3072))
+
+
+def test_dx_case_runs_gemm_only_on_the_transposed_weight():
+    """A transposed-weight case (tp=1): gemm_only computes x @ (w stored [N, K])^T, checked
+    against the twin; the variants not built for it say so."""
+    import jax
+    import numpy as np
+
+    from benchmarks import variants
+
+    case = Case("ag", 64, 48, 32, 1, "bfloat16", "dx test", transpose_w=True)
+    rows = run_case(case, ["xla_shard_map", "gemm_only", "flux_fused", "flux_gemm_only"], seed=3,
+                    params=TimingParams(n1=1, target_ms=1, max_calls=50, repeats=1, preheat_ms=0),
+                    windowed=WindowedEinsum())
+    by = {r["variant"]: r for r in rows}
+    assert by["gemm_only"]["status"] == "ok" and by["gemm_only"]["max_rel_err"] < 2e-2
+    assert by["gemm_only"]["transpose_w"] is True
+    assert by["flux_fused"]["status"] == "unavailable: not built for a transposed-weight (dx) case"
+    assert by["flux_gemm_only"]["status"].startswith("unavailable: GPU only")
+    mesh, auto_mesh = variants.make_meshes(1)
+    x, w = variants.make_xw(case, 3)
+    ctx = variants.CaseContext(case, "cpu", mesh, auto_mesh, x, w, 3)
+    built = variants.gemm_only(ctx)
+    assert built.args[1].shape == (case.N, case.K)  # stored as the layer's weight: [N, K]
+    out = np.asarray(jax.jit(built.step)(*built.args), np.float32)
+    np.testing.assert_allclose(out, x.astype(np.float32) @ w.astype(np.float32), rtol=2e-2, atol=2e-2)
+
