@@ -316,3 +316,55 @@ def test_dx_case_runs_gemm_only_on_the_transposed_weight():
     out = np.asarray(jax.jit(built.step)(*built.args), np.float32)
     np.testing.assert_allclose(out, x.astype(np.float32) @ w.astype(np.float32), rtol=2e-2, atol=2e-2)
 
+
+def test_gemm_parity_runner_checks_and_reports_on_cpu(tmp_path):
+    """python -m benchmarks.gemm_parity end to end on CPU (XLA and our CPU backend at tp=1),
+    forward and dx: every row checked against the float32 reference, JSON and markdown written."""
+    from benchmarks import gemm_parity
+
+    rows = gemm_parity.main(["--out", str(tmp_path), "--shapes", "64:32:48,64:48:32:dx", "--dtypes", "bfloat16",
+                             "--repeats", "1", "--target-ms", "20", "--preheat-ms", "0", "--max-calls", "2000",
+                             "--no-profiler", "--seed", "5"])
+    assert [(r["orientation"], r["variant"]) for r in rows] == [
+        ("fwd", "xla"), ("fwd", "flux:auto"), ("dx", "xla"), ("dx", "flux:auto")]
+    for r in rows:  # checked before timed; a CPU loop may not resolve its time (noise)
+        assert r["max_rel_err"] <= r["err_bound"], r
+        assert (r["status"] == "ok" and r["us"] > 0) or r["status"].startswith("unavailable: not resolved"), r
+    data = json.loads((tmp_path / "gemm_parity.json").read_text())
+    assert data["metadata"]["seed"] == 5 and data["metadata"]["left_out_by_preflight"] == {}
+    table = (tmp_path / "gemm_parity.md").read_text()
+    assert "| 64x48x32 dx bfloat16 |" in table and "best of ours per shape" in table
+
+
+def test_gemm_parity_variants_follow_the_build_and_the_auto_rule():
+    """Which instances a shape runs (gemm_plan.h HasGemmInstance) and what auto resolves to
+    (op_common.h ChooseBlockN)."""
+    from benchmarks.gemm_parity import KERNELS, Shape, auto_kernel, variants_for
+
+    def names(m, k, n, dx, dtype):
+        return [v.name for v in variants_for(Shape(m, k, n, dx, dtype, ""), "gpu", KERNELS, True, True)]
+
+    assert names(2048, 2560, 5120, False, "bfloat16") == [
+        "xla", "flux:auto", "flux:128x256", "flux:128x192", "flux:128x256_c2x1", "flux:128x160_c2x1",
+        "flux:auto+gate_probe"]
+    assert names(2048, 5120, 2560, True, "bfloat16") == ["xla", "flux:auto", "flux:128x256", "flux:128x160_c2x1"]
+    assert names(8192, 8192, 8192, False, "float16") == ["xla", "flux:auto", "flux:128x256", "flux:auto+gate_probe"]
+    assert names(64, 8192, 5120, False, "bfloat16") == ["xla", "flux:auto", "flux:128x256", "flux:decode"]
+    assert names(64, 8192, 5120, False, "float16") == ["xla", "flux:auto", "flux:128x256"]
+    assert auto_kernel("bfloat16", False, 2048, 3072, 132) == "128x192"  # 8B qkv: the measured case
+    assert auto_kernel("bfloat16", False, 2048, 5120, 132) == "128x256"
+    assert auto_kernel("bfloat16", True, 2048, 3072, 132) == "128x256"
+
+
+def test_gemm_parity_preflight_child_reports_each_variant(capsys):
+    """The preflight's child (run here in-process, CPU backend): START then OK / FAIL per variant,
+    which the parent reads to leave out a variant that fails, faults or hangs."""
+    from benchmarks import gemm_parity
+
+    assert gemm_parity.preflight_variants(gemm_parity.KERNELS, True, True) == [
+        "flux:128x256", "flux:128x192", "flux:128x256_c2x1", "flux:128x160_c2x1", "flux:auto+gate_probe",
+        "flux:decode"]
+    gemm_parity.main(["--preflight-child", "flux:128x160_c2x1,flux:nonsense"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:3] == ["START flux:128x160_c2x1", "OK flux:128x160_c2x1", "START flux:nonsense"]
+    assert lines[3].startswith("FAIL flux:nonsense ValueError: unknown kernel")
