@@ -99,7 +99,7 @@ def markdown_table(rows: list[dict], legend: bool = True) -> str:
     """ms per variant for each shape, speedups of every flux_jax variant present, and footnotes
     (`legend=False` leaves out the one-line legend, for pages that state it once)."""
     present = [v for v in VARIANTS if any(r["variant"] == v for r in rows)]
-    fused = [v for v in present if v.startswith("flux") and v != "flux_gemm_only"]
+    fused = [v for v in present if v.startswith("flux") and not v.startswith("flux_gemm_only")]
     header = ["op", "layer", "M", "K", "N", *present, *(f"{v} speedup" for v in fused)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     reasons: dict[tuple[str, str], int] = {}
