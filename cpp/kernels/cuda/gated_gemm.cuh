@@ -49,6 +49,9 @@ namespace flux_jax::cuda {
 // ---------------------------------------------------------------------------
 struct RotatedSchedulerTag {};
 
+// kClusterM: CTAs per cluster along M, a compile-time constant so that 1x1 clusters remap
+// exactly as GroupedTile (no extra registers in any warp).
+template <int kClusterM = 1>
 class RotatedScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
   using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
 
@@ -62,7 +65,6 @@ class RotatedScheduler : public cutlass::gemm::kernel::detail::PersistentTileSch
     int32_t tiles_m = 1;
     int32_t tiles_n = 1;
     int32_t group_m_tiles = 1;
-    int32_t cluster_m = 1;  // CTAs per cluster along M (ClusteredTile)
   };
 
   template <class ProblemShapeMNKL, class TileShape, class ClusterShape>
@@ -86,7 +88,7 @@ class RotatedScheduler : public cutlass::gemm::kernel::detail::PersistentTileSch
     params.rotate_m_tiles = params.tiles_m > 0 ? args.rotate_m_tiles % params.tiles_m : 0;
     params.group_m_tiles = args.group_m_tiles < 1 ? 1 : args.group_m_tiles;
     static_assert(cute::size<1>(ClusterShape{}) == 1, "RotatedScheduler: clusters along M only");
-    params.cluster_m = cute::size<0>(cluster_shape);
+    static_assert(cute::size<0>(ClusterShape{}) == kClusterM, "RotatedScheduler: cluster rows mismatch");
     return params;
   }
 
@@ -96,8 +98,7 @@ class RotatedScheduler : public cutlass::gemm::kernel::detail::PersistentTileSch
         rotate_(params.rotate_m_tiles),
         tiles_m_(params.tiles_m),
         tiles_n_(params.tiles_n),
-        group_(params.group_m_tiles),
-        cluster_m_(params.cluster_m) {}
+        group_(params.group_m_tiles) {}
 
   template <class ClusterShape>
   CUTLASS_DEVICE WorkTileInfo initial_work_tile_info(ClusterShape) {
@@ -116,9 +117,14 @@ class RotatedScheduler : public cutlass::gemm::kernel::detail::PersistentTileSch
     if (!w.is_valid()) return w;
     // The base rasters plainly along N, one cluster (cluster_m M tiles, one n) at a time:
     // cluster t = (m / cluster_m) * tiles_n + n, this CTA at m % cluster_m of it.
-    const int cluster_row = w.M_idx / cluster_m_;
-    const TileCoord c = ClusteredTile(cluster_row * tiles_n_ + w.N_idx, w.M_idx - cluster_row * cluster_m_,
-                                      tiles_m_, tiles_n_, group_, rotate_, cluster_m_);
+    TileCoord c;
+    if constexpr (kClusterM == 1) {
+      c = GroupedTile(w.M_idx * tiles_n_ + w.N_idx, tiles_m_, tiles_n_, group_, rotate_);
+    } else {
+      const int cluster_row = w.M_idx / kClusterM;
+      c = ClusteredTile(cluster_row * tiles_n_ + w.N_idx, w.M_idx - cluster_row * kClusterM, tiles_m_, tiles_n_,
+                        group_, rotate_, kClusterM);
+    }
     w.M_idx = c.m;
     w.N_idx = c.n;
     return w;
@@ -128,7 +134,6 @@ class RotatedScheduler : public cutlass::gemm::kernel::detail::PersistentTileSch
   int32_t tiles_m_ = 1;
   int32_t tiles_n_ = 1;
   int32_t group_ = 1;
-  int32_t cluster_m_ = 1;
 };
 
 // ---------------------------------------------------------------------------
@@ -385,6 +390,6 @@ namespace cutlass::gemm::kernel::detail {
 template <class ArchTag, class TileShape, class ClusterShape, uint32_t Stages>
 struct TileSchedulerSelector<flux_jax::cuda::RotatedSchedulerTag, ArchTag, TileShape, ClusterShape,
                              Stages> {
-  using Scheduler = flux_jax::cuda::RotatedScheduler;
+  using Scheduler = flux_jax::cuda::RotatedScheduler<cute::size<0>(ClusterShape{})>;
 };
 }  // namespace cutlass::gemm::kernel::detail
