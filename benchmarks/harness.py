@@ -58,6 +58,8 @@ def _prepare_built(built: timing.Built, params: TimingParams) -> Candidate:
 
 def _prepare(name: str, ctx: CaseContext, params: TimingParams, windowed: WindowedEinsum) -> Entry:
     """Build and check one variant; failures become an unavailable entry."""
+    if ctx.case.transpose_w and name not in variants.TRANSPOSED_WEIGHT_VARIANTS:
+        return Entry(name, [], "unavailable: not built for a transposed-weight (dx) case")
     try:
         if name == "xla_windowed_einsum":
             ctx.require_gpu("XLA:GPU windowed-einsum flags")
@@ -119,7 +121,7 @@ def _best(entry: Entry, tolerance: float) -> Candidate:
 def _row(case: Case, entry: Entry, tolerance: float, profile: bool) -> dict:
     row = {
         "op": case.op, "layer": case.layer, "M": case.M, "K": case.K, "N": case.N, "tp": case.tp,
-        "dtype": case.dtype, "variant": entry.variant, "status": entry.status,
+        "dtype": case.dtype, "transpose_w": case.transpose_w, "variant": entry.variant, "status": entry.status,
         "ms": None, "ms_min": None, "ms_max": None, "ms_spread": None, "samples_ms": [],
         "n1": None, "n2": None, "max_rel_err": None, "profiler_ms": None, "note": "",
     }

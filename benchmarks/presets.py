@@ -32,6 +32,9 @@ class Case:
     tp: int
     dtype: str
     layer: str  # what the shape is, e.g. "70B qkv"
+    # The weight is stored [N, K] and read transposed (dx = dy w^T of a backward pass; our kernels'
+    # `transpose_w`): one-GPU GEMM cases only (preset gemm-parity-1gpu).
+    transpose_w: bool = False
 
     @property
     def flops_per_gpu(self) -> float:
@@ -53,6 +56,8 @@ class Case:
 
     def invalid_reason(self) -> str | None:
         """Why this shape cannot be sharded at its tp, or None."""
+        if self.transpose_w and (self.op != "ag" or self.tp != 1):
+            return "a transposed-weight case is a one-GPU GEMM: op ag at tp=1 only"
         if self.M % self.tp and self.op != "ar":  # matmul_ar shards no rows
             return f"M={self.M} is not divisible by tp={self.tp} (rows are sharded)"
         sharded = ("N", self.N) if self.op == "ag" else ("K", self.K)
@@ -70,7 +75,7 @@ class Preset:
     dtype: str
     layers: tuple  # (op, K, N, label) per layer
     ms: tuple  # M values swept for every layer
-    fixed: tuple = ()  # (op, M, K, N, label): exact shapes, not swept
+    fixed: tuple = ()  # (op, M, K, N, label[, transpose_w]): exact shapes, not swept
 
 
 # hidden, ffn, query heads, KV heads, head dim
@@ -171,6 +176,48 @@ def _build_presets() -> dict[str, Preset]:
 PRESETS = _build_presets()
 
 
+# ---- gemm-parity-1gpu: our GEMM against XLA's on one GPU ---------------------------------------
+# The per-GPU GEMMs of every TP=2 layer preset (llama8b/70b-tp2, holdout-tp2's Qwen2.5-14B-like and
+# Phi-3-mini-like layers, gemm-8192-tp2's 8192^3), as op "ag" at tp=1 (x [M, k] @ w [k, n], no
+# communication): forward at M_PARITY, and the dx orientation of the same layer (dx = dy w^T:
+# [M, n] @ w[k, n]^T, the weight read transposed, as a fused op's backward runs it); the forward
+# of the LLaMA and holdout layers at decode sizes M_PARITY_DECODE (bf16 only on the decode GEMM).
+# Runs with `benchmarks.run --preset gemm-parity-1gpu` (variants gemm_only, flux_gemm_only,
+# flux_gemm_only_decode) or `python -m benchmarks.gemm_parity` (every GEMM instance A/B'd in one
+# process; benchmarks/README.md).
+M_PARITY = (2048, 4096, 8192, 16384)
+M_PARITY_DECODE = (8, 16, 32, 64, 128, 256)
+PARITY_MODELS = ("8B", "70B", "Qwen14B", "Phi3mini")
+
+
+def parity_layers(tp: int = 2) -> tuple:
+    """(k, n, label) of the per-GPU GEMM of every TP layer of PARITY_MODELS at `tp`, plus 8192^3."""
+    layers = []
+    for model in PARITY_MODELS:
+        for op, k, n, label in _llama_layers(model):
+            k_gpu, n_gpu = (k, n // tp) if op == "ag" else (k // tp, n)
+            layers.append((k_gpu, n_gpu, f"{label} ({op} tp={tp})"))
+    layers.append((8192, 8192, "8192^2 (gemm-8192-tp2)"))
+    return tuple(layers)
+
+
+def _gemm_parity_preset() -> Preset:
+    shapes: dict[tuple, list[str]] = {}  # (M, K, N, transpose_w) -> labels (layers sharing a GEMM)
+    for k, n, label in parity_layers():
+        for m in M_PARITY:
+            shapes.setdefault((m, k, n, False), []).append(label)
+            shapes.setdefault((m, n, k, True), []).append(f"{label} dx")  # dy [M, n] @ (w [k, n])^T
+        if not label.startswith("8192^2"):
+            for m in M_PARITY_DECODE:
+                shapes.setdefault((m, k, n, False), []).append(f"{label} decode")
+    fixed = tuple(("ag", m, k, n, " = ".join(labels), transposed)
+                  for (m, k, n, transposed), labels in shapes.items())
+    return Preset("gemm-parity-1gpu", 1, "bfloat16", (), (), fixed)
+
+
+PRESETS["gemm-parity-1gpu"] = _gemm_parity_preset()
+
+
 def preset_tp(preset: Preset, device_count: int) -> int:
     """The TP degree a preset runs at on this machine (errors if devices are missing)."""
     if preset.tp is None:
@@ -198,10 +245,10 @@ def select_cases(
     shapes = [(op, m, k, n, label) for op, k, n, label in preset.layers for m in preset.ms]
     shapes += list(preset.fixed)
     cases, skipped = [], []
-    for op, m, k, n, label in shapes:
+    for op, m, k, n, label, *transposed in shapes:
         if op not in ops or (ms is not None and m not in ms):
             continue
-        case = Case(op, m, k, n, tp, dtype, label)
+        case = Case(op, m, k, n, tp, dtype, label, transpose_w=bool(transposed and transposed[0]))
         reason = case.invalid_reason()
         if reason:
             skipped.append({"op": op, "M": m, "K": k, "N": n, "layer": label, "reason": reason})

@@ -68,10 +68,10 @@ def write_json(path: Path, meta: dict, rows: list[dict]) -> None:
 
 
 def shape_groups(rows: list[dict]) -> dict[tuple, list[dict]]:
-    """Rows grouped by (op, M, K, N), in first-seen order."""
+    """Rows grouped by (op, M, K, N, transpose_w), in first-seen order."""
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
-        groups.setdefault((row["op"], row["M"], row["K"], row["N"]), []).append(row)
+        groups.setdefault((row["op"], row["M"], row["K"], row["N"], row.get("transpose_w", False)), []).append(row)
     return groups
 
 
@@ -99,11 +99,11 @@ def markdown_table(rows: list[dict], legend: bool = True) -> str:
     """ms per variant for each shape, speedups of every flux_jax variant present, and footnotes
     (`legend=False` leaves out the one-line legend, for pages that state it once)."""
     present = [v for v in VARIANTS if any(r["variant"] == v for r in rows)]
-    fused = [v for v in present if v.startswith("flux") and v != "flux_gemm_only"]
+    fused = [v for v in present if v.startswith("flux") and not v.startswith("flux_gemm_only")]
     header = ["op", "layer", "M", "K", "N", *present, *(f"{v} speedup" for v in fused)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     reasons: dict[tuple[str, str], int] = {}
-    for (op, m, k, n), group in shape_groups(rows).items():
+    for (op, m, k, n, _), group in shape_groups(rows).items():
         by_variant = {r["variant"]: r for r in group}
         cells = [op, group[0]["layer"], str(m), str(k), str(n)]
         cells += [_cell(by_variant.get(v)) for v in present]

@@ -313,6 +313,8 @@ def gemm_only(ctx: CaseContext) -> Built:
     with --grad y and dx in FP8 (dy e5m2), dw in bf16, as the FP8 ops run them.
     """
     case = ctx.case
+    if case.transpose_w:
+        return _gemm_only_transposed(ctx)
     gemm = _fp8_gemm if case.fp8 else jnp.dot
     x_spec, w_spec, out_spec = SPECS[case.op]
     w = ctx.place("w", ctx.w, w_spec)
@@ -356,16 +358,19 @@ def _fp8_gemm_grad_step(x, w, ct):
     return dx + live.astype(dx.dtype)
 
 
-def flux_gemm_only(ctx: CaseContext) -> Built:
-    """flux_jax's own GEMM kernel on gemm_only's per-GPU shape, without communication.
+def flux_gemm_only(ctx: CaseContext, tuning: dict | None = None) -> Built:
+    """flux_jax's own overlap GEMM kernel on gemm_only's per-GPU shape, without communication.
 
-    ag_matmul(impl="fused") over a mesh axis of size 1 runs the fused kernel's GEMM alone, so
-    `flux_gemm_only` vs `gemm_only` separates "our GEMM is slower than XLA's" from "overlap costs".
+    ag_matmul(impl="fused", fused_path="overlap") over a mesh axis of size 1 runs the fused
+    kernel's GEMM alone, so `flux_gemm_only` vs `gemm_only` separates "our GEMM is slower than
+    XLA's" from "overlap costs". `tuning`: GPU tuning fields to trace it under (A/B runs).
     """
     ctx.require_gpu("the CPU backend is a reference, not a fast GEMM")
     ctx.require_forward("not built for --grad")
     ctx.require_unquantized("our GEMM kernel takes bf16 / f16")
     case = ctx.case
+    if case.transpose_w:
+        return _flux_gemm_only_transposed(ctx, tuning or {})
     devices = np.asarray(ctx.mesh.devices).reshape(case.tp, 1)
     mesh = jax.sharding.Mesh(devices, (AXIS, "one"), axis_types=(AxisType.Explicit,) * 2)
     w_spec = P(None, AXIS) if case.op == "ag" else P(AXIS, None)
@@ -379,7 +384,7 @@ def flux_gemm_only(ctx: CaseContext) -> Built:
         x = ctx.place("x", ctx.x, x_spec, mesh)
         check = lambda out: ctx.against_twin(  # noqa: E731
             out.reshape(case.tp, case.M, case.N).astype(np.float32).sum(0))
-    body = functools.partial(flux_jax.ag_matmul, axis_name="one", impl="fused")
+    body = flux_gemm_fn("one", tuning=tuning)
     step = jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=out_spec)
     try:
         jax.jit(step).lower(x, w)
@@ -468,6 +473,94 @@ def _fp8_comm_only(ctx: CaseContext) -> Built:
     return Built(sharded, (arg, ct), ctx.mesh, spec, spec, lambda out: rel_max_err(out, expected))
 
 
+# ---- one-GPU GEMM parity (preset gemm-parity-1gpu, benchmarks/gemm_parity.py) ----------------
+
+
+def _ag_matmul_transposed_weight(x, w_nk, *, axis_name: str):
+    """ag_matmul reading its weight transposed (w_nk [n, k]): the kernel a fused op's backward runs
+    for dx = dy w^T. The public op has no such argument; this binds the op's primitive with
+    `transpose_w` as its backward does (flux_jax/ops/_common.py backward_call)."""
+    from flux_jax import _plan, _validation
+    from flux_jax._config import get_config, get_gpu_tuning
+    from flux_jax.ops import _common
+    from flux_jax.ops._spec import REGISTRY, Call
+
+    spec = REGISTRY["ag_matmul"]
+    info = _validation.check_axis(spec.name, axis_name)
+    problem = spec.problem(x.shape, w_nk.shape, x.dtype, info.tp_size, info.platform, True)
+    plan = _plan.plan(problem, "fused", get_config())
+    call = Call(info.axis_name, info.tp_size, True, "fused", False, plan, get_config(), get_gpu_tuning(),
+                platform=info.platform)
+    return _common.run(spec, x, w_nk, call)[0]
+
+
+def flux_gemm_fn(axis_name: str, *, transpose_w: bool = False, tuning: dict | None = None, poison: bool = False):
+    """Per-shard fn(x, w) -> our GEMM alone: ag_matmul(impl="fused") on the overlap path over
+    `axis_name` (size 1 where it measures the GEMM), traced under the GPU tuning fields `tuning`
+    (e.g. {"gemm_kernel": "128x256_c2x1"}; `flux_jax._config.GpuTuning`) and, with `poison`,
+    Config(debug_poison_outputs=True) (the kernel fills its output with NaN first)."""
+    from flux_jax import _config
+
+    public = {"fused_path": "overlap", **({"debug_poison_outputs": True} if poison else {})}
+
+    def fn(x, w):  # the configuration is read while tracing
+        with flux_jax.config(**public), _config.gpu_tuning(**(tuning or {})):
+            if transpose_w:
+                return _ag_matmul_transposed_weight(x, w, axis_name=axis_name)
+            return flux_jax.ag_matmul(x, w, axis_name=axis_name, impl="fused")
+
+    return fn
+
+
+def xla_gemm_fn(transpose_w: bool = False):
+    """fn(x, w) -> XLA's GEMM x @ w, or x @ w^T for a weight stored [n, k] (one dot_general: cuBLAS
+    reads it transposed, as XLA's backward does for dx = dy w^T)."""
+    if not transpose_w:
+        return jnp.dot
+    return lambda x, w_nk: lax.dot_general(x, w_nk, (((1,), (1,)), ((), ())))
+
+
+def _one_gpu_transposed(ctx: CaseContext, what: str):
+    if ctx.case.tp != 1 or ctx.case.op != "ag":
+        raise Unavailable(f"{what}: a transposed-weight case runs at tp=1 as op ag")
+    return np.ascontiguousarray(ctx.w.T)  # the layer's weight as stored for dx: [N, K] here
+
+
+def _gemm_only_transposed(ctx: CaseContext) -> Built:
+    """gemm_only for a transposed-weight (dx) case: XLA's x [M, K] @ (w stored [N, K])^T."""
+    w_nk = ctx.place("w_nk", _one_gpu_transposed(ctx, "gemm_only"), P(AXIS, None))
+    x = ctx.place("x", ctx.x, P(AXIS, None))
+    step = jax.shard_map(xla_gemm_fn(True), mesh=ctx.mesh, in_specs=(P(AXIS, None), P(AXIS, None)),
+                         out_specs=P(AXIS, None))
+    return Built(step, (x, w_nk), ctx.mesh, P(AXIS, None), P(AXIS, None), ctx.against_twin)
+
+
+def _flux_gemm_only_transposed(ctx: CaseContext, tuning: dict) -> Built:
+    """flux_gemm_only for a transposed-weight (dx) case: our overlap GEMM reading w [N, K]."""
+    w_nk = ctx.place("w_nk", _one_gpu_transposed(ctx, "flux_gemm_only"), P(AXIS, None))
+    x = ctx.place("x", ctx.x, P(AXIS, None))
+    step = jax.shard_map(flux_gemm_fn(AXIS, transpose_w=True, tuning=tuning), mesh=ctx.mesh,
+                         in_specs=(P(AXIS, None), P(AXIS, None)), out_specs=P(AXIS, None))
+    try:
+        jax.jit(step).lower(x, w_nk)
+    except flux_jax.FusedUnavailableError as err:
+        raise Unavailable(str(err)) from err
+    return Built(step, (x, w_nk), ctx.mesh, P(AXIS, None), P(AXIS, None), ctx.against_twin)
+
+
+def flux_gemm_only_decode(ctx: CaseContext) -> Built:
+    """The decode path's GEMM alone (GpuTuning.gemm_kernel="decode": ag_matmul at tp=1 runs it
+    without pushes): bfloat16, a [K, N] weight, at most 256 rows; tp=1 only."""
+    ctx.require_gpu("the decode GEMM is a CUDA kernel")
+    if ctx.case.tp != 1 or ctx.case.transpose_w or ctx.case.dtype != "bfloat16" or ctx.case.M > 256:
+        raise Unavailable("the decode GEMM alone runs at tp=1, bfloat16, a [K, N] weight, M <= 256")
+    return flux_gemm_only(ctx, {"gemm_kernel": "decode"})
+
+
+# Variants that build a transposed-weight (dx) case of the gemm-parity preset.
+TRANSPOSED_WEIGHT_VARIANTS = ("xla_shard_map", "gemm_only", "flux_gemm_only")
+
+
 BUILDERS = {
     "flux_fused": flux_fused,
     "flux_auto": flux_auto,
@@ -478,6 +571,7 @@ BUILDERS = {
     "pallas_mgpu": pallas_mgpu,
     "gemm_only": gemm_only,
     "flux_gemm_only": flux_gemm_only,
+    "flux_gemm_only_decode": flux_gemm_only_decode,
     "flux_overlap": flux_overlap,
     "flux_latency": flux_latency,
     "flux_decode": flux_decode,
@@ -487,4 +581,5 @@ BUILDERS = {
 VARIANTS = (
     "flux_fused", "flux_auto", "flux_overlap", "flux_latency", "flux_decode", "xla_shard_map", "xla_jit", "xla_windowed_einsum",
     "jax_ring", "jax_ring_bidi", "pallas_mgpu", "gemm_only", "flux_gemm_only", "comm_only",
+    "flux_gemm_only_decode",
 )

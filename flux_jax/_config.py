@@ -22,6 +22,9 @@ from jax._src import config as _jax_config  # private: the only jit-key-aware co
 from flux_jax import _tuning
 
 FUSED_PATHS = ("auto", "overlap", "latency", "decode")
+# GpuTuning.gemm_kernel values, in the order of cpp/include/flux_jax/params.h GemmKernel (the
+# attribute carries the index).
+GEMM_KERNELS = ("auto", "128x256", "128x192", "128x256_c2x1", "128x160_c2x1", "decode")
 
 
 def _check_int(name: str, value, lo: int, hi: int) -> None:
@@ -98,6 +101,13 @@ class GpuTuning:
         counters (at the next tile / right after the stores), -1 by shape.
       tile_n: output tile width of the overlap GEMM, 192 or 256 (0: by waves).
       decode_early_launch: 1: the decode GEMM launches while the rows are pushed; 0: after.
+      gemm_kernel: the overlap path's GEMM instance: "auto" (128x256 or 128x192 by shape, see
+        tile_n), or one forced: "128x256", "128x192" (bf16, [K, N] weight), "128x256_c2x1"
+        (bf16, [K, N] weight; 2-CTA clusters along M sharing B by TMA multicast),
+        "128x160_c2x1" (bf16, either weight layout); "decode": the decode path's GEMM alone,
+        ag_matmul at tp = 1 only. A forced instance the build lacks for the call is an error.
+      gate_probe: 1: at tp = 1 ag_matmul's GEMM waits before every tile's A loads on flags that
+        are already set: the gate's cost without peers (at tp = 1 no gate runs otherwise).
     """
 
     piece_bytes: int = 0
@@ -106,6 +116,8 @@ class GpuTuning:
     rs_tile_signal: int = -1
     tile_n: int = 0
     decode_early_launch: int = 1
+    gemm_kernel: str = "auto"
+    gate_probe: int = 0
 
     def __post_init__(self):
         _check_int("GpuTuning.piece_bytes", self.piece_bytes, 0, 1 << 40)
@@ -117,6 +129,10 @@ class GpuTuning:
             raise ValueError(f"GpuTuning.tile_n must be 0 (by waves), 192 or 256, got {self.tile_n!r}")
         if type(self.decode_early_launch) is not int or self.decode_early_launch not in (0, 1):
             raise ValueError(f"GpuTuning.decode_early_launch must be 0 or 1, got {self.decode_early_launch!r}")
+        if self.gemm_kernel not in GEMM_KERNELS:
+            raise ValueError(f"GpuTuning.gemm_kernel must be one of {GEMM_KERNELS}, got {self.gemm_kernel!r}")
+        if type(self.gate_probe) is not int or self.gate_probe not in (0, 1):
+            raise ValueError(f"GpuTuning.gate_probe must be 0 or 1, got {self.gate_probe!r}")
 
 
 def _state(name: str, default, kind: type):

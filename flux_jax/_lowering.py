@@ -31,6 +31,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from flux_jax import _distributed, _ipc, _plan
+from flux_jax._config import GEMM_KERNELS
 from flux_jax._errors import FusedUnavailableError
 from flux_jax._validation import platform_name
 
@@ -221,6 +222,8 @@ def _gemm_attrs(call, path: str) -> dict:
         rs_tile_signal=np.int64(t.rs_tile_signal),
         tile_n=np.int64(t.tile_n),
         decode_early_launch=bool(t.decode_early_launch),
+        gemm_kernel=np.int64(GEMM_KERNELS.index(t.gemm_kernel)),
+        gate_probe=bool(t.gate_probe),
     )
 
 

@@ -265,3 +265,106 @@ def test_fp8_cases_run_against_the_fp8_twin(op, grad):
     assert by["jax_ring"]["status"].startswith("unavailable: no FP8 form")
     cases, _ = select_cases(PRESETS["llama8b-fp8-tp2"], 2, ("ag", "rs"), (64,), None)
     assert cases and all(c.fp8 for c in cases)
+
+
+def test_gemm_parity_preset_holds_every_tp2_layer_forward_dx_and_decode():
+    """gemm-parity-1gpu: the per-GPU GEMM of every TP=2 layer preset at M = 2048-16384, forward
+    and in the dx orientation (the weight read transposed), the forward at decode sizes; shapes
+    shared by two layers appear once."""
+    from benchmarks.presets import M_PARITY, M_PARITY_DECODE, OPS, PRESETS, select_cases
+
+    cases, skipped = select_cases(PRESETS["gemm-parity-1gpu"], 1, OPS, None, None)
+    assert not skipped and all(c.tp == 1 and c.op == "ag" for c in cases)
+    keys = [(c.M, c.K, c.N, c.transpose_w) for c in cases]
+    assert len(keys) == len(set(keys))
+    per_gpu = set()
+    for name in ("llama8b-tp2", "llama70b-tp2", "holdout-tp2", "gemm-8192-tp2"):
+        for c in select_cases(PRESETS[name], 2, OPS, None, None)[0]:
+            per_gpu.add((c.K, c.N // 2) if c.op == "ag" else (c.K // 2, c.N))
+    assert {(c.K, c.N) for c in cases if not c.transpose_w} == per_gpu
+    assert {(c.N, c.K) for c in cases if c.transpose_w} == per_gpu
+    for k, n in per_gpu:
+        assert all((m, k, n, False) in keys and (m, n, k, True) in keys for m in M_PARITY)
+    decode = {(c.K, c.N) for c in cases if c.M in M_PARITY_DECODE}
+    assert decode == per_gpu - {(8192, 8192)} and not any(c.transpose_w for c in cases if c.M < 2048)
+    assert "8B qkv" in next(c.layer for c in cases if (c.M, c.K, c.N) == (2048, 4096, 3072))
+    assert "Phi3mini down" in next(c.layer for c in cases if (c.M, c.K, c.N) == (2048, 4096, 3072))
+
+
+def test_dx_case_runs_gemm_only_on_the_transposed_weight():
+    """A transposed-weight case (tp=1): gemm_only computes x @ (w stored [N, K])^T, checked
+    against the twin; the variants not built for it say so."""
+    import jax
+    import numpy as np
+
+    from benchmarks import variants
+
+    case = Case("ag", 64, 48, 32, 1, "bfloat16", "dx test", transpose_w=True)
+    rows = run_case(case, ["xla_shard_map", "gemm_only", "flux_fused", "flux_gemm_only"], seed=3,
+                    params=TimingParams(n1=1, target_ms=1, max_calls=50, repeats=1, preheat_ms=0),
+                    windowed=WindowedEinsum())
+    by = {r["variant"]: r for r in rows}
+    assert by["gemm_only"]["status"] == "ok" and by["gemm_only"]["max_rel_err"] < 2e-2
+    assert by["gemm_only"]["transpose_w"] is True
+    assert by["flux_fused"]["status"] == "unavailable: not built for a transposed-weight (dx) case"
+    assert by["flux_gemm_only"]["status"].startswith("unavailable: GPU only")
+    mesh, auto_mesh = variants.make_meshes(1)
+    x, w = variants.make_xw(case, 3)
+    ctx = variants.CaseContext(case, "cpu", mesh, auto_mesh, x, w, 3)
+    built = variants.gemm_only(ctx)
+    assert built.args[1].shape == (case.N, case.K)  # stored as the layer's weight: [N, K]
+    out = np.asarray(jax.jit(built.step)(*built.args), np.float32)
+    np.testing.assert_allclose(out, x.astype(np.float32) @ w.astype(np.float32), rtol=2e-2, atol=2e-2)
+
+
+def test_gemm_parity_runner_checks_and_reports_on_cpu(tmp_path):
+    """python -m benchmarks.gemm_parity end to end on CPU (XLA and our CPU backend at tp=1),
+    forward and dx: every row checked against the float32 reference, JSON and markdown written."""
+    from benchmarks import gemm_parity
+
+    rows = gemm_parity.main(["--out", str(tmp_path), "--shapes", "64:32:48,64:48:32:dx", "--dtypes", "bfloat16",
+                             "--repeats", "1", "--target-ms", "20", "--preheat-ms", "0", "--max-calls", "2000",
+                             "--no-profiler", "--seed", "5"])
+    assert [(r["orientation"], r["variant"]) for r in rows] == [
+        ("fwd", "xla"), ("fwd", "flux:auto"), ("dx", "xla"), ("dx", "flux:auto")]
+    for r in rows:  # checked before timed; a CPU loop may not resolve its time (noise)
+        assert r["max_rel_err"] <= r["err_bound"], r
+        assert (r["status"] == "ok" and r["us"] > 0) or r["status"].startswith("unavailable: not resolved"), r
+    data = json.loads((tmp_path / "gemm_parity.json").read_text())
+    assert data["metadata"]["seed"] == 5 and data["metadata"]["left_out_by_preflight"] == {}
+    table = (tmp_path / "gemm_parity.md").read_text()
+    assert "| 64x48x32 dx bfloat16 |" in table and "best of ours per shape" in table
+
+
+def test_gemm_parity_variants_follow_the_build_and_the_auto_rule():
+    """Which instances a shape runs (gemm_plan.h HasGemmInstance) and what auto resolves to
+    (op_common.h ChooseBlockN)."""
+    from benchmarks.gemm_parity import KERNELS, Shape, auto_kernel, variants_for
+
+    def names(m, k, n, dx, dtype):
+        return [v.name for v in variants_for(Shape(m, k, n, dx, dtype, ""), "gpu", KERNELS, True, True)]
+
+    assert names(2048, 2560, 5120, False, "bfloat16") == [
+        "xla", "flux:auto", "flux:128x256", "flux:128x192", "flux:128x256_c2x1", "flux:128x160_c2x1",
+        "flux:auto+gate_probe"]
+    assert names(2048, 5120, 2560, True, "bfloat16") == ["xla", "flux:auto", "flux:128x256", "flux:128x160_c2x1"]
+    assert names(8192, 8192, 8192, False, "float16") == ["xla", "flux:auto", "flux:128x256", "flux:auto+gate_probe"]
+    assert names(64, 8192, 5120, False, "bfloat16") == ["xla", "flux:auto", "flux:128x256", "flux:decode"]
+    assert names(64, 8192, 5120, False, "float16") == ["xla", "flux:auto", "flux:128x256"]
+    assert auto_kernel("bfloat16", False, 2048, 3072, 132) == "128x192"  # 8B qkv: the measured case
+    assert auto_kernel("bfloat16", False, 2048, 5120, 132) == "128x256"
+    assert auto_kernel("bfloat16", True, 2048, 3072, 132) == "128x256"
+
+
+def test_gemm_parity_preflight_child_reports_each_variant(capsys):
+    """The preflight's child (run here in-process, CPU backend): START then OK / FAIL per variant,
+    which the parent reads to leave out a variant that fails, faults or hangs."""
+    from benchmarks import gemm_parity
+
+    assert gemm_parity.preflight_variants(gemm_parity.KERNELS, True, True) == [
+        "flux:128x256", "flux:128x192", "flux:128x256_c2x1", "flux:128x160_c2x1", "flux:auto+gate_probe",
+        "flux:decode"]
+    gemm_parity.main(["--preflight-child", "flux:128x160_c2x1,flux:nonsense"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:3] == ["START flux:128x160_c2x1", "OK flux:128x160_c2x1", "START flux:nonsense"]
+    assert lines[3].startswith("FAIL flux:nonsense ValueError: unknown kernel")

@@ -155,11 +155,12 @@ def test_gpu_tuning_fields_reach_the_kernel_attributes():
                               in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp", None)))
     xs = jax.device_put(x, NamedSharding(mesh, P(None, "tp")))
     ws = jax.device_put(w, NamedSharding(mesh, P("tp", None)))
-    with _config.gpu_tuning(rs_stage_launches=0, piece_bytes=4096, tile_group_m=2, tile_n=192, rs_tile_signal=2):
+    with _config.gpu_tuning(rs_stage_launches=0, piece_bytes=4096, tile_group_m=2, tile_n=192, rs_tile_signal=2,
+                            gemm_kernel="128x160_c2x1", gate_probe=1):
         hlo = f.lower(xs, ws).as_text()
         out = f(xs, ws)
     for attr in ("rs_stage_launches = 0", "piece_bytes = 4096", "tile_group_m = 2", "tile_n = 192",
-                 "rs_tile_signal = 2", "path = 0 : i32"):
+                 "rs_tile_signal = 2", "path = 0 : i32", "gemm_kernel = 4", "gate_probe = true"):
         assert attr in hlo, attr
     np.testing.assert_allclose(np.asarray(out), np.asarray(x) @ np.asarray(w), rtol=1e-4, atol=1e-4)
 

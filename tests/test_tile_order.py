@@ -44,3 +44,29 @@ def test_rejects_bad_arguments():
         order(4, 4, 2, 4)
     with pytest.raises(ValueError, match="group >= 1"):
         order(4, 4, 0, 0)
+
+
+CLUSTER_CASES = list(itertools.product((1, 2, 3, 7, 8, 16, 20), (1, 3, 12, 56), (1, 2, 8), (1, 2)))
+
+
+def clustered(tiles_m, tiles_n, group, rotate, cluster_m):
+    return _native.extension().clustered_tile_order(tiles_m, tiles_n, group, rotate, cluster_m)
+
+
+@pytest.mark.parametrize("tiles_m,tiles_n,group,cluster_m", CLUSTER_CASES)
+def test_clusters_cover_every_padded_tile_once_and_share_n(tiles_m, tiles_n, group, cluster_m):
+    """2x1 clusters (the CTAs share B by multicast): every tile of M padded to whole clusters
+    exactly once, the CTAs of one cluster on adjacent row tiles of the same n, the rank's own
+    cluster row first; cluster_m = 1 is the plain grouped order."""
+    padded = -(-tiles_m // cluster_m) * cluster_m
+    for rotate in sorted({0, min(1, tiles_m - 1), tiles_m // 2, tiles_m - 1}):
+        tiles = clustered(tiles_m, tiles_n, group, rotate, cluster_m)
+        assert sorted(tiles) == [(m, n) for m in range(padded) for n in range(tiles_n)]
+        for i in range(0, len(tiles), cluster_m):
+            cluster = tiles[i:i + cluster_m]
+            assert len({n for _, n in cluster}) == 1
+            assert [m for m, _ in cluster] == list(range(cluster[0][0], cluster[0][0] + cluster_m))
+            assert cluster[0][0] % cluster_m == 0
+        assert tiles[0] == (rotate // cluster_m * cluster_m, 0)
+        if cluster_m == 1:
+            assert tiles == order(tiles_m, tiles_n, group, rotate)

@@ -51,6 +51,8 @@ struct GemmAttrs {
   int64_t rs_tile_signal;
   int64_t tile_n;
   bool decode_early_launch;
+  int64_t gemm_kernel;
+  bool gate_probe;
 };
 
 // Fills `group` (which rank this device is, its peers) and `cfg` from the
@@ -84,6 +86,12 @@ inline Status DecodeGemm(const GemmAttrs& a, Platform platform, int32_t device_o
   cfg->tuning.rs_tile_signal = a.rs_tile_signal;
   cfg->tuning.tile_n = a.tile_n;
   cfg->tuning.decode_early_launch = a.decode_early_launch;
+  if (a.gemm_kernel < static_cast<int64_t>(GemmKernel::kAuto) ||
+      a.gemm_kernel > static_cast<int64_t>(GemmKernel::kDecode)) {
+    return Status::InvalidArgument("unknown gemm_kernel " + std::to_string(a.gemm_kernel));
+  }
+  cfg->tuning.gemm_kernel = a.gemm_kernel;
+  cfg->tuning.gate_probe = a.gate_probe;
   return DecodeCommon(a, platform, device_ordinal, rank_operand, group, cfg);
 }
 
@@ -117,4 +125,6 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(flux_jax::ffi_adapter::GemmAttrs,
                                       StructMember<int64_t>("rs_stage_launches"),
                                       StructMember<int64_t>("rs_tile_signal"),
                                       StructMember<int64_t>("tile_n"),
-                                      StructMember<bool>("decode_early_launch"));
+                                      StructMember<bool>("decode_early_launch"),
+                                      StructMember<int64_t>("gemm_kernel"),
+                                      StructMember<bool>("gate_probe"));

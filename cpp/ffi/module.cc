@@ -200,6 +200,28 @@ NB_MODULE(_flux_jax_ffi, m) {
       nb::arg("expected"), nb::arg("mapped"), nb::arg("group"),
       "'' if a peer's CUDA IPC blob (declared sizes, mapped sizes) fits this process's member, else the error "
       "(flux_jax/gpu_checks.h).");
+  m.def(
+      "clustered_tile_order",
+      [](int tiles_m, int tiles_n, int group, int rotate, int cluster_m) {
+        if (tiles_m < 1 || tiles_n < 1 || group < 1 || rotate < 0 || rotate >= tiles_m || cluster_m < 1) {
+          throw std::invalid_argument(
+              "clustered_tile_order: need tiles_m, tiles_n, group, cluster_m >= 1 and 0 <= rotate < tiles_m");
+        }
+        // The scheduler's order: cluster ids t, then the CTAs of each cluster.
+        const int clusters = (tiles_m + cluster_m - 1) / cluster_m * tiles_n;
+        std::vector<std::pair<int, int>> order;
+        order.reserve(static_cast<size_t>(clusters) * cluster_m);
+        for (int t = 0; t < clusters; ++t) {
+          for (int cta = 0; cta < cluster_m; ++cta) {
+            const flux_jax::TileCoord c = flux_jax::ClusteredTile(t, cta, tiles_m, tiles_n, group, rotate, cluster_m);
+            order.emplace_back(c.m, c.n);
+          }
+        }
+        return order;
+      },
+      nb::arg("tiles_m"), nb::arg("tiles_n"), nb::arg("group"), nb::arg("rotate"), nb::arg("cluster_m"),
+      "The (m, n) tile order of an overlap GEMM with clusters of cluster_m CTAs along M (tiles_m padded "
+      "to whole clusters), for tests.");
 #ifdef FLUX_JAX_WITH_CUDA
   m.def("cuda_kernels", &Ops, "Ops with CUDA kernels in this build (all of ops.def).");
   m.def("reset_cuda_workspaces", &flux_jax::ResetCudaWorkspaces,

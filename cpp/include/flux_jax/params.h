@@ -42,6 +42,20 @@ struct TpGroup {
 // XLA's GEMM next to our collective). Decided in Python (flux_jax/_plan.py).
 enum class FusedPath : int32_t { kOverlap = 0, kDecode = 1 };
 
+// Which GEMM a fused call's overlap path runs (GpuTuning.gemm_kernel; flux_jax/_config.py
+// GEMM_KERNELS lists the same names in this order). kAuto: the 128x256 or 128x192 instance by
+// shape (tile_n); the others force one instance (an error where this build lacks it for the
+// dtype and weight layout). kDecode: the decode path's GEMM on the rows alone, at tp = 1 only
+// (measures it without its pushes).
+enum class GemmKernel : int64_t {
+  kAuto = 0,
+  k128x256 = 1,
+  k128x192 = 2,
+  k128x256Cluster2x1 = 3,
+  k128x160Cluster2x1 = 4,
+  kDecode = 5,
+};
+
 // GPU tuning of the overlap and decode kernels. Every default is the product
 // setting; other values exist for A/B measurements (flux_jax/_config.py, private).
 struct GpuTuning {
@@ -54,6 +68,9 @@ struct GpuTuning {
                                    // -1: by shape (ChooseRsTileSignal)
   int64_t tile_n = 0;              // output tile width, 256 or 192 (0: by waves)
   bool decode_early_launch = true;  // the decode GEMM launches while the rows are pushed
+  int64_t gemm_kernel = 0;         // a GemmKernel (0: by shape)
+  bool gate_probe = false;         // tp = 1, ag_matmul: gate every tile's A loads on flags
+                                   // that are already set (the cost of the gate's poll)
 };
 
 // Everything a fused call needs besides its buffers, decoded from the custom

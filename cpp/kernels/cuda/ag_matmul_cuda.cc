@@ -43,11 +43,22 @@ Status RunAgMatmulCuda(const AgMatmulParams& p, const TpGroup& group, const Comm
   plan.d = p.out;
 
   if (tp == 1) {
+    if (cfg.tuning.gemm_kernel == static_cast<int64_t>(GemmKernel::kDecode)) return RunDecodeGemmAlone(p, group, cfg, S);
     GroupWorkspace* ws = nullptr;  // no communication; the workspace only holds alpha
     FLUX_JAX_RETURN_IF_ERROR(AcquireWorkspace(group, 0, cfg, S, &ws));
-    plan.block_n = ChooseBlockN(cfg, p.dtype, p.w_transposed, rows, p.n, ws->sm_count);
+    FLUX_JAX_RETURN_IF_ERROR(ChooseGemmInstance(cfg, p.dtype, p.w_transposed, rows, p.n, ws->sm_count, &plan));
     plan.a = p.x;
     plan.alpha_ptr = ws->alpha;
+    // No gate runs here (gate_a is empty: its wait returns before the first flag). The probe
+    // (A/B measurements only) gates every tile's A loads on flags that already hold the
+    // epoch (0), so each wait is the one poll and the proxy fence a tile of a peer's rows
+    // pays at tp > 1 once its piece is there: the gate's cost, without peers.
+    if (cfg.tuning.gate_probe) {
+      const int32_t piece_rows = PieceRows(rows, row_bytes, cfg.tuning.piece_bytes, kGemmBlockM * plan.cluster_m);
+      plan.gate_a = MakeGate(*ws, cfg, ws->arrived, static_cast<int32_t>(rows), piece_rows, static_cast<int32_t>(rows),
+                             -1, 0, kSiteGemmA);
+      plan.gate_a.ctx.epoch = 0;
+    }
     FLUX_JAX_RETURN_IF_ERROR(RunGemm(plan, p.dtype, S, device, ws->sm_count));
     if (p.gathered) FLUX_CUDA_TRY(cudaMemcpyAsync(p.gathered, p.x, chunk_bytes, cudaMemcpyDeviceToDevice, S));
     return Status::Ok();
@@ -55,10 +66,10 @@ Status RunAgMatmulCuda(const AgMatmulParams& p, const TpGroup& group, const Comm
 
   GroupWorkspace* ws = nullptr;
   FLUX_JAX_RETURN_IF_ERROR(AcquireWorkspace(group, rows * row_bytes, cfg, S, &ws));
-  plan.block_n = ChooseBlockN(cfg, p.dtype, p.w_transposed, rows, p.n, ws->sm_count);
+  FLUX_JAX_RETURN_IF_ERROR(ChooseGemmInstance(cfg, p.dtype, p.w_transposed, rows, p.n, ws->sm_count, &plan));
   ws->epoch += 1;
   const uint64_t epoch = ws->epoch;
-  const int32_t piece_rows = PieceRows(p.m_local, row_bytes, cfg.tuning.piece_bytes);
+  const int32_t piece_rows = PieceRows(p.m_local, row_bytes, cfg.tuning.piece_bytes, kGemmBlockM * plan.cluster_m);
   const int32_t pieces = NumPieces(p.m_local, piece_rows);
   auto x = static_cast<const char*>(p.x);
 

@@ -166,6 +166,44 @@ Status RunAgMatmulDecode(const AgMatmulParams& p, const TpGroup& group, const Co
   return Status::Ok();
 }
 
+Status RunDecodeGemmAlone(const AgMatmulParams& p, const TpGroup& group, const CommConfig& cfg, cudaStream_t S) {
+  const int64_t rows = group.size * p.m_local;
+  if (group.size != 1 || !HasDecodeGemm(p.dtype, p.w_transposed, rows)) {
+    return Status::InvalidArgument(
+        "flux_jax: GpuTuning.gemm_kernel='decode' runs the decode GEMM alone: tp = 1, bfloat16, the untransposed "
+        "weight and 1.." + std::to_string(kDecodeMaxRows) + " rows; got tp=" + std::to_string(group.size) + ", " +
+        DTypeName(p.dtype) + (p.w_transposed ? " with the transposed weight" : "") + ", rows=" + std::to_string(rows));
+  }
+  const int device = group.ordinals[group.rank];
+  const size_t elt = DTypeBytes(p.dtype);
+  // Rows staged to whole row tiles (as matmul_rs's decode path does), so no TMA box runs past its
+  // tensor's end (a slow path); rows past `rows` are read, never stored.
+  const int64_t readable = DecodeRowsReadable(rows);
+  const bool stage_x = readable != rows;
+  GroupWorkspace* ws = nullptr;
+  FLUX_JAX_RETURN_IF_ERROR(
+      AcquireWorkspace(group, 0, cfg, S, &ws, stage_x ? static_cast<size_t>(readable * p.k) * elt : 0));
+  DecodeGemmPlan plan;
+  plan.rows = rows;
+  plan.n = p.n;
+  plan.k = p.k;
+  plan.x = p.x;
+  plan.x_rows_readable = rows;
+  if (stage_x) {
+    FLUX_CUDA_TRY(cudaMemcpyAsync(ws->slots, p.x, static_cast<size_t>(rows * p.k) * elt, cudaMemcpyDeviceToDevice, S));
+    plan.x = ws->slots;
+    plan.x_rows_readable = readable;
+  }
+  plan.w = p.w;
+  plan.d = p.out;
+  plan.alpha_ptr = ws->alpha;  // no gate: nothing to wait for
+  FLUX_JAX_RETURN_IF_ERROR(RunDecodeGemm(plan, p.dtype, S, device, ws->sm_count));
+  if (p.gathered) {
+    FLUX_CUDA_TRY(cudaMemcpyAsync(p.gathered, p.x, static_cast<size_t>(rows * p.k) * elt, cudaMemcpyDeviceToDevice, S));
+  }
+  return Status::Ok();
+}
+
 Status PreloadAgMatmulDecode() {
   cudaFuncAttributes attrs;
   FLUX_CUDA_TRY(cudaFuncGetAttributes(&attrs, PushRowsKernel));

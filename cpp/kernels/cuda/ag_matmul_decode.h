@@ -15,6 +15,11 @@ bool AgMatmulDecodeSupported(const AgMatmulParams& p, const TpGroup& group);
 
 Status RunAgMatmulDecode(const AgMatmulParams& p, const TpGroup& group, const CommConfig& cfg, cudaStream_t stream);
 
+// GpuTuning.gemm_kernel = decode at tp = 1: the decode GEMM on x alone, no pushes and no waits
+// (an A/B measurement of the GEMM against XLA's). Bfloat16, the untransposed weight, at most
+// kDecodeMaxRows rows; else an error.
+Status RunDecodeGemmAlone(const AgMatmulParams& p, const TpGroup& group, const CommConfig& cfg, cudaStream_t stream);
+
 // Loads the push kernel into the current device's context.
 Status PreloadAgMatmulDecode();
 

@@ -14,7 +14,17 @@
 //                    epilogue raises per-piece tile counters once a tile's D
 //                    stores are written (a copy stream waits on them).
 //
-// Consumers (the MMA warpgroups) never poll. Only cluster 1x1 is supported.
+// Consumers (the MMA warpgroups) never poll.
+//
+// Clusters: 1x1, or cluster_m x 1 along M (the CTAs of a cluster compute
+// adjacent 128-row tiles of the same n and share the B tile by TMA multicast,
+// each CTA loading 1/cluster_m of it into every CTA of the cluster). Each CTA
+// still waits only for its own A rows, so results stay correct; the cost is
+// that a CTA whose rows have not arrived also holds back its share of B, so its
+// peer waits for the later of the two tiles' rows. Both tiles wait for the same
+// piece when pieces and chunks are whole clusters of rows (op_common.h rounds
+// pieces to whole clusters; a chunk of an odd number of 128-row tiles still
+// puts one cluster across two chunks).
 #pragma once
 
 #include "cute/tensor.hpp"
@@ -39,6 +49,9 @@ namespace flux_jax::cuda {
 // ---------------------------------------------------------------------------
 struct RotatedSchedulerTag {};
 
+// kClusterM: CTAs per cluster along M, a compile-time constant so that 1x1 clusters remap
+// exactly as GroupedTile (no extra registers in any warp).
+template <int kClusterM = 1>
 class RotatedScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
   using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
 
@@ -74,6 +87,8 @@ class RotatedScheduler : public cutlass::gemm::kernel::detail::PersistentTileSch
     params.tiles_n = (n + cute::size<1>(tile_shape) - 1) / cute::size<1>(tile_shape);
     params.rotate_m_tiles = params.tiles_m > 0 ? args.rotate_m_tiles % params.tiles_m : 0;
     params.group_m_tiles = args.group_m_tiles < 1 ? 1 : args.group_m_tiles;
+    static_assert(cute::size<1>(ClusterShape{}) == 1, "RotatedScheduler: clusters along M only");
+    static_assert(cute::size<0>(ClusterShape{}) == kClusterM, "RotatedScheduler: cluster rows mismatch");
     return params;
   }
 
@@ -100,8 +115,16 @@ class RotatedScheduler : public cutlass::gemm::kernel::detail::PersistentTileSch
  private:
   CUTLASS_DEVICE WorkTileInfo Remap(WorkTileInfo w) const {
     if (!w.is_valid()) return w;
-    // The base rasters plainly along N: t = m * tiles_n + n.
-    const TileCoord c = GroupedTile(w.M_idx * tiles_n_ + w.N_idx, tiles_m_, tiles_n_, group_, rotate_);
+    // The base rasters plainly along N, one cluster (cluster_m M tiles, one n) at a time:
+    // cluster t = (m / cluster_m) * tiles_n + n, this CTA at m % cluster_m of it.
+    TileCoord c;
+    if constexpr (kClusterM == 1) {
+      c = GroupedTile(w.M_idx * tiles_n_ + w.N_idx, tiles_m_, tiles_n_, group_, rotate_);
+    } else {
+      const int cluster_row = w.M_idx / kClusterM;
+      c = ClusteredTile(cluster_row * tiles_n_ + w.N_idx, w.M_idx - cluster_row * kClusterM, tiles_m_, tiles_n_,
+                        group_, rotate_, kClusterM);
+    }
     w.M_idx = c.m;
     w.N_idx = c.n;
     return w;
@@ -125,7 +148,8 @@ struct GatedMainloop : Base {
   using typename Base::SmemLayoutB;
   using typename Base::TensorStorage;
   using typename Base::TileShape;
-  static_assert(cute::size(ClusterShape{}) == 1, "GatedMainloop supports cluster 1x1 only");
+  static_assert(cute::size<1>(ClusterShape{}) == 1, "GatedMainloop: clusters along M only (A is never multicast)");
+  static constexpr int kClusterM = cute::size<0>(ClusterShape{});
   static constexpr int kBlockM = cute::size<0>(TileShape{});
 
   struct Arguments : Base::Arguments {
@@ -181,7 +205,7 @@ struct GatedMainloop : Base {
                            PipelineState smem_pipe_write,
                            cute::tuple<TensorA, TensorB> const& load_inputs,
                            BlockCoord const& blk_coord, KTileIterator k_tile_iter, int k_tile_count,
-                           int /*thread_idx*/, uint32_t /*block_rank_in_cluster*/,
+                           int /*thread_idx*/, uint32_t block_rank_in_cluster,
                            TensorStorage& shared_tensors) {
     using namespace cute;
     using X = Underscore;
@@ -198,9 +222,16 @@ struct GatedMainloop : Base {
       Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
       Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
       Tensor gB = get<1>(load_inputs)(_, _, n_coord, _, l_coord);  // (BLK_N,BLK_K,k)
-      auto block_tma_b = params.tma_load_b.get_slice(0);
+      // Clusters along M: this CTA loads its 1/kClusterM share of the B tile into every CTA of
+      // the cluster (as CUTLASS's own mainloop does); A is this CTA's alone.
+      auto block_tma_b = params.tma_load_b.get_slice(block_rank_in_cluster % kClusterM);
       Tensor tBgB = block_tma_b.partition_S(gB);
       Tensor tBsB = block_tma_b.partition_D(sB);
+      uint16_t mcast_mask_b = 0;
+      if constexpr (cute::is_same_v<typename Base::GmemTiledCopyB, cute::SM90_TMA_LOAD_MULTICAST>) {
+        auto block_layout = Layout<ClusterShape>{};  // (m, n) -> block id
+        for (int m = 0; m < kClusterM; ++m) mcast_mask_b |= uint16_t(1) << block_layout(m, 0, Int<0>{});
+      }
 
       auto issue = [&](auto const& tma_a, auto const& gA) {
         auto block_tma_a = tma_a.get_slice(0);
@@ -212,7 +243,7 @@ struct GatedMainloop : Base {
           auto* barrier = pipeline.producer_get_barrier(smem_pipe_write);
           const int stage = smem_pipe_write.index();
           copy(tma_a.with(*barrier, 0), tAgA(_, _, _, *k_tile_iter), tAsA(_, _, _, stage));
-          copy(params.tma_load_b.with(*barrier, 0), tBgB(_, _, _, *k_tile_iter), tBsB(_, _, _, stage));
+          copy(params.tma_load_b.with(*barrier, mcast_mask_b), tBgB(_, _, _, *k_tile_iter), tBsB(_, _, _, stage));
           ++k_tile_iter;
           ++smem_pipe_write;
         }
@@ -359,6 +390,6 @@ namespace cutlass::gemm::kernel::detail {
 template <class ArchTag, class TileShape, class ClusterShape, uint32_t Stages>
 struct TileSchedulerSelector<flux_jax::cuda::RotatedSchedulerTag, ArchTag, TileShape, ClusterShape,
                              Stages> {
-  using Scheduler = flux_jax::cuda::RotatedScheduler;
+  using Scheduler = flux_jax::cuda::RotatedScheduler<cute::size<0>(ClusterShape{})>;
 };
 }  // namespace cutlass::gemm::kernel::detail

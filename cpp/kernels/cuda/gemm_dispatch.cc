@@ -1,4 +1,6 @@
-// Picks the GEMM instance for a dtype, weight layout and tile width.
+// Picks the GEMM instance for a dtype, weight layout, tile width and cluster.
+#include <string>
+
 #include "gemm_plan.h"
 
 namespace flux_jax::cuda {
@@ -8,21 +10,43 @@ Status RunGemm_bf16_kmajor(const GemmPlan&, cudaStream_t, int, int);
 Status RunGemm_f16_nmajor(const GemmPlan&, cudaStream_t, int, int);
 Status RunGemm_f16_kmajor(const GemmPlan&, cudaStream_t, int, int);
 Status RunGemm_bf16_nmajor_n192(const GemmPlan&, cudaStream_t, int, int);
+Status RunGemm_bf16_nmajor_c2x1(const GemmPlan&, cudaStream_t, int, int);
+Status RunGemm_bf16_nmajor_n160_c2x1(const GemmPlan&, cudaStream_t, int, int);
+Status RunGemm_bf16_kmajor_n160_c2x1(const GemmPlan&, cudaStream_t, int, int);
 Status Preload_RunGemm_bf16_nmajor();
 Status Preload_RunGemm_bf16_kmajor();
 Status Preload_RunGemm_f16_nmajor();
 Status Preload_RunGemm_f16_kmajor();
 Status Preload_RunGemm_bf16_nmajor_n192();
+Status Preload_RunGemm_bf16_nmajor_c2x1();
+Status Preload_RunGemm_bf16_nmajor_n160_c2x1();
+Status Preload_RunGemm_bf16_kmajor_n160_c2x1();
 
 Status PreloadGemmKernels() {
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_bf16_nmajor());
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_bf16_kmajor());
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_f16_nmajor());
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_bf16_nmajor_n192());
+  FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_bf16_nmajor_c2x1());
+  FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_bf16_nmajor_n160_c2x1());
+  FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_bf16_kmajor_n160_c2x1());
   return Preload_RunGemm_f16_kmajor();
 }
 
+// The instances only GpuTuning.gemm_kernel selects (ChooseGemmInstance): 2x1 clusters, 128x160 tiles.
+static Status RunForcedGemm(const GemmPlan& plan, DType dtype, cudaStream_t stream, int device, int sm_count) {
+  if (!HasGemmInstance(dtype, plan.b_kmajor, plan.block_n, plan.cluster_m)) {
+    return Status::InvalidArgument("flux_jax: no overlap GEMM instance with 128x" + std::to_string(plan.block_n) +
+                                   " tiles in " + std::to_string(plan.cluster_m) + "x1 clusters for " +
+                                   DTypeName(dtype) + (plan.b_kmajor ? " with the transposed weight" : ""));
+  }
+  if (plan.block_n == kGemmBlockN) return RunGemm_bf16_nmajor_c2x1(plan, stream, device, sm_count);
+  return plan.b_kmajor ? RunGemm_bf16_kmajor_n160_c2x1(plan, stream, device, sm_count)
+                       : RunGemm_bf16_nmajor_n160_c2x1(plan, stream, device, sm_count);
+}
+
 Status RunGemm(const GemmPlan& plan, DType dtype, cudaStream_t stream, int device, int sm_count) {
+  if (plan.cluster_m != 1 || plan.block_n == kGemmBlockN160) return RunForcedGemm(plan, dtype, stream, device, sm_count);
   switch (dtype) {
     case DType::kBF16:
       if (plan.block_n == kGemmBlockNNarrow && HasNarrowTile(dtype, plan.b_kmajor)) {

@@ -1,7 +1,8 @@
-// The one GEMM configuration every fused op instantiates (per dtype, B layout
-// and tile width): CUTLASS sm90 TMA warp-specialized cooperative persistent
-// kernel, 128x256x64 tiles (128x192x64 for the narrow instance), cluster 1x1,
-// f32 accumulation, with the gated mainloop,
+// The one GEMM configuration every fused op instantiates (per dtype, B layout,
+// tile width and cluster): CUTLASS sm90 TMA warp-specialized cooperative
+// persistent kernel, 128x256x64 tiles (128x192x64 for the narrow instance),
+// cluster 1x1 (the 2x1-cluster instances share B by TMA multicast; they run
+// only where GpuTuning.gemm_kernel forces them), f32 accumulation, with the gated mainloop,
 // gated epilogue and rotated scheduler of gated_gemm.cuh. Included only by the
 // instantiation units (each costs ~1 minute of nvcc on 2 cores).
 #pragma once
@@ -20,14 +21,14 @@
 
 namespace flux_jax::cuda {
 
-template <class Element, bool kBKMajor, int kBlockN = kGemmBlockN>
+template <class Element, bool kBKMajor, int kBlockN = kGemmBlockN, int kClusterM = 1>
 struct GemmInstance {
   using LayoutA = cutlass::layout::RowMajor;
   using LayoutB = std::conditional_t<kBKMajor, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
   using LayoutC = cutlass::layout::RowMajor;
   static constexpr int kAlignment = 8;  // 16 bytes: K and N multiples of 8
   using TileShape = cute::Shape<cute::Int<kGemmBlockM>, cute::Int<kBlockN>, cute::_64>;
-  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
+  using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::_1, cute::_1>;
 
   using BaseEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
@@ -132,4 +133,16 @@ Status PreloadGemmInstance() {
     return RunGemmInstance<GemmInstance<Element, kBKMajor, kBlockN>>(plan, stream, device, sm_count);  \
   }                                                                                                     \
   Status Preload_##name() { return PreloadGemmInstance<GemmInstance<Element, kBKMajor, kBlockN>>(); }  \
+  }
+
+// The same for an instance with clusters of kClusterM CTAs along M (gated_gemm.cuh).
+#define FLUX_JAX_DEFINE_GEMM_INSTANCE_CLUSTER(name, Element, kBKMajor, kBlockN, kClusterM)                \
+  namespace flux_jax::cuda {                                                                            \
+  Status name(const GemmPlan& plan, cudaStream_t stream, int device, int sm_count) {                    \
+    return RunGemmInstance<GemmInstance<Element, kBKMajor, kBlockN, kClusterM>>(plan, stream, device,   \
+                                                                                sm_count);             \
+  }                                                                                                     \
+  Status Preload_##name() {                                                                             \
+    return PreloadGemmInstance<GemmInstance<Element, kBKMajor, kBlockN, kClusterM>>();                  \
+  }                                                                                                     \
   }

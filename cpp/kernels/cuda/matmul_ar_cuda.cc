@@ -35,7 +35,7 @@ Status RunMatmulArCuda(const MatmulArParams& p, const TpGroup& group, const Comm
     plan.a = p.x;
     plan.d = partial;
     plan.alpha_ptr = ws.alpha;  // NaN once a wait of this device timed out: NaN, never wrong
-    plan.block_n = ChooseBlockN(cfg, p.dtype, p.w_transposed, p.m, p.n, ws.sm_count);
+    FLUX_JAX_RETURN_IF_ERROR(ChooseGemmInstance(cfg, p.dtype, p.w_transposed, p.m, p.n, ws.sm_count, &plan));
     return RunGemm(plan, p.dtype, S, device, ws.sm_count);
   };
   return EnqueueAllReduce(c, group, cfg, S, gemm);

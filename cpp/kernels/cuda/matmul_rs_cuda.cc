@@ -54,7 +54,8 @@ Status RunMatmulRsCuda(const MatmulRsParams& p, const TpGroup& group, const Comm
   // recv[0 .. tp-2] then stage[0 .. tp-2]
   FLUX_JAX_RETURN_IF_ERROR(AcquireWorkspace(group, 2 * (tp - 1) * slot_bytes, cfg, S, &ws));
   plan.alpha_ptr = ws->alpha;
-  plan.block_n = ChooseBlockN(cfg, p.dtype, p.w_transposed, tp == 1 ? p.m : m_out, p.n, ws->sm_count);
+  FLUX_JAX_RETURN_IF_ERROR(
+      ChooseGemmInstance(cfg, p.dtype, p.w_transposed, tp == 1 ? p.m : m_out, p.n, ws->sm_count, &plan));
   auto x = static_cast<const char*>(p.x);
   if (tp == 1) {
     plan.a = x;
@@ -64,7 +65,7 @@ Status RunMatmulRsCuda(const MatmulRsParams& p, const TpGroup& group, const Comm
 
   ws->epoch += 1;
   const uint64_t epoch = ws->epoch;
-  const int32_t piece_rows = PieceRows(m_out, out_row_bytes, cfg.tuning.piece_bytes);
+  const int32_t piece_rows = PieceRows(m_out, out_row_bytes, cfg.tuning.piece_bytes, kGemmBlockM * plan.cluster_m);
   const int32_t pieces = NumPieces(m_out, piece_rows);
   char* recv = ws->data;
   char* stage = ws->data + (tp - 1) * slot_bytes;

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 
 #include "cuda_util.h"
 #include "flux_jax/params.h"
@@ -20,13 +21,16 @@ namespace flux_jax::cuda {
 // consumer earlier; each costs two copy-engine operations. The 8 MiB floor (was
 // 2 MiB) measured 12-15% faster at LLaMA-8B out-projection M = 2048-4096 and 6% at
 // 8192, within +-3% elsewhere (2x H200, 2026-11-30; docs/decisions/2026-11-30-piece-size-floor.md).
-inline int32_t PieceRows(int64_t rows, int64_t row_bytes, int64_t requested_bytes) {
+// `granule_rows`: the rows of one cluster of tiles (kGemmBlockM x GemmPlan.cluster_m), so the
+// CTAs of a 2x1 cluster, which share B, wait for the same piece.
+inline int32_t PieceRows(int64_t rows, int64_t row_bytes, int64_t requested_bytes,
+                         int64_t granule_rows = kGemmBlockM) {
   if (rows <= 0) return 1;
   const int64_t target_bytes = requested_bytes > 0
                                    ? requested_bytes
                                    : std::max<int64_t>(int64_t{8} << 20, rows * row_bytes / 8);
   int64_t piece = std::max<int64_t>(1, (target_bytes + row_bytes - 1) / row_bytes);
-  piece = (piece + kGemmBlockM - 1) / kGemmBlockM * kGemmBlockM;
+  piece = (piece + granule_rows - 1) / granule_rows * granule_rows;
   piece = std::max<int64_t>(piece, (rows + kMaxPieces - 1) / kMaxPieces);
   return static_cast<int32_t>(std::min(piece, rows));
 }
@@ -63,6 +67,49 @@ inline int32_t ChooseBlockN(const CommConfig& cfg, DType dtype, bool b_kmajor, i
   auto span = [&](int64_t block_n) { return (tiles(block_n) + sm_count - 1) / sm_count * block_n; };
   if (tiles(kGemmBlockN) < sm_count) return kGemmBlockN;  // one partial wave: not measured
   return span(kGemmBlockNNarrow) * 11 < span(kGemmBlockN) * 10 ? kGemmBlockNNarrow : kGemmBlockN;
+}
+
+// The overlap GEMM instance of a call (GemmPlan.block_n and cluster_m). GpuTuning.gemm_kernel
+// forces one, for A/B measurements: an instance this build lacks for the dtype and weight layout
+// is an error, never a silent fallback. kAuto keeps ChooseBlockN's choice (cluster 1x1).
+// kDecode is no overlap instance: ag_matmul's tp = 1 branch runs the decode GEMM for it, and
+// every other call rejects it here.
+inline Status ChooseGemmInstance(const CommConfig& cfg, DType dtype, bool b_kmajor, int64_t m, int64_t n,
+                                 int sm_count, GemmPlan* plan) {
+  plan->cluster_m = 1;
+  switch (static_cast<GemmKernel>(cfg.tuning.gemm_kernel)) {
+    case GemmKernel::kAuto:
+      plan->block_n = ChooseBlockN(cfg, dtype, b_kmajor, m, n, sm_count);
+      return Status::Ok();
+    case GemmKernel::k128x256:
+      plan->block_n = kGemmBlockN;
+      break;
+    case GemmKernel::k128x192:
+      plan->block_n = kGemmBlockNNarrow;
+      break;
+    case GemmKernel::k128x256Cluster2x1:
+      plan->block_n = kGemmBlockN;
+      plan->cluster_m = 2;
+      break;
+    case GemmKernel::k128x160Cluster2x1:
+      plan->block_n = kGemmBlockN160;
+      plan->cluster_m = 2;
+      break;
+    case GemmKernel::kDecode:
+      return Status::InvalidArgument(
+          "flux_jax: GpuTuning.gemm_kernel='decode' runs the decode GEMM alone, in ag_matmul at tp = 1 only "
+          "(for the decode path at tp > 1 pin Config.fused_path='decode')");
+    default:
+      return Status::InvalidArgument("flux_jax: unknown GpuTuning.gemm_kernel " + std::to_string(cfg.tuning.gemm_kernel));
+  }
+  if (!HasGemmInstance(dtype, b_kmajor, plan->block_n, plan->cluster_m)) {
+    return Status::InvalidArgument("flux_jax: this build has no overlap GEMM instance with 128x" +
+                                   std::to_string(plan->block_n) + " tiles in " + std::to_string(plan->cluster_m) +
+                                   "x1 clusters for " + DTypeName(dtype) +
+                                   (b_kmajor ? " with the transposed weight" : " with a [K, N] weight") +
+                                   " (GpuTuning.gemm_kernel)");
+  }
+  return Status::Ok();
 }
 
 // When the pieces of the pushed ReduceScatter stage go (GpuTuning.rs_tile_signal;
