@@ -12,6 +12,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import flux_jax
+from flux_jax import _config
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # Error floors (relative, max-norm) for when XLA's own error is ~0.
@@ -130,9 +131,10 @@ def op_fn(op, mesh, impl, tp_axis="tp", transpose_w=False):
         specs, out = (P(None, tp_axis), P(tp_axis, None)), P(tp_axis, None)
         fn = flux_jax.matmul_rs
     cfg = dataclasses.asdict(flux_jax.get_config())
+    tuning = dataclasses.asdict(_config.get_gpu_tuning())
 
     def body(x, w):
-        with flux_jax.config(**cfg):
+        with flux_jax.config(**cfg), _config.gpu_tuning(**tuning):
             return fn(x, w, axis_name=tp_axis, impl=impl)
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out)), specs

@@ -15,6 +15,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import flux_jax
+from flux_jax import _config
 from helpers import assert_matches, place, random_array, to64
 from helpers import gpu_mesh as _mesh, missing_peer_times_out_then_reset, op_fn as _op_fn
 
@@ -53,7 +54,8 @@ def test_decode_matches_oracle(gpus, early_launch):
     for M, K, N in shapes:
         N *= 2  # global N: per-rank N a multiple of 8
         x, w = random_array(rng, (M, K), "bfloat16"), random_array(rng, (K, N), "bfloat16", scale=1 / np.sqrt(K))
-        with flux_jax.config(fused_path="decode", debug_poison_outputs=True, gpu_decode_early_launch=early_launch):
+        with flux_jax.config(fused_path="decode", debug_poison_outputs=True), _config.gpu_tuning(
+                decode_early_launch=early_launch):
             f, specs = _op_fn("ag", mesh, "fused")
         t, _ = _op_fn("ag", mesh, "xla")
         xs, ws = place(mesh, x, specs[0]), place(mesh, w, specs[1])

@@ -17,6 +17,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import flux_jax
+from flux_jax import _config
 from helpers import assert_matches, assert_nan_or_right, gpu_mesh as _mesh, missing_peer_times_out_then_reset, op_fn as _op_fn, place, random_array, to64
 
 
@@ -52,14 +53,14 @@ def test_fused_matches_oracle(gpus, op, dtype, shape, path):
 @pytest.mark.parametrize("shape", [(2048, 4096, 6144), (1000, 528, 784), (8192, 1024, 2048)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_tile_widths_match_oracle(gpus, op, shape, tile_n):
-    """Both overlap GEMM tile widths (Config.gpu_tile_n; 0 = by waves, which takes 192 for AG at
+    """Both overlap GEMM tile widths (GpuTuning.tile_n; 0 = by waves, which takes 192 for AG at
     2048x4096x6144), forward and with the transposed weight of a backward pass (no narrow
     instance there: it must fall back to 256), over two calls."""
     M, K, N = shape
     mesh = _mesh(gpus)
     rng = np.random.default_rng()
     x, w = random_array(rng, (M, K), "bfloat16"), random_array(rng, (K, N), "bfloat16", scale=1 / np.sqrt(K))
-    with flux_jax.config(fused_path="overlap", gpu_tile_n=tile_n):
+    with flux_jax.config(fused_path="overlap"), _config.gpu_tuning(tile_n=tile_n):
         fused, specs = _op_fn(op, mesh, "fused")
         grad = jax.jit(jax.grad(lambda x, w: jnp.sum(fused(x, w).astype(jnp.float32) ** 2), argnums=(0, 1)))
     twin, _ = _op_fn(op, mesh, "xla")
@@ -203,7 +204,7 @@ def test_rs_is_bitwise_deterministic(gpus, path):
                          ids=["8pieces", "tail_pieces", "pieces_of_250_rows"])
 def test_rs_first_stage_settings_are_bitwise_the_default(gpus, shape, piece_bytes):
     """How the pushed stage is launched and released changes when bytes move, never which:
-    Config.gpu_rs_stage_launches (launches of whole pieces) and gpu_rs_tile_signal (pieces
+    GpuTuning.rs_stage_launches (launches of whole pieces) and rs_tile_signal (pieces
     released by tile counters the epilogue raises; 250-row pieces make tiles straddle two)
     give, over 3 calls each (the counters only grow), the oracle and bitwise the result
     of one launch released by its end; -1 (automatic) picks 2 at these small K."""
@@ -216,8 +217,8 @@ def test_rs_first_stage_settings_are_bitwise_the_default(gpus, shape, piece_byte
     twin = t(xs, ws)
     results = {}
     for launches, signal in ((1, 0), (0, 0), (3, 0), (16, 0), (1, 1), (1, 2), (3, 1), (0, 2), (1, -1)):
-        with flux_jax.config(fused_path="overlap", gpu_rs_stage_launches=launches, gpu_piece_bytes=piece_bytes,
-                             gpu_rs_tile_signal=signal, debug_poison_outputs=True):
+        with flux_jax.config(fused_path="overlap", debug_poison_outputs=True), _config.gpu_tuning(
+                rs_stage_launches=launches, piece_bytes=piece_bytes, rs_tile_signal=signal):
             f, _ = _op_fn("rs", mesh, "fused")
         results[launches, signal] = [np.asarray(f(xs, ws)) for _ in range(3)]
         assert_matches(results[launches, signal][0], to64(x) @ to64(w), twin, "bfloat16",
