@@ -151,8 +151,9 @@ class Variant:
         return {"gemm_kernel": self.kernel, "gate_probe": int(self.gate_probe)}
 
 
-def variants_for(shape: Shape, platform: str, kernels: tuple[str, ...], gate_probe: bool,
-                 decode: bool) -> list[Variant]:
+def variants_for(
+    shape: Shape, platform: str, kernels: tuple[str, ...], gate_probe: bool, decode: bool
+) -> list[Variant]:
     """What one shape runs: XLA, our instances that exist for it, the gate probe, the decode GEMM."""
     out = [Variant("xla")]
     if platform != "gpu":  # the CPU backend ignores the GPU tuning: one flux row
@@ -180,8 +181,11 @@ def shapes_from_args(args, layers: dict) -> list[Shape]:
             out += [Shape(m, k, n, dx, dt, layers.get((m, k, n, dx), "custom")) for dt in args.dtypes]
         return out
     if args.subset == "quick":
-        return [Shape(m, k, n, dx, dt, layers.get((m, k, n, dx), "custom")) for m, k, n, dx, dt in QUICK
-                if args.m is None or m in args.m]
+        return [
+            Shape(m, k, n, dx, dt, layers.get((m, k, n, dx), "custom"))
+            for m, k, n, dx, dt in QUICK
+            if args.m is None or m in args.m
+        ]
     cases, _ = select_cases(PRESETS[PRESET], 1, OPS, args.m, None)
     return [Shape(c.M, c.K, c.N, c.transpose_w, dt, c.layer) for dt in args.dtypes for c in cases]
 
@@ -256,8 +260,16 @@ def handler_host_us(timer: LoopTimer) -> float | None:
     return round(stats.mean_us, 2) if stats is not None and stats.calls else None
 
 
-def run_shape(shape: Shape, variants: list[Variant], mesh, params: TimingParams, seed: int, index: int,
-              sms: int, profile: bool | str) -> list[dict]:
+def run_shape(
+    shape: Shape,
+    variants: list[Variant],
+    mesh,
+    params: TimingParams,
+    seed: int,
+    index: int,
+    sms: int,
+    profile: bool | str,
+) -> list[dict]:
     x, w, ref = make_operands(shape, seed, index, mesh)
     rows = {v.name: _empty_row(shape, v) for v in variants}
     auto = auto_kernel(shape.dtype, shape.dx, shape.M, shape.N, sms)
@@ -274,8 +286,10 @@ def run_shape(shape: Shape, variants: list[Variant], mesh, params: TimingParams,
             del out
             if v.kernel is None:
                 xla_err = err
-            bound = max(ERROR_FACTOR * (xla_err if xla_err is not None and math.isfinite(xla_err) else 0.0),
-                        ERROR_FLOOR[shape.dtype])
+            bound = max(
+                ERROR_FACTOR * (xla_err if xla_err is not None and math.isfinite(xla_err) else 0.0),
+                ERROR_FLOOR[shape.dtype],
+            )
             row["err_bound"] = bound
             if not err <= bound:
                 row["status"] = "WRONG"
@@ -302,11 +316,16 @@ def run_shape(shape: Shape, variants: list[Variant], mesh, params: TimingParams,
         if row["status"] != "ok" or not samples[v.name]:
             continue
         s = summarize(samples[v.name])
-        row.update(us=s["ms"] * 1e3, us_min=s["ms_min"] * 1e3, us_max=s["ms_max"] * 1e3,
-                   samples_us=[t * 1e3 for t in s["samples_ms"]])
+        row.update(
+            us=s["ms"] * 1e3,
+            us_min=s["ms_min"] * 1e3,
+            us_max=s["ms_max"] * 1e3,
+            samples_us=[t * 1e3 for t in s["samples_ms"]],
+        )
         if row["us"] <= 0:  # noise above the signal (seen on CPU only), as the harness says it
-            row.update(status="unavailable: not resolved (median T(n2) - T(n1) <= 0: noise); raise --target-ms",
-                       us=None)
+            row.update(
+                status="unavailable: not resolved (median T(n2) - T(n1) <= 0: noise); raise --target-ms", us=None
+            )
             continue
         row["tflops"] = 2.0 * shape.M * shape.K * shape.N / (row["us"] * 1e-6) / 1e12
         if profile and (v.name in ("xla", "flux:auto") or profile == "all"):
@@ -329,11 +348,30 @@ def run_shape(shape: Shape, variants: list[Variant], mesh, params: TimingParams,
 
 def _empty_row(shape: Shape, v: Variant) -> dict:
     return {
-        "layer": shape.layer, "M": shape.M, "K": shape.K, "N": shape.N, "orientation": "dx" if shape.dx else "fwd",
-        "dtype": shape.dtype, "variant": v.name, "gemm_kernel": v.kernel, "gate_probe": v.gate_probe,
-        "status": "ok", "us": None, "us_min": None, "us_max": None, "samples_us": [], "n1": None, "n2": None,
-        "tflops": None, "ratio_vs_xla": None, "max_rel_err": None, "err_bound": None, "profiler_us": None,
-        "kernels": [], "host_us": None, "note": "",
+        "layer": shape.layer,
+        "M": shape.M,
+        "K": shape.K,
+        "N": shape.N,
+        "orientation": "dx" if shape.dx else "fwd",
+        "dtype": shape.dtype,
+        "variant": v.name,
+        "gemm_kernel": v.kernel,
+        "gate_probe": v.gate_probe,
+        "status": "ok",
+        "us": None,
+        "us_min": None,
+        "us_max": None,
+        "samples_us": [],
+        "n1": None,
+        "n2": None,
+        "tflops": None,
+        "ratio_vs_xla": None,
+        "max_rel_err": None,
+        "err_bound": None,
+        "profiler_us": None,
+        "kernels": [],
+        "host_us": None,
+        "note": "",
     }
 
 
@@ -396,8 +434,13 @@ def preflight(names: list[str], timeout_s: float) -> dict[str, str]:
     todo = list(names)
     while todo:
         errors = tempfile.TemporaryFile(mode="w+")
-        proc = subprocess.Popen([sys.executable, "-m", "benchmarks.gemm_parity", "--preflight-child", ",".join(todo)],
-                                stdout=subprocess.PIPE, stderr=errors, text=True, env=env)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.gemm_parity", "--preflight-child", ",".join(todo)],
+            stdout=subprocess.PIPE,
+            stderr=errors,
+            text=True,
+            env=env,
+        )
         done, current, timed_out = set(), None, False
         deadline = time.monotonic() + timeout_s
         try:
@@ -482,11 +525,17 @@ def summary(rows: list[dict]) -> dict:
             gate.append(ratios["flux:auto+gate_probe"] / ratios["flux:auto"])
 
     def stats(values):
-        return {"shapes": len(values), "median": statistics.median(values), "worst": max(values),
-                "best": min(values)} if values else {"shapes": 0}
+        return (
+            {"shapes": len(values), "median": statistics.median(values), "worst": max(values), "best": min(values)}
+            if values
+            else {"shapes": 0}
+        )
 
-    return {"ours_over_xla": {k: stats(v) for k, v in by_variant.items()}, "best_of_ours_over_xla": stats(best),
-            "gate_probe_over_auto": stats(gate)}
+    return {
+        "ours_over_xla": {k: stats(v) for k, v in by_variant.items()},
+        "best_of_ours_over_xla": stats(best),
+        "gate_probe_over_auto": stats(gate),
+    }
 
 
 def markdown(meta: dict, rows: list[dict]) -> str:
@@ -513,24 +562,37 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         auto = by.get("flux:auto")
         label = f"{m}x{k}x{n} {orient} {dtype}"
         layer = group[0]["layer"] + (f" ({auto['note']})" if auto and auto["note"].startswith("auto =") else "")
-        lines.append("| " + " | ".join([label, layer, *(_cell(by.get(v)) for v in names), _xla_kernel(by.get("xla"))])
-                     + " |")
+        lines.append(
+            "| " + " | ".join([label, layer, *(_cell(by.get(v)) for v in names), _xla_kernel(by.get("xla"))]) + " |"
+        )
     s = summary(rows)
-    lines += ["", "## Summary: ours / XLA's time over the shapes each variant ran", "",
-              "| variant | shapes | median | best | worst |", "|---|---|---|---|---|"]
+    lines += [
+        "",
+        "## Summary: ours / XLA's time over the shapes each variant ran",
+        "",
+        "| variant | shapes | median | best | worst |",
+        "|---|---|---|---|---|",
+    ]
     for name, st in s["ours_over_xla"].items():
         if st["shapes"]:
             lines.append(f"| {name} | {st['shapes']} | {st['median']:.3f} | {st['best']:.3f} | {st['worst']:.3f} |")
     b = s["best_of_ours_over_xla"]
     if b["shapes"]:
-        lines.append(f"| best of ours per shape | {b['shapes']} | {b['median']:.3f} | {b['best']:.3f} "
-                     f"| {b['worst']:.3f} |")
+        lines.append(
+            f"| best of ours per shape | {b['shapes']} | {b['median']:.3f} | {b['best']:.3f} | {b['worst']:.3f} |"
+        )
     g = s["gate_probe_over_auto"]
     if g["shapes"]:
-        lines += ["", f"Gate probe (every tile's A loads gated on flags already set) / the same instance ungated: "
-                      f"median {g['median']:.3f}, range {g['best']:.3f}-{g['worst']:.3f} over {g['shapes']} shapes."]
-    host = [(r["variant"], r["M"], r["K"], r["N"], r["host_us"], r["us"]) for r in rows
-            if r.get("host_us") and r["us"] and r["host_us"] > 0.5 * r["us"]]
+        lines += [
+            "",
+            f"Gate probe (every tile's A loads gated on flags already set) / the same instance ungated: "
+            f"median {g['median']:.3f}, range {g['best']:.3f}-{g['worst']:.3f} over {g['shapes']} shapes.",
+        ]
+    host = [
+        (r["variant"], r["M"], r["K"], r["N"], r["host_us"], r["us"])
+        for r in rows
+        if r.get("host_us") and r["us"] and r["host_us"] > 0.5 * r["us"]
+    ]
     if host:
         lines += ["", "Host-bound risk (our handler's host time per call above half the loop time per call):"]
         lines += [f"- {v} {m}x{k}x{n}: host {h:.1f} us, loop {u:.1f} us" for v, m, k, n, h, u in host]
@@ -552,8 +614,12 @@ def _ints(text: str) -> tuple[int, ...]:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.gemm_parity", description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="output folder (gemm_parity.json, gemm_parity.md)")
-    ap.add_argument("--subset", choices=("quick", "full"), default="quick",
-                    help="quick: QUICK (~4 min on one H200); full: every shape of the preset, per --dtypes")
+    ap.add_argument(
+        "--subset",
+        choices=("quick", "full"),
+        default="quick",
+        help="quick: QUICK (~4 min on one H200); full: every shape of the preset, per --dtypes",
+    )
     ap.add_argument("--m", type=_ints, default=None, help="only these M values")
     ap.add_argument("--dtypes", default="bfloat16,float16", help="full subset / --shapes: dtypes to run")
     ap.add_argument("--shapes", default=None, help="explicit shapes M:K:N or M:K:N:dx, comma separated")
@@ -565,14 +631,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--target-ms", type=float, default=10.0)
     ap.add_argument("--max-calls", type=int, default=10000)
     ap.add_argument("--preheat-ms", type=float, default=30.0)
-    ap.add_argument("--budget-s", type=float, default=380.0,
-                    help="start no shape expected to end after this many seconds (from the start)")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=380.0,
+        help="start no shape expected to end after this many seconds (from the start)",
+    )
     ap.add_argument("--seed", type=int, default=None, help="data seed (default: fresh, recorded)")
     ap.add_argument("--no-profiler", action="store_true", help="skip the CUPTI kernel names and times")
-    ap.add_argument("--profile-all", action="store_true",
-                    help="profile every variant (default: xla and flux:auto, ~0.1-0.5 s each)")
-    ap.add_argument("--no-preflight", action="store_true",
-                    help="skip the preflight (each non-default variant once on small shapes in a child process)")
+    ap.add_argument(
+        "--profile-all", action="store_true", help="profile every variant (default: xla and flux:auto, ~0.1-0.5 s each)"
+    )
+    ap.add_argument(
+        "--no-preflight",
+        action="store_true",
+        help="skip the preflight (each non-default variant once on small shapes in a child process)",
+    )
     ap.add_argument("--preflight-timeout-s", type=float, default=60.0)
     ap.add_argument("--git-commit", default=None)
     ap.add_argument("--preflight-child", default=None, help=argparse.SUPPRESS)
@@ -603,35 +677,52 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if not args.no_preflight and flux_jax.build_info()["cuda"]:  # before this process takes the GPU
         names = preflight_variants(args.kernels, not args.no_gate_probe, not args.no_decode)
         left_out = preflight(names, args.preflight_timeout_s)
-        print(f"preflight ({time.perf_counter() - start:.0f} s): {len(names) - len(left_out)} of {len(names)} "
-              f"variants ok" + "".join(f"\n  left out {n}: {why}" for n, why in left_out.items()), flush=True)
+        print(
+            f"preflight ({time.perf_counter() - start:.0f} s): {len(names) - len(left_out)} of {len(names)} "
+            f"variants ok" + "".join(f"\n  left out {n}: {why}" for n, why in left_out.items()),
+            flush=True,
+        )
     platform = "gpu" if jax.devices()[0].platform in ("gpu", "cuda") else jax.devices()[0].platform
     sms = getattr(jax.devices()[0], "core_count", None) or SMS_DEFAULT
     shapes = shapes_from_args(args, preset_layers())
-    params = TimingParams(n1=args.n1, target_ms=args.target_ms, max_calls=args.max_calls, repeats=args.repeats,
-                          preheat_ms=args.preheat_ms)
+    params = TimingParams(
+        n1=args.n1, target_ms=args.target_ms, max_calls=args.max_calls, repeats=args.repeats, preheat_ms=args.preheat_ms
+    )
     meta = report.metadata(PRESET, 1, argv, dataclasses.asdict(params), [], args.git_commit)
-    meta.update(command="python -m benchmarks.gemm_parity " + " ".join(argv), seed=args.seed, sm_count=sms,
-                subset=args.shapes and "shapes" or args.subset, kernels=list(args.kernels), budget_s=args.budget_s,
-                error_bound=f"max({ERROR_FACTOR} x XLA's error, floor {ERROR_FLOOR})", skipped_for_budget=[],
-                left_out_by_preflight=left_out)
+    meta.update(
+        command="python -m benchmarks.gemm_parity " + " ".join(argv),
+        seed=args.seed,
+        sm_count=sms,
+        subset=args.shapes and "shapes" or args.subset,
+        kernels=list(args.kernels),
+        budget_s=args.budget_s,
+        error_bound=f"max({ERROR_FACTOR} x XLA's error, floor {ERROR_FLOOR})",
+        skipped_for_budget=[],
+        left_out_by_preflight=left_out,
+    )
     json_path, md_path = args.out / "gemm_parity.json", args.out / "gemm_parity.md"
     mesh = _mesh()
     rows: list[dict] = []
     spent_s, variants_run = 0.0, 0  # for the estimate of the next shape's time
     print(f"{len(shapes)} shapes, budget {args.budget_s:.0f} s, seed {args.seed}, {sms} SMs", flush=True)
     for i, shape in enumerate(shapes):
-        variants = [v for v in variants_for(shape, platform, args.kernels, not args.no_gate_probe, not args.no_decode)
-                    if v.name not in left_out]
+        variants = [
+            v
+            for v in variants_for(shape, platform, args.kernels, not args.no_gate_probe, not args.no_decode)
+            if v.name not in left_out
+        ]
         elapsed = time.perf_counter() - start
         estimate = spent_s / variants_run * len(variants) if variants_run else 0.0
         if elapsed + estimate > args.budget_s:
             meta["skipped_for_budget"] = [s.name for s in shapes[i:]]
-            print(f"time budget: {elapsed:.0f} s spent, the next shape needs ~{estimate:.0f} s: "
-                  f"{len(shapes) - i} shapes not run", flush=True)
+            print(
+                f"time budget: {elapsed:.0f} s spent, the next shape needs ~{estimate:.0f} s: "
+                f"{len(shapes) - i} shapes not run",
+                flush=True,
+            )
             break
         t0 = time.perf_counter()
-        profile = (("all" if args.profile_all else True) if not args.no_profiler and platform == "gpu" else False)
+        profile = ("all" if args.profile_all else True) if not args.no_profiler and platform == "gpu" else False
         shape_rows = run_shape(shape, variants, mesh, params, args.seed, i, sms, profile)
         spent_s += time.perf_counter() - t0
         variants_run += len(variants)

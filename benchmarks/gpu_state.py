@@ -42,7 +42,10 @@ def read() -> dict | None:
     try:
         out = subprocess.run(
             ["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=5, check=True,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
         ).stdout
     except (OSError, subprocess.SubprocessError):
         _unavailable = True

@@ -111,19 +111,33 @@ def _best(entry: Entry, tolerance: float) -> Candidate:
     correct = [c for c in entry.candidates if c.max_rel_err <= tolerance]
     best = min(correct or entry.candidates, key=lambda c: c.median_s)
     if len(entry.candidates) > 1:
-        others = ", ".join(
-            f"[{c.note}] {c.median_s * 1e3:.4f} ms" for c in entry.candidates if c is not best
-        )
+        others = ", ".join(f"[{c.note}] {c.median_s * 1e3:.4f} ms" for c in entry.candidates if c is not best)
         best.note = f"best of {len(entry.candidates)}: [{best.note}]; others: {others}"
     return best
 
 
 def _row(case: Case, entry: Entry, tolerance: float, profile: bool) -> dict:
     row = {
-        "op": case.op, "layer": case.layer, "M": case.M, "K": case.K, "N": case.N, "tp": case.tp,
-        "dtype": case.dtype, "transpose_w": case.transpose_w, "variant": entry.variant, "status": entry.status,
-        "ms": None, "ms_min": None, "ms_max": None, "ms_spread": None, "samples_ms": [],
-        "n1": None, "n2": None, "max_rel_err": None, "profiler_ms": None, "note": "",
+        "op": case.op,
+        "layer": case.layer,
+        "M": case.M,
+        "K": case.K,
+        "N": case.N,
+        "tp": case.tp,
+        "dtype": case.dtype,
+        "transpose_w": case.transpose_w,
+        "variant": entry.variant,
+        "status": entry.status,
+        "ms": None,
+        "ms_min": None,
+        "ms_max": None,
+        "ms_spread": None,
+        "samples_ms": [],
+        "n1": None,
+        "n2": None,
+        "max_rel_err": None,
+        "profiler_ms": None,
+        "note": "",
     }
     if entry.status != "ok":
         return row

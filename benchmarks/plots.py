@@ -161,8 +161,14 @@ def time_plot(rows: list[dict], path: Path, title: str) -> None:
             points = [(m, _ok_ms(by_m[m], variant) * 1e3) for m in ms_sorted if _ok_ms(by_m[m], variant)]
             if points:
                 style = "-" if variant.startswith("flux") else "--"
-                (handles[variant],) = ax.plot(*zip(*points), style, marker="o", color=_COLOR[variant],
-                                              label=variant, linewidth=2.2 if variant.startswith("flux") else 1.2)
+                (handles[variant],) = ax.plot(
+                    *zip(*points),
+                    style,
+                    marker="o",
+                    color=_COLOR[variant],
+                    label=variant,
+                    linewidth=2.2 if variant.startswith("flux") else 1.2,
+                )
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xticks(ms_sorted, [str(m) for m in ms_sorted])
@@ -188,8 +194,10 @@ def write_plots(rows: list[dict], out_dir: Path, stem: str, kinds: tuple[str, ..
             time_plot(rows, path, stem)
         elif kind == "time_split":
             present = {row["variant"] for row in rows}
-            fused = next((v for v in ("flux_fused", "flux_auto", "flux_decode", "flux_latency", "flux_overlap")
-                          if v in present), "flux_fused")
+            fused = next(
+                (v for v in ("flux_fused", "flux_auto", "flux_decode", "flux_latency", "flux_overlap") if v in present),
+                "flux_fused",
+            )
             time_split_plot(rows, path, stem, fused)
         else:
             raise ValueError(f"unknown plot kind {kind!r}; expected one of {PLOT_KINDS}")

@@ -125,15 +125,21 @@ _BASELINES = (
 def _build_presets() -> dict[str, Preset]:
     presets = {
         "baselines-tp2": Preset(
-            "baselines-tp2", 2, "bfloat16", (), (),
+            "baselines-tp2",
+            2,
+            "bfloat16",
+            (),
+            (),
             tuple((op, m, k, n, "baselines.md") for op, m, k, n in _BASELINES),
         ),
-        "decode-tp2": Preset(
-            "decode-tp2", 2, "bfloat16", _llama_layers("8B") + _llama_layers("70B"), M_DECODE
-        ),
+        "decode-tp2": Preset("decode-tp2", 2, "bfloat16", _llama_layers("8B") + _llama_layers("70B"), M_DECODE),
         # Issue 8's target shapes: K = N = 8192, AG and RS, at the decode / chunked-prefill M.
         "decode-8192-tp2": Preset(
-            "decode-8192-tp2", 2, "bfloat16", (), (),
+            "decode-8192-tp2",
+            2,
+            "bfloat16",
+            (),
+            (),
             tuple((op, m, 8192, 8192, "K=N=8192") for op in ("ag", "rs") for m in (64, 128, 256, 512, 1024)),
         ),
         # matmul_ar (TP without sequence parallelism) at decode sizes: the row-parallel layers of
@@ -146,21 +152,22 @@ def _build_presets() -> dict[str, Preset]:
         ),
         # Issue 4's GEMM check: per GPU an 8192^3 GEMM (AG at tp=2 splits N), for
         # flux_gemm_only (our GEMM alone) vs gemm_only (XLA's jnp.dot).
-        "gemm-8192-tp2": Preset(
-            "gemm-8192-tp2", 2, "bfloat16", (), (), (("ag", 8192, 8192, 16384, "8192^3 per GPU"),)
-        ),
+        "gemm-8192-tp2": Preset("gemm-8192-tp2", 2, "bfloat16", (), (), (("ag", 8192, 8192, 16384, "8192^3 per GPU"),)),
         # Shapes no kernel or rule was tuned on (models and M values not in the other presets).
         "holdout-tp2": Preset(
-            "holdout-tp2", 2, "bfloat16", _llama_layers("Qwen14B") + _llama_layers("Phi3mini"),
+            "holdout-tp2",
+            2,
+            "bfloat16",
+            _llama_layers("Qwen14B") + _llama_layers("Phi3mini"),
             M_HOLDOUT,
         ),
         "cpu-smoke": Preset(
-            "cpu-smoke", None, "bfloat16", (), (),
-            tuple(
-                (op, m, k, n, "smoke")
-                for op in OPS
-                for m, k, n in ((64, 64, 64), (32, 48, 96))
-            ),
+            "cpu-smoke",
+            None,
+            "bfloat16",
+            (),
+            (),
+            tuple((op, m, k, n, "smoke") for op in OPS for m, k, n in ((64, 64, 64), (32, 48, 96))),
         ),
     }
     for model in ("70B", "8B"):
@@ -210,8 +217,7 @@ def _gemm_parity_preset() -> Preset:
         if not label.startswith("8192^2"):
             for m in M_PARITY_DECODE:
                 shapes.setdefault((m, k, n, False), []).append(f"{label} decode")
-    fixed = tuple(("ag", m, k, n, " = ".join(labels), transposed)
-                  for (m, k, n, transposed), labels in shapes.items())
+    fixed = tuple(("ag", m, k, n, " = ".join(labels), transposed) for (m, k, n, transposed), labels in shapes.items())
     return Preset("gemm-parity-1gpu", 1, "bfloat16", (), (), fixed)
 
 

@@ -17,24 +17,40 @@ from benchmarks.variants import VARIANTS
 REPO = Path(__file__).resolve().parent.parent
 # Keys every row has (None where not applicable); the smoke test checks them.
 ROW_KEYS = (
-    "op", "layer", "M", "K", "N", "tp", "dtype", "variant", "status", "ms", "ms_min", "ms_max",
-    "ms_spread", "samples_ms", "n1", "n2", "tflops", "speedup_vs_xla_shard_map",
-    "overlap_efficiency", "ratio_to_limit", "max_rel_err", "profiler_ms", "note",
+    "op",
+    "layer",
+    "M",
+    "K",
+    "N",
+    "tp",
+    "dtype",
+    "variant",
+    "status",
+    "ms",
+    "ms_min",
+    "ms_max",
+    "ms_spread",
+    "samples_ms",
+    "n1",
+    "n2",
+    "tflops",
+    "speedup_vs_xla_shard_map",
+    "overlap_efficiency",
+    "ratio_to_limit",
+    "max_rel_err",
+    "profiler_ms",
+    "note",
 )
 
 
 def _git(*args: str) -> str | None:
     try:
-        return subprocess.run(
-            ["git", *args], cwd=REPO, capture_output=True, text=True, check=True
-        ).stdout.strip()
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
 
 
-def metadata(
-    preset: str, tp: int, argv: list[str], timing: dict, skipped: list[dict], git_commit: str | None
-) -> dict:
+def metadata(preset: str, tp: int, argv: list[str], timing: dict, skipped: list[dict], git_commit: str | None) -> dict:
     """Everything needed to tell where and how the numbers were taken.
 
     `git_commit` overrides `git rev-parse HEAD` (for a copy of the tree without .git).
@@ -48,7 +64,7 @@ def metadata(
         "command": "python -m benchmarks.run " + " ".join(argv),
         "git_commit": git_commit or head,
         "git_dirty": bool(status) if status is not None else None,
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "hardware": {
             "platform": devices[0].platform,
             "device_kind": devices[0].device_kind,

@@ -41,7 +41,7 @@ PRESET_BLURBS = {
     "decode-tp2": "LLaMA-3 8B and 70B layers at decode and chunked-prefill sizes, M = 8-1024.",
     "decode-8192-tp2": "K = N = 8192, both ops, M = 64-1024.",
     "holdout-tp2": "Held-out Qwen2.5-14B-like and Phi-3-mini-like layers at M = 96-12288: shapes no kernel "
-                   "setting or auto rule was fitted on.",
+    "setting or auto rule was fitted on.",
     "baselines-tp2": "The ten reference shapes of `shared/docs/baselines.md` (K, N = 8192-28672, M = 64-16384).",
     "gemm-8192-tp2": "Our GEMM alone against XLA's at 8192^3 per GPU.",
 }
@@ -105,8 +105,9 @@ def generated_part(
         "GEMM alone and exposed communication.",
     ]
     known = list(PRESET_BLURBS)  # page order; presets not listed there follow in the order given
-    for preset, sections in sorted(by_preset.items(), key=lambda item: known.index(item[0])
-                                   if item[0] in known else len(known)):
+    for preset, sections in sorted(
+        by_preset.items(), key=lambda item: known.index(item[0]) if item[0] in known else len(known)
+    ):
         blurb = PRESET_BLURBS.get(preset)
         parts.append(f"## Preset `{preset}`" + (f"\n\n{blurb}" if blurb else ""))
         parts += sections
@@ -133,8 +134,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--page", type=Path, default=PAGE, help="the page to update (default: benchmarks/RESULTS.md)")
     parser.add_argument("--allow-non-gpu", action="store_true", help="accept CPU results (for testing)")
     args = parser.parse_args(argv)
-    page = write_results_page(args.json, page=args.page, figures=args.page.parent / "figures",
-                              allow_non_gpu=args.allow_non_gpu)
+    page = write_results_page(
+        args.json, page=args.page, figures=args.page.parent / "figures", allow_non_gpu=args.allow_non_gpu
+    )
     print(f"wrote {page}")
 
 

@@ -50,21 +50,32 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="output folder")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
     parser.add_argument("--m", type=_int_list, default=None, help="subset of the preset's M values, e.g. 4096,8192")
-    parser.add_argument("--repeats", type=int, default=5, help="samples per variant (one per round, the order shuffled each round)")
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="samples per variant (one per round, the order shuffled each round)"
+    )
     parser.add_argument("--n1", type=int, default=2, help="calls in the short loop")
     parser.add_argument("--target-ms", type=float, default=20.0, help="the long loop runs at least this much longer")
     parser.add_argument("--max-calls", type=int, default=10000, help="cap on calls in the long loop")
-    parser.add_argument("--preheat-ms", type=float, default=50.0,
-                        help="untimed run of a variant's long loop before each of its samples (0: none)")
+    parser.add_argument(
+        "--preheat-ms",
+        type=float,
+        default=50.0,
+        help="untimed run of a variant's long loop before each of its samples (0: none)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     parser.add_argument(
-        "--dtype", choices=("bfloat16", "float16", "float32", "fp8"), default=None,
-        help="override the preset's dtype (fp8: bf16 operands, the ops with fp8=True)"
+        "--dtype",
+        choices=("bfloat16", "float16", "float32", "fp8"),
+        default=None,
+        help="override the preset's dtype (fp8: bf16 operands, the ops with fp8=True)",
     )
     parser.add_argument("--profiler", action="store_true", help="GPU: also record CUPTI kernel time (mosaic profiler)")
-    parser.add_argument("--grad", action="store_true",
-                        help="time forward + backward (dx with y and dw live) against a random cotangent; "
-                             "limits become the 3 GEMMs alone and the forward + transposed collective")
+    parser.add_argument(
+        "--grad",
+        action="store_true",
+        help="time forward + backward (dx with y and dw live) against a random cotangent; "
+        "limits become the 3 GEMMs alone and the forward + transposed collective",
+    )
     parser.add_argument("--git-commit", default=None, help="commit to record when the tree has no .git (a copy)")
     args = parser.parse_args(argv)
     names = [v for v in args.variants.split(",") if v]
@@ -84,11 +95,15 @@ def run_notes(tp: int, platform: str) -> list[str]:
     """What the reader of this run's numbers must know before reading them."""
     notes = []
     if tp == 1:
-        notes.append("NOTE: tp=1: a TP group of one device moves no rows; the fused ops run their GEMM "
-                     "alone, so these times say nothing about communication overlap")
+        notes.append(
+            "NOTE: tp=1: a TP group of one device moves no rows; the fused ops run their GEMM "
+            "alone, so these times say nothing about communication overlap"
+        )
     if platform == "cpu":
-        notes.append("NOTE: CPU timings: the CPU backend is the protocol's reference implementation; "
-                     "its times do not predict GPU speed")
+        notes.append(
+            "NOTE: CPU timings: the CPU backend is the protocol's reference implementation; "
+            "its times do not predict GPU speed"
+        )
     return notes
 
 
@@ -104,8 +119,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     cases, skipped = select_cases(preset, tp, ops, args.m, args.dtype)
     for shape in skipped:
         print(f"skipping {shape['op']} M={shape['M']} K={shape['K']} N={shape['N']}: {shape['reason']}", flush=True)
-    params = TimingParams(n1=args.n1, target_ms=args.target_ms, max_calls=args.max_calls, repeats=args.repeats,
-                          preheat_ms=args.preheat_ms)
+    params = TimingParams(
+        n1=args.n1, target_ms=args.target_ms, max_calls=args.max_calls, repeats=args.repeats, preheat_ms=args.preheat_ms
+    )
     meta = report.metadata(preset.name, tp, argv, {"method": METHOD, **vars(params)}, skipped, args.git_commit)
     meta["grad"] = args.grad
     meta["notes"] = run_notes(tp, jax.default_backend())
@@ -119,7 +135,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
             shape = f"{case.op} M={case.M} K={case.K} N={case.N} tp={case.tp}"
             print(f"[{i}/{len(cases)}] {shape} ({case.layer})", flush=True)
             case_rows = run_case(
-                case, args.variant_names, seed=args.seed, params=params, windowed=windowed, profile=args.profiler,
+                case,
+                args.variant_names,
+                seed=args.seed,
+                params=params,
+                windowed=windowed,
+                profile=args.profiler,
                 grad=args.grad,
             )
             for row in case_rows:

@@ -15,7 +15,7 @@ import dataclasses
 import math
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -72,9 +72,7 @@ def _dependency(mesh, carry_spec: P, out_spec: P):
         update = corner + (eps * out[:1, :1].astype(jnp.float32)).astype(x.dtype)
         return lax.dynamic_update_slice(x, update, (0, 0))
 
-    return jax.shard_map(
-        local, mesh=mesh, in_specs=(carry_spec, out_spec, P(), carry_spec), out_specs=carry_spec
-    )
+    return jax.shard_map(local, mesh=mesh, in_specs=(carry_spec, out_spec, P(), carry_spec), out_specs=carry_spec)
 
 
 def serialized_loop(built: Built, n: int):

@@ -105,8 +105,14 @@ def case_context(case: Case, seed: int, grad: bool = False) -> CaseContext:
     """What every builder of `case` shares: the meshes, the seeded host operands and, for
     grad, the seeded random cotangent (never ones: XLA would fold the twin's backward GEMMs)."""
     platform = jax.devices()[0].platform
-    ctx = CaseContext(case, "gpu" if platform in ("gpu", "cuda") else platform, *make_meshes(case.tp),
-                      *make_xw(case, seed), seed, grad=grad)
+    ctx = CaseContext(
+        case,
+        "gpu" if platform in ("gpu", "cuda") else platform,
+        *make_meshes(case.tp),
+        *make_xw(case, seed),
+        seed,
+        grad=grad,
+    )
     if grad:
         ctx.ct = random_normal(case_rng(case, seed, "cotangent"), (case.M, case.N), case.operand_dtype)
     return ctx
@@ -144,13 +150,16 @@ def _op_shard_map(ctx: CaseContext, per_shard, check_vma: bool = True, note: str
     """The op's per-shard function in a shard_map over the shared x, w."""
     x_spec, w_spec, out_spec = SPECS[ctx.case.op]
     if ctx.grad:
-        step = jax.shard_map(with_grad(per_shard), mesh=ctx.mesh, in_specs=(x_spec, w_spec, out_spec),
-                             out_specs=x_spec, check_vma=check_vma)
+        step = jax.shard_map(
+            with_grad(per_shard),
+            mesh=ctx.mesh,
+            in_specs=(x_spec, w_spec, out_spec),
+            out_specs=x_spec,
+            check_vma=check_vma,
+        )
         args = (*ctx.op_args(), ctx.place("ct", ctx.ct, out_spec))
         return Built(step, args, ctx.mesh, x_spec, x_spec, ctx.against_twin, note)
-    step = jax.shard_map(
-        per_shard, mesh=ctx.mesh, in_specs=(x_spec, w_spec), out_specs=out_spec, check_vma=check_vma
-    )
+    step = jax.shard_map(per_shard, mesh=ctx.mesh, in_specs=(x_spec, w_spec), out_specs=out_spec, check_vma=check_vma)
     return Built(step, ctx.op_args(), ctx.mesh, x_spec, out_spec, ctx.against_twin, note)
 
 
@@ -253,8 +262,13 @@ def _pallas_configs():
 
     def cfg(tm, tn, steps, wg, minor, width):
         return TuningConfig(
-            tile_m=tm, tile_n=tn, tile_k=64, max_concurrent_steps=steps, wg_dimension=wg,
-            grid_minor_dim=minor, grid_tile_width=width,
+            tile_m=tm,
+            tile_n=tn,
+            tile_k=64,
+            max_concurrent_steps=steps,
+            wg_dimension=wg,
+            grid_minor_dim=minor,
+            grid_tile_width=width,
         )
 
     return [
@@ -291,9 +305,7 @@ def pallas_mgpu(ctx: CaseContext) -> list[Built]:
         cta_m, cta_n = _cta_tile(config)
         if m_shard % cta_m or n_shard % cta_n or case.K % config.tile_k:
             continue
-        per_shard = functools.partial(
-            all_gather_lhs_matmul, axis_name=AXIS, config=config, dtype=jnp.dtype(case.dtype)
-        )
+        per_shard = functools.partial(all_gather_lhs_matmul, axis_name=AXIS, config=config, dtype=jnp.dtype(case.dtype))
         note = (
             f"tile_m={config.tile_m} tile_n={config.tile_n} tile_k={config.tile_k} "
             f"steps={config.max_concurrent_steps} wg={config.wg_dimension.name} "
@@ -324,7 +336,8 @@ def gemm_only(ctx: CaseContext) -> Built:
         check = ctx.against_twin
         if ctx.grad:  # each shard's dx is a partial of the full dx; their sum is the twin's
             check = lambda out: ctx.against_twin(  # noqa: E731
-                out.reshape(case.tp, case.M, case.K).astype(np.float32).sum(0))
+                out.reshape(case.tp, case.M, case.K).astype(np.float32).sum(0)
+            )
     else:  # every shard's partial [M, N], stacked; their sum is the twin's output
         x = ctx.place("x", ctx.x, x_spec)
         out_spec = P(AXIS, None)
@@ -338,8 +351,12 @@ def gemm_only(ctx: CaseContext) -> Built:
         return Built(step, (x, w), ctx.mesh, x_spec, out_spec, check)
     ct_host = ctx.ct if case.op == "ag" else np.tile(ctx.ct, (case.tp, 1))
     ct = ctx.place(f"ct_gemm_{case.op}", ct_host, out_spec)
-    step = jax.shard_map(_fp8_gemm_grad_step if case.fp8 else with_grad(jnp.dot), mesh=ctx.mesh,
-                         in_specs=(x_spec, w_spec, out_spec), out_specs=x_spec)
+    step = jax.shard_map(
+        _fp8_gemm_grad_step if case.fp8 else with_grad(jnp.dot),
+        mesh=ctx.mesh,
+        in_specs=(x_spec, w_spec, out_spec),
+        out_specs=x_spec,
+    )
     return Built(step, (x, w, ct), ctx.mesh, x_spec, x_spec, check)
 
 
@@ -383,7 +400,8 @@ def flux_gemm_only(ctx: CaseContext, tuning: dict | None = None) -> Built:
         x_spec, out_spec = P("one", AXIS), P((AXIS, "one"), None)
         x = ctx.place("x", ctx.x, x_spec, mesh)
         check = lambda out: ctx.against_twin(  # noqa: E731
-            out.reshape(case.tp, case.M, case.N).astype(np.float32).sum(0))
+            out.reshape(case.tp, case.M, case.N).astype(np.float32).sum(0)
+        )
     body = flux_gemm_fn("one", tuning=tuning)
     step = jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=out_spec)
     try:
@@ -411,8 +429,15 @@ def comm_only(ctx: CaseContext) -> Built:
         expected = np.tile(host.reshape(case.tp, case.M, case.N).astype(np.float32).sum(0), (case.tp, 1))
         sharded = jax.shard_map(lambda y: lax.psum(y, AXIS), mesh=ctx.mesh, in_specs=(spec,), out_specs=spec)
         note = "the all-reduce alone (its transpose moves nothing)" if ctx.grad else ""
-        return Built(sharded, (ctx.place("comm_ar", host, spec),), ctx.mesh, spec, spec,
-                     lambda out: rel_max_err(out, expected), note)
+        return Built(
+            sharded,
+            (ctx.place("comm_ar", host, spec),),
+            ctx.mesh,
+            spec,
+            spec,
+            lambda out: rel_max_err(out, expected),
+            note,
+        )
     if case.op == "ag":
         host = ctx.x
         step = lambda x: lax.all_gather(x, AXIS, axis=0, tiled=True)  # noqa: E731
@@ -452,8 +477,9 @@ def _fp8_comm_only(ctx: CaseContext) -> Built:
         host = _as_fp8_bytes(ctx.x, ml_dtypes.float8_e4m3fn)
         expected = np.tile(host, (case.tp, 1))
         if ctx.grad:
-            ct_host = random_normal(case_rng(case, ctx.seed, "comm_cotangent"), (case.tp * case.M, case.K),
-                                    case.operand_dtype)
+            ct_host = random_normal(
+                case_rng(case, ctx.seed, "comm_cotangent"), (case.tp * case.M, case.K), case.operand_dtype
+            )
             expected = ct_host.reshape(case.tp, case.M, case.K).astype(np.float32).sum(0)
             step = lambda x, ct: scatter(ct) + (gather(x)[0, 0] * 0).astype(ct.dtype)  # noqa: E731
     else:  # the bf16 partials; backward: the e5m2 rows of the cotangent gathered
@@ -465,8 +491,7 @@ def _fp8_comm_only(ctx: CaseContext) -> Built:
             step = lambda y, ct: gather(ct) + (scatter(y)[0, 0] * 0).astype(ct.dtype)  # noqa: E731
     arg = ctx.place(f"comm_fp8_{case.op}", host, spec)
     if not ctx.grad:
-        sharded = jax.shard_map(gather if case.op == "ag" else scatter, mesh=ctx.mesh, in_specs=(spec,),
-                                out_specs=spec)
+        sharded = jax.shard_map(gather if case.op == "ag" else scatter, mesh=ctx.mesh, in_specs=(spec,), out_specs=spec)
         return Built(sharded, (arg,), ctx.mesh, spec, spec, lambda out: rel_max_err(out, expected))
     ct = ctx.place(f"comm_fp8_ct_{case.op}", ct_host, spec)
     sharded = jax.shard_map(step, mesh=ctx.mesh, in_specs=(spec, spec), out_specs=spec)
@@ -489,8 +514,9 @@ def _ag_matmul_transposed_weight(x, w_nk, *, axis_name: str):
     info = _validation.check_axis(spec.name, axis_name)
     problem = spec.problem(x.shape, w_nk.shape, x.dtype, info.tp_size, info.platform, True)
     plan = _plan.plan(problem, "fused", get_config())
-    call = Call(info.axis_name, info.tp_size, True, "fused", False, plan, get_config(), get_gpu_tuning(),
-                platform=info.platform)
+    call = Call(
+        info.axis_name, info.tp_size, True, "fused", False, plan, get_config(), get_gpu_tuning(), platform=info.platform
+    )
     return _common.run(spec, x, w_nk, call)[0]
 
 
@@ -530,8 +556,9 @@ def _gemm_only_transposed(ctx: CaseContext) -> Built:
     """gemm_only for a transposed-weight (dx) case: XLA's x [M, K] @ (w stored [N, K])^T."""
     w_nk = ctx.place("w_nk", _one_gpu_transposed(ctx, "gemm_only"), P(AXIS, None))
     x = ctx.place("x", ctx.x, P(AXIS, None))
-    step = jax.shard_map(xla_gemm_fn(True), mesh=ctx.mesh, in_specs=(P(AXIS, None), P(AXIS, None)),
-                         out_specs=P(AXIS, None))
+    step = jax.shard_map(
+        xla_gemm_fn(True), mesh=ctx.mesh, in_specs=(P(AXIS, None), P(AXIS, None)), out_specs=P(AXIS, None)
+    )
     return Built(step, (x, w_nk), ctx.mesh, P(AXIS, None), P(AXIS, None), ctx.against_twin)
 
 
@@ -539,8 +566,12 @@ def _flux_gemm_only_transposed(ctx: CaseContext, tuning: dict) -> Built:
     """flux_gemm_only for a transposed-weight (dx) case: our overlap GEMM reading w [N, K]."""
     w_nk = ctx.place("w_nk", _one_gpu_transposed(ctx, "flux_gemm_only"), P(AXIS, None))
     x = ctx.place("x", ctx.x, P(AXIS, None))
-    step = jax.shard_map(flux_gemm_fn(AXIS, transpose_w=True, tuning=tuning), mesh=ctx.mesh,
-                         in_specs=(P(AXIS, None), P(AXIS, None)), out_specs=P(AXIS, None))
+    step = jax.shard_map(
+        flux_gemm_fn(AXIS, transpose_w=True, tuning=tuning),
+        mesh=ctx.mesh,
+        in_specs=(P(AXIS, None), P(AXIS, None)),
+        out_specs=P(AXIS, None),
+    )
     try:
         jax.jit(step).lower(x, w_nk)
     except flux_jax.FusedUnavailableError as err:
@@ -579,7 +610,19 @@ BUILDERS = {
 }
 # All variants in report order; xla_windowed_einsum runs in a subprocess (benchmarks/windowed.py).
 VARIANTS = (
-    "flux_fused", "flux_auto", "flux_overlap", "flux_latency", "flux_decode", "xla_shard_map", "xla_jit", "xla_windowed_einsum",
-    "jax_ring", "jax_ring_bidi", "pallas_mgpu", "gemm_only", "flux_gemm_only", "comm_only",
+    "flux_fused",
+    "flux_auto",
+    "flux_overlap",
+    "flux_latency",
+    "flux_decode",
+    "xla_shard_map",
+    "xla_jit",
+    "xla_windowed_einsum",
+    "jax_ring",
+    "jax_ring_bidi",
+    "pallas_mgpu",
+    "gemm_only",
+    "flux_gemm_only",
+    "comm_only",
     "flux_gemm_only_decode",
 )

@@ -55,8 +55,12 @@ def parse_args(argv=None):
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--ffn", type=int, default=256)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    p.add_argument("--impl", choices=["fused", "auto"], default="fused",
-                   help="flux_jax implementation compared against the XLA twin (impl='xla')")
+    p.add_argument(
+        "--impl",
+        choices=["fused", "auto"],
+        default="fused",
+        help="flux_jax implementation compared against the XLA twin (impl='xla')",
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.tp > len(jax.devices()):
@@ -103,10 +107,21 @@ def decode_shard(model, token, pos, k_caches, v_caches):
 
 def make_step(graphdef, mesh):
     """One decode step over the mesh (global arrays in and out)."""
+
     def step(params, token, pos, k_caches, v_caches):
         model = nnx.merge(graphdef, params)
-        return sharded_call(model, decode_shard, token, pos, k_caches, v_caches, mesh=mesh,
-                            in_specs=(P(), P(), CACHE, CACHE), out_specs=(P(), CACHE, CACHE))
+        return sharded_call(
+            model,
+            decode_shard,
+            token,
+            pos,
+            k_caches,
+            v_caches,
+            mesh=mesh,
+            in_specs=(P(), P(), CACHE, CACHE),
+            out_specs=(P(), CACHE, CACHE),
+        )
+
     return step
 
 
@@ -118,9 +133,18 @@ def same_bits_on_every_rank(a: jax.Array) -> bool:
 def decode(args, vocab, impl: str) -> dict:
     """Greedy decoding of PROMPT + args.tokens tokens; the same weights (seed) for every impl."""
     mesh = jax.make_mesh((args.tp,), ("tp",), devices=jax.devices()[: args.tp])
-    config = GPTConfig(vocab_size=len(vocab), hidden=args.hidden, layers=args.layers, heads=args.heads,
-                       kv_heads=args.kv_heads, ffn=args.ffn, impl=impl, dtype=args.dtype,
-                       param_dtype="float32", sequence_parallel=False)
+    config = GPTConfig(
+        vocab_size=len(vocab),
+        hidden=args.hidden,
+        layers=args.layers,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        ffn=args.ffn,
+        impl=impl,
+        dtype=args.dtype,
+        param_dtype="float32",
+        sequence_parallel=False,
+    )
     model = GPT(config, mesh=mesh, rngs=nnx.Rngs(args.seed))
     graphdef, params = nnx.split(model)
     step = jax.jit(make_step(graphdef, mesh), donate_argnums=(3, 4))
@@ -146,29 +170,42 @@ def decode(args, vocab, impl: str) -> dict:
     cache_err = float(np.max(np.abs(full - np.stack(logits_seen, axis=1))) / np.max(np.abs(full)))
     text = [vocab.decode(row) for row in tokens]
     explained = flux_jax.explain(make_step(graphdef, mesh), params, jnp.asarray(tokens[:, 0]), jnp.int32(0), *caches)
-    return dict(impl=impl, tokens=tokens, text=text, logits=np.stack(logits_seen, axis=1),
-                replicated=replicated, cache_err=cache_err, step_ms=1e3 * float(np.median(times[1:])),
-                plans=sorted({f"{s.op}: {s.plan.path}" for s in explained if not s.backward}))
+    return dict(
+        impl=impl,
+        tokens=tokens,
+        text=text,
+        logits=np.stack(logits_seen, axis=1),
+        replicated=replicated,
+        cache_err=cache_err,
+        step_ms=1e3 * float(np.median(times[1:])),
+        plans=sorted({f"{s.op}: {s.plan.path}" for s in explained if not s.backward}),
+    )
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
     vocab = CharVocab(generate_corpus(20_000))
-    print(f"flux_jax {flux_jax.__version__} | {args.tp} x {jax.devices()[0].platform} | GPT {args.layers} layers, "
-          f"hidden {args.hidden}, heads {args.heads}/{args.kv_heads} kv, ffn {args.ffn}, {args.dtype} | "
-          f"batch {args.batch}, prompt {PROMPT!r} + {args.tokens} tokens")
+    print(
+        f"flux_jax {flux_jax.__version__} | {args.tp} x {jax.devices()[0].platform} | GPT {args.layers} layers, "
+        f"hidden {args.hidden}, heads {args.heads}/{args.kv_heads} kv, ffn {args.ffn}, {args.dtype} | "
+        f"batch {args.batch}, prompt {PROMPT!r} + {args.tokens} tokens"
+    )
     runs = {impl: decode(args, vocab, impl) for impl in (args.impl, "xla")}
     for impl, r in runs.items():
         print(f"impl={impl:5s} {r['text']}  ({r['step_ms']:.2f} ms/token; {', '.join(r['plans'])})")
-        print(f"           logits the same bits on every TP rank: {r['replicated']}; "
-              f"cached decode vs full forward: {r['cache_err']:.1e}")
+        print(
+            f"           logits the same bits on every TP rank: {r['replicated']}; "
+            f"cached decode vs full forward: {r['cache_err']:.1e}"
+        )
     fused, twin = runs[args.impl], runs["xla"]
     logit_diff = float(np.max(np.abs(fused["logits"] - twin["logits"])) / np.max(np.abs(twin["logits"])))
     same_tokens = bool(np.array_equal(fused["tokens"], twin["tokens"]))
     tolerance = 1e-4 if args.dtype == "float32" else 5e-2
     ok = same_tokens and logit_diff <= tolerance and fused["replicated"] and fused["cache_err"] <= tolerance
-    print(f"{args.impl} vs xla: tokens {'equal' if same_tokens else 'DIFFER'}, largest logit difference "
-          f"{logit_diff:.1e} (relative) -> {'MATCH' if ok else 'MISMATCH'}")
+    print(
+        f"{args.impl} vs xla: tokens {'equal' if same_tokens else 'DIFFER'}, largest logit difference "
+        f"{logit_diff:.1e} (relative) -> {'MATCH' if ok else 'MISMATCH'}"
+    )
     return dict(runs=runs, same_tokens=same_tokens, logit_diff=logit_diff, ok=ok)
 
 

@@ -18,6 +18,8 @@ import time
 # 8 CPU devices when there is no accelerator (harmless on a GPU host).
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,13 +54,14 @@ def main():
     specs = (P("tp", None), P(None, "tp"), P("tp", None))
     x, w1, w2 = (jax.device_put(a, jax.NamedSharding(mesh, s)) for a, s in zip((x, w1, w2), specs))
 
-    print(f"flux_jax {flux_jax.__version__} on {tp} x {devices[0].platform}: "
-          f"x[{args.seq},{args.hidden}] -> ffn {args.ffn}, {args.dtype}")
+    print(
+        f"flux_jax {flux_jax.__version__} on {tp} x {devices[0].platform}: "
+        f"x[{args.seq},{args.hidden}] -> ffn {args.ffn}, {args.dtype}"
+    )
     results = {}
     for impl in ("fused", "xla"):
-        fwd = jax.shard_map(lambda x, w1, w2: mlp(x, w1, w2, impl), mesh=mesh, in_specs=specs,
-                            out_specs=P("tp", None))
-        loss = lambda x, w1, w2: jnp.mean(fwd(x, w1, w2).astype(jnp.float32) ** 2)
+        fwd = jax.shard_map(functools.partial(mlp, impl=impl), mesh=mesh, in_specs=specs, out_specs=P("tp", None))
+        loss = lambda x, w1, w2, fwd=fwd: jnp.mean(fwd(x, w1, w2).astype(jnp.float32) ** 2)
         step = jax.jit(jax.value_and_grad(loss, argnums=(1, 2)))
         value, grads = step(x, w1, w2)
         jax.block_until_ready(grads)
@@ -72,11 +75,14 @@ def main():
     (lf, gf, _), (lx, gx, _) = results["fused"], results["xla"]
     tol = 1e-4 if dtype == jnp.float32 else 3e-2
     loss_diff = abs(float(lf) - float(lx)) / abs(float(lx))
-    grad_diff = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))) /
-                          jnp.max(jnp.abs(b.astype(jnp.float32)))) for a, b in zip(gf, gx))
+    grad_diff = max(
+        float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))) / jnp.max(jnp.abs(b.astype(jnp.float32))))
+        for a, b in zip(gf, gx)
+    )
     ok = loss_diff < tol and grad_diff < tol
-    print(f"fused vs xla: loss rel diff {loss_diff:.2e}, grad rel diff {grad_diff:.2e} -> "
-          f"{'MATCH' if ok else 'MISMATCH'}")
+    print(
+        f"fused vs xla: loss rel diff {loss_diff:.2e}, grad rel diff {grad_diff:.2e} -> {'MATCH' if ok else 'MISMATCH'}"
+    )
     if not ok:
         raise SystemExit(1)
 

@@ -43,10 +43,6 @@ import optax
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
-
-import flux_jax
-from flux_jax import _config
-from flux_jax.flax import GPT, GPTConfig, check_config, check_tokens_shape
 from training.checkpoint import TrainCheckpoints
 from training.profile import StepTracer
 from training.profile import describe as describe_profile
@@ -54,17 +50,58 @@ from training.progress import ProgressBar
 from training.report import plot_losses, write_summary
 from training.text import CharVocab, batch_at, generate_corpus
 
+import flux_jax
+from flux_jax import _config
+from flux_jax.flax import GPT, GPTConfig, check_config, check_tokens_shape
+
 # Defaults per platform; every one can be overridden by its flag.
-CPU_DEFAULTS = dict(dp=2, tp=4, layers=4, hidden=128, heads=8, kv_heads=4, ffn=384, seq=64,
-                    batch=16, steps=400, lr=3e-3, dtype="float32", impl="fused")
-GPU_DEFAULTS = dict(dp=1, tp=None, layers=8, hidden=2048, heads=16, kv_heads=8, ffn=5632, seq=2048,
-                    batch=8, steps=300, lr=1e-3, dtype="bfloat16", impl="auto")
+CPU_DEFAULTS = dict(
+    dp=2,
+    tp=4,
+    layers=4,
+    hidden=128,
+    heads=8,
+    kv_heads=4,
+    ffn=384,
+    seq=64,
+    batch=16,
+    steps=400,
+    lr=3e-3,
+    dtype="float32",
+    impl="fused",
+)
+GPU_DEFAULTS = dict(
+    dp=1,
+    tp=None,
+    layers=8,
+    hidden=2048,
+    heads=16,
+    kv_heads=8,
+    ffn=5632,
+    seq=2048,
+    batch=8,
+    steps=300,
+    lr=1e-3,
+    dtype="bfloat16",
+    impl="auto",
+)
 # Named model/run sizes (--preset); explicit flags still win.
 PRESETS = {
     # The issue-6 GPU benchmark: LLaMA-3-8B-like layers (hidden 4096, FFN 14336, 32 query / 8 KV
     # heads, sequence 4096), a few of them, bf16; run with --compare for fused vs xla step time.
-    "llama3-8b-layers": dict(layers=4, hidden=4096, heads=32, kv_heads=8, ffn=14336, seq=4096,
-                             batch=2, steps=30, lr=3e-4, dtype="bfloat16", remat=True),
+    "llama3-8b-layers": dict(
+        layers=4,
+        hidden=4096,
+        heads=32,
+        kv_heads=8,
+        ffn=14336,
+        seq=4096,
+        batch=2,
+        steps=30,
+        lr=3e-4,
+        dtype="bfloat16",
+        remat=True,
+    ),
 }
 EVAL_BATCHES = 4
 SAMPLE_PROMPT = "the "
@@ -80,22 +117,43 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
     for flag in ("--layers", "--hidden", "--heads", "--kv-heads", "--ffn"):
         g.add_argument(flag, type=int)
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="compute dtype")
-    g.add_argument("--impl", choices=["fused", "xla", "auto"],
-                   help="flux_jax implementation of the projections (default: fused on CPU, to "
-                        "exercise the protocol; auto on GPU, fused only where measured faster)")
-    g.add_argument("--fp8", action="store_true",
-                   help="the projections' GEMMs on FP8 operands (flux_jax.Fp8(): e4m3 forward, e5m2 "
-                        "gradients, current scaling); the rest of the model keeps --dtype")
-    g.add_argument("--remat", action=argparse.BooleanOptionalAction, default=None,
-                   help="recompute block activations in the backward pass (the 8B preset's default)")
-    g.add_argument("--flux-config", default="",
-                   help="flux_jax.Config fields for the whole run, e.g. 'gpu_tile_group_m=16' (GPU tuning)")
-    g.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
-                   help="shard the sequence over TP between blocks (ag_matmul / matmul_rs); "
-                        "--no-sequence-parallel keeps it whole on every TP rank (column_matmul / matmul_ar)")
-    g.add_argument("--attention", choices=["auto", "xla", "cudnn"], default="auto",
-                   help="jax.nn.dot_product_attention backend (auto: cuDNN flash attention on GPU "
-                        "with bf16/f16, XLA otherwise; XLA materializes the [T, T] scores)")
+    g.add_argument(
+        "--impl",
+        choices=["fused", "xla", "auto"],
+        help="flux_jax implementation of the projections (default: fused on CPU, to "
+        "exercise the protocol; auto on GPU, fused only where measured faster)",
+    )
+    g.add_argument(
+        "--fp8",
+        action="store_true",
+        help="the projections' GEMMs on FP8 operands (flux_jax.Fp8(): e4m3 forward, e5m2 "
+        "gradients, current scaling); the rest of the model keeps --dtype",
+    )
+    g.add_argument(
+        "--remat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="recompute block activations in the backward pass (the 8B preset's default)",
+    )
+    g.add_argument(
+        "--flux-config",
+        default="",
+        help="flux_jax.Config fields for the whole run, e.g. 'gpu_tile_group_m=16' (GPU tuning)",
+    )
+    g.add_argument(
+        "--sequence-parallel",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="shard the sequence over TP between blocks (ag_matmul / matmul_rs); "
+        "--no-sequence-parallel keeps it whole on every TP rank (column_matmul / matmul_ar)",
+    )
+    g.add_argument(
+        "--attention",
+        choices=["auto", "xla", "cudnn"],
+        default="auto",
+        help="jax.nn.dot_product_attention backend (auto: cuDNN flash attention on GPU "
+        "with bf16/f16, XLA otherwise; XLA materializes the [T, T] scores)",
+    )
     g = p.add_argument_group("training")
     g.add_argument("--seq", type=int, help="sequence length (characters)")
     g.add_argument("--batch", type=int, help="global batch size (sequences)")
@@ -108,17 +166,22 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
     g.add_argument("--num-processes", type=int, default=1, help="processes of the job")
     g.add_argument("--process-id", type=int, default=0, help="this process's index")
     g = p.add_argument_group("outputs")
-    g.add_argument("--compare", action="store_true",
-                   help="train with impl=fused and impl=xla from the same seed and compare")
+    g.add_argument(
+        "--compare", action="store_true", help="train with impl=fused and impl=xla from the same seed and compare"
+    )
     g.add_argument("--out", default="out/train_transformer", help="directory for summary.json and loss.png")
     g.add_argument("--ckpt-dir", help="save orbax checkpoints here")
     g.add_argument("--ckpt-every", type=int, default=50, help="checkpoint interval in steps")
     g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --ckpt-dir")
     g.add_argument("--stop-after", type=int, help="stop after this step as if interrupted (tests resume)")
     g.add_argument("--sample-chars", type=int, default=40, help="characters to generate at the end (0: none)")
-    g.add_argument("--profile-steps", type=int, default=0,
-                   help="GPU: trace this many steps (after the compile step and one more) and report "
-                        "device time per step by kernel category; those steps are left out of the timing")
+    g.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="GPU: trace this many steps (after the compile step and one more) and report "
+        "device time per step by kernel category; those steps are left out of the timing",
+    )
     args = p.parse_args(argv)
     if args.num_processes > 1:
         init_distributed(args, p)
@@ -154,8 +217,10 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
     if min(args.dp, args.tp, args.steps, args.seq, args.batch) < 1:
         p.error("--dp, --tp, --steps, --seq and --batch must be >= 1")
     if args.dp * args.tp > n_devices:
-        p.error(f"--dp {args.dp} x --tp {args.tp} = {args.dp * args.tp} devices, but only {n_devices} "
-                f"{jax.default_backend()} devices are visible")
+        p.error(
+            f"--dp {args.dp} x --tp {args.tp} = {args.dp * args.tp} devices, but only {n_devices} "
+            f"{jax.default_backend()} devices are visible"
+        )
     return args, p
 
 
@@ -169,8 +234,9 @@ def init_distributed(args, parser) -> None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     else:
-        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id,
-                                   local_device_ids=[args.process_id])
+        jax.distributed.initialize(
+            args.coordinator, args.num_processes, args.process_id, local_device_ids=[args.process_id]
+        )
 
 
 def _host_has_gpus() -> bool:
@@ -196,19 +262,31 @@ def make_mesh(args) -> jax.sharding.Mesh:
 
 
 def model_config(args, vocab_size: int, impl: str) -> GPTConfig:
-    return GPTConfig(vocab_size=vocab_size, hidden=args.hidden, layers=args.layers, heads=args.heads,
-                     kv_heads=args.kv_heads, ffn=args.ffn, impl=impl, dtype=args.dtype, remat=args.remat,
-                     attention_implementation=None if args.attention == "xla" else args.attention,
-                     sequence_parallel=args.sequence_parallel, fp8=args.fp8)
+    return GPTConfig(
+        vocab_size=vocab_size,
+        hidden=args.hidden,
+        layers=args.layers,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        ffn=args.ffn,
+        impl=impl,
+        dtype=args.dtype,
+        remat=args.remat,
+        attention_implementation=None if args.attention == "xla" else args.attention,
+        sequence_parallel=args.sequence_parallel,
+        fp8=args.fp8,
+    )
 
 
 def make_optimizer(args) -> optax.GradientTransformation:
     """AdamW with linear warm-up and cosine decay to 10%, after clipping the global grad norm to 1."""
-    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, args.warmup, max(args.steps, args.warmup + 1),
-                                                  end_value=args.lr * 0.1)
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, args.lr, args.warmup, max(args.steps, args.warmup + 1), end_value=args.lr * 0.1
+    )
     decay_matrices_only = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
-    return optax.chain(optax.clip_by_global_norm(1.0),
-                       optax.adamw(schedule, b2=0.98, weight_decay=0.1, mask=decay_matrices_only))
+    return optax.chain(
+        optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.98, weight_decay=0.1, mask=decay_matrices_only)
+    )
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -238,16 +316,18 @@ def on_mesh(tree, mesh):
     """Replicate every leaf that is not already placed on `mesh` (e.g. optax's step counter),
     so the train step sees the same shardings on every call and compiles once."""
     replicated = NamedSharding(mesh, P())
-    return jax.tree.map(lambda x: x if isinstance(getattr(x, "sharding", None), NamedSharding)
-                        else global_array(x, replicated), tree)
+    return jax.tree.map(
+        lambda x: x if isinstance(getattr(x, "sharding", None), NamedSharding) else global_array(x, replicated), tree
+    )
 
 
 def trajectory_settings(args, config: GPTConfig) -> dict:
     """What must match for a checkpoint to continue this run."""
     model = dataclasses.asdict(config)
     model.pop("impl")  # fused and xla compute the same function
-    return dict(model=model, seed=args.seed, seq=args.seq, batch=args.batch, steps=args.steps,
-                lr=args.lr, warmup=args.warmup)
+    return dict(
+        model=model, seed=args.seed, seq=args.seq, batch=args.batch, steps=args.steps, lr=args.lr, warmup=args.warmup
+    )
 
 
 def open_checkpoints(args, settings: dict, state: dict):
@@ -261,12 +341,16 @@ def open_checkpoints(args, settings: dict, state: dict):
             print(f"no checkpoint in {args.ckpt_dir} yet: starting at step 0")
         return checkpoints, 0, state, []
     if not args.resume:
-        raise SystemExit(f"error: {args.ckpt_dir} already holds checkpoints (latest step {latest}); "
-                         "pass --resume to continue that run or use an empty --ckpt-dir")
+        raise SystemExit(
+            f"error: {args.ckpt_dir} already holds checkpoints (latest step {latest}); "
+            "pass --resume to continue that run or use an empty --ckpt-dir"
+        )
     step, state, meta = checkpoints.restore(state)
     if meta["settings"] != settings:
-        raise SystemExit(f"error: the checkpoint in {args.ckpt_dir} was made with other settings:\n"
-                         f"  checkpoint: {meta['settings']}\n  this run:   {settings}")
+        raise SystemExit(
+            f"error: the checkpoint in {args.ckpt_dir} was made with other settings:\n"
+            f"  checkpoint: {meta['settings']}\n  this run:   {settings}"
+        )
     print(f"resuming from step {step} ({args.ckpt_dir})")
     return checkpoints, step, state, list(meta["losses"])
 
@@ -305,8 +389,7 @@ def train(args, mesh, vocab: CharVocab, train_data, eval_data, impl: str) -> dic
             inputs, targets = batch_at(train_data, step, args.batch, args.seq, args.seed)
             tracer.before(step)
             t0 = time.perf_counter()
-            params, opt_state, loss = train_step(state["params"], state["opt_state"], place(inputs),
-                                                 place(targets))
+            params, opt_state, loss = train_step(state["params"], state["opt_state"], place(inputs), place(targets))
             loss = float(loss)  # waits for the step
             dt = time.perf_counter() - t0
             state = {"params": params, "opt_state": opt_state}
@@ -323,19 +406,28 @@ def train(args, mesh, vocab: CharVocab, train_data, eval_data, impl: str) -> dic
         bar.close()
         saved = checkpoints and checkpoints.latest_step()
         print("interrupted" + (f"; --resume continues from step {saved}" if saved else ""))
-        raise SystemExit(130)
+        raise SystemExit(130) from None
     bar.close()
     if checkpoints:
         checkpoints.close()
 
     eval_loss = statistics.fmean(
         float(loss_fn(state["params"], *map(place, batch_at(eval_data, i, args.batch, args.seq, args.seed))))
-        for i in range(EVAL_BATCHES))
+        for i in range(EVAL_BATCHES)
+    )
     median = statistics.median(step_times) if step_times else None
-    result = dict(impl=impl, first_step=start + 1, completed_steps=last, losses=losses,
-                  first_loss=losses[0] if losses else None, final_loss=losses[-1] if losses else None,
-                  eval_loss=eval_loss, compile_s=compile_s, step_time_ms=median and median * 1e3,
-                  tokens_per_s=median and tokens_per_step / median)
+    result = dict(
+        impl=impl,
+        first_step=start + 1,
+        completed_steps=last,
+        losses=losses,
+        first_loss=losses[0] if losses else None,
+        final_loss=losses[-1] if losses else None,
+        eval_loss=eval_loss,
+        compile_s=compile_s,
+        step_time_ms=median and median * 1e3,
+        tokens_per_s=median and tokens_per_step / median,
+    )
     if tracer.summary is not None:
         result["profile"] = tracer.summary
     if args.sample_chars > 0:
@@ -346,10 +438,12 @@ def train(args, mesh, vocab: CharVocab, train_data, eval_data, impl: str) -> dic
 def describe(args, vocab_size: int) -> str:
     devices = jax.devices()
     sp = "" if args.sequence_parallel else " (no sequence parallelism)"
-    return (f"flux_jax {flux_jax.__version__} | {len(devices)} x {devices[0].platform} | mesh dp={args.dp} x "
-            f"tp={args.tp}{sp} | GPT {args.layers} layers, hidden {args.hidden}, heads {args.heads}/"
-            f"{args.kv_heads} kv, ffn {args.ffn}, vocab {vocab_size} | seq {args.seq} x batch {args.batch}, "
-            f"{args.steps} steps, {args.dtype}" + (" with FP8 projections" if args.fp8 else ""))
+    return (
+        f"flux_jax {flux_jax.__version__} | {len(devices)} x {devices[0].platform} | mesh dp={args.dp} x "
+        f"tp={args.tp}{sp} | GPT {args.layers} layers, hidden {args.hidden}, heads {args.heads}/"
+        f"{args.kv_heads} kv, ffn {args.ffn}, vocab {vocab_size} | seq {args.seq} x batch {args.batch}, "
+        f"{args.steps} steps, {args.dtype}" + (" with FP8 projections" if args.fp8 else "")
+    )
 
 
 def main(argv=None) -> dict:
@@ -379,28 +473,42 @@ def main(argv=None) -> dict:
             with _config.overriding(args.flux_config):
                 runs[impl] = train(args, mesh, vocab, data[:split], data[split:], impl)
         except flux_jax.FusedUnavailableError as e:
-            raise SystemExit(f"error: {e}\n(use --impl auto to fall back to the XLA twin)")
+            raise SystemExit(f"error: {e}\n(use --impl auto to fall back to the XLA twin)") from e
         r = runs[impl]
-        print(f"impl={impl}: loss {r['first_loss']:.3f} -> {r['final_loss']:.3f} (eval {r['eval_loss']:.3f})"
-              + (f", {r['step_time_ms']:.1f} ms/step, {r['tokens_per_s']:,.0f} tokens/s" if r["step_time_ms"]
-                 else "") + f", compile {r['compile_s']:.1f} s")
+        print(
+            f"impl={impl}: loss {r['first_loss']:.3f} -> {r['final_loss']:.3f} (eval {r['eval_loss']:.3f})"
+            + (f", {r['step_time_ms']:.1f} ms/step, {r['tokens_per_s']:,.0f} tokens/s" if r["step_time_ms"] else "")
+            + f", compile {r['compile_s']:.1f} s"
+        )
         if "profile" in r:
             print(describe_profile(r["profile"]))
         if "sample" in r:
             print(f"  sample: {r['sample']!r}")
 
     main_run = runs[impls[0]]
-    summary = dict(config=vars(args) | {"vocab_size": len(vocab), "platform": jax.default_backend(),
-                                         "devices": len(jax.devices()), "flux_jax": flux_jax.__version__},
-                   final_loss=main_run["final_loss"], tokens_per_s=main_run["tokens_per_s"],
-                   step_time_ms=main_run["step_time_ms"], runs=runs)
+    summary = dict(
+        config=vars(args)
+        | {
+            "vocab_size": len(vocab),
+            "platform": jax.default_backend(),
+            "devices": len(jax.devices()),
+            "flux_jax": flux_jax.__version__,
+        },
+        final_loss=main_run["final_loss"],
+        tokens_per_s=main_run["tokens_per_s"],
+        step_time_ms=main_run["step_time_ms"],
+        runs=runs,
+    )
     if args.compare:
         fused, xla = runs["fused"], runs["xla"]
         summary["compare"] = dict(
             step_time_ratio_xla_over_fused=xla["step_time_ms"] / fused["step_time_ms"],
-            max_abs_loss_diff=max(abs(a - b) for a, b in zip(fused["losses"], xla["losses"])))
-        print(f"compare: fused is {summary['compare']['step_time_ratio_xla_over_fused']:.3f}x the speed "
-              f"of xla; largest loss difference {summary['compare']['max_abs_loss_diff']:.2e}")
+            max_abs_loss_diff=max(abs(a - b) for a, b in zip(fused["losses"], xla["losses"])),
+        )
+        print(
+            f"compare: fused is {summary['compare']['step_time_ratio_xla_over_fused']:.3f}x the speed "
+            f"of xla; largest loss difference {summary['compare']['max_abs_loss_diff']:.2e}"
+        )
 
     if jax.process_index() != 0:  # one writer per job
         return summary

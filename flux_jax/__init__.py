@@ -22,8 +22,8 @@ from flux_jax._distributed import initialize as initialize_distributed  # noqa: 
 from flux_jax._errors import FusedUnavailableError  # noqa: E402
 from flux_jax._explain import explain, explain_auto  # noqa: E402
 from flux_jax._native import build_info  # noqa: E402
-from flux_jax.fp8 import Fp8  # noqa: E402
 from flux_jax._state import HandlerHostTime, device_errors, handler_host_time, reset, workspace_bytes  # noqa: E402
+from flux_jax.fp8 import Fp8  # noqa: E402
 from flux_jax.ops import ag_matmul, column_matmul, matmul_ar, matmul_rs  # noqa: E402
 from flux_jax.sharding import ag_matmul_sharded, column_matmul_sharded, matmul_ar_sharded, matmul_rs_sharded  # noqa: E402
 from flux_jax.twins import ag_matmul_xla, column_matmul_xla, matmul_ar_xla, matmul_rs_xla  # noqa: E402

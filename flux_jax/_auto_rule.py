@@ -24,10 +24,8 @@ import numpy as np
 DEVICE_KIND, SMS, LINK_GBPS, LINK_LATENCY_US, GPU_COUNT, TP = "NVIDIA H200", 132, 226.9, 19.7, 2, 2
 
 _OVERLAP = "enough row tiles to hide the transfer under the overlap GEMM"
-_AG_DECODE = ("the rows pushed over NVLink while a GEMM in the weight's orientation already streams "
-              "the weight")
-_RS_DECODE = ("one GEMM in the weight's orientation whose epilogue reduce-scatters each output tile "
-              "over NVLink")
+_AG_DECODE = "the rows pushed over NVLink while a GEMM in the weight's orientation already streams the weight"
+_RS_DECODE = "one GEMM in the weight's orientation whose epilogue reduce-scatters each output tile over NVLink"
 _LATENCY = "our NVLink collective + XLA's GEMM"
 
 
@@ -35,8 +33,7 @@ def _data(run: str) -> str:
     return f"the harness run in benchmarks/data/harness_{run}_2026-11-30.json"
 
 
-_WIDE = ("the gather is a small share of this wide GEMM and XLA's GEMM is 1-6% faster than ours "
-         "here")
+_WIDE = "the gather is a small share of this wide GEMM and XLA's GEMM is 1-6% faster than ours here"
 
 # (op, rows, k, n, path that won, speedups over the twin, note)
 POINTS = (
@@ -46,27 +43,72 @@ POINTS = (
     ("ag_matmul", 16384, 8192, 28672, "overlap", {"overlap": 1.03}, f"{_OVERLAP} (70B gate+up)"),
     ("ag_matmul", 2048, 28672, 4096, "overlap", {"overlap": 1.22, "latency": 1.05}, f"{_OVERLAP} (256 tiles)"),
     ("ag_matmul", 2048, 4096, 3072, "overlap", {"overlap": 1.26, "latency": 1.18}, f"{_OVERLAP} (192 tiles)"),
-    ("ag_matmul", 2048, 14336, 2048, "latency", {"overlap": 0.97, "latency": 1.10},
-     ("the per-rank GEMM has 128 output tiles of 128 x 256, about one wave: the overlap kernel cannot "
-      "hide the transfer")),
+    (
+        "ag_matmul",
+        2048,
+        14336,
+        2048,
+        "latency",
+        {"overlap": 0.97, "latency": 1.10},
+        (
+            "the per-rank GEMM has 128 output tiles of 128 x 256, about one wave: the overlap kernel cannot "
+            "hide the transfer"
+        ),
+    ),
     ("ag_matmul", 1024, 4096, 3072, "latency", {"overlap": 0.85, "latency": 1.20}, _LATENCY),
-    ("ag_matmul", 12288, 5120, 13824, "twin", {"overlap": 0.99, "latency": 1.00},
-     f"{_WIDE}: the overlap measured 0.97-1.01x"),
-    ("ag_matmul", 16384, 4096, 14336, "twin", {"overlap": 1.00},
-     f"{_WIDE}: the overlap measured 0.98-1.15x in four runs, a 1-3% loss in three of six"),
+    (
+        "ag_matmul",
+        12288,
+        5120,
+        13824,
+        "twin",
+        {"overlap": 0.99, "latency": 1.00},
+        f"{_WIDE}: the overlap measured 0.97-1.01x",
+    ),
+    (
+        "ag_matmul",
+        16384,
+        4096,
+        14336,
+        "twin",
+        {"overlap": 1.00},
+        f"{_WIDE}: the overlap measured 0.98-1.15x in four runs, a 1-3% loss in three of six",
+    ),
     ("ag_matmul", 320, 5120, 3584, "latency", {"latency": 1.18}, f"{_LATENCY} (held out)"),
     ("ag_matmul", 264, 4096, 1024, "latency", {}, f"{_LATENCY}: more rows than two decode tiles"),
     ("ag_matmul", 256, 8192, 5120, "latency", {"latency": 1.21, "decode": 0.98}, _LATENCY),
     ("ag_matmul", 256, 4096, 3072, "decode", {"decode": 1.54, "latency": 1.10}, f"{_AG_DECODE} (8B qkv, 96 tiles)"),
-    ("ag_matmul", 256, 8192, 4096, "latency", {"decode": 1.18, "latency": 1.32},
-     f"{_LATENCY}: 128 decode tiles and the push's 32 blocks overflow 132 SMs"),
+    (
+        "ag_matmul",
+        256,
+        8192,
+        4096,
+        "latency",
+        {"decode": 1.18, "latency": 1.32},
+        f"{_LATENCY}: 128 decode tiles and the push's 32 blocks overflow 132 SMs",
+    ),
     ("ag_matmul", 192, 4096, 3200, "decode", {}, f"{_AG_DECODE}: 100 tiles and the push's 32 blocks fill 132 SMs"),
-    ("ag_matmul", 192, 4096, 3208, "latency", {}, f"{_LATENCY}: 102 decode tiles and the push's 32 blocks overflow 132 SMs"),
+    (
+        "ag_matmul",
+        192,
+        4096,
+        3208,
+        "latency",
+        {},
+        f"{_LATENCY}: 102 decode tiles and the push's 32 blocks overflow 132 SMs",
+    ),
     ("ag_matmul", 128, 8192, 5120, "decode", {"decode": 1.35, "latency": 1.17}, f"{_AG_DECODE} (70B qkv)"),
     ("ag_matmul", 64, 4096, 3072, "decode", {"decode": 1.29, "latency": 1.12}, f"{_AG_DECODE} (8B qkv)"),
     ("ag_matmul", 8, 8192, 5120, "decode", {"decode": 1.14, "latency": 1.09}, f"{_AG_DECODE} (70B qkv)"),
-    ("ag_matmul", 64, 4096, 14336, "latency", {"decode": 1.08, "latency": 1.03},
-     f"{_LATENCY} (8B gate+up: decode 0.98-1.18x)"),
+    (
+        "ag_matmul",
+        64,
+        4096,
+        14336,
+        "latency",
+        {"decode": 1.08, "latency": 1.03},
+        f"{_LATENCY} (8B gate+up: decode 0.98-1.18x)",
+    ),
     ("ag_matmul", 16, 8192, 28672, "latency", {"decode": 0.98, "latency": 1.05}, f"{_LATENCY} (70B gate+up)"),
     ("matmul_rs", 8192, 2048, 28672, "overlap", {"overlap": 1.15, "latency": 1.02}, _OVERLAP),
     ("matmul_rs", 4096, 4096, 8192, "overlap", {"overlap": 1.42}, _OVERLAP),
@@ -198,11 +240,25 @@ def entries():
     for op, rows, k, n, path, speedup, note in POINTS:
         f16 = {"path": path, "speedup": speedup, "note": f"{note}; the bfloat16 measurement"}
         if path == "decode":
-            f16 = {"path": "latency", "speedup": {p: s for p, s in speedup.items() if p != "decode"},
-                   "note": "the bfloat16 measurement; no float16 decode kernel"}
+            f16 = {
+                "path": "latency",
+                "speedup": {p: s for p, s in speedup.items() if p != "decode"},
+                "note": "the bfloat16 measurement; no float16 decode kernel",
+            }
         for dtype, chosen in (("bfloat16", {"path": path, "speedup": speedup, "note": note}), ("float16", f16)):
-            entry = _table.make_entry(device, GPU_COUNT, TP, dtype, op, rows, k, n, chosen["speedup"],
-                                      path=chosen["path"], note=chosen["note"])
+            entry = _table.make_entry(
+                device,
+                GPU_COUNT,
+                TP,
+                dtype,
+                op,
+                rows,
+                k,
+                n,
+                chosen["speedup"],
+                path=chosen["path"],
+                note=chosen["note"],
+            )
             out.setdefault(entry.key, entry)  # a point listed earlier keeps its shape class
     return device, list(out.values())
 
@@ -225,7 +281,7 @@ def _plan_on_hopper(op: str, tp: int, rows: int, k: int, n: int, dtype, impl: st
 
 
 def choose(op: str, tp: int, rows: int, k: int, n: int, dtype) -> str:
-    """"overlap", "latency", "decode" or "xla": what impl="auto" runs on a Hopper GPU under the
+    """ "overlap", "latency", "decode" or "xla": what impl="auto" runs on a Hopper GPU under the
     built-in table for a per-rank GEMM (`k`, `n`: AG: K and N/tp; RS: K/tp and N)."""
     return _plan_on_hopper(op, tp, rows, k, n, dtype, "auto")
 

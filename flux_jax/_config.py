@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 import math
 import numbers
-from typing import Iterator
+from collections.abc import Iterator
 
 from jax._src import config as _jax_config  # private: the only jit-key-aware configuration state
 
@@ -72,8 +72,9 @@ class Config:
         if not 1e-3 <= t <= 24 * 3600:
             raise ValueError(f"Config.timeout_s must be in [0.001, 86400] seconds, got {t!r}")
         if self.fused_path not in FUSED_PATHS:
-            raise ValueError('Config.fused_path must be one of "' + '", "'.join(FUSED_PATHS) +
-                             f'", got {self.fused_path!r}')
+            raise ValueError(
+                'Config.fused_path must be one of "' + '", "'.join(FUSED_PATHS) + f'", got {self.fused_path!r}'
+            )
         _tuning.validate_path(self.tuning)
         _check_int("Config.debug_drop_rank", self.debug_drop_rank, -1, 1 << 20)
         _check_int("Config.debug_jitter_us", self.debug_jitter_us, 0, 10_000_000)
@@ -141,8 +142,13 @@ def _state(name: str, default, kind: type):
             raise TypeError(f"{name} must be a {kind.__qualname__}, got {type(value).__name__}")
 
     return _jax_config.string_or_object_state(
-        name, default, f"flux_jax {kind.__name__} (part of the jit cache key)", validator=validate,
-        include_in_jit_key=True, include_in_trace_context=True)
+        name,
+        default,
+        f"flux_jax {kind.__name__} (part of the jit cache key)",
+        validator=validate,
+        include_in_jit_key=True,
+        include_in_trace_context=True,
+    )
 
 
 _CONFIG = _state("flux_jax_config", Config(), Config)
@@ -215,7 +221,7 @@ def parse_overrides(text: str) -> tuple[dict, dict]:
             parsed = value.lower() == "true"
         else:
             parsed = value
-        bare = name[len(_TUNING_PREFIX):] if name.startswith(_TUNING_PREFIX) else None
+        bare = name[len(_TUNING_PREFIX) :] if name.startswith(_TUNING_PREFIX) else None
         if bare in tuning_fields:
             tuning[bare] = parsed
         else:

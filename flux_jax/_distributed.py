@@ -104,8 +104,11 @@ def process_info() -> ProcessInfo:
 def register_local_devices(platform: str, devices) -> None:
     """Tell the extension which global device id each local ordinal has."""
     me = jax.process_index()
-    pairs = [(int(d.local_hardware_id), int(d.id)) for d in devices
-             if d.process_index == me and d.local_hardware_id is not None]
+    pairs = [
+        (int(d.local_hardware_id), int(d.id))
+        for d in devices
+        if d.process_index == me and d.local_hardware_id is not None
+    ]
     _native.extension().register_local_devices(platform, pairs)
 
 

@@ -31,8 +31,9 @@ _generation = 0  # bumped by flux_jax.reset(): fresh keys for the next setup
 def set_workspace_mib(mib: int) -> None:
     global _workspace_mib
     if not (isinstance(mib, int) and mib >= 192):
-        raise ValueError(f"gpu_workspace_mib must be an int >= 192 (128 MiB of slots and >= 64 for the "
-                         f"overlap buffers), got {mib!r}")
+        raise ValueError(
+            f"gpu_workspace_mib must be an int >= 192 (128 MiB of slots and >= 64 for the overlap buffers), got {mib!r}"
+        )
     if _ready:
         raise RuntimeError("gpu_workspace_mib must be set before the first fused op")
     _workspace_mib = mib
@@ -85,8 +86,12 @@ def _setup(row, key: tuple[int, ...], timeout_s: float) -> None:
     procs = [int(d.process_index) for d in row]
     slot_bytes = 64 << 20  # the slot area, and as much again for the low-latency area
     data_bytes = (_workspace_mib << 20) - 2 * slot_bytes
-    name = lambda rank: _KEY.format(session=info.session, generation=_generation,  # noqa: E731
-                                    group="-".join(map(str, key)), rank=rank)
+    name = lambda rank: _KEY.format(
+        session=info.session,
+        generation=_generation,  # noqa: E731
+        group="-".join(map(str, key)),
+        rank=rank,
+    )
     local = [(r, int(d.local_hardware_id)) for r, d in enumerate(row) if d.process_index == info.index]
 
     def fetch(key: str, rank: int, what: str) -> str:
@@ -97,7 +102,8 @@ def _setup(row, key: tuple[int, ...], timeout_s: float) -> None:
             raise FusedUnavailableError(
                 f"flux_jax: rank {rank} (device {d.id}, process {d.process_index}) of the TP group "
                 f"{ids} did not publish its {what} within {timeout_s:g} s; every process must "
-                f"lower the same program ({err})") from err
+                f"lower the same program ({err})"
+            ) from err
 
     for rank, ordinal in local:
         blob = ext.cuda_ipc_export(ids, procs, ordinal, data_bytes, slot_bytes)
@@ -115,8 +121,10 @@ def _setup(row, key: tuple[int, ...], timeout_s: float) -> None:
     # Every process must take the same decision (fused or not), so they compare notes.
     for rank, _ in local:
         client.key_value_set(name(rank) + "/status", status)
-    failures = sorted({s for s in (fetch(name(r) + "/status", r, "setup status") for r in range(len(row)))
-                       if s != "ok"})
+    failures = sorted(
+        {s for s in (fetch(name(r) + "/status", r, "setup status") for r in range(len(row))) if s != "ok"}
+    )
     if failures:
-        raise FusedUnavailableError("flux_jax: no CUDA IPC between the processes of TP group "
-                                    f"{ids}: " + "; ".join(failures))
+        raise FusedUnavailableError(
+            f"flux_jax: no CUDA IPC between the processes of TP group {ids}: " + "; ".join(failures)
+        )

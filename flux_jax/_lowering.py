@@ -53,7 +53,9 @@ def _concrete_mesh(ctx):
 
     concrete = mesh_lib.get_concrete_mesh()
     if concrete is not None and not concrete.empty and mesh is not None:
-        if tuple(concrete.axis_names) == tuple(mesh.axis_names) and tuple(concrete.axis_sizes) == tuple(mesh.axis_sizes):
+        if tuple(concrete.axis_names) == tuple(mesh.axis_names) and tuple(concrete.axis_sizes) == tuple(
+            mesh.axis_sizes
+        ):
             return concrete
     return None
 
@@ -91,9 +93,11 @@ def _topology(ctx, platform: str, call):
         return groups, None
     mesh = _concrete_mesh(ctx)
     if mesh is None:
-        return None, ("the concrete device mesh is unknown at lowering (a shard_map over an abstract "
-                      "mesh, e.g. nested inside another shard_map); wrap the call in "
-                      "`with jax.set_mesh(mesh):` or pass mesh= to the shard_map")
+        return None, (
+            "the concrete device mesh is unknown at lowering (a shard_map over an abstract "
+            "mesh, e.g. nested inside another shard_map); wrap the call in "
+            "`with jax.set_mesh(mesh):` or pass mesh= to the shard_map"
+        )
     groups = tp_groups(mesh, call.axis_name, call.tp)
     timeout_s = call.config.timeout_s
     _distributed.register_local_devices(platform, groups.ravel())
@@ -152,8 +156,9 @@ def _lower_in_manual_region(spec, ctx, x, w, rank, call, groups, auto):
     def body(x, w, rank):
         return tuple(spec.primitive.bind(x, w, rank, call=inner_call))
 
-    region = jax.shard_map(body, in_specs=(x_spec, P(), P()), out_specs=out_specs, axis_names=set(auto),
-                           check_vma=False)
+    region = jax.shard_map(
+        body, in_specs=(x_spec, P(), P()), out_specs=out_specs, axis_names=set(auto), check_vma=False
+    )
     return mlir.lower_fun(region, multiple_results=True)(ctx, x, w, rank)
 
 
@@ -177,7 +182,8 @@ def _explicit_spec(aval, auto):
         raise FusedUnavailableError(
             f"flux_jax: x is sharded {spec} over the automatic mesh axes {auto} on its gathered / "
             "scattered or contraction dimension; the fused ops split only the middle (batch) "
-            "dimensions over them")
+            "dimensions over them"
+        )
     return P(*[tuple(a for a in names(e) if a in auto) or None for e in dims])
 
 
@@ -240,8 +246,15 @@ def register(spec) -> None:
         platform = platform_name(ctx.module_context.platforms[0])
         plan = call.plan
         if platform != call.platform:  # lowered for another platform than it was traced on
-            problem = spec.problem(ctx.avals_in[0].shape, ctx.avals_in[1].shape, ctx.avals_in[0].dtype,
-                                 call.tp, platform, call.transpose_w, call.fp8_format)
+            problem = spec.problem(
+                ctx.avals_in[0].shape,
+                ctx.avals_in[1].shape,
+                ctx.avals_in[0].dtype,
+                call.tp,
+                platform,
+                call.transpose_w,
+                call.fp8_format,
+            )
             plan = _plan.plan(problem, call.impl, call.config, backward=call.backward)
         groups = None
         if plan.fused:
@@ -273,7 +286,8 @@ def register(spec) -> None:
         if call.plan.fused and not _native.has_cuda_kernel(spec.name):
             raise FusedUnavailableError(
                 f"flux_jax: no CUDA kernel for {spec.name} in this build (flux_jax.build_info() says "
-                "what was built); use impl='xla' or 'auto'")
+                "what was built); use impl='xla' or 'auto'"
+            )
         return rule(ctx, *operands, call=call)
 
     mlir.register_lowering(spec.primitive, rule, platform="cpu")
@@ -283,8 +297,10 @@ def register(spec) -> None:
 def _lower_latency(spec, ctx, x, w, rank, call, groups, pass_rank):
     """The latency path: XLA's GEMM next to our one-kernel collective custom call(s)."""
     callsite = _callsite(ctx, spec.name, ctx.avals_in[:2], "latency")
-    attrs = tuple((k, tuple(v.tolist()) if isinstance(v, np.ndarray) else v)
-                  for k, v in _common_attrs(groups, call, callsite).items())
+    attrs = tuple(
+        (k, tuple(v.tolist()) if isinstance(v, np.ndarray) else v)
+        for k, v in _common_attrs(groups, call, callsite).items()
+    )
     count = [0]
 
     def collective(name, operand, shape, rank_operand):

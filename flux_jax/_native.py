@@ -11,6 +11,7 @@ import warnings
 
 import jax
 
+
 def _differing_sources(checkout_dir: str, installed_dir: str) -> list[str]:
     """The .py files of the installed package whose text differs from the checkout's."""
     differing = []
@@ -39,7 +40,8 @@ def _load_installed_extension():
         for name in sorted(os.listdir(candidate_dir)):
             if name.startswith("_flux_jax_ffi.") and name.endswith((".so", ".pyd")):
                 spec = importlib.util.spec_from_file_location(
-                    "flux_jax._flux_jax_ffi", os.path.join(candidate_dir, name))
+                    "flux_jax._flux_jax_ffi", os.path.join(candidate_dir, name)
+                )
                 module = importlib.util.module_from_spec(spec)
                 spec.loader.exec_module(module)
                 sys.modules["flux_jax._flux_jax_ffi"] = module
@@ -50,7 +52,8 @@ def _load_installed_extension():
                         f"{candidate_dir}, whose Python differs ({', '.join(differing[:3])}"
                         f"{', ...' if len(differing) > 3 else ''}): they may not belong together; "
                         "install this checkout (pip install .) or run from outside it",
-                        stacklevel=2)
+                        stacklevel=2,
+                    )
                 return module
     return None
 
@@ -97,7 +100,9 @@ def _require_eager_module_loading() -> None:
         warnings.warn(
             f"CUDA_MODULE_LOADING={os.environ['CUDA_MODULE_LOADING']}: flux_jax's fused GPU ops can "
             "stall until their timeout on the first launch of a kernel; use CUDA_MODULE_LOADING=EAGER.",
-            RuntimeWarning, stacklevel=3)
+            RuntimeWarning,
+            stacklevel=3,
+        )
         return
     from jax._src import xla_bridge  # private: the only way to know if backends exist yet
 
@@ -107,7 +112,9 @@ def _require_eager_module_loading() -> None:
                 "flux_jax was imported after JAX initialized the GPU, so CUDA_MODULE_LOADING=EAGER "
                 "could not take effect; fused GPU ops may stall on a kernel's first launch. Import "
                 "flux_jax before using the GPU, or export CUDA_MODULE_LOADING=EAGER.",
-                RuntimeWarning, stacklevel=3)
+                RuntimeWarning,
+                stacklevel=3,
+            )
         return
     os.environ["CUDA_MODULE_LOADING"] = "EAGER"
 

@@ -34,8 +34,8 @@ _ALL_REDUCE_OPS = ("matmul_ar",)
 # Ops the built-in rule has no measurements of: impl="auto" takes the twin on GPUs and a call
 # that must be fused the latency path (XLA's GEMM next to our collective).
 _UNMEASURED_ON_GPUS = {
-    "matmul_ar": "matmul_ar has never been measured on GPUs, so impl=\"auto\" takes the twin there "
-                 "(impl=\"fused\" takes the latency path: XLA's GEMM + our all_reduce)",
+    "matmul_ar": 'matmul_ar has never been measured on GPUs, so impl="auto" takes the twin there '
+    '(impl="fused" takes the latency path: XLA\'s GEMM + our all_reduce)',
 }
 _GPU_DTYPES = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
 _BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -63,8 +63,10 @@ class Problem:
     def describe(self) -> str:
         w = " (transposed weight)" if self.transpose_w else ""
         fp8 = f" (FP8: rows in {self.fp8})" if self.fp8 else ""
-        return (f"{self.op} rows={self.rows} k={self.k} n={self.n} per rank, "
-                f"{np.dtype(self.dtype).name}{fp8}, tp={self.tp}, {self.platform}{w}")
+        return (
+            f"{self.op} rows={self.rows} k={self.k} n={self.n} per rank, "
+            f"{np.dtype(self.dtype).name}{fp8}, tp={self.tp}, {self.platform}{w}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,8 +135,10 @@ def unavailable_on_hopper(p: Problem) -> str | None:
     if p.tp > lim["gpu_max_tp"]:
         return f"the CUDA kernels serve TP groups of at most {lim['gpu_max_tp']} ranks, not {p.tp}"
     if p.op in _ALL_REDUCE_OPS and p.tp > lim["latency_max_tp"]:
-        return (f"{p.op}'s CUDA paths all run the all_reduce kernel, which serves TP groups of at most "
-                f"{lim['latency_max_tp']} ranks, not {p.tp}")
+        return (
+            f"{p.op}'s CUDA paths all run the all_reduce kernel, which serves TP groups of at most "
+            f"{lim['latency_max_tp']} ranks, not {p.tp}"
+        )
     return None
 
 
@@ -148,8 +152,10 @@ def _fp8_unavailable_on_hopper(p: Problem) -> str | None:
         return f"the FP8 rows move as 16-byte vectors: per-rank K must be a multiple of 16 (got K={p.k})"
     if p.op != "ag_matmul":
         if np.dtype(p.dtype) not in _GPU_DTYPES:
-            return (f"the CUDA reduce-scatter sums the FP8 GEMM's partial in x's dtype: bfloat16 or "
-                    f"float16, not {np.dtype(p.dtype).name}")
+            return (
+                f"the CUDA reduce-scatter sums the FP8 GEMM's partial in x's dtype: bfloat16 or "
+                f"float16, not {np.dtype(p.dtype).name}"
+            )
         if p.n % lim["gpu_align_elements"]:
             return f"the CUDA collectives need per-rank N multiples of {lim['gpu_align_elements']} (got N={p.n})"
     return None
@@ -157,19 +163,27 @@ def _fp8_unavailable_on_hopper(p: Problem) -> str | None:
 
 def _plan_fp8(p: Problem, config: Config, must_fuse: bool) -> Plan:
     """FP8 calls (available kernels): the latency composition where they must fuse, else the twin."""
-    how = ("FP8 runs the latency composition: quantize, our collective moves the FP8 rows and "
-           "their scales (or the partial), XLA's FP8 GEMM")
+    how = (
+        "FP8 runs the latency composition: quantize, our collective moves the FP8 rows and "
+        "their scales (or the partial), XLA's FP8 GEMM"
+    )
     if config.fused_path not in ("auto", "latency"):
-        return Plan("latency", f'{how} (no FP8 {config.fused_path} kernel for Config.fused_path="'
-                    f'{config.fused_path}")', "config")
+        return Plan(
+            "latency",
+            f'{how} (no FP8 {config.fused_path} kernel for Config.fused_path="{config.fused_path}")',
+            "config",
+        )
     if config.fused_path == "latency":
         return Plan("latency", f'Config.fused_path="latency"; {how}', "config")
     if must_fuse:
         return Plan("latency", how, "platform" if p.platform == "cpu" else "kernels")
     if p.platform == "cpu":
         return Plan("twin", "the CPU backend is a protocol reference, slower than XLA:CPU's dot", "platform")
-    return Plan("twin", 'the FP8 fused path (latency composition) is not measured on GPU yet; impl="fused" '
-                "runs it", "FP8 rule (unmeasured: the twin)")
+    return Plan(
+        "twin",
+        'the FP8 fused path (latency composition) is not measured on GPU yet; impl="fused" runs it',
+        "FP8 rule (unmeasured: the twin)",
+    )
 
 
 def decode_supported(p: Problem) -> bool:
@@ -180,8 +194,7 @@ def decode_supported(p: Problem) -> bool:
     if p.op == "ag_matmul":
         return 1 <= p.rows <= lim["decode_ag_max_rows"]
     if p.op == "matmul_rs":
-        return (1 <= p.rows <= lim["decode_rs_max_rows"] and p.rows % p.tp == 0
-                and p.n <= lim["decode_rs_max_n"])
+        return 1 <= p.rows <= lim["decode_rs_max_rows"] and p.rows % p.tp == 0 and p.n <= lim["decode_rs_max_n"]
     return False
 
 
@@ -214,8 +227,10 @@ def _default_fused(p: Problem) -> str:
 def _unmeasured(p: Problem) -> str:
     if p.op in _UNMEASURED_ON_GPUS:
         return _UNMEASURED_ON_GPUS[p.op]
-    return (f"tp={p.tp} has not been measured for {p.op} in {np.dtype(p.dtype).name} near this shape on "
-            "this GPU kind: no tuning table covers it (python -m flux_jax.tune measures it; docs/tuning.md)")
+    return (
+        f"tp={p.tp} has not been measured for {p.op} in {np.dtype(p.dtype).name} near this shape on "
+        "this GPU kind: no tuning table covers it (python -m flux_jax.tune measures it; docs/tuning.md)"
+    )
 
 
 def plan(p: Problem, impl: str, config: Config, *, backward: bool = False, on_hopper: bool = False) -> Plan:
@@ -228,8 +243,9 @@ def plan(p: Problem, impl: str, config: Config, *, backward: bool = False, on_ho
     has (explain_auto).
     """
     if config.debug_drop_rank >= p.tp:
-        raise ValueError(f"Config.debug_drop_rank={config.debug_drop_rank} names no rank of a TP group "
-                         f"of {p.tp} ({p.op})")
+        raise ValueError(
+            f"Config.debug_drop_rank={config.debug_drop_rank} names no rank of a TP group of {p.tp} ({p.op})"
+        )
     if impl == "xla":
         return Plan("twin", 'impl="xla"', "impl")
     reason = unavailable_on_hopper(p) if on_hopper else unavailable(p)

@@ -66,8 +66,11 @@ def workspace_bytes() -> dict[int, int]:
         return {}
     import jax
 
-    return {d.local_hardware_id: ext.cuda_workspace_bytes(d.local_hardware_id)
-            for d in jax.local_devices() if d.platform == "gpu"}
+    return {
+        d.local_hardware_id: ext.cuda_workspace_bytes(d.local_hardware_id)
+        for d in jax.local_devices()
+        if d.platform == "gpu"
+    }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,8 +96,10 @@ def handler_host_time(reset: bool = False) -> dict[str, HandlerHostTime]:
     computation. Counters are process-wide and always on; `reset=True` zeroes them after reading.
     """
     ext = _native.extension()
-    stats = {op: HandlerHostTime(calls, total_ns / 1e3, max_ns / 1e3)
-             for op, (calls, total_ns, max_ns) in ext.handler_host_stats().items()}
+    stats = {
+        op: HandlerHostTime(calls, total_ns / 1e3, max_ns / 1e3)
+        for op, (calls, total_ns, max_ns) in ext.handler_host_stats().items()
+    }
     if reset:
         ext.reset_handler_host_stats()
     return stats

@@ -37,18 +37,12 @@ def check_impl(op: str, impl) -> None:
 def check_axis(op: str, axis_name) -> AxisInfo:
     """The op must run inside jax.shard_map with `axis_name` manual."""
     if not isinstance(axis_name, str):
-        raise ValueError(
-            f"flux_jax.{op}: axis_name must be the name (str) of one mesh axis, got {axis_name!r}"
-        )
+        raise ValueError(f"flux_jax.{op}: axis_name must be the name (str) of one mesh axis, got {axis_name!r}")
     mesh = jax.sharding.get_abstract_mesh()
     names = tuple(mesh.axis_names)
     manual = frozenset(getattr(mesh, "manual_axes", ()))
     if axis_name not in names or axis_name not in manual:
-        where = (
-            f"the current mesh has axes {names} (manual: {tuple(sorted(manual))})"
-            if names
-            else "no mesh is active"
-        )
+        where = f"the current mesh has axes {names} (manual: {tuple(sorted(manual))})" if names else "no mesh is active"
         raise ValueError(
             f"flux_jax.{op} is a per-shard op: call it inside jax.shard_map over a mesh whose axis "
             f"{axis_name!r} is mapped (in_specs / out_specs mention it); {where}. For a global-view "
@@ -67,9 +61,7 @@ def check_operands(op: str, x, w) -> None:
         if not hasattr(a, "shape") or not hasattr(a, "dtype"):
             raise TypeError(f"flux_jax.{op}: {name} must be an array, got {type(a).__name__}")
     if len(x.shape) < 2:
-        raise ValueError(
-            f"flux_jax.{op}: x must have rank >= 2 ([rows, ..., K]), got x {_describe(x)}"
-        )
+        raise ValueError(f"flux_jax.{op}: x must have rank >= 2 ([rows, ..., K]), got x {_describe(x)}")
     if len(w.shape) != 2:
         raise ValueError(f"flux_jax.{op}: w must have rank 2 ([K, N]), got w {_describe(w)}")
     if jnp.dtype(x.dtype) != jnp.dtype(w.dtype):
@@ -88,7 +80,7 @@ def check_operands(op: str, x, w) -> None:
 
 
 def platform_name(platform) -> str:
-    """"cpu" or "cuda" (JAX says "gpu" for CUDA devices), else the platform's own name."""
+    """ "cpu" or "cuda" (JAX says "gpu" for CUDA devices), else the platform's own name."""
     name = str(platform).lower()
     return "cuda" if name == "gpu" else name
 
@@ -102,7 +94,8 @@ def check_dimension(op: str, x, dim, name: str) -> int:
     if not 0 <= d < ndim - 1:
         raise ValueError(
             f"flux_jax.{op}: {name}={dim} must name a dimension of x {_describe(x)} other than the "
-            f"last (the contraction dimension): -{ndim}..{ndim - 2} except -1")
+            f"last (the contraction dimension): -{ndim}..{ndim - 2} except -1"
+        )
     return d
 
 

@@ -34,7 +34,8 @@ differ only in the collective's kernel.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -55,11 +56,11 @@ def _format_name(value, field: str) -> str:
         try:
             name = np.dtype(value).name
         except TypeError:
-            raise TypeError(f"flux_jax.Fp8: {field} must be an FP8 dtype or its name "
-                            f"({', '.join(FORMATS)}), got {value!r}") from None
+            raise TypeError(
+                f"flux_jax.Fp8: {field} must be an FP8 dtype or its name ({', '.join(FORMATS)}), got {value!r}"
+            ) from None
     if name not in FORMATS:
-        raise ValueError(f"flux_jax.Fp8: {field} must be one of {FORMATS} (or 'e4m3' / 'e5m2'), "
-                         f"got {value!r}")
+        raise ValueError(f"flux_jax.Fp8: {field} must be one of {FORMATS} (or 'e4m3' / 'e5m2'), got {value!r}")
     return name
 
 
@@ -92,18 +93,21 @@ class Fp8:
         forward = _format_name(self.forward_format, "forward_format")
         backward = _format_name(self.backward_format, "backward_format")
         if forward != "float8_e4m3fn":
-            raise ValueError("flux_jax.Fp8: forward_format must be float8_e4m3fn: w takes it in every "
-                             "GEMM, and an FP8 GEMM needs an e4m3 operand (there is no e5m2 x e5m2 "
-                             f"GEMM); got {self.forward_format!r}")
+            raise ValueError(
+                "flux_jax.Fp8: forward_format must be float8_e4m3fn: w takes it in every "
+                "GEMM, and an FP8 GEMM needs an e4m3 operand (there is no e5m2 x e5m2 "
+                f"GEMM); got {self.forward_format!r}"
+            )
         if self.weight_scaling not in WEIGHT_SCALINGS:
-            raise ValueError(f"flux_jax.Fp8: weight_scaling must be one of {WEIGHT_SCALINGS}, got "
-                             f"{self.weight_scaling!r}")
+            raise ValueError(
+                f"flux_jax.Fp8: weight_scaling must be one of {WEIGHT_SCALINGS}, got {self.weight_scaling!r}"
+            )
         if isinstance(self.margin, bool) or not isinstance(self.margin, (int, np.integer)):
-            raise TypeError(f"flux_jax.Fp8: margin must be an int (a power-of-two headroom), got "
-                            f"{self.margin!r}")
+            raise TypeError(f"flux_jax.Fp8: margin must be an int (a power-of-two headroom), got {self.margin!r}")
         if not 0 <= self.margin <= 8:
-            raise ValueError(f"flux_jax.Fp8: margin must be in 0..8 (scales map amax to max / "
-                             f"2**margin), got {self.margin}")
+            raise ValueError(
+                f"flux_jax.Fp8: margin must be in 0..8 (scales map amax to max / 2**margin), got {self.margin}"
+            )
         object.__setattr__(self, "forward_format", forward)
         object.__setattr__(self, "backward_format", backward)
         object.__setattr__(self, "margin", int(self.margin))
@@ -138,7 +142,7 @@ def quantize(a, dtype, axis=None, margin: int = 0):
     fmax = float(jnp.finfo(dtype).max)
     a32 = a.astype(jnp.float32)
     amax = jnp.max(jnp.abs(a32), axis=axis, keepdims=True)
-    scale = jnp.where(amax > 0, amax / np.float32(fmax / 2.0 ** margin), np.float32(1.0))
+    scale = jnp.where(amax > 0, amax / np.float32(fmax / 2.0**margin), np.float32(1.0))
     q = jnp.clip(a32 / scale, -fmax, fmax).astype(dtype)
     return q, scale
 
@@ -196,8 +200,17 @@ def gather_scales(gather: Callable, scale, tp: int):
     return gathered.reshape(tp * scale.shape[0], *scale.shape[1:])
 
 
-def gathered_matmul(x, w, recipe: Fp8, gather: Callable, tp: int, *, transpose_w: bool = False,
-                    grad: bool = False, return_gathered: bool = False):
+def gathered_matmul(
+    x,
+    w,
+    recipe: Fp8,
+    gather: Callable,
+    tp: int,
+    *,
+    transpose_w: bool = False,
+    grad: bool = False,
+    return_gathered: bool = False,
+):
     """AG(x) @ op(w) through FP8, x [rows, ..., k] gathered on dimension 0 by `gather`: quantize
     per row, gather the FP8 rows and (alongside) their scales, FP8 GEMM. Returns [out] or
     [out, AG(x) dequantized in x's dtype]."""

@@ -23,8 +23,7 @@ def _place(x, mesh, spec):
     return x
 
 
-def ag_matmul_sharded(x, w, *, mesh, axis_name: str, impl: str = "auto", return_gathered: bool = False,
-                      fp8=None):
+def ag_matmul_sharded(x, w, *, mesh, axis_name: str, impl: str = "auto", return_gathered: bool = False, fp8=None):
     """Global-view AllGather -> GEMM (column-parallel linear over sequence-sharded rows).
 
     Args:
@@ -45,8 +44,7 @@ def ag_matmul_sharded(x, w, *, mesh, axis_name: str, impl: str = "auto", return_
     out_specs = (out_spec, P()) if return_gathered else out_spec
     # The gathered copy is identical on every rank but typed as varying, so the
     # replicated out_spec needs check_vma off.
-    f = jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=out_specs,
-                      check_vma=not return_gathered)
+    f = jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=out_specs, check_vma=not return_gathered)
     return f(_place(x, mesh, x_spec), _place(w, mesh, w_spec))
 
 

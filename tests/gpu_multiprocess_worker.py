@@ -7,7 +7,6 @@ process_id -1 runs the scenario in a single process that drives both GPUs (the r
 Prints one line `RESULT <json>`.
 """
 
-import functools
 import json
 import os
 import re
@@ -20,8 +19,13 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 import jax  # noqa: E402
 
 if process_id >= 0:
-    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id,
-                               local_device_ids=[process_id], initialization_timeout=120)
+    jax.distributed.initialize(
+        f"127.0.0.1:{port}",
+        num_processes=2,
+        process_id=process_id,
+        local_device_ids=[process_id],
+        initialization_timeout=120,
+    )
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -33,8 +37,10 @@ import flux_jax  # noqa: E402
 flux_jax.set_config(flux_jax.Config(timeout_s=float(os.environ.get("FLUX_TEST_TIMEOUT", "30"))))
 _axis_type = AxisType.Auto if scenario == "timing" else AxisType.Explicit  # the probe loop needs Auto
 mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("tp",), axis_types=(_axis_type,))
-SPECS = {"ag": ((P("tp", None), P(None, "tp")), P(None, "tp"), flux_jax.ag_matmul),
-         "rs": ((P(None, "tp"), P("tp", None)), P("tp", None), flux_jax.matmul_rs)}
+SPECS = {
+    "ag": ((P("tp", None), P(None, "tp")), P(None, "tp"), flux_jax.ag_matmul),
+    "rs": ((P(None, "tp"), P("tp", None)), P("tp", None), flux_jax.matmul_rs),
+}
 
 
 def global_array(spec, host):
@@ -91,10 +97,14 @@ elif scenario == "timing":  # fused (auto path) per-call device time, the harnes
     def gemm_picks(hlo):
         """XLA's GEMM choices in the timed program (cuBLAS algorithm / Triton tiling), and any
         collective XLA added: what differs between the single- and two-process programs."""
-        return sorted(set(re.findall(r'"selected_algorithm":"?(-?\d+)', hlo)
-                          + re.findall(r'"kind":"(__[a-z_]+)"', hlo)
-                          + re.findall(r'custom_call_target="(__cu[a-z$]+)', hlo)
-                          + re.findall(r"\b(all-reduce|all-gather|collective-permute|reduce-scatter|all-to-all)-start", hlo)))
+        return sorted(
+            set(
+                re.findall(r'"selected_algorithm":"?(-?\d+)', hlo)
+                + re.findall(r'"kind":"(__[a-z_]+)"', hlo)
+                + re.findall(r'custom_call_target="(__cu[a-z$]+)', hlo)
+                + re.findall(r"\b(all-reduce|all-gather|collective-permute|reduce-scatter|all-to-all)-start", hlo)
+            )
+        )
 
     # The harness's serialized loop: each call's x depends on the previous output through a
     # shard-local update, so the program has no collective besides the op's own. (The probe's
@@ -109,8 +119,9 @@ elif scenario == "timing":  # fused (auto path) per-call device time, the harnes
             kn = int(os.environ.get("FLUX_JAX_MP_BENCH_KN", "8192"))  # smaller for a CPU smoke run
             x, w = operands(op, M, kn, kn)
             f, (x_spec, _) = op_fn(op, "fused")
-            built = timing.Built(step=f, args=(x, w), mesh=mesh, carry_spec=x_spec, out_spec=SPECS[op][1],
-                                 check=lambda _: 0.0)
+            built = timing.Built(
+                step=f, args=(x, w), mesh=mesh, carry_spec=x_spec, out_spec=SPECS[op][1], check=lambda _: 0.0
+            )
             params = timing.TimingParams(n1=20, target_ms=1e9, max_calls=20 + calls, repeats=9, preheat_ms=0)
             timer = timing.LoopTimer(built, params)
             assert timer.n2 == 20 + calls, timer.n2

@@ -66,8 +66,10 @@ def assert_nan_or_right(out, ref64, xla_out, dtype_name: str, what: str = "", fa
     scale = max(np.max(np.abs(ref64)), 1e-30)
     bound = _error_bound(rel_max_err(xla_out, ref64), dtype_name, factor)
     wrong = finite & (np.abs(out - ref64) / scale > bound)
-    assert not wrong.any(), (f"{what}: {int(wrong.sum())} of {out.size} elements finite and wrong "
-                             f"(relative error up to {np.max(np.abs(out - ref64)[wrong]) / scale:.3e})")
+    assert not wrong.any(), (
+        f"{what}: {int(wrong.sum())} of {out.size} elements finite and wrong "
+        f"(relative error up to {np.max(np.abs(out - ref64)[wrong]) / scale:.3e})"
+    )
 
 
 def shard_mapped(fn, mesh, in_specs, out_specs, **kw):

@@ -21,8 +21,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 import jax  # noqa: E402
 
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
-jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id,
-                           initialization_timeout=60)
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id, initialization_timeout=60)
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -33,8 +32,9 @@ import flux_jax  # noqa: E402
 
 if host_id is not None:
     flux_jax.initialize_distributed(host_id=host_id)
-flux_jax.set_config(flux_jax.Config(timeout_s=float(os.environ.get("FLUX_TEST_TIMEOUT", "60")),
-                                    debug_poison_outputs=True))
+flux_jax.set_config(
+    flux_jax.Config(timeout_s=float(os.environ.get("FLUX_TEST_TIMEOUT", "60")), debug_poison_outputs=True)
+)
 
 
 def callsites(lowered_text):
@@ -76,8 +76,9 @@ def run_ops(mesh, tp_axis, x_host, w_host, c_host):
         c = global_array(mesh, P(), c_host)
         results = {}
         for impl in ("fused", "xla"):
-            f = jax.shard_map(functools.partial(fn, axis_name=tp_axis, impl=impl), mesh=mesh,
-                              in_specs=specs, out_specs=out_spec)
+            f = jax.shard_map(
+                functools.partial(fn, axis_name=tp_axis, impl=impl), mesh=mesh, in_specs=specs, out_specs=out_spec
+            )
             fwd = jax.jit(f)(x, w)
             loss = lambda x, w, c: jnp.sum(f(x, w) * c)
             grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w, c)
@@ -120,8 +121,14 @@ elif scenario == "cross_host":  # host ids differ: fused primitive -> twin with 
     twin = jax.jit(jax.shard_map(functools.partial(flux_jax.ag_matmul, axis_name="tp", impl="xla"), **specs))
     result["auto_hlo_has_custom_call"] = "flux_jax_ag_matmul" in auto.lower(x, w).as_text()
     result["auto_rel_err"] = max_rel_diff(auto(x, w), twin(x, w))[0]
-    fused = jax.jit(jax.shard_map(functools.partial(flux_jax.ag_matmul, axis_name="tp", impl="fused"),
-                                  mesh=mesh, in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp")))
+    fused = jax.jit(
+        jax.shard_map(
+            functools.partial(flux_jax.ag_matmul, axis_name="tp", impl="fused"),
+            mesh=mesh,
+            in_specs=(P("tp", None), P(None, "tp")),
+            out_specs=P(None, "tp"),
+        )
+    )
     try:
         fused.lower(x, w)
         result["fused_error"] = None
@@ -132,8 +139,14 @@ elif scenario in ("peer_dies", "peer_killed"):
     # Either way process 0 must fail (not hang) and no segment of the job may stay in /dev/shm.
     mesh = jax.make_mesh((8,), ("tp",), axis_types=(AxisType.Explicit,))
     x, w = global_array(mesh, P("tp", None), x_host), global_array(mesh, P(None, "tp"), w_host)
-    f = jax.jit(jax.shard_map(functools.partial(flux_jax.ag_matmul, axis_name="tp", impl="fused"),
-                              mesh=mesh, in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp")))
+    f = jax.jit(
+        jax.shard_map(
+            functools.partial(flux_jax.ag_matmul, axis_name="tp", impl="fused"),
+            mesh=mesh,
+            in_specs=(P("tp", None), P(None, "tp")),
+            out_specs=P(None, "tp"),
+        )
+    )
     compiled = f.lower(x, w).compile()
     result["session"] = flux_jax._distributed.process_info().session
     if scenario == "peer_killed":
@@ -183,6 +196,7 @@ elif scenario in ("squat_legacy", "squat_exact"):
     else:
         x, w = global_array(mesh, P("tp", None), x_host), global_array(mesh, P(None, "tp"), w_host)
         programs = []
+
         def first_program(a, b):
             return flux_jax.ag_matmul(a, b, axis_name="tp", impl="fused")
 
@@ -190,8 +204,9 @@ elif scenario in ("squat_legacy", "squat_exact"):
             return flux_jax.ag_matmul(a, b, axis_name="tp", impl="fused")
 
         for body in (first_program, second_program):
-            f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp", None), P(None, "tp")),
-                                      out_specs=P(None, "tp")))
+            f = jax.jit(
+                jax.shard_map(body, mesh=mesh, in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp"))
+            )
             lowered = f.lower(x, w)
             programs.append((lowered.compile(), callsites(lowered.as_text())))
         secret = flux_jax._distributed._shm_secret
@@ -224,10 +239,22 @@ elif scenario == "small_shm":
     big_x = rng.standard_normal((1024, 512)).astype(np.float32)
     big_w = (rng.standard_normal((512, 128)) / 16).astype(np.float32)
     x, w = global_array(mesh, P("tp", None), big_x), global_array(mesh, P(None, "tp"), big_w)
-    f = jax.jit(jax.shard_map(functools.partial(flux_jax.ag_matmul, axis_name="tp", impl="fused"),
-                              mesh=mesh, in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp")))
-    twin = jax.jit(jax.shard_map(functools.partial(flux_jax.ag_matmul, axis_name="tp", impl="xla"),
-                                 mesh=mesh, in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp")))
+    f = jax.jit(
+        jax.shard_map(
+            functools.partial(flux_jax.ag_matmul, axis_name="tp", impl="fused"),
+            mesh=mesh,
+            in_specs=(P("tp", None), P(None, "tp")),
+            out_specs=P(None, "tp"),
+        )
+    )
+    twin = jax.jit(
+        jax.shard_map(
+            functools.partial(flux_jax.ag_matmul, axis_name="tp", impl="xla"),
+            mesh=mesh,
+            in_specs=(P("tp", None), P(None, "tp")),
+            out_specs=P(None, "tp"),
+        )
+    )
     compiled = f.lower(x, w).compile()
     t0 = time.time()
     try:
@@ -244,10 +271,12 @@ elif scenario == "reset":
     mesh = jax.make_mesh((8,), ("tp",), axis_types=(AxisType.Explicit,))
     x, w = global_array(mesh, P("tp", None), x_host), global_array(mesh, P(None, "tp"), w_host)
     specs = {"mesh": mesh, "in_specs": (P("tp", None), P(None, "tp")), "out_specs": P(None, "tp")}
-    compiled = jax.jit(jax.shard_map(functools.partial(flux_jax.ag_matmul, axis_name="tp", impl="fused"),
-                                     **specs)).lower(x, w).compile()
-    expected = jax.jit(jax.shard_map(functools.partial(flux_jax.ag_matmul, axis_name="tp", impl="xla"),
-                                     **specs))(x, w)
+    compiled = (
+        jax.jit(jax.shard_map(functools.partial(flux_jax.ag_matmul, axis_name="tp", impl="fused"), **specs))
+        .lower(x, w)
+        .compile()
+    )
+    expected = jax.jit(jax.shard_map(functools.partial(flux_jax.ag_matmul, axis_name="tp", impl="xla"), **specs))(x, w)
     client = flux_jax._distributed._client()
     result["session"] = flux_jax._distributed.process_info().session
 
@@ -293,9 +322,18 @@ elif scenario == "peer_stopped":
     # moment (perhaps inside the channel protocol). Process 0 must fail within the timeout.
     mesh = jax.make_mesh((8,), ("tp",), axis_types=(AxisType.Explicit,))
     xr, wr = global_array(mesh, P(None, "tp"), x_host), global_array(mesh, P("tp", None), w_host)
-    compiled = jax.jit(jax.shard_map(functools.partial(flux_jax.matmul_rs, axis_name="tp", impl="fused"),
-                                     mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)),
-                                     out_specs=P("tp", None))).lower(xr, wr).compile()
+    compiled = (
+        jax.jit(
+            jax.shard_map(
+                functools.partial(flux_jax.matmul_rs, axis_name="tp", impl="fused"),
+                mesh=mesh,
+                in_specs=(P(None, "tp"), P("tp", None)),
+                out_specs=P("tp", None),
+            )
+        )
+        .lower(xr, wr)
+        .compile()
+    )
     result["session"] = flux_jax._distributed.process_info().session
     np.asarray(compiled(xr, wr).addressable_shards[0].data)
     print("LOOPING", flush=True)

@@ -37,7 +37,7 @@ def siphash24(key: bytes, msg: bytes) -> int:
 
     tail = len(msg) - len(msg) % 8
     for i in range(0, tail, 8):
-        m = int.from_bytes(msg[i:i + 8], "little")
+        m = int.from_bytes(msg[i : i + 8], "little")
         v[3] ^= m
         rounds(2)
         v[0] ^= m
@@ -50,11 +50,13 @@ def siphash24(key: bytes, msg: bytes) -> int:
     return v[0] ^ v[1] ^ v[2] ^ v[3]
 
 
-def segment_name(session: str, secret_hex: str, callsite: int, group_index: int, group_size: int,
-                 generation: int = 0) -> str:
+def segment_name(
+    session: str, secret_hex: str, callsite: int, group_index: int, group_size: int, generation: int = 0
+) -> str:
     key = bytes.fromhex(secret_hex)
-    halves = [siphash24(key, struct.pack("<5q", half, generation, callsite, group_index, group_size))
-              for half in (0, 1)]
+    halves = [
+        siphash24(key, struct.pack("<5q", half, generation, callsite, group_index, group_size)) for half in (0, 1)
+    ]
     return f"/fluxjax-{session}-{halves[0]:016x}{halves[1]:016x}"
 
 

@@ -24,7 +24,15 @@ from benchmarks.windowed import WindowedEinsum
 SHORT_LOOPS = ["--repeats", "3", "--n1", "2", "--target-ms", "20", "--max-calls", "2000"]
 VARIANTS = ["flux_fused", "xla_shard_map", "xla_jit", "xla_windowed_einsum", "pallas_mgpu", "gemm_only", "comm_only"]
 META_KEYS = (
-    "preset", "tp", "command", "git_commit", "date_utc", "hardware", "versions", "flux_jax_build_info", "timing"
+    "preset",
+    "tp",
+    "command",
+    "git_commit",
+    "date_utc",
+    "hardware",
+    "versions",
+    "flux_jax_build_info",
+    "timing",
 )
 
 
@@ -144,8 +152,14 @@ def test_grad_mode_times_the_training_step_and_checks_dx(op):
 
     case = Case(op, 32, 48, 96, 8, "bfloat16", "grad test")
     names = ["flux_fused", "xla_shard_map", "pallas_mgpu", "gemm_only", "comm_only"]
-    rows = run_case(case, names, seed=2, params=TimingParams(n1=2, target_ms=20, max_calls=400, repeats=3),
-                    windowed=WindowedEinsum(), grad=True)
+    rows = run_case(
+        case,
+        names,
+        seed=2,
+        params=TimingParams(n1=2, target_ms=20, max_calls=400, repeats=3),
+        windowed=WindowedEinsum(),
+        grad=True,
+    )
     by = {r["variant"]: r for r in rows}
     assert by["pallas_mgpu"]["status"].startswith("unavailable: ")
     for name in ("flux_fused", "xla_shard_map", "gemm_only", "comm_only"):
@@ -186,16 +200,22 @@ def test_loop_anatomy_reads_a_trace_and_flags_a_host_bound_profile(tmp_path):
     spec.loader.exec_module(anatomy)
 
     def trace(host_us_per_call):
-        meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
-                {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "host"}}]
+        meta = [
+            {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "host"}},
+        ]
         gpu = []
         for call in range(2):  # each call: gemm 0-80 us, copy 10-40 (overlapping), gemm 85-95; period 100
             t = 100 * call
-            gpu += [{"ph": "X", "pid": 1, "tid": 7, "name": "gemm", "ts": t, "dur": 80},
-                    {"ph": "X", "pid": 1, "tid": 9, "name": "MemcpyP2P", "ts": t + 10, "dur": 30},
-                    {"ph": "X", "pid": 1, "tid": 7, "name": "gemm", "ts": t + 85, "dur": 10}]
-        host = [{"ph": "X", "pid": 2, "tid": tid, "name": "while.3", "ts": 0, "dur": 2 * us}
-                for tid, us in ((1, host_us_per_call), (2, host_us_per_call / 2))]
+            gpu += [
+                {"ph": "X", "pid": 1, "tid": 7, "name": "gemm", "ts": t, "dur": 80},
+                {"ph": "X", "pid": 1, "tid": 9, "name": "MemcpyP2P", "ts": t + 10, "dur": 30},
+                {"ph": "X", "pid": 1, "tid": 7, "name": "gemm", "ts": t + 85, "dur": 10},
+            ]
+        host = [
+            {"ph": "X", "pid": 2, "tid": tid, "name": "while.3", "ts": 0, "dur": 2 * us}
+            for tid, us in ((1, host_us_per_call), (2, host_us_per_call / 2))
+        ]
         run_dir = tmp_path / f"host{host_us_per_call}" / "plugins" / "profile" / "run"
         run_dir.mkdir(parents=True)
         with gzip.open(run_dir / "perfetto_trace.json.gz", "wt") as f:
@@ -253,15 +273,23 @@ def test_fp8_cases_run_against_the_fp8_twin(op, grad):
     case = Case(op, 32, 48, 96, 8, "fp8", "fp8 test")
     assert case.fp8 and case.operand_dtype == "bfloat16"
     names = ["flux_fused", "flux_overlap", "xla_shard_map", "jax_ring", "gemm_only", "comm_only"]
-    rows = run_case(case, names, seed=3, params=TimingParams(n1=2, target_ms=10, max_calls=200, repeats=2),
-                    windowed=WindowedEinsum(), grad=grad)
+    rows = run_case(
+        case,
+        names,
+        seed=3,
+        params=TimingParams(n1=2, target_ms=10, max_calls=200, repeats=2),
+        windowed=WindowedEinsum(),
+        grad=grad,
+    )
     by = {r["variant"]: r for r in rows}
     for name in ("flux_fused", "xla_shard_map", "gemm_only", "comm_only"):
         # checked against the twin; the timing of such small loops may drown in a busy host's noise
         status = by[name]["status"]
         assert status == "ok" or status.startswith("unavailable: not resolved"), by[name]
         assert by[name]["max_rel_err"] < 2e-2 and by[name]["dtype"] == "fp8"
-    assert by["flux_overlap"]["status"] == "unavailable: no FP8 overlap kernel (the FP8 ops run the latency composition)"
+    assert (
+        by["flux_overlap"]["status"] == "unavailable: no FP8 overlap kernel (the FP8 ops run the latency composition)"
+    )
     assert by["jax_ring"]["status"].startswith("unavailable: no FP8 form")
     cases, _ = select_cases(PRESETS["llama8b-fp8-tp2"], 2, ("ag", "rs"), (64,), None)
     assert cases and all(c.fp8 for c in cases)
@@ -300,9 +328,13 @@ def test_dx_case_runs_gemm_only_on_the_transposed_weight():
     from benchmarks import variants
 
     case = Case("ag", 64, 48, 32, 1, "bfloat16", "dx test", transpose_w=True)
-    rows = run_case(case, ["xla_shard_map", "gemm_only", "flux_fused", "flux_gemm_only"], seed=3,
-                    params=TimingParams(n1=1, target_ms=1, max_calls=50, repeats=1, preheat_ms=0),
-                    windowed=WindowedEinsum())
+    rows = run_case(
+        case,
+        ["xla_shard_map", "gemm_only", "flux_fused", "flux_gemm_only"],
+        seed=3,
+        params=TimingParams(n1=1, target_ms=1, max_calls=50, repeats=1, preheat_ms=0),
+        windowed=WindowedEinsum(),
+    )
     by = {r["variant"]: r for r in rows}
     assert by["gemm_only"]["status"] == "ok" and by["gemm_only"]["max_rel_err"] < 2e-2
     assert by["gemm_only"]["transpose_w"] is True
@@ -322,11 +354,33 @@ def test_gemm_parity_runner_checks_and_reports_on_cpu(tmp_path):
     forward and dx: every row checked against the float32 reference, JSON and markdown written."""
     from benchmarks import gemm_parity
 
-    rows = gemm_parity.main(["--out", str(tmp_path), "--shapes", "64:32:48,64:48:32:dx", "--dtypes", "bfloat16",
-                             "--repeats", "1", "--target-ms", "20", "--preheat-ms", "0", "--max-calls", "2000",
-                             "--no-profiler", "--seed", "5"])
+    rows = gemm_parity.main(
+        [
+            "--out",
+            str(tmp_path),
+            "--shapes",
+            "64:32:48,64:48:32:dx",
+            "--dtypes",
+            "bfloat16",
+            "--repeats",
+            "1",
+            "--target-ms",
+            "20",
+            "--preheat-ms",
+            "0",
+            "--max-calls",
+            "2000",
+            "--no-profiler",
+            "--seed",
+            "5",
+        ]
+    )
     assert [(r["orientation"], r["variant"]) for r in rows] == [
-        ("fwd", "xla"), ("fwd", "flux:auto"), ("dx", "xla"), ("dx", "flux:auto")]
+        ("fwd", "xla"),
+        ("fwd", "flux:auto"),
+        ("dx", "xla"),
+        ("dx", "flux:auto"),
+    ]
     for r in rows:  # checked before timed; a CPU loop may not resolve its time (noise)
         assert r["max_rel_err"] <= r["err_bound"], r
         assert (r["status"] == "ok" and r["us"] > 0) or r["status"].startswith("unavailable: not resolved"), r
@@ -345,8 +399,14 @@ def test_gemm_parity_variants_follow_the_build_and_the_auto_rule():
         return [v.name for v in variants_for(Shape(m, k, n, dx, dtype, ""), "gpu", KERNELS, True, True)]
 
     assert names(2048, 2560, 5120, False, "bfloat16") == [
-        "xla", "flux:auto", "flux:128x256", "flux:128x192", "flux:128x256_c2x1", "flux:128x160_c2x1",
-        "flux:auto+gate_probe"]
+        "xla",
+        "flux:auto",
+        "flux:128x256",
+        "flux:128x192",
+        "flux:128x256_c2x1",
+        "flux:128x160_c2x1",
+        "flux:auto+gate_probe",
+    ]
     assert names(2048, 5120, 2560, True, "bfloat16") == ["xla", "flux:auto", "flux:128x256", "flux:128x160_c2x1"]
     assert names(8192, 8192, 8192, False, "float16") == ["xla", "flux:auto", "flux:128x256", "flux:auto+gate_probe"]
     assert names(64, 8192, 5120, False, "bfloat16") == ["xla", "flux:auto", "flux:128x256", "flux:decode"]
@@ -362,8 +422,13 @@ def test_gemm_parity_preflight_child_reports_each_variant(capsys):
     from benchmarks import gemm_parity
 
     assert gemm_parity.preflight_variants(gemm_parity.KERNELS, True, True) == [
-        "flux:128x256", "flux:128x192", "flux:128x256_c2x1", "flux:128x160_c2x1", "flux:auto+gate_probe",
-        "flux:decode"]
+        "flux:128x256",
+        "flux:128x192",
+        "flux:128x256_c2x1",
+        "flux:128x160_c2x1",
+        "flux:auto+gate_probe",
+        "flux:decode",
+    ]
     gemm_parity.main(["--preflight-child", "flux:128x160_c2x1,flux:nonsense"])
     lines = capsys.readouterr().out.splitlines()
     assert lines[:3] == ["START flux:128x160_c2x1", "OK flux:128x160_c2x1", "START flux:nonsense"]

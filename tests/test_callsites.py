@@ -11,6 +11,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import flux_jax
+
 from helpers import cpu_mesh
 
 
@@ -33,8 +34,14 @@ def _callsites(text):
 def test_ids_do_not_depend_on_other_programs_lowered_first():
     mesh = cpu_mesh((8,), ("tp",), AxisType.Auto)
     first = _callsites(jax.jit(_step(mesh)).lower(*_args()).as_text())
-    other = jax.jit(jax.shard_map(functools.partial(flux_jax.ag_matmul, axis_name="tp", impl="fused"), mesh=mesh,
-                                  in_specs=(P("tp"), P(None, "tp")), out_specs=P(None, "tp")))
+    other = jax.jit(
+        jax.shard_map(
+            functools.partial(flux_jax.ag_matmul, axis_name="tp", impl="fused"),
+            mesh=mesh,
+            in_specs=(P("tp"), P(None, "tp")),
+            out_specs=P(None, "tp"),
+        )
+    )
     other.lower(jnp.ones((16, 8)), jnp.ones((8, 16))).as_text()  # e.g. printing another program's HLO
     again = _callsites(jax.jit(_step(mesh)).lower(*_args()).as_text())
     assert len(first) == 2 and first == again and len(set(first)) == 2

@@ -41,8 +41,7 @@ def _case(rng, op, mesh_shape, names, tp_axis, m_local, mid, k, n, dtype_name, a
 @pytest.mark.parametrize("m_local,mid,k,n", [(1, 0, 24, 5), (3, 0, 40, 12), (2, 1, 16, 8)])
 def test_1d_mesh_dtypes_and_awkward_shapes(op, dtype_name, m_local, mid, k, n):
     rng = np.random.default_rng()
-    out, twin_out, ref = _case(rng, op, (8,), ("tp",), "tp", m_local, mid, k, n, dtype_name,
-                               AxisType.Explicit, "fused")
+    out, twin_out, ref = _case(rng, op, (8,), ("tp",), "tp", m_local, mid, k, n, dtype_name, AxisType.Explicit, "fused")
     assert_matches(out, ref, twin_out, dtype_name, f"{op} fused")
     assert_matches(twin_out, ref, twin_out, dtype_name, f"{op} twin")
 
@@ -52,8 +51,7 @@ def test_1d_mesh_dtypes_and_awkward_shapes(op, dtype_name, m_local, mid, k, n):
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
 def test_2d_meshes_tp_on_either_axis(op, mesh_shape, names, tp_axis, axis_type):
     rng = np.random.default_rng()
-    out, twin_out, ref = _case(rng, op, mesh_shape, names, tp_axis, 2, 2, 24, 6, "bfloat16",
-                               axis_type, "fused")
+    out, twin_out, ref = _case(rng, op, mesh_shape, names, tp_axis, 2, 2, 24, 6, "bfloat16", axis_type, "fused")
     assert_matches(out, ref, twin_out, "bfloat16", f"{op} fused on {names}={mesh_shape}")
 
 
@@ -88,8 +86,15 @@ def test_return_gathered():
     outs = {}
     for impl in ("fused", "xla"):
         body = functools.partial(flux_jax.ag_matmul, axis_name="tp", impl=impl, return_gathered=True)
-        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(None, "tp")),
-                                  out_specs=(P(None, None, "tp"), P("tp")), check_vma=False))
+        f = jax.jit(
+            jax.shard_map(
+                body,
+                mesh=mesh,
+                in_specs=(P("tp"), P(None, "tp")),
+                out_specs=(P(None, None, "tp"), P("tp")),
+                check_vma=False,
+            )
+        )
         outs[impl] = f(place(mesh, x, P("tp")), place(mesh, w, P(None, "tp")))
     (out, gathered), (twin_out, twin_gathered) = outs["fused"], outs["xla"]
     # Each rank's gathered copy is the full x; out_specs P("tp") stacks the 8 copies.
@@ -136,8 +141,9 @@ def test_vmap_over_x_and_its_gradient(op):
 
     def run(impl):
         per_example = functools.partial(fn, axis_name="tp", impl=impl)
-        f = jax.shard_map(lambda x, w: jax.vmap(per_example, in_axes=(0, None))(x, w), mesh=mesh,
-                          in_specs=specs, out_specs=out)
+        f = jax.shard_map(
+            lambda x, w: jax.vmap(per_example, in_axes=(0, None))(x, w), mesh=mesh, in_specs=specs, out_specs=out
+        )
         value = jax.jit(f)(x, w)
         grads = jax.jit(jax.grad(lambda x, w: jnp.sum(f(x, w) ** 2), argnums=(0, 1)))(x, w)
         return value, grads
@@ -160,7 +166,11 @@ def test_vmap_over_the_weight_is_a_clear_error():
     mesh = cpu_mesh((8,), ("tp",), AxisType.Auto)
     x, w = np.ones((3, 16, 8), np.float32), np.ones((3, 8, 16), np.float32)
     per_example = functools.partial(flux_jax.ag_matmul, axis_name="tp", impl="fused")
-    f = jax.shard_map(lambda x, w: jax.vmap(per_example)(x, w), mesh=mesh,
-                      in_specs=(P(None, "tp"), P(None, None, "tp")), out_specs=P(None, None, "tp"))
+    f = jax.shard_map(
+        lambda x, w: jax.vmap(per_example)(x, w),
+        mesh=mesh,
+        in_specs=(P(None, "tp"), P(None, None, "tp")),
+        out_specs=P(None, None, "tp"),
+    )
     with pytest.raises(NotImplementedError, match="vmap of flux_jax_ag_matmul over the weight"):
         jax.jit(f)(x, w)

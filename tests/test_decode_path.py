@@ -3,9 +3,10 @@
 On GPU ag_matmul's decode path pushes the rows with SM stores while a GEMM in the weight's
 orientation streams the weight (cpp/kernels/cuda/ag_matmul_decode.cu), and matmul_rs's runs the
 same GEMM with an epilogue that reduce-scatters each output tile over NVLink
-(matmul_rs_decode.cu); the kernels are tested in test_gpu_decode.py. Here: the lowering (for CUDA, on CPU devices: only shapes matter) picks the
-decode kernels exactly where they exist and the latency path elsewhere, and on CPU, whose handler
-ignores the attribute, the results and gradients are the op's.
+(matmul_rs_decode.cu); the kernels are tested in test_gpu_decode.py. Here: the lowering (for
+CUDA, on CPU devices: only shapes matter) picks the decode kernels exactly where they exist and
+the latency path elsewhere, and on CPU, whose handler ignores the attribute, the results and
+gradients are the op's.
 """
 
 import functools
@@ -19,10 +20,12 @@ from jax.sharding import PartitionSpec as P
 
 import flux_jax
 from flux_jax import _config, _plan
+
 from helpers import assert_matches, cpu_mesh, place, random_array, to64
 
-needs_cuda_build = pytest.mark.skipif(not flux_jax._native.has_cuda_kernel("ag_matmul"),
-                                      reason="built without CUDA kernels")
+needs_cuda_build = pytest.mark.skipif(
+    not flux_jax._native.has_cuda_kernel("ag_matmul"), reason="built without CUDA kernels"
+)
 
 
 def _lowered_for_cuda(op, m, k, n, dtype, tp=2, grad=False, path="decode"):
@@ -33,8 +36,9 @@ def _lowered_for_cuda(op, m, k, n, dtype, tp=2, grad=False, path="decode"):
         specs, out_spec, fn = (P("tp", None), P(None, "tp")), P(None, "tp"), flux_jax.ag_matmul
     else:
         specs, out_spec, fn = (P(None, "tp"), P("tp", None)), P("tp", None), flux_jax.matmul_rs
-    op_fn = jax.shard_map(functools.partial(fn, axis_name="tp", impl="fused"), mesh=mesh, in_specs=specs,
-                          out_specs=out_spec)
+    op_fn = jax.shard_map(
+        functools.partial(fn, axis_name="tp", impl="fused"), mesh=mesh, in_specs=specs, out_specs=out_spec
+    )
     f = op_fn
     if grad:
         f = jax.grad(lambda x, w: jnp.sum(op_fn(x, w).astype(jnp.float32) ** 2), argnums=(0, 1))
@@ -66,13 +70,16 @@ def test_rs_decode_lowering_where_the_kernels_exist(m):
 
 
 @needs_cuda_build
-@pytest.mark.parametrize("op, m, dtype, tp", [
-    ("ag", 264, "bfloat16", 2),     # more rows than two of the widest decode tiles
-    ("ag", 64, "float16", 2),       # no float16 instance
-    ("ag", 64, "float32", 2),
-    ("rs", 256, "bfloat16", 2),
-    ("rs", 64, "float16", 2),
-])
+@pytest.mark.parametrize(
+    "op, m, dtype, tp",
+    [
+        ("ag", 264, "bfloat16", 2),  # more rows than two of the widest decode tiles
+        ("ag", 64, "float16", 2),  # no float16 instance
+        ("ag", 64, "float32", 2),
+        ("rs", 256, "bfloat16", 2),
+        ("rs", 64, "float16", 2),
+    ],
+)
 def test_latency_lowering_elsewhere(op, m, dtype, tp):
     text = _lowered_for_cuda(op, m, 64, 32 * tp, dtype, tp=tp)
     assert _decode_calls(text, op) == 0

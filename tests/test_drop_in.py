@@ -11,6 +11,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flux_jax
+
 from helpers import assert_matches, cpu_mesh, random_array, to64
 
 B, S, D, N = 4, 16, 24, 32
@@ -133,16 +134,24 @@ def test_partially_manual_region_on_a_dp_tp_mesh(op, axis_type):
 def test_partially_manual_region_on_a_dp_fsdp_tp_mesh_auto_may_fuse():
     mesh = cpu_mesh((2, 1, 4), ("dp", "fsdp", "tp"), AxisType.Auto)
     x, w, _ = _data()
-    f = jax.jit(jax.shard_map(_ag_block("fused", 1), mesh=mesh, in_specs=(P(None, "tp"), P(None, "tp")),
-                              out_specs=P(None, None, "tp"), axis_names={"tp"}))
+    f = jax.jit(
+        jax.shard_map(
+            _ag_block("fused", 1),
+            mesh=mesh,
+            in_specs=(P(None, "tp"), P(None, "tp")),
+            out_specs=P(None, None, "tp"),
+            axis_names={"tp"},
+        )
+    )
     xs = jax.device_put(x, NamedSharding(mesh, P(("dp", "fsdp"), "tp")))
     ws = jax.device_put(w, NamedSharding(mesh, P(None, "tp")))
     np.testing.assert_allclose(np.asarray(f(xs, ws)), np.einsum("bsd,dn->bsn", x, w), rtol=2e-5, atol=2e-5)
 
 
 def _nested(impl):
-    inner = jax.shard_map(_ag_block(impl, 1), in_specs=(P(None, "tp"), P(None, "tp")), out_specs=P(None, None, "tp"),
-                          axis_names={"tp"})
+    inner = jax.shard_map(
+        _ag_block(impl, 1), in_specs=(P(None, "tp"), P(None, "tp")), out_specs=P(None, None, "tp"), axis_names={"tp"}
+    )
     return inner
 
 
@@ -150,11 +159,15 @@ def test_nested_shard_maps_under_set_mesh():
     """Outer shard_map over dp, inner over tp: with the mesh set (jax.set_mesh) the fused op runs."""
     mesh = cpu_mesh((2, 4), ("dp", "tp"), AxisType.Explicit)
     x, w, _ = _data()
-    xs, ws = jax.device_put(x, NamedSharding(mesh, P("dp", "tp"))), jax.device_put(w, NamedSharding(mesh, P(None, "tp")))
+    xs, ws = (
+        jax.device_put(x, NamedSharding(mesh, P("dp", "tp"))),
+        jax.device_put(w, NamedSharding(mesh, P(None, "tp"))),
+    )
 
     def outer(impl):
-        return jax.jit(jax.shard_map(_nested(impl), mesh=mesh, in_specs=(P("dp"), P()), out_specs=P("dp"),
-                                     axis_names={"dp"}))
+        return jax.jit(
+            jax.shard_map(_nested(impl), mesh=mesh, in_specs=(P("dp"), P()), out_specs=P("dp"), axis_names={"dp"})
+        )
 
     with jax.set_mesh(mesh):
         fused = outer("fused")
@@ -167,9 +180,13 @@ def test_nested_shard_maps_without_a_concrete_mesh_are_clear():
     says how to provide it; the backward of an auto-fused op falls back to the twin."""
     mesh = cpu_mesh((2, 4), ("dp", "tp"), AxisType.Explicit)
     x, w, _ = _data()
-    xs, ws = jax.device_put(x, NamedSharding(mesh, P("dp", "tp"))), jax.device_put(w, NamedSharding(mesh, P(None, "tp")))
-    fused = jax.jit(jax.shard_map(_nested("fused"), mesh=mesh, in_specs=(P("dp"), P()), out_specs=P("dp"),
-                                  axis_names={"dp"}))
+    xs, ws = (
+        jax.device_put(x, NamedSharding(mesh, P("dp", "tp"))),
+        jax.device_put(w, NamedSharding(mesh, P(None, "tp"))),
+    )
+    fused = jax.jit(
+        jax.shard_map(_nested("fused"), mesh=mesh, in_specs=(P("dp"), P()), out_specs=P("dp"), axis_names={"dp"})
+    )
     with pytest.raises(flux_jax.FusedUnavailableError, match=r"jax.set_mesh"):
         fused.lower(xs, ws)
 
@@ -208,13 +225,20 @@ def test_gspmd_model_with_a_flux_jax_mlp():
 
     def model(x, w1, w2, impl):
         x = x * 2.0  # GSPMD code around the TP region
-        y = jax.shard_map(functools.partial(mlp, impl=impl), in_specs=(P(None, "tp"), P(None, "tp"), P("tp")),
-                          out_specs=P(None, "tp"), axis_names={"tp"})(x, w1, w2)
+        y = jax.shard_map(
+            functools.partial(mlp, impl=impl),
+            in_specs=(P(None, "tp"), P(None, "tp"), P("tp")),
+            out_specs=P(None, "tp"),
+            axis_names={"tp"},
+        )(x, w1, w2)
         return jnp.mean(y**2)
 
     with jax.set_mesh(mesh):
         xs = jax.device_put(x, NamedSharding(mesh, P("dp", "tp")))
-        w1s, w2s = jax.device_put(w1, NamedSharding(mesh, P(None, "tp"))), jax.device_put(w2, NamedSharding(mesh, P("tp")))
+        w1s, w2s = (
+            jax.device_put(w1, NamedSharding(mesh, P(None, "tp"))),
+            jax.device_put(w2, NamedSharding(mesh, P("tp"))),
+        )
         step = lambda impl: jax.jit(jax.value_and_grad(functools.partial(model, impl=impl), argnums=(1, 2)))  # noqa: E731
         (loss_f, g_f), (loss_x, g_x) = step("fused")(xs, w1s, w2s), step("xla")(xs, w1s, w2s)
         assert "flux_jax_" in step("fused").lower(xs, w1s, w2s).as_text()

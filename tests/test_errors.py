@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import flux_jax
 from flux_jax import _config, _plan
+
 from helpers import cpu_mesh
 
 MESH = None
@@ -34,7 +35,9 @@ FUSED_FORWARD = OPS[:3]
 
 @pytest.mark.parametrize("fn", OPS)
 def test_contraction_mismatch(fn):
-    with pytest.raises(ValueError, match=r"contraction mismatch: x float32\[\d+, 16\] has K=16 but w float32\[12, \d+\]"):
+    with pytest.raises(
+        ValueError, match=r"contraction mismatch: x float32\[\d+, 16\] has K=16 but w float32\[12, \d+\]"
+    ):
         _run(fn, _zeros((16, 16)), _zeros((12, 16)), in_specs=(P(), P()), out_specs=P(), axis_name="tp")
 
 
@@ -48,7 +51,9 @@ def test_rank_below_two(fn):
 
 @pytest.mark.parametrize("fn", OPS)
 def test_mixed_dtypes_are_not_promoted(fn):
-    with pytest.raises(TypeError, match=r"same dtype \(no silent promotion\), got x bfloat16\[16, 16\] and w float32\[16, 8\]"):
+    with pytest.raises(
+        TypeError, match=r"same dtype \(no silent promotion\), got x bfloat16\[16, 16\] and w float32\[16, 8\]"
+    ):
         _run(fn, _zeros((16, 16), jnp.bfloat16), _zeros((16, 8)), in_specs=(P(), P()), out_specs=P(), axis_name="tp")
 
 
@@ -60,7 +65,10 @@ def test_unsupported_dtype(fn, dtype):
 
 
 def test_matmul_rs_rows_not_divisible():
-    with pytest.raises(ValueError, match=r"leading dimension of x float32\[12, 16\] \(12 rows\) must be divisible by the size of axis 'tp' \(8\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"leading dimension of x float32\[12, 16\] \(12 rows\) must be divisible by the size of axis 'tp' \(8\)",
+    ):
         _run(flux_jax.matmul_rs, _zeros((12, 16)), _zeros((16, 8)), in_specs=(P(), P()), out_specs=P(), axis_name="tp")
 
 
@@ -98,8 +106,15 @@ def test_partial_manual_shard_map_runs_fused(fn):
     }[fn]
 
     def call(impl):
-        f = jax.jit(jax.shard_map(functools.partial(fn, axis_name="tp", impl=impl), mesh=mesh, in_specs=specs,
-                                  out_specs=out, axis_names={"tp"}))
+        f = jax.jit(
+            jax.shard_map(
+                functools.partial(fn, axis_name="tp", impl=impl),
+                mesh=mesh,
+                in_specs=specs,
+                out_specs=out,
+                axis_names={"tp"},
+            )
+        )
         x, w = _zeros((16, 16)) + 1, _zeros((16, 16)) + 1
         return f(x, w), f.lower(x, w).as_text()
 
@@ -151,16 +166,37 @@ def test_gpu_tuning_fields_reach_the_kernel_attributes():
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.standard_normal((64, 32)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((32, 48)), jnp.float32)
-    f = jax.jit(jax.shard_map(functools.partial(flux_jax.matmul_rs, axis_name="tp", impl="fused"), mesh=mesh,
-                              in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp", None)))
+    f = jax.jit(
+        jax.shard_map(
+            functools.partial(flux_jax.matmul_rs, axis_name="tp", impl="fused"),
+            mesh=mesh,
+            in_specs=(P(None, "tp"), P("tp", None)),
+            out_specs=P("tp", None),
+        )
+    )
     xs = jax.device_put(x, NamedSharding(mesh, P(None, "tp")))
     ws = jax.device_put(w, NamedSharding(mesh, P("tp", None)))
-    with _config.gpu_tuning(rs_stage_launches=0, piece_bytes=4096, tile_group_m=2, tile_n=192, rs_tile_signal=2,
-                            gemm_kernel="128x160_c2x1", gate_probe=1):
+    with _config.gpu_tuning(
+        rs_stage_launches=0,
+        piece_bytes=4096,
+        tile_group_m=2,
+        tile_n=192,
+        rs_tile_signal=2,
+        gemm_kernel="128x160_c2x1",
+        gate_probe=1,
+    ):
         hlo = f.lower(xs, ws).as_text()
         out = f(xs, ws)
-    for attr in ("rs_stage_launches = 0", "piece_bytes = 4096", "tile_group_m = 2", "tile_n = 192",
-                 "rs_tile_signal = 2", "path = 0 : i32", "gemm_kernel = 4", "gate_probe = true"):
+    for attr in (
+        "rs_stage_launches = 0",
+        "piece_bytes = 4096",
+        "tile_group_m = 2",
+        "tile_n = 192",
+        "rs_tile_signal = 2",
+        "path = 0 : i32",
+        "gemm_kernel = 4",
+        "gate_probe = true",
+    ):
         assert attr in hlo, attr
     np.testing.assert_allclose(np.asarray(out), np.asarray(x) @ np.asarray(w), rtol=1e-4, atol=1e-4)
 
@@ -271,7 +307,9 @@ def test_explain_auto_names_the_choice_and_the_reason():
     assert "reduce-scatters each output tile" in flux_jax.explain_auto("matmul_rs", 64, 8192, 8192, 2)
     assert "128 output tiles" in flux_jax.explain_auto("ag_matmul", 2048, 14336, 4096, 2)
     assert "tp=8 has not been measured" in flux_jax.explain_auto("ag_matmul", 8192, 8192, 57344, 8)
-    assert "the CUDA kernels take bfloat16 or float16" in flux_jax.explain_auto("ag_matmul", 4096, 8192, 8192, 2, "float32")
+    assert "the CUDA kernels take bfloat16 or float16" in flux_jax.explain_auto(
+        "ag_matmul", 4096, 8192, 8192, 2, "float32"
+    )
     assert "multiples of 8" in flux_jax.explain_auto("ag_matmul", 4096, 8192, 8196, 2)
     assert "fused, latency path" in flux_jax.explain_auto("matmul_rs", 128, 28672, 8192, 2)  # 70B down
     assert "small share of this wide GEMM" in flux_jax.explain_auto("ag_matmul", 12288, 5120, 27648, 2)
@@ -293,6 +331,7 @@ def test_explain_lists_every_call_site_with_its_plan():
     assert [s.op for s in sites] == ["ag_matmul", "matmul_rs"]
     assert sites[0].plan.path == "overlap" and sites[1].plan.path == "twin"
     assert "fused, overlap path" in str(sites) and "the XLA twin" in str(sites)
-    grads = flux_jax.explain(jax.grad(lambda *a: f(*a).sum(), argnums=1), _zeros((16, 8)), _zeros((8, 16)),
-                             _zeros((16, 8)))
+    grads = flux_jax.explain(
+        jax.grad(lambda *a: f(*a).sum(), argnums=1), _zeros((16, 8)), _zeros((8, 16)), _zeros((16, 8))
+    )
     assert any(s.backward and s.op == "matmul_rs" for s in grads)  # ag_matmul's backward

@@ -10,8 +10,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_mlp_demo_runs_and_matches():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, str(ROOT / "examples" / "mlp_demo.py"), "--seq", "256"],
-                         capture_output=True, text=True, env=env, timeout=600)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "mlp_demo.py"), "--seq", "256"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "MATCH" in out.stdout and "MISMATCH" not in out.stdout
 
@@ -19,8 +24,13 @@ def test_mlp_demo_runs_and_matches():
 def test_decode_example_fused_equals_twin():
     """examples/decode.py: KV-cache decoding without sequence parallelism (matmul_ar), fused vs twin."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, str(ROOT / "examples" / "decode.py"), "--tokens", "6"],
-                         capture_output=True, text=True, env=env, timeout=600)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "decode.py"), "--tokens", "6"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "MATCH" in out.stdout and "MISMATCH" not in out.stdout
     assert "matmul_ar: overlap" in out.stdout  # the fused CPU kernel ran

@@ -18,8 +18,19 @@ from flax import nnx
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from flux_jax.flax import (GPT, ColumnParallelLinear, DecoderBlock, GPTConfig, GroupedQueryAttention,
-                           RMSNorm, RowParallelLinear, SwiGLUMLP, batch_axis_entry, sharded_call)
+from flux_jax.flax import (
+    GPT,
+    ColumnParallelLinear,
+    DecoderBlock,
+    GPTConfig,
+    GroupedQueryAttention,
+    RMSNorm,
+    RowParallelLinear,
+    SwiGLUMLP,
+    batch_axis_entry,
+    sharded_call,
+)
+
 from helpers import cpu_mesh
 
 SEQ, BATCH, HIDDEN, HEADS, KV_HEADS, FFN, VOCAB = 16, 4, 64, 16, 8, 32, 24
@@ -98,57 +109,90 @@ LAYERS = {
     "column": dict(
         make=lambda mesh, impl, rngs: ColumnParallelLinear(HIDDEN, FFN, mesh=mesh, impl=impl, rngs=rngs),
         ref=lambda x, p: ref_dense(x, p["kernel"]),
-        x_spec=lambda m: P(*_act(m, "tp"), None), out_spec=lambda m: P(*_act(m, None), "tp")),
+        x_spec=lambda m: P(*_act(m, "tp"), None),
+        out_spec=lambda m: P(*_act(m, None), "tp"),
+    ),
     "column_fused_bias": dict(
         make=lambda mesh, impl, rngs: ColumnParallelLinear(
-            HIDDEN, (16, 2), use_bias=True, bias_init=nnx.initializers.normal(1.0), mesh=mesh,
-            impl=impl, rngs=rngs),
+            HIDDEN, (16, 2), use_bias=True, bias_init=nnx.initializers.normal(1.0), mesh=mesh, impl=impl, rngs=rngs
+        ),
         ref=lambda x, p: ref_dense(x, p["kernel"]) + p["bias"],
-        x_spec=lambda m: P(*_act(m, "tp"), None), out_spec=lambda m: P(*_act(m, None), "tp", None)),
+        x_spec=lambda m: P(*_act(m, "tp"), None),
+        out_spec=lambda m: P(*_act(m, None), "tp", None),
+    ),
     "row_bias": dict(
         make=lambda mesh, impl, rngs: RowParallelLinear(
-            FFN, HIDDEN, use_bias=True, bias_init=nnx.initializers.normal(1.0), mesh=mesh,
-            impl=impl, rngs=rngs),
+            FFN, HIDDEN, use_bias=True, bias_init=nnx.initializers.normal(1.0), mesh=mesh, impl=impl, rngs=rngs
+        ),
         ref=lambda x, p: ref_dense(x, p["kernel"]) + p["bias"],
-        x_spec=lambda m: P(*_act(m, None), "tp"), out_spec=lambda m: P(*_act(m, "tp"), None),
-        in_features=FFN),
+        x_spec=lambda m: P(*_act(m, None), "tp"),
+        out_spec=lambda m: P(*_act(m, "tp"), None),
+        in_features=FFN,
+    ),
     "rms_norm": dict(
         make=lambda mesh, impl, rngs: RMSNorm(HIDDEN, mesh=mesh),
         ref=lambda x, p: ref_rms_norm(x, p["scale"]),
-        x_spec=lambda m: P(*_act(m, "tp"), None), out_spec=lambda m: P(*_act(m, "tp"), None)),
+        x_spec=lambda m: P(*_act(m, "tp"), None),
+        out_spec=lambda m: P(*_act(m, "tp"), None),
+    ),
     "attention": dict(
-        make=lambda mesh, impl, rngs: GroupedQueryAttention(HIDDEN, HEADS, KV_HEADS, mesh=mesh, impl=impl,
-                                                            rngs=rngs),
+        make=lambda mesh, impl, rngs: GroupedQueryAttention(HIDDEN, HEADS, KV_HEADS, mesh=mesh, impl=impl, rngs=rngs),
         ref=lambda x, p: ref_attention(x, p, HEADS // KV_HEADS),
-        x_spec=lambda m: P(*_act(m, "tp"), None), out_spec=lambda m: P(*_act(m, "tp"), None)),
+        x_spec=lambda m: P(*_act(m, "tp"), None),
+        out_spec=lambda m: P(*_act(m, "tp"), None),
+    ),
     "swiglu_mlp": dict(
         make=lambda mesh, impl, rngs: SwiGLUMLP(HIDDEN, FFN, mesh=mesh, impl=impl, rngs=rngs),
         ref=ref_mlp,
-        x_spec=lambda m: P(*_act(m, "tp"), None), out_spec=lambda m: P(*_act(m, "tp"), None)),
+        x_spec=lambda m: P(*_act(m, "tp"), None),
+        out_spec=lambda m: P(*_act(m, "tp"), None),
+    ),
     "decoder_block": dict(
-        make=lambda mesh, impl, rngs: DecoderBlock(HIDDEN, HEADS, KV_HEADS, FFN, mesh=mesh, impl=impl,
-                                                   rngs=rngs),
+        make=lambda mesh, impl, rngs: DecoderBlock(HIDDEN, HEADS, KV_HEADS, FFN, mesh=mesh, impl=impl, rngs=rngs),
         ref=lambda x, p: ref_block(x, p, HEADS // KV_HEADS),
-        x_spec=lambda m: P(*_act(m, "tp"), None), out_spec=lambda m: P(*_act(m, "tp"), None)),
+        x_spec=lambda m: P(*_act(m, "tp"), None),
+        out_spec=lambda m: P(*_act(m, "tp"), None),
+    ),
     # Without sequence parallelism: the whole sequence on every TP rank (column_matmul / matmul_ar).
     "column_no_sp": dict(
         make=lambda mesh, impl, rngs: ColumnParallelLinear(
-            HIDDEN, (16, 2), use_bias=True, bias_init=nnx.initializers.normal(1.0), mesh=mesh, impl=impl,
-            sequence_parallel=False, rngs=rngs),
+            HIDDEN,
+            (16, 2),
+            use_bias=True,
+            bias_init=nnx.initializers.normal(1.0),
+            mesh=mesh,
+            impl=impl,
+            sequence_parallel=False,
+            rngs=rngs,
+        ),
         ref=lambda x, p: ref_dense(x, p["kernel"]) + p["bias"],
-        x_spec=lambda m: P(*_act(m, None), None), out_spec=lambda m: P(*_act(m, None), "tp", None)),
+        x_spec=lambda m: P(*_act(m, None), None),
+        out_spec=lambda m: P(*_act(m, None), "tp", None),
+    ),
     "row_bias_no_sp": dict(
         make=lambda mesh, impl, rngs: RowParallelLinear(
-            FFN, HIDDEN, use_bias=True, bias_init=nnx.initializers.normal(1.0), mesh=mesh,
-            impl=impl, sequence_parallel=False, rngs=rngs),
+            FFN,
+            HIDDEN,
+            use_bias=True,
+            bias_init=nnx.initializers.normal(1.0),
+            mesh=mesh,
+            impl=impl,
+            sequence_parallel=False,
+            rngs=rngs,
+        ),
         ref=lambda x, p: ref_dense(x, p["kernel"]) + p["bias"],
-        x_spec=lambda m: P(*_act(m, None), "tp"), out_spec=lambda m: P(*_act(m, None), None),
-        in_features=FFN),
+        x_spec=lambda m: P(*_act(m, None), "tp"),
+        out_spec=lambda m: P(*_act(m, None), None),
+        in_features=FFN,
+    ),
     "decoder_block_no_sp": dict(
-        make=lambda mesh, impl, rngs: DecoderBlock(HIDDEN, HEADS, KV_HEADS, FFN, mesh=mesh, impl=impl,
-                                                   sequence_parallel=False, rngs=rngs),
+        make=lambda mesh, impl, rngs: DecoderBlock(
+            HIDDEN, HEADS, KV_HEADS, FFN, mesh=mesh, impl=impl, sequence_parallel=False, rngs=rngs
+        ),
         ref=lambda x, p: ref_block(x, p, HEADS // KV_HEADS),
-        x_spec=lambda m: P(*_act(m, None), None), out_spec=lambda m: P(*_act(m, None), None)),
+        x_spec=lambda m: P(*_act(m, None), None),
+        out_spec=lambda m: P(*_act(m, None), None),
+    ),
 }
 
 
@@ -159,7 +203,7 @@ def _randomize(module, seed):
         if isinstance(var, nnx.Param):
             value = var[...]
             scale = 1.0 if value.ndim < 2 else 1.0 / np.sqrt(value.shape[0])
-            fresh = (rng.standard_normal(value.shape) * scale + (1.0 if value.ndim == 1 else 0.0))
+            fresh = rng.standard_normal(value.shape) * scale + (1.0 if value.ndim == 1 else 0.0)
             var[...] = jax.device_put(jnp.asarray(fresh, value.dtype), value.sharding)
 
 
@@ -197,8 +241,9 @@ def test_layer_forward_backward_matches_reference(layer_name, mesh_name, impl):
     x_spec, out_spec = spec["x_spec"](mesh), spec["out_spec"](mesh)
 
     def sharded_loss(params, x, cotangent):
-        y = sharded_call(nnx.merge(graphdef, params), lambda m, x: m(x), x, mesh=mesh,
-                         in_specs=(x_spec,), out_specs=out_spec)
+        y = sharded_call(
+            nnx.merge(graphdef, params), lambda m, x: m(x), x, mesh=mesh, in_specs=(x_spec,), out_specs=out_spec
+        )
         return jnp.sum(y * cotangent), y
 
     def ref_loss(params, x, cotangent):
@@ -209,10 +254,13 @@ def test_layer_forward_backward_matches_reference(layer_name, mesh_name, impl):
     y_ref = spec["ref"](x, pure)
     cotangent = (rng.standard_normal(y_ref.shape) + 0.1).astype(np.float32)
     (_, y), (dparams, dx) = jax.jit(jax.value_and_grad(sharded_loss, argnums=(0, 1), has_aux=True))(
-        params, jax.device_put(x, jax.NamedSharding(mesh, x_spec)),
-        jax.device_put(cotangent, jax.NamedSharding(mesh, out_spec)))
+        params,
+        jax.device_put(x, jax.NamedSharding(mesh, x_spec)),
+        jax.device_put(cotangent, jax.NamedSharding(mesh, out_spec)),
+    )
     (_, _), (dparams_ref, dx_ref) = jax.jit(jax.value_and_grad(ref_loss, argnums=(0, 1), has_aux=True))(
-        pure, x, cotangent)
+        pure, x, cotangent
+    )
 
     assert_close(y, y_ref, f"{layer_name} output")
     assert_close(dx, dx_ref, f"{layer_name} d(input)")
@@ -226,11 +274,17 @@ def _gpt_config(impl, **overrides):
 
 @pytest.mark.parametrize(
     "mesh_name, impl, axis_type, remat, sp",
-    [("dp2xtp4", "fused", AxisType.Explicit, False, True), ("dp2xtp4", "xla", AxisType.Explicit, False, True),
-     ("tp8", "fused", AxisType.Explicit, False, True), ("tp8", "xla", AxisType.Explicit, False, True),
-     ("dp2xtp4", "fused", AxisType.Auto, True, True),
-     ("dp2xtp4", "fused", AxisType.Explicit, False, False), ("tp8", "xla", AxisType.Explicit, False, False),
-     ("tp8", "fused", AxisType.Auto, True, False)])
+    [
+        ("dp2xtp4", "fused", AxisType.Explicit, False, True),
+        ("dp2xtp4", "xla", AxisType.Explicit, False, True),
+        ("tp8", "fused", AxisType.Explicit, False, True),
+        ("tp8", "xla", AxisType.Explicit, False, True),
+        ("dp2xtp4", "fused", AxisType.Auto, True, True),
+        ("dp2xtp4", "fused", AxisType.Explicit, False, False),
+        ("tp8", "xla", AxisType.Explicit, False, False),
+        ("tp8", "fused", AxisType.Auto, True, False),
+    ],
+)
 def test_gpt_forward_backward_matches_reference(mesh_name, impl, axis_type, remat, sp):
     mesh = mesh_of(mesh_name, axis_type)
     model = GPT(_gpt_config(impl, remat=remat, sequence_parallel=sp), mesh=mesh, rngs=nnx.Rngs(0))
@@ -251,8 +305,10 @@ def test_gpt_forward_backward_matches_reference(mesh_name, impl, axis_type, rema
         return jnp.sum(logits * cotangent), logits
 
     (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(
-        params, jax.device_put(tokens, jax.NamedSharding(mesh, token_spec)),
-        jax.device_put(cotangent, jax.NamedSharding(mesh, logits_spec)))
+        params,
+        jax.device_put(tokens, jax.NamedSharding(mesh, token_spec)),
+        jax.device_put(cotangent, jax.NamedSharding(mesh, logits_spec)),
+    )
     pure = _host(nnx.to_pure_dict(params))
     (_, logits_ref), grads_ref = jax.jit(jax.value_and_grad(ref_loss, has_aux=True))(pure, tokens, cotangent)
     assert logits.sharding.is_equivalent_to(jax.NamedSharding(mesh, logits_spec), logits.ndim)
@@ -334,31 +390,38 @@ def test_params_are_sharded_as_annotated():
     # Every parameter's placement agrees with its annotation (nnx.get_partition_spec).
     state = nnx.state(model, nnx.Param)
     specs = nnx.get_partition_spec(state)
-    for (path, value), (_, spec) in zip(jax.tree_util.tree_leaves_with_path(state),
-                                        jax.tree_util.tree_leaves_with_path(specs)):
+    for (path, value), (_, spec) in zip(
+        jax.tree_util.tree_leaves_with_path(state), jax.tree_util.tree_leaves_with_path(specs)
+    ):
         assert value.sharding.spec == spec, jax.tree_util.keystr(path)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(heads=6, kv_heads=2), "heads=6 is not divisible by tp=4"),
-    (dict(heads=8, kv_heads=2), "kv_heads=2 is not divisible by tp=4"),
-    (dict(heads=8, kv_heads=3), "heads=8 is not a multiple of kv_heads=3"),
-    (dict(hidden=66), "hidden=66 is not divisible by tp=4"),
-    (dict(hidden=72, heads=16, kv_heads=8, ffn=32), "hidden=72 is not divisible by heads=16"),
-    (dict(ffn=30), "ffn=30 is not divisible by tp=4"),
-    (dict(impl="cuda"), "impl must be one of"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(heads=6, kv_heads=2), "heads=6 is not divisible by tp=4"),
+        (dict(heads=8, kv_heads=2), "kv_heads=2 is not divisible by tp=4"),
+        (dict(heads=8, kv_heads=3), "heads=8 is not a multiple of kv_heads=3"),
+        (dict(hidden=66), "hidden=66 is not divisible by tp=4"),
+        (dict(hidden=72, heads=16, kv_heads=8, ffn=32), "hidden=72 is not divisible by heads=16"),
+        (dict(ffn=30), "ffn=30 is not divisible by tp=4"),
+        (dict(impl="cuda"), "impl must be one of"),
+    ],
+)
 def test_config_that_cannot_shard_raises(overrides, message):
     config = dict(vocab_size=VOCAB, hidden=HIDDEN, layers=1, heads=HEADS, kv_heads=KV_HEADS, ffn=FFN)
     with pytest.raises(ValueError, match=message):
         GPT(GPTConfig(**(config | overrides)), mesh=mesh_of("dp2xtp4"), rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize("shape, message", [
-    ((BATCH, 10), "seq=10 is not divisible by tp=4"),
-    ((3, SEQ), r"batch=3 is not divisible by the data-parallel size 2 \(dp=2\)"),
-    ((BATCH * SEQ,), r"tokens must be \[batch, seq\]"),
-])
+@pytest.mark.parametrize(
+    "shape, message",
+    [
+        ((BATCH, 10), "seq=10 is not divisible by tp=4"),
+        ((3, SEQ), r"batch=3 is not divisible by the data-parallel size 2 \(dp=2\)"),
+        ((BATCH * SEQ,), r"tokens must be \[batch, seq\]"),
+    ],
+)
 def test_tokens_that_cannot_shard_raise(shape, message):
     model = GPT(_gpt_config("xla", layers=1), mesh=mesh_of("dp2xtp4"), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=message):
@@ -384,10 +447,18 @@ def test_layer_shapes_that_cannot_shard_raise():
 
 
 FP8_LAYERS = {  # constructor, in and out features, the LAYERS entry whose specs it shares
-    "column": (lambda mesh, impl, rngs: ColumnParallelLinear(HIDDEN, FFN, mesh=mesh, impl=impl, fp8=True,
-                                                             rngs=rngs), HIDDEN, FFN, "column"),
-    "row": (lambda mesh, impl, rngs: RowParallelLinear(FFN, HIDDEN, mesh=mesh, impl=impl, fp8=True, rngs=rngs),
-            FFN, HIDDEN, "row_bias"),
+    "column": (
+        lambda mesh, impl, rngs: ColumnParallelLinear(HIDDEN, FFN, mesh=mesh, impl=impl, fp8=True, rngs=rngs),
+        HIDDEN,
+        FFN,
+        "column",
+    ),
+    "row": (
+        lambda mesh, impl, rngs: RowParallelLinear(FFN, HIDDEN, mesh=mesh, impl=impl, fp8=True, rngs=rngs),
+        FFN,
+        HIDDEN,
+        "row_bias",
+    ),
 }
 
 
@@ -411,28 +482,37 @@ def test_fp8_layers_are_quantized_close_to_the_reference_and_match_their_twin(la
         kernel = _host(nnx.to_pure_dict(params))["kernel"]
 
         def loss(params, x, cotangent, graphdef=graphdef):
-            y = sharded_call(nnx.merge(graphdef, params), lambda m, x: m(x), x, mesh=mesh,
-                             in_specs=(x_spec,), out_specs=out_spec)
+            y = sharded_call(
+                nnx.merge(graphdef, params), lambda m, x: m(x), x, mesh=mesh, in_specs=(x_spec,), out_specs=out_spec
+            )
             return jnp.sum(y * cotangent), y
 
         (_, y), (dparams, dx) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
-            params, jax.device_put(x, jax.NamedSharding(mesh, x_spec)),
-            jax.device_put(cotangent, jax.NamedSharding(mesh, out_spec)))
+            params,
+            jax.device_put(x, jax.NamedSharding(mesh, x_spec)),
+            jax.device_put(cotangent, jax.NamedSharding(mesh, out_spec)),
+        )
         results[impl] = [np.asarray(y), np.asarray(dx), np.asarray(_host(nnx.to_pure_dict(dparams))["kernel"])]
     ref = jax.jit(jax.value_and_grad(lambda k, x: jnp.sum(ref_dense(x, k) * cotangent), argnums=(0, 1)))
     _, (dk_ref, dx_ref) = ref(kernel, x)
     y_ref = ref_dense(x, kernel)
-    for name, got, twin, want, bound in zip(("output", "d(input)", "d(kernel)"), results["fused"],
-                                            results["xla"], (y_ref, dx_ref, dk_ref), (0.15, 0.3, 0.3)):
+    for name, got, twin, want, bound in zip(
+        ("output", "d(input)", "d(kernel)"), results["fused"], results["xla"], (y_ref, dx_ref, dk_ref), (0.15, 0.3, 0.3)
+    ):
         err = np.max(np.abs(got - np.asarray(want))) / np.max(np.abs(want))
         assert RTOL < err <= bound, f"{layer_name} {name}: relative error {err:.3e} (FP8 bound {bound})"
         np.testing.assert_allclose(got, twin, rtol=1e-5, atol=1e-5 * np.max(np.abs(twin)))
 
 
 def test_fp8_argument_is_checked_when_the_layer_is_built():
-    with pytest.raises(TypeError, match="flux_jax.ColumnParallelLinear: fp8 must be True, False, None or a "
-                                        "flux_jax.Fp8 recipe, got 'e4m3'"):
+    with pytest.raises(
+        TypeError,
+        match="flux_jax.ColumnParallelLinear: fp8 must be True, False, None or a flux_jax.Fp8 recipe, got 'e4m3'",
+    ):
         ColumnParallelLinear(HIDDEN, FFN, mesh=mesh_of("tp8"), fp8="e4m3", rngs=nnx.Rngs(0))
     with pytest.raises(TypeError, match="flux_jax.GPTConfig: fp8 must be"):
-        GPT(GPTConfig(vocab_size=VOCAB, hidden=HIDDEN, heads=HEADS, kv_heads=KV_HEADS, ffn=FFN, fp8=1),
-            mesh=mesh_of("tp8"), rngs=nnx.Rngs(0))
+        GPT(
+            GPTConfig(vocab_size=VOCAB, hidden=HIDDEN, heads=HEADS, kv_heads=KV_HEADS, ffn=FFN, fp8=1),
+            mesh=mesh_of("tp8"),
+            rngs=nnx.Rngs(0),
+        )

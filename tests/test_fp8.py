@@ -30,18 +30,20 @@ from jax.sharding import PartitionSpec as P
 
 import flux_jax
 from flux_jax import _plan, fp8
+
 from helpers import DTYPES, ag_specs, cpu_mesh, place, random_array, rs_specs, to64
 
-U = {"float8_e4m3fn": 2.0 ** -4, "float8_e5m2": 2.0 ** -3}
-FLOOR = {"float8_e4m3fn": 2.0 ** -10 / 448, "float8_e5m2": 2.0 ** -17 / 57344}  # x amax
-EPS = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
+U = {"float8_e4m3fn": 2.0**-4, "float8_e5m2": 2.0**-3}
+FLOOR = {"float8_e4m3fn": 2.0**-10 / 448, "float8_e5m2": 2.0**-17 / 57344}  # x amax
+EPS = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
 
 
 def _fn(op, mesh, ndim, impl, recipe, tp_axis="tp", **kw):
     specs = ag_specs if op == "ag" else rs_specs
     x_spec, w_spec, out_spec = specs(mesh, tp_axis, ndim)
-    body = functools.partial(flux_jax.ag_matmul if op == "ag" else flux_jax.matmul_rs,
-                             axis_name=tp_axis, impl=impl, fp8=recipe, **kw)
+    body = functools.partial(
+        flux_jax.ag_matmul if op == "ag" else flux_jax.matmul_rs, axis_name=tp_axis, impl=impl, fp8=recipe, **kw
+    )
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=out_spec)), (x_spec, w_spec)
 
 
@@ -96,7 +98,7 @@ def test_output_is_fp8_accurate_quantized_and_matches_the_twin(op, dtype_name):
     assert np.all(err <= bound), f"{op} {dtype_name}: error exceeds the e4m3 bound by up to {np.max(err / bound):.2f}x"
     # visibly quantized: further from the exact product than the unquantized op (bf16 rounding)
     plain_err = np.max(np.abs(to64(plain(xs, ws)) - ref))
-    assert np.max(err) > max(2 * plain_err, 2.0 ** -8 * np.max(np.abs(ref))), (np.max(err), plain_err)
+    assert np.max(err) > max(2 * plain_err, 2.0**-8 * np.max(np.abs(ref))), (np.max(err), plain_err)
     # the twin quantizes the same way: they differ by the output's rounding at most
     twin_out = to64(twin(xs, ws))
     ab = np.tensordot(np.abs(x64), np.abs(w64), axes=1)
@@ -143,8 +145,8 @@ def test_gradients_through_ag_tanh_rs_are_close_to_the_unquantized_ones(dtype_na
     dtype = DTYPES[dtype_name]
     s, d, f = 16, 64, 128
     x = random_array(rng, (s, d), dtype)
-    w1 = random_array(rng, (d, f), dtype, scale=d ** -0.5)
-    w2 = random_array(rng, (f, d), dtype, scale=f ** -0.5)
+    w1 = random_array(rng, (d, f), dtype, scale=d**-0.5)
+    w2 = random_array(rng, (f, d), dtype, scale=f**-0.5)
     ct = random_array(rng, (s, d), jnp.float32)
     grads = {}
     for impl, recipe in (("fused", True), ("xla", True), ("xla", None)):
@@ -192,8 +194,14 @@ def test_middle_dimensions_axis_and_scatter_dimension(op):
         body = functools.partial(flux_jax.matmul_rs, scatter_dimension=1)
     outs = {}
     for impl in ("fused", "xla"):
-        fn = jax.jit(jax.shard_map(functools.partial(body, axis_name="tp", impl=impl, fp8=True), mesh=mesh,
-                                   in_specs=specs, out_specs=out_spec))
+        fn = jax.jit(
+            jax.shard_map(
+                functools.partial(body, axis_name="tp", impl=impl, fp8=True),
+                mesh=mesh,
+                in_specs=specs,
+                out_specs=out_spec,
+            )
+        )
         outs[impl] = to64(fn(*_placed(mesh, specs, x, w)))
     x64, w64 = to64(x), to64(w)
     ref = np.tensordot(x64, w64, axes=1)
@@ -230,10 +238,15 @@ def test_return_gathered_is_the_dequantized_fp8_rows():
     mesh = cpu_mesh((tp,), ("tp",))
     x, w = _operands(rng, "ag", tp, 2, 32, 8, jnp.bfloat16)
     for impl in ("fused", "xla"):
-        fn = jax.jit(jax.shard_map(functools.partial(flux_jax.ag_matmul, axis_name="tp", impl=impl, fp8=True,
-                                                     return_gathered=True),
-                                   mesh=mesh, in_specs=(P("tp", None), P(None, "tp")),
-                                   out_specs=(P(None, "tp"), P()), check_vma=False))
+        fn = jax.jit(
+            jax.shard_map(
+                functools.partial(flux_jax.ag_matmul, axis_name="tp", impl=impl, fp8=True, return_gathered=True),
+                mesh=mesh,
+                in_specs=(P("tp", None), P(None, "tp")),
+                out_specs=(P(None, "tp"), P()),
+                check_vma=False,
+            )
+        )
         out, gathered = fn(*_placed(mesh, (P("tp", None), P(None, "tp")), x, w))
         assert gathered.dtype == x.dtype and gathered.shape == x.shape
         x64, g64 = to64(x), to64(gathered)
@@ -245,7 +258,8 @@ def test_return_gathered_is_the_dequantized_fp8_rows():
         w64 = to64(w)
         ab = np.abs(g64) @ np.abs(w64)
         slack = (U["float8_e4m3fn"] + 3 * EPS["bfloat16"]) * ab + FLOOR["float8_e4m3fn"] * np.max(np.abs(w64)) * (
-            np.sum(np.abs(g64), axis=1, keepdims=True))
+            np.sum(np.abs(g64), axis=1, keepdims=True)
+        )
         assert np.all(np.abs(to64(out) - g64 @ w64) <= slack), impl
 
 
@@ -311,8 +325,11 @@ def test_recipe_fields_and_their_errors():
     mesh = cpu_mesh((2,), ("tp",))
     for op in ("ag", "rs"):
         x, w = _operands(np.random.default_rng(), op, 2, 2, 16, 8, jnp.float32)
-        with pytest.raises(TypeError, match=f"flux_jax.{'ag_matmul' if op == 'ag' else 'matmul_rs'}: fp8 must be "
-                                            "True, False, None or a flux_jax.Fp8 recipe, got 'e4m3'"):
+        with pytest.raises(
+            TypeError,
+            match=f"flux_jax.{'ag_matmul' if op == 'ag' else 'matmul_rs'}: fp8 must be "
+            "True, False, None or a flux_jax.Fp8 recipe, got 'e4m3'",
+        ):
             fn, specs = _fn(op, mesh, 2, "fused", "e4m3")
             fn(*_placed(mesh, specs, x, w))
 
@@ -353,8 +370,12 @@ def test_plans_and_explain():
     mesh = cpu_mesh((2,), ("tp",))
     x, w = _operands(np.random.default_rng(), "ag", 2, 2, 16, 8, jnp.float32)
     body = functools.partial(flux_jax.ag_matmul, axis_name="tp", impl="fused", fp8=True)
-    fn = jax.shard_map(lambda x, w: jax.lax.psum(jnp.sum(body(x, w)), "tp"), mesh=mesh, in_specs=(P("tp", None), P(None, "tp")),
-                       out_specs=P())
+    fn = jax.shard_map(
+        lambda x, w: jax.lax.psum(jnp.sum(body(x, w)), "tp"),
+        mesh=mesh,
+        in_specs=(P("tp", None), P(None, "tp")),
+        out_specs=P(),
+    )
     sites = flux_jax.explain(jax.grad(fn, argnums=(0, 1)), *_placed(mesh, (P("tp", None), P(None, "tp")), x, w))
     text = str(sites)
     assert len(sites) == 2 and all(site.plan.path == "latency" for site in sites), text
@@ -368,10 +389,10 @@ def test_vmap_over_x_keeps_per_row_scales():
     w = random_array(rng, (16, 8), jnp.float32)
     outs = {}
     for impl in ("fused", "xla"):
-        body = jax.vmap(functools.partial(flux_jax.ag_matmul, axis_name="tp", impl=impl, fp8=True),
-                        in_axes=(0, None))
-        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tp"), P(None, "tp")),
-                                   out_specs=P(None, None, "tp")))
+        body = jax.vmap(functools.partial(flux_jax.ag_matmul, axis_name="tp", impl=impl, fp8=True), in_axes=(0, None))
+        fn = jax.jit(
+            jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tp"), P(None, "tp")), out_specs=P(None, None, "tp"))
+        )
         outs[impl] = to64(fn(*_placed(mesh, (P(None, "tp"), P(None, "tp")), x, w)))
     np.testing.assert_allclose(outs["fused"], outs["xla"], rtol=1e-6, atol=1e-6)
     ref = np.einsum("bsk,kn->bsn", to64(x), to64(w))

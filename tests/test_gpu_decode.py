@@ -16,8 +16,10 @@ from jax.sharding import PartitionSpec as P
 
 import flux_jax
 from flux_jax import _config
-from helpers import assert_matches, place, random_array, to64
-from helpers import gpu_mesh as _mesh, missing_peer_times_out_then_reset, op_fn as _op_fn
+
+from helpers import assert_matches, missing_peer_times_out_then_reset, place, random_array, to64
+from helpers import gpu_mesh as _mesh
+from helpers import op_fn as _op_fn
 
 
 def _is_decode(f, *args, op="ag"):
@@ -49,13 +51,18 @@ def test_decode_matches_oracle(gpus, early_launch):
     one or two senders), random K and N per rank (multiples of 8), and LLaMA-70B qkv-like shapes."""
     mesh = _mesh(gpus)
     rng = np.random.default_rng()
-    shapes = [(M, *(int(v) * 8 for v in rng.integers(1, 700, size=2))) for M in (2, 8, 16, 30, 64, 66, 100, 128, 130, 196, 256)]
+    shapes = [
+        (M, *(int(v) * 8 for v in rng.integers(1, 700, size=2)))
+        for M in (2, 8, 16, 30, 64, 66, 100, 128, 130, 196, 256)
+    ]
     shapes += [(64, 8192, 2 * 5120), (256, 8192, 2 * 5120)]
     for M, K, N in shapes:
         N *= 2  # global N: per-rank N a multiple of 8
         x, w = random_array(rng, (M, K), "bfloat16"), random_array(rng, (K, N), "bfloat16", scale=1 / np.sqrt(K))
-        with flux_jax.config(fused_path="decode", debug_poison_outputs=True), _config.gpu_tuning(
-                decode_early_launch=early_launch):
+        with (
+            flux_jax.config(fused_path="decode", debug_poison_outputs=True),
+            _config.gpu_tuning(decode_early_launch=early_launch),
+        ):
             f, specs = _op_fn("ag", mesh, "fused")
         t, _ = _op_fn("ag", mesh, "xla")
         xs, ws = place(mesh, x, specs[0]), place(mesh, w, specs[1])
@@ -130,11 +137,18 @@ def test_decode_back_to_back_with_other_paths_bitwise(gpus):
             acc0 = jax.lax.pcast(jnp.zeros((128, 128), jnp.float32), ("tp",), to="varying")
             return jax.lax.scan(step, acc0, signs)[0]
 
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(None, "tp"), P("tp"), P(None, "tp")),
-                                     out_specs=P(None, "tp")))
+        return jax.jit(
+            jax.shard_map(
+                body, mesh=mesh, in_specs=(P("tp"), P(None, "tp"), P("tp"), P(None, "tp")), out_specs=P(None, "tp")
+            )
+        )
 
-    args = (place(mesh, x, P("tp")), place(mesh, w1, P(None, "tp")), place(mesh, w2, P("tp")),
-            place(mesh, w3, P(None, "tp")))
+    args = (
+        place(mesh, x, P("tp")),
+        place(mesh, w1, P(None, "tp")),
+        place(mesh, w2, P("tp")),
+        place(mesh, w3, P(None, "tp")),
+    )
     fused = program("fused")
     hlo = fused.lower(*args).as_text()
     assert re.search(r"flux_jax_ag_matmul\(.*decode_path = true", hlo)
@@ -152,8 +166,15 @@ def test_decode_gathered_and_gradients(gpus):
     rng = np.random.default_rng()
     x, w = random_array(rng, (96, 512), "bfloat16"), random_array(rng, (512, 768), "bfloat16", scale=1 / 24)
     body = functools.partial(flux_jax.ag_matmul, axis_name="tp", impl="fused", return_gathered=True)
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp", None), P(None, "tp")),
-                              out_specs=(P(None, "tp"), P("tp", None)), check_vma=False))
+    f = jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(P("tp", None), P(None, "tp")),
+            out_specs=(P(None, "tp"), P("tp", None)),
+            check_vma=False,
+        )
+    )
     xs, ws = place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp"))
     with flux_jax.config(fused_path="decode", debug_poison_outputs=True):
         out, gathered = f(xs, ws)
@@ -165,10 +186,10 @@ def test_decode_gathered_and_gradients(gpus):
 
 
 def test_decode_missing_peer_times_out_then_reset(gpus):
-    missing_peer_times_out_then_reset(gpus, "ag", "decode", 64,
-                                      "waited in ag_matmul's decode GEMM for push block")
+    missing_peer_times_out_then_reset(gpus, "ag", "decode", 64, "waited in ag_matmul's decode GEMM for push block")
 
 
 def test_rs_decode_missing_peer_times_out_then_reset(gpus):
-    missing_peer_times_out_then_reset(gpus, "rs", "decode", 64,
-                                      "waited in matmul_rs's decode GEMM for the partial sums of output tile")
+    missing_peer_times_out_then_reset(
+        gpus, "rs", "decode", 64, "waited in matmul_rs's decode GEMM for the partial sums of output tile"
+    )

@@ -31,8 +31,18 @@ def ext():
 
 
 def record(code, rank, peer, site=1, device=0, epoch=12, seen=11, **kw):
-    return dict(code=code, site=site, device=device, rank=rank, peer=peer, chunk=kw.pop("chunk", 3),
-                piece=kw.pop("piece", 2), epoch=epoch, seen=seen, **kw)
+    return dict(
+        code=code,
+        site=site,
+        device=device,
+        rank=rank,
+        peer=peer,
+        chunk=kw.pop("chunk", 3),
+        piece=kw.pop("piece", 2),
+        epoch=epoch,
+        seen=seen,
+        **kw,
+    )
 
 
 def describe(own, first, device=0, group=GROUP):
@@ -59,7 +69,7 @@ def test_a_wait_that_gave_up_names_its_own_peer_and_the_first_failure():
     own = record(GAVE_UP, 5, 7, epoch=12, seen=11, missing=1 << 7)
     first = record(TIMED_OUT, 3, 7, epoch=12, seen=11, missing=1 << 7)
     msg = describe(own, first)
-    mine = msg[:msg.index(" because ")]
+    mine = msg[: msg.index(" because ")]
     assert "gave up (rank 5 waited for rank 7 to reach the op; epoch 12" in mine
     assert "rank 3" not in mine and "timed out" not in mine
     assert "because a wait on GPU 0 had timed out first (rank 3 waited for rank 7 to reach the op" in msg
@@ -83,10 +93,22 @@ def test_no_record_no_error():
     assert describe(record(0, 1, 2), record(2, 1, 2)) == ""  # code 2: reset() draining, not a failure
 
 
-@pytest.mark.parametrize("env,ranks,ok", [
-    ("1", 1, True), (None, 1, True), ("1", 2, False), ("3", 2, False), ("4", 2, True), (None, 4, True),
-    (None, 8, False), ("16", 8, True), ("32", 8, True), ("abc", 4, True), ("", 8, False),
-])
+@pytest.mark.parametrize(
+    "env,ranks,ok",
+    [
+        ("1", 1, True),
+        (None, 1, True),
+        ("1", 2, False),
+        ("3", 2, False),
+        ("4", 2, True),
+        (None, 4, True),
+        (None, 8, False),
+        ("16", 8, True),
+        ("32", 8, True),
+        ("abc", 4, True),
+        ("", 8, False),
+    ],
+)
 def test_hardware_queues(env, ranks, ok):
     msg = ext().check_hardware_queues(env, ranks, 0, GROUP)
     if ok:

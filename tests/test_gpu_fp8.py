@@ -16,11 +16,12 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import flux_jax
+
 from helpers import gpu_mesh, place, random_array, to64
 
 # e4m3 keeps 3 mantissa bits: each operand moves by at most 2^-4 of itself (test_fp8.py derives
 # the bound); the max-norm error of a product of random operands stays well inside 2 * 2^-4.
-FP8_REL = 2 * 2.0 ** -4
+FP8_REL = 2 * 2.0**-4
 
 
 def _fn(op, mesh, impl, **kw):
@@ -53,8 +54,8 @@ def _check(gpus, tp, op, shape, dtype="bfloat16"):
     assert out.dtype == x.dtype
     ref = to64(x) @ to64(w)
     err = _rel(out, ref)
-    assert 2.0 ** -9 < err < FP8_REL, f"{op} {shape}: error {err:.3e} vs the exact product"
-    assert _rel(out, twin_out) < 2 * 2.0 ** -8, f"{op} {shape}: fused vs FP8 twin"
+    assert 2.0**-9 < err < FP8_REL, f"{op} {shape}: error {err:.3e} vs the exact product"
+    assert _rel(out, twin_out) < 2 * 2.0**-8, f"{op} {shape}: fused vs FP8 twin"
     assert not flux_jax.device_errors()
 
 
@@ -67,8 +68,9 @@ def test_twin_gemm_is_xlas_fp8_gemm(one_gpu):
     args = place(mesh, x, specs[0]), place(mesh, w, specs[1])
     compiled = twin.lower(*args).compile().as_text()
     assert "f8" in "".join(line for line in compiled.splitlines() if "custom-call" in line and "cublas" in line), (
-        "no FP8 cuBLAS GEMM in the compiled twin")
-    assert 2.0 ** -9 < _rel(twin(*args), to64(x) @ to64(w)) < FP8_REL
+        "no FP8 cuBLAS GEMM in the compiled twin"
+    )
+    assert 2.0**-9 < _rel(twin(*args), to64(x) @ to64(w)) < FP8_REL
 
 
 @pytest.mark.parametrize("op", ["ag", "rs"])
@@ -77,8 +79,9 @@ def test_fused_matches_twin_on_one_gpu(one_gpu, op):
 
 
 @pytest.mark.parametrize("op", ["ag", "rs"])
-@pytest.mark.parametrize("shape", [(4096, 2048, 4096), (96, 8192, 1024), (2, 64, 16), (6, 1040, 528)],
-                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize(
+    "shape", [(4096, 2048, 4096), (96, 8192, 1024), (2, 64, 16), (6, 1040, 528)], ids=lambda s: "x".join(map(str, s))
+)
 def test_fused_matches_twin(gpus, op, shape):
     """TP=2; rows per rank 1 and 3 make the scales' all_gather pad them to 16 bytes."""
     _check(gpus, 2, op, shape)
@@ -90,7 +93,7 @@ def test_gradients_match_the_fp8_twin(gpus):
     rng = np.random.default_rng()
     s, d, f = 512, 1024, 2048
     x = random_array(rng, (s, d), "bfloat16")
-    w1, w2 = random_array(rng, (d, f), "bfloat16", d ** -0.5), random_array(rng, (f, d), "bfloat16", f ** -0.5)
+    w1, w2 = random_array(rng, (d, f), "bfloat16", d**-0.5), random_array(rng, (f, d), "bfloat16", f**-0.5)
     ct = random_array(rng, (s, d), jnp.float32)
     specs = (P("tp", None), P(None, "tp"), P("tp", None), P("tp", None))
     args = tuple(place(mesh, a, sp) for a, sp in zip((x, w1, w2, ct), specs))
@@ -106,7 +109,7 @@ def test_gradients_match_the_fp8_twin(gpus):
 
     fused, twin, plain = grads("fused", True), grads("xla", True), grads("xla", None)
     for name, a, b, c in zip(("dx", "dw1", "dw2"), fused, twin, plain):
-        assert _rel(a, b) < 4 * 2.0 ** -8, f"{name}: fused vs FP8 twin"
+        assert _rel(a, b) < 4 * 2.0**-8, f"{name}: fused vs FP8 twin"
         rel = float(np.linalg.norm(to64(a) - to64(c)) / np.linalg.norm(to64(c)))
         assert rel < 0.25, f"{name}: relative error {rel:.3f} vs the unquantized gradient"
     assert not flux_jax.device_errors()

@@ -5,9 +5,7 @@ skip into a failure. Every check compares with
 a float64 oracle on fresh random data, outputs poisoned with NaN first.
 """
 
-import dataclasses
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -18,8 +16,10 @@ from jax.sharding import PartitionSpec as P
 
 import flux_jax
 from flux_jax import _config
-from helpers import assert_matches, assert_nan_or_right, gpu_mesh as _mesh, missing_peer_times_out_then_reset, op_fn as _op_fn, place, random_array, to64
 
+from helpers import assert_matches, assert_nan_or_right, missing_peer_times_out_then_reset, place, random_array, to64
+from helpers import gpu_mesh as _mesh
+from helpers import op_fn as _op_fn
 
 SHAPES = [  # global (M, K, N): aligned, unaligned m_local, K/N not multiples of 64, tiny
     (4096, 2048, 4096),
@@ -50,8 +50,9 @@ def test_fused_matches_oracle(gpus, op, dtype, shape, path):
 
 @pytest.mark.parametrize("tile_n", [0, 192, 256])
 @pytest.mark.parametrize("op", ["ag", "rs"])
-@pytest.mark.parametrize("shape", [(2048, 4096, 6144), (1000, 528, 784), (8192, 1024, 2048)],
-                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize(
+    "shape", [(2048, 4096, 6144), (1000, 528, 784), (8192, 1024, 2048)], ids=lambda s: "x".join(map(str, s))
+)
 def test_tile_widths_match_oracle(gpus, op, shape, tile_n):
     """Both overlap GEMM tile widths (GpuTuning.tile_n; 0 = by waves, which takes 192 for AG at
     2048x4096x6144), forward and with the transposed weight of a backward pass (no narrow
@@ -85,8 +86,13 @@ def test_fused_refuses_shapes_the_kernels_cannot_take(gpus):
     with pytest.raises(flux_jax.FusedUnavailableError, match="multiples of 8"):
         f(place(mesh, x, specs[0]), place(mesh, w, specs[1]))
     auto, _ = _op_fn("ag", mesh, "auto")
-    assert_matches(auto(place(mesh, x, specs[0]), place(mesh, w, specs[1])), to64(x) @ to64(w),
-                   auto(place(mesh, x, specs[0]), place(mesh, w, specs[1])), "bfloat16", "auto fallback")
+    assert_matches(
+        auto(place(mesh, x, specs[0]), place(mesh, w, specs[1])),
+        to64(x) @ to64(w),
+        auto(place(mesh, x, specs[0]), place(mesh, w, specs[1])),
+        "bfloat16",
+        "auto fallback",
+    )
 
 
 @pytest.mark.parametrize("op", ["ag", "rs"])
@@ -94,7 +100,7 @@ def test_gradients_match_twin(gpus, op):
     mesh = _mesh(gpus)
     rng = np.random.default_rng()
     M, K, N = 2048, 1024, 1536
-    x, w = random_array(rng, (M, K), "bfloat16"), random_array(rng, (K, N), 'bfloat16', scale=1 / 32)
+    x, w = random_array(rng, (M, K), "bfloat16"), random_array(rng, (K, N), "bfloat16", scale=1 / 32)
     ct = jnp.asarray(rng.standard_normal((M, N)), jnp.float32)
 
     def grads(impl):
@@ -108,16 +114,19 @@ def test_gradients_match_twin(gpus, op):
     assert_matches(dw, to64(x).T @ np.asarray(ct, np.float64), tdw, "bfloat16", "dw")
 
 
-@pytest.mark.parametrize("paths", [("overlap", "overlap"), ("latency", "latency"), ("overlap", "latency"),
-                                   ("latency", "overlap")], ids="-".join)
+@pytest.mark.parametrize(
+    "paths",
+    [("overlap", "overlap"), ("latency", "latency"), ("overlap", "latency"), ("latency", "overlap")],
+    ids="-".join,
+)
 def test_1000_back_to_back_calls_with_xla_collectives_in_between(gpus, paths):
     """ag -> psum (XLA collective on its own stream) -> rs, 500 times in one scan; each op on
     either path (mixed paths share one workspace and one epoch counter)."""
     mesh = _mesh(gpus)
     rng = np.random.default_rng()
     x = random_array(rng, (1024, 512), "bfloat16")
-    w1 = random_array(rng, (512, 1024), 'bfloat16', scale=1 / 24)
-    w2 = random_array(rng, (1024, 512), 'bfloat16', scale=1 / 32)
+    w1 = random_array(rng, (512, 1024), "bfloat16", scale=1 / 24)
+    w2 = random_array(rng, (1024, 512), "bfloat16", scale=1 / 32)
 
     def program(impl):
         def body(h, w1, w2):
@@ -131,8 +140,7 @@ def test_1000_back_to_back_calls_with_xla_collectives_in_between(gpus, paths):
 
             return jax.lax.scan(step, h, None, length=500)[0]
 
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(None, "tp"), P("tp")),
-                                     out_specs=P("tp")))
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(None, "tp"), P("tp")), out_specs=P("tp")))
 
     args = (place(mesh, x, P("tp")), place(mesh, w1, P(None, "tp")), place(mesh, w2, P("tp")))
     out = np.asarray(program("fused")(*args), np.float32)
@@ -171,8 +179,7 @@ def test_back_to_back_latency_calls_of_different_sizes(gpus):
                 acc0 = jax.lax.pcast(jnp.zeros((512, 512), jnp.float32), ("tp",), to="varying")
                 return jax.lax.scan(step, acc0, signs)[0]
 
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(None, "tp"), P("tp")),
-                                     out_specs=P("tp")))
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(None, "tp"), P("tp")), out_specs=P("tp")))
 
     args = (place(mesh, x, P("tp")), place(mesh, w1, P(None, "tp")), place(mesh, w2, P("tp")))
     fused = program("fused")
@@ -190,7 +197,7 @@ def test_back_to_back_latency_calls_of_different_sizes(gpus):
 def test_rs_is_bitwise_deterministic(gpus, path):
     mesh = _mesh(gpus)
     rng = np.random.default_rng()
-    x, w = random_array(rng, (4096, 4096), "bfloat16"), random_array(rng, (4096, 2048), 'bfloat16', scale=1 / 64)
+    x, w = random_array(rng, (4096, 4096), "bfloat16"), random_array(rng, (4096, 2048), "bfloat16", scale=1 / 64)
     with flux_jax.config(fused_path=path):
         f, specs = _op_fn("rs", mesh, "fused")
     xs, ws = place(mesh, x, specs[0]), place(mesh, w, specs[1])
@@ -199,9 +206,11 @@ def test_rs_is_bitwise_deterministic(gpus, path):
         np.testing.assert_array_equal(np.asarray(f(xs, ws)), first)
 
 
-@pytest.mark.parametrize("shape, piece_bytes", [((8192, 1024, 2048), 0), ((2000, 272, 1032), 128 * 1032 * 2),
-                                                ((8000, 272, 1032), 1032 * 2)],
-                         ids=["8pieces", "tail_pieces", "pieces_of_250_rows"])
+@pytest.mark.parametrize(
+    "shape, piece_bytes",
+    [((8192, 1024, 2048), 0), ((2000, 272, 1032), 128 * 1032 * 2), ((8000, 272, 1032), 1032 * 2)],
+    ids=["8pieces", "tail_pieces", "pieces_of_250_rows"],
+)
 def test_rs_first_stage_settings_are_bitwise_the_default(gpus, shape, piece_bytes):
     """How the pushed stage is launched and released changes when bytes move, never which:
     GpuTuning.rs_stage_launches (launches of whole pieces) and rs_tile_signal (pieces
@@ -217,12 +226,19 @@ def test_rs_first_stage_settings_are_bitwise_the_default(gpus, shape, piece_byte
     twin = t(xs, ws)
     results = {}
     for launches, signal in ((1, 0), (0, 0), (3, 0), (16, 0), (1, 1), (1, 2), (3, 1), (0, 2), (1, -1)):
-        with flux_jax.config(fused_path="overlap", debug_poison_outputs=True), _config.gpu_tuning(
-                rs_stage_launches=launches, piece_bytes=piece_bytes, rs_tile_signal=signal):
+        with (
+            flux_jax.config(fused_path="overlap", debug_poison_outputs=True),
+            _config.gpu_tuning(rs_stage_launches=launches, piece_bytes=piece_bytes, rs_tile_signal=signal),
+        ):
             f, _ = _op_fn("rs", mesh, "fused")
         results[launches, signal] = [np.asarray(f(xs, ws)) for _ in range(3)]
-        assert_matches(results[launches, signal][0], to64(x) @ to64(w), twin, "bfloat16",
-                       f"rs {shape} launches={launches} tile_signal={signal}")
+        assert_matches(
+            results[launches, signal][0],
+            to64(x) @ to64(w),
+            twin,
+            "bfloat16",
+            f"rs {shape} launches={launches} tile_signal={signal}",
+        )
     for key, got in results.items():
         for call in got:
             np.testing.assert_array_equal(call, results[1, 0][0], err_msg=str(key))
@@ -239,8 +255,15 @@ def test_return_gathered_is_x_on_every_rank(gpus, shape):
     x, w = random_array(rng, (M, K), "bfloat16"), random_array(rng, (K, N), "bfloat16", scale=1 / 16)
     t, _ = _op_fn("ag", mesh, "xla")
     body = functools.partial(flux_jax.ag_matmul, axis_name="tp", impl="fused", return_gathered=True)
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp", None), P(None, "tp")),
-                              out_specs=(P(None, "tp"), P("tp", None)), check_vma=False))
+    f = jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(P("tp", None), P(None, "tp")),
+            out_specs=(P(None, "tp"), P("tp", None)),
+            check_vma=False,
+        )
+    )
     xs, ws = place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp"))
     with flux_jax.config(fused_path="overlap", debug_poison_outputs=True):
         out, gathered = f(xs, ws)
@@ -251,7 +274,7 @@ def test_return_gathered_is_x_on_every_rank(gpus, shape):
 def test_2d_mesh_and_auto_axes(gpus):
     mesh = _mesh(gpus, (1, 2), ("dp", "tp"), AxisType.Auto)
     rng = np.random.default_rng()
-    x, w = random_array(rng, (512, 256), "bfloat16"), random_array(rng, (256, 512), 'bfloat16', scale=1 / 16)
+    x, w = random_array(rng, (512, 256), "bfloat16"), random_array(rng, (256, 512), "bfloat16", scale=1 / 16)
     for op in ("ag", "rs"):
         f, specs = _op_fn(op, mesh, "fused")
         t, _ = _op_fn(op, mesh, "xla")
@@ -262,7 +285,7 @@ def test_recompilation_and_workspace_growth(gpus):
     mesh = _mesh(gpus)
     rng = np.random.default_rng()
     for M in (256, 4096, 512, 8192):  # grows twice, then reuses
-        x, w = random_array(rng, (M, 1024), "bfloat16"), random_array(rng, (1024, 1024), 'bfloat16', scale=1 / 32)
+        x, w = random_array(rng, (M, 1024), "bfloat16"), random_array(rng, (1024, 1024), "bfloat16", scale=1 / 32)
         for op in ("ag", "rs"):
             f, specs = _op_fn(op, mesh, "fused")
             t, _ = _op_fn(op, mesh, "xla")

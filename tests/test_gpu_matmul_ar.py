@@ -16,6 +16,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import flux_jax
+
 from helpers import assert_matches, assert_nan_or_right, gpu_mesh, place, random_array, to64
 
 PATHS = ["latency", "overlap"]
@@ -40,8 +41,11 @@ def _same_bits_on_every_rank(out):
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("shape", [(1, 4096, 4096), (16, 8192, 1024), (96, 528, 784), (256, 14336, 4096)],
-                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 4096, 4096), (16, 8192, 1024), (96, 528, 784), (256, 14336, 4096)],
+    ids=lambda s: "x".join(map(str, s)),
+)
 def test_matches_oracle_with_the_same_bits_on_every_rank(gpus, path, dtype, shape):
     M, K, N = shape
     mesh = gpu_mesh(gpus)
@@ -69,6 +73,7 @@ def test_gradients_match_twin(gpus):
         def body(x, w1, w2):
             h = flux_jax.column_matmul(x, w1, axis_name="tp", impl=impl)
             return jnp.sum(flux_jax.matmul_ar(jax.nn.gelu(h), w2, axis_name="tp", impl=impl).astype(jnp.float32))
+
         return jax.shard_map(body, mesh=mesh, in_specs=(P(), P(None, "tp"), P("tp", None)), out_specs=P())(x, w1, w2)
 
     args = (place(mesh, x, P()), place(mesh, w1, P(None, "tp")), place(mesh, w2, P("tp", None)))

@@ -39,8 +39,16 @@ def run_workers(scenario, timeout_s="30", wall=300):
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
     env = dict(os.environ, FLUX_TEST_TIMEOUT=timeout_s)
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(pid), port, scenario], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, env=env) for pid in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(pid), port, scenario],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for pid in (0, 1)
+    ]
     results, logs = {}, {}
     for pid, p in enumerate(procs):
         try:
@@ -51,7 +59,7 @@ def run_workers(scenario, timeout_s="30", wall=300):
             pytest.fail(f"{scenario}: process {pid} hung")
         for line in logs[pid].splitlines():
             if line.startswith("RESULT "):
-                results[pid] = json.loads(line[len("RESULT "):])
+                results[pid] = json.loads(line[len("RESULT ") :])
     for pid in (0, 1):
         assert pid in results, f"{scenario}: process {pid} gave no result:\n{logs[pid][-4000:]}"
     return results, logs

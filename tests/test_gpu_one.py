@@ -17,6 +17,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import flux_jax
+
 from helpers import assert_matches, place, random_array, to64
 
 SHAPES = [(2048, 1024, 1536), (1000, 528, 784), (64, 256, 512)]  # (M, K, N)
@@ -51,8 +52,10 @@ def test_one_gpu_matches_oracle(one_gpu, op, dtype, shape, path):
         xs, ws = place(mesh, x, specs[0]), place(mesh, w, specs[1])
         text = fused.lower(xs, ws).as_text()
         out = fused(xs, ws)
-    target = {"overlap": f"flux_jax_{'ag_matmul' if op == 'ag' else 'matmul_rs'}",
-              "latency": f"flux_jax_{'all_gather' if op == 'ag' else 'reduce_scatter'}"}[path]
+    target = {
+        "overlap": f"flux_jax_{'ag_matmul' if op == 'ag' else 'matmul_rs'}",
+        "latency": f"flux_jax_{'all_gather' if op == 'ag' else 'reduce_scatter'}",
+    }[path]
     assert target in text
     twin, _ = _fn(op, mesh, "xla")
     assert_matches(out, to64(x) @ to64(w), twin(xs, ws), dtype, f"{op} {shape} {dtype} {path}")
@@ -87,7 +90,11 @@ def test_one_gpu_explain_names_the_paths(one_gpu):
     mesh = _mesh(one_gpu)
     x = jnp.ones((256, 512), jnp.bfloat16)
     w = jnp.ones((512, 512), jnp.bfloat16)
-    f = jax.shard_map(functools.partial(flux_jax.ag_matmul, axis_name="tp", impl="fused"), mesh=mesh,
-                      in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp"))
+    f = jax.shard_map(
+        functools.partial(flux_jax.ag_matmul, axis_name="tp", impl="fused"),
+        mesh=mesh,
+        in_specs=(P("tp", None), P(None, "tp")),
+        out_specs=P(None, "tp"),
+    )
     sites = flux_jax.explain(f, place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp")))
     assert len(sites) == 1 and sites[0].plan.fused and sites[0].problem.platform == "cuda"

@@ -11,6 +11,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import flux_jax
+
 from helpers import assert_matches, cpu_mesh, place, random_array, to64
 
 
@@ -76,9 +77,12 @@ def test_grads_with_return_gathered_and_middle_dims():
             out, x_full = body(x, w)
             return jax.lax.psum(jnp.sum(out * c1) + jnp.sum(x_full * c2) / 4.0, ("tp", "dp"))
 
-        f = jax.shard_map(per_shard, mesh=mesh,
-                          in_specs=(P("tp", "dp"), P(None, "tp"), P(None, "dp", "tp"), P(None, "dp")),
-                          out_specs=P())
+        f = jax.shard_map(
+            per_shard,
+            mesh=mesh,
+            in_specs=(P("tp", "dp"), P(None, "tp"), P(None, "dp", "tp"), P(None, "dp")),
+            out_specs=P(),
+        )
         return jax.jit(jax.grad(f, argnums=(0, 1)))(x, w, c1, c2)
 
     dx, dw = grads("fused")

@@ -5,24 +5,28 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import flux_jax
+
 from helpers import cpu_mesh, place, random_array
 
 
 def _program(mesh, impl):
     def body(x, w1, w2):
         y = flux_jax.ag_matmul(x, w1, axis_name="tp", impl=impl)
-        return flux_jax.matmul_rs(y, w2, axis_name="tp", impl=impl), flux_jax.matmul_ar(y, w2, axis_name="tp", impl=impl)
+        return flux_jax.matmul_rs(y, w2, axis_name="tp", impl=impl), flux_jax.matmul_ar(
+            y, w2, axis_name="tp", impl=impl
+        )
 
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(None, "tp"), P("tp")),
-                                 out_specs=(P("tp"), P())))
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(None, "tp"), P("tp")), out_specs=(P("tp"), P())))
 
 
 def test_counts_every_handler_call_per_device_and_resets():
     mesh = cpu_mesh((8,), ("tp",))
     rng = np.random.default_rng()
-    args = (place(mesh, random_array(rng, (16, 32), "float32"), P("tp")),
-            place(mesh, random_array(rng, (32, 64), "float32"), P(None, "tp")),
-            place(mesh, random_array(rng, (64, 32), "float32"), P("tp")))
+    args = (
+        place(mesh, random_array(rng, (16, 32), "float32"), P("tp")),
+        place(mesh, random_array(rng, (32, 64), "float32"), P(None, "tp")),
+        place(mesh, random_array(rng, (64, 32), "float32"), P("tp")),
+    )
     fused, twin = _program(mesh, "fused"), _program(mesh, "xla")
     jax.block_until_ready((fused(*args), twin(*args)))  # compile outside the window
     flux_jax.handler_host_time(reset=True)

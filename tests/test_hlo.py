@@ -6,12 +6,13 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
 import flux_jax
+
 from helpers import cpu_mesh, place, random_array
-import numpy as np
 
 
 def _compiled_text(op, impl, grad):
@@ -21,8 +22,7 @@ def _compiled_text(op, impl, grad):
         specs, out_spec, fn = (P("tp", None), P(None, "tp")), P(None, "tp"), flux_jax.ag_matmul
     else:
         specs, out_spec, fn = (P(None, "tp"), P("tp", None)), P("tp", None), flux_jax.matmul_rs
-    f = jax.shard_map(functools.partial(fn, axis_name="tp", impl=impl), mesh=mesh,
-                      in_specs=specs, out_specs=out_spec)
+    f = jax.shard_map(functools.partial(fn, axis_name="tp", impl=impl), mesh=mesh, in_specs=specs, out_specs=out_spec)
     if grad:
         g = jax.grad(lambda x, w: jnp.sum(f(x, w) ** 2), argnums=(0, 1))
     else:
@@ -78,13 +78,17 @@ def test_gpu_lowering_drops_the_rank_operand(op, path):
     else:
         specs, out_spec, fn = (P(None, "tp"), P("tp", None)), P("tp", None), flux_jax.matmul_rs
         fused, collective = "flux_jax_matmul_rs", "flux_jax_reduce_scatter"
-    f = jax.jit(jax.shard_map(functools.partial(fn, axis_name="tp", impl="fused"), mesh=mesh,
-                              in_specs=specs, out_specs=out_spec))
+    f = jax.jit(
+        jax.shard_map(
+            functools.partial(fn, axis_name="tp", impl="fused"), mesh=mesh, in_specs=specs, out_specs=out_spec
+        )
+    )
     x = place(mesh, random_array(rng, (64, 32), "bfloat16"), specs[0])
     w = place(mesh, random_array(rng, (32, 64), "bfloat16"), specs[1])
     with flux_jax.config(fused_path=path):
-        lowered = {p: _custom_call_operands(f.trace(x, w).lower(lowering_platforms=(p,)).as_text())
-                   for p in ("cpu", "cuda")}
+        lowered = {
+            p: _custom_call_operands(f.trace(x, w).lower(lowering_platforms=(p,)).as_text()) for p in ("cpu", "cuda")
+        }
     # CPU: the fused op (x, w, rank) or the collective (x, rank); CUDA: the same without rank.
     assert lowered["cpu"] == ({fused: 3} if path == "overlap" else {collective: 2})
     assert lowered["cuda"] == ({fused: 2} if path == "overlap" else {collective: 1})

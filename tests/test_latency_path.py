@@ -15,6 +15,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import flux_jax
+
 from helpers import DTYPES, ag_specs, assert_matches, cpu_mesh, place, random_array, rs_specs, to64
 
 
@@ -22,8 +23,7 @@ def _fn(op, mesh, ndim, impl="fused", tp_axis="tp"):
     """A fresh jit(shard_map(op)): the configuration is read when it is traced."""
     specs = ag_specs if op == "ag" else rs_specs
     x_spec, w_spec, out_spec = specs(mesh, tp_axis, ndim)
-    body = functools.partial(flux_jax.ag_matmul if op == "ag" else flux_jax.matmul_rs,
-                             axis_name=tp_axis, impl=impl)
+    body = functools.partial(flux_jax.ag_matmul if op == "ag" else flux_jax.matmul_rs, axis_name=tp_axis, impl=impl)
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=out_spec)), (x_spec, w_spec)
 
 
@@ -79,6 +79,7 @@ def test_gradients_and_return_gathered_match_twin():
             h, gathered = flux_jax.ag_matmul(x, w1, axis_name="tp", impl=impl, return_gathered=True)
             y = flux_jax.matmul_rs(jnp.tanh(h), w2, axis_name="tp", impl=impl)
             return jax.lax.psum(jnp.sum(y * y) + 1e-3 * jnp.sum(gathered), "tp")
+
         f = jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(None, "tp"), P("tp", None)), out_specs=P())
         return f(x, w1, w2)
 

@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import flux_jax
 from flux_jax import _plan
+
 from helpers import DTYPES, assert_matches, cpu_mesh, place, random_array, to64
 
 PATHS = ["overlap", "latency"]  # on CPU: the fused kernel, and XLA's GEMM + our all_reduce
@@ -120,8 +121,9 @@ def test_global_view_helper():
     for axis_type in (AxisType.Explicit, AxisType.Auto):
         mesh = cpu_mesh((2, 4), ("dp", "tp"), axis_type)
         x, w = random_array(rng, (6, 2, 32), jnp.float32), random_array(rng, (32, 16), jnp.float32)
-        f = jax.jit(lambda x, w, impl: flux_jax.matmul_ar_sharded(x, w, mesh=mesh, axis_name="tp", impl=impl),
-                    static_argnums=2)
+        f = jax.jit(
+            lambda x, w, impl: flux_jax.matmul_ar_sharded(x, w, mesh=mesh, axis_name="tp", impl=impl), static_argnums=2
+        )
         out = f(x, w, "fused")
         assert_matches(out, np.tensordot(to64(x), to64(w), axes=1), f(x, w, "xla"), "float32", f"helper {axis_type}")
         assert "flux_jax_matmul_ar" in f.lower(x, w, "fused").as_text()
@@ -142,8 +144,12 @@ def test_fused_program_has_the_custom_call_and_no_xla_all_reduce():
     xs, ws = place(mesh, x, P(None, "tp")), place(mesh, w, P("tp", None))
 
     def program(impl, grad):
-        f = jax.shard_map(functools.partial(flux_jax.matmul_ar, axis_name="tp", impl=impl), mesh=mesh,
-                          in_specs=(P(None, "tp"), P("tp", None)), out_specs=P())
+        f = jax.shard_map(
+            functools.partial(flux_jax.matmul_ar, axis_name="tp", impl=impl),
+            mesh=mesh,
+            in_specs=(P(None, "tp"), P("tp", None)),
+            out_specs=P(),
+        )
         if not grad:
             return _compiled(f, xs, ws)
         return _compiled(jax.grad(lambda x, w: jnp.sum(f(x, w).astype(jnp.float32) ** 2), argnums=(0, 1)), xs, ws)
@@ -168,8 +174,10 @@ def test_gradients_match_the_twin(path):
         def body(x, w, ct):
             y = flux_jax.matmul_ar(x, w, axis_name="tp", impl=impl)
             return jax.lax.psum(jnp.sum(y * ct), "dp")
-        return jax.shard_map(body, mesh=mesh, in_specs=(P(None, "dp", "tp"), P("tp", None), P(None, "dp")),
-                             out_specs=P())(x, w, ct)
+
+        return jax.shard_map(
+            body, mesh=mesh, in_specs=(P(None, "dp", "tp"), P("tp", None), P(None, "dp")), out_specs=P()
+        )(x, w, ct)
 
     args = (place(mesh, x, P(None, "dp", "tp")), place(mesh, w, P("tp", None)), place(mesh, ct, P(None, "dp")))
     with flux_jax.config(fused_path=path):
@@ -185,12 +193,15 @@ def test_gradients_match_the_twin(path):
 
 def _megatron_loss(impl, mesh, x, w1, w2, ct):
     """column_matmul -> tanh -> matmul_ar: a Megatron MLP without sequence parallelism."""
+
     def body(x, w1, w2, ct):
         h = flux_jax.column_matmul(x, w1, axis_name="tp", impl=impl)
         y = flux_jax.matmul_ar(jnp.tanh(h), w2, axis_name="tp", impl=impl)
         return jax.lax.psum(jnp.sum(y * ct), "dp"), y
-    return jax.shard_map(body, mesh=mesh, in_specs=(P("dp"), P(None, "tp"), P("tp", None), P("dp")),
-                         out_specs=(P(), P("dp")))(x, w1, w2, ct)
+
+    return jax.shard_map(
+        body, mesh=mesh, in_specs=(P("dp"), P(None, "tp"), P("tp", None), P("dp")), out_specs=(P(), P("dp"))
+    )(x, w1, w2, ct)
 
 
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
@@ -201,12 +212,17 @@ def test_column_matmul_forward_and_backward_match_the_twin(dtype_name):
     x = random_array(rng, (4, 3, 32), dtype)
     w1, w2 = random_array(rng, (32, 64), dtype, 0.2), random_array(rng, (64, 32), dtype, 0.2)
     ct = random_array(rng, (4, 3, 32), dtype)
-    args = (place(mesh, x, P("dp")), place(mesh, w1, P(None, "tp")), place(mesh, w2, P("tp", None)),
-            place(mesh, ct, P("dp")))
+    args = (
+        place(mesh, x, P("dp")),
+        place(mesh, w1, P(None, "tp")),
+        place(mesh, w2, P("tp", None)),
+        place(mesh, ct, P("dp")),
+    )
     grads = {}
     for impl in ("fused", "xla"):
-        step = jax.jit(jax.value_and_grad(lambda *a, impl=impl: _megatron_loss(impl, mesh, *a), argnums=(0, 1, 2),
-                                          has_aux=True))
+        step = jax.jit(
+            jax.value_and_grad(lambda *a, impl=impl: _megatron_loss(impl, mesh, *a), argnums=(0, 1, 2), has_aux=True)
+        )
         grads[impl] = step(*args)
         text = step.lower(*args).compile().as_text()
         calls = text.count('custom_call_target="flux_jax_matmul_ar"')
@@ -221,8 +237,10 @@ def test_column_matmul_forward_and_backward_match_the_twin(dtype_name):
         assert err <= (1e-5 if dtype_name == "float32" else 3e-2), (what, err)
     # float32: against float64 autodiff of the same math
     if dtype_name == "float32":
+
         def ref_loss(x, w1, w2):
             return jnp.sum(jnp.tanh(x @ w1) @ w2 * ct)
+
         with jax.default_device(jax.devices("cpu")[0]):
             rx, rw1, rw2 = jax.grad(ref_loss, argnums=(0, 1, 2))(*(jnp.asarray(a) for a in (x, w1, w2)))
         for got, want in ((dx, rx), (dw1, rw1), (dw2, rw2)):
@@ -237,13 +255,15 @@ def test_column_matmul_backward_is_the_planned_fused_matmul_ar():
     def f(impl):
         def body(x, w):
             y = flux_jax.column_matmul(x, w, axis_name="tp", impl=impl)
-            return jax.lax.psum(jnp.sum(y ** 2), ("dp", "tp"))
+            return jax.lax.psum(jnp.sum(y**2), ("dp", "tp"))
+
         return jax.shard_map(body, mesh=mesh, in_specs=(P("dp"), P(None, "tp")), out_specs=P())
 
     xs, ws = place(mesh, x, P("dp")), place(mesh, w, P(None, "tp"))
     sites = flux_jax.explain(jax.grad(f("fused"), argnums=(0, 1)), xs, ws)
     assert [(s.op, s.backward, s.plan.path, s.problem.transpose_w) for s in sites] == [
-        ("matmul_ar", True, "overlap", True)]
+        ("matmul_ar", True, "overlap", True)
+    ]
     # the forward alone runs no collective
     assert "flux_jax_" not in _compiled(f("fused"), xs, ws)
     # impl="auto" on CPU: the twin, whose backward all-reduces with XLA
@@ -254,11 +274,15 @@ def test_column_matmul_backward_is_the_planned_fused_matmul_ar():
 @pytest.mark.parametrize("fn", [flux_jax.matmul_ar, flux_jax.column_matmul])
 def test_contraction_mismatch_is_a_clear_error_before_tracing(fn):
     mesh = cpu_mesh((8,), ("tp",), AxisType.Auto)
-    f = jax.shard_map(functools.partial(fn, axis_name="tp", impl="fused"), mesh=mesh, in_specs=(P(), P()),
-                      out_specs=P())
+    f = jax.shard_map(
+        functools.partial(fn, axis_name="tp", impl="fused"), mesh=mesh, in_specs=(P(), P()), out_specs=P()
+    )
     name = fn.__name__
-    with pytest.raises(ValueError, match=rf"flux_jax.{name}: contraction mismatch: x float32\[4, 16\] has K=16 but "
-                                         r"w float32\[12, 8\]"):
+    with pytest.raises(
+        ValueError,
+        match=rf"flux_jax.{name}: contraction mismatch: x float32\[4, 16\] has K=16 but "
+        r"w float32\[12, 8\]",
+    ):
         jax.jit(f)(jnp.ones((4, 16)), jnp.ones((12, 8)))
 
 
@@ -270,8 +294,9 @@ def test_vmap_over_x_and_its_gradient():
 
     def run(impl):
         per_example = functools.partial(flux_jax.matmul_ar, axis_name="tp", impl=impl)
-        f = jax.shard_map(lambda x, w: jax.vmap(per_example, in_axes=(0, None))(x, w), mesh=mesh,
-                          in_specs=specs, out_specs=out)
+        f = jax.shard_map(
+            lambda x, w: jax.vmap(per_example, in_axes=(0, None))(x, w), mesh=mesh, in_specs=specs, out_specs=out
+        )
         value = jax.jit(f)(x, w)
         grads = jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.sin(f(x, w))), argnums=(0, 1)))(x, w)
         return value, grads, jax.jit(f).lower(x, w).as_text()
@@ -298,8 +323,13 @@ def test_partially_manual_shard_map(op):
         specs, out = (P(), P(None, "tp")), P(None, None, "tp")
 
     def call(impl):
-        f = jax.shard_map(functools.partial(fn, axis_name="tp", impl=impl), mesh=mesh, in_specs=specs,
-                          out_specs=out, axis_names={"tp"})
+        f = jax.shard_map(
+            functools.partial(fn, axis_name="tp", impl=impl),
+            mesh=mesh,
+            in_specs=specs,
+            out_specs=out,
+            axis_names={"tp"},
+        )
         loss = lambda x, w: jnp.sum(jnp.sin(f(x, w)))
         value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, w)
         return value, grads, jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w).as_text()
@@ -365,8 +395,14 @@ def test_gpu_lowering_drops_the_rank_operand(path):
     """Lowered for CUDA on CPU devices (only shapes matter): no rank operand on GPU."""
     mesh = cpu_mesh((2,), ("tp",))
     rng = np.random.default_rng()
-    f = jax.jit(jax.shard_map(functools.partial(flux_jax.matmul_ar, axis_name="tp", impl="fused"), mesh=mesh,
-                              in_specs=(P(None, "tp"), P("tp", None)), out_specs=P()))
+    f = jax.jit(
+        jax.shard_map(
+            functools.partial(flux_jax.matmul_ar, axis_name="tp", impl="fused"),
+            mesh=mesh,
+            in_specs=(P(None, "tp"), P("tp", None)),
+            out_specs=P(),
+        )
+    )
     x = place(mesh, random_array(rng, (64, 32), "bfloat16"), P(None, "tp"))
     w = place(mesh, random_array(rng, (32, 64), "bfloat16"), P("tp", None))
     with flux_jax.config(fused_path=path):

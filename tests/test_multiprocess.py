@@ -55,7 +55,7 @@ def _parse(scenario, logs):
     for pid, log in logs.items():
         for line in log.splitlines():
             if line.startswith("RESULT "):
-                results[pid] = json.loads(line[len("RESULT "):])
+                results[pid] = json.loads(line[len("RESULT ") :])
     for pid in (0, 1):
         assert pid in results, f"{scenario}: process {pid} gave no result:\n{logs[pid][-3000:]}"
     return results
@@ -174,8 +174,12 @@ def _run_with_small_dev_shm(scenario, size, timeout_s="30", wall=240):
     """Both processes in a private mount namespace whose /dev/shm is a tmpfs of `size`."""
     if shutil.which("unshare") is None:
         pytest.skip("needs unshare(1) to give the job a small private /dev/shm")
-    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
-                           capture_output=True, text=True, check=False)
+    probe = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if probe.returncode != 0:
         pytest.skip(f"cannot mount a private /dev/shm (user namespaces off?): {probe.stderr.strip()}")
     script = """mount -t tmpfs -o size="$1" tmpfs /dev/shm || exit 97
@@ -184,8 +188,25 @@ def _run_with_small_dev_shm(scenario, size, timeout_s="30", wall=240):
 wait $a; echo $? >"$6/rc0"; wait $b; echo $? >"$6/rc1"
 """
     with tempfile.TemporaryDirectory() as d:
-        subprocess.run(["unshare", "-rm", "sh", "-c", script, "sh", size, sys.executable, str(WORKER),
-                        str(_free_port()), scenario, d], env=_env(timeout_s), timeout=wall, check=True)
+        subprocess.run(
+            [
+                "unshare",
+                "-rm",
+                "sh",
+                "-c",
+                script,
+                "sh",
+                size,
+                sys.executable,
+                str(WORKER),
+                str(_free_port()),
+                scenario,
+                d,
+            ],
+            env=_env(timeout_s),
+            timeout=wall,
+            check=True,
+        )
         logs = {pid: Path(d, f"log{pid}").read_text() for pid in (0, 1)}
         rcs = {pid: int(Path(d, f"rc{pid}").read_text()) for pid in (0, 1)}
     for pid in (0, 1):
@@ -256,8 +277,19 @@ def test_stopped_peer_fails_the_survivor_within_the_timeout(tmp_path):
     if cc is None:
         pytest.skip("needs a C compiler for the LD_PRELOAD shim")
     shim = tmp_path / "stop_holding_lock.so"
-    subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", str(shim),
-                    str(Path(__file__).resolve().parent / "stop_holding_lock.c"), "-ldl"], check=True)
+    subprocess.run(
+        [
+            cc,
+            "-shared",
+            "-fPIC",
+            "-O2",
+            "-o",
+            str(shim),
+            str(Path(__file__).resolve().parent / "stop_holding_lock.c"),
+            "-ldl",
+        ],
+        check=True,
+    )
     extra = {1: {"LD_PRELOAD": str(shim), "FLUX_TEST_STOP_AFTER_SHARED_LOCKS": "2000"}}
     procs = _spawn("peer_stopped", timeout_s="3", extra_env=extra)
     p0, p1 = procs
@@ -280,7 +312,7 @@ def test_stopped_peer_fails_the_survivor_within_the_timeout(tmp_path):
         for p in procs:
             p.kill()
             p.wait()
-    results = {0: json.loads(next(l for l in out.splitlines() if l.startswith("RESULT "))[7:])}
+    results = {0: json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])}
     r = results[0]
     assert r.get("error") is not None, f"no error:\n{(out + err)[-3000:]}"
     assert "timed out after 3 s" in r["error"], r["error"]

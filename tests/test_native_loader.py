@@ -29,12 +29,15 @@ def _import_warnings(checkout, installed):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([checkout, installed]), "JAX_PLATFORMS": "cpu"}
     # Only the standard finders: an editable install's redirect finder would take `flux_jax`
     # away from PYTHONPATH.
-    code = ("import sys, warnings; sys.meta_path[:] = [f for f in sys.meta_path "
-            "if f.__module__.startswith('_frozen_importlib')]; "
-            "warnings.simplefilter('always'); import flux_jax; "
-            "print('LOADED', flux_jax._native._ext.__file__)")
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
-                         cwd=checkout)
+    code = (
+        "import sys, warnings; sys.meta_path[:] = [f for f in sys.meta_path "
+        "if f.__module__.startswith('_frozen_importlib')]; "
+        "warnings.simplefilter('always'); import flux_jax; "
+        "print('LOADED', flux_jax._native._ext.__file__)"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=checkout
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     assert "LOADED " + installed in run.stdout
     return run.stderr

@@ -11,7 +11,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import flux_jax
-from helpers import assert_matches, cpu_mesh, place, random_array
+
+from helpers import cpu_mesh, place, random_array
 
 
 def _scan_program(mesh, impl, steps):
@@ -25,8 +26,7 @@ def _scan_program(mesh, impl, steps):
 
         return jax.lax.scan(step, h, None, length=steps)[0]
 
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(None, "tp"), P("tp")),
-                                 out_specs=P("tp")))
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(None, "tp"), P("tp")), out_specs=P("tp")))
 
 
 def _scan_inputs(mesh, rng):
@@ -52,11 +52,18 @@ def test_jitter_at_every_signal_keeps_results_exact():
     x = place(mesh, random_array(rng, (8, 2, 24), "bfloat16"), P("tp", "dp"))
     w = place(mesh, random_array(rng, (24, 32), "bfloat16"), P(None, "tp"))
     body = functools.partial(flux_jax.ag_matmul, axis_name="tp", impl="fused")
-    reference = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp", "dp"), P(None, "tp")),
-                                      out_specs=P(None, "dp", "tp")))(x, w)
+    reference = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P("tp", "dp"), P(None, "tp")), out_specs=P(None, "dp", "tp"))
+    )(x, w)
     with flux_jax.config(debug_jitter_us=300):
-        f = jax.jit(jax.shard_map(lambda x, w: body(x, w) + 0, mesh=mesh,
-                                  in_specs=(P("tp", "dp"), P(None, "tp")), out_specs=P(None, "dp", "tp")))
+        f = jax.jit(
+            jax.shard_map(
+                lambda x, w: body(x, w) + 0,
+                mesh=mesh,
+                in_specs=(P("tp", "dp"), P(None, "tp")),
+                out_specs=P(None, "dp", "tp"),
+            )
+        )
         for _ in range(5):
             np.testing.assert_array_equal(np.asarray(f(x, w)), np.asarray(reference))
 
@@ -75,8 +82,11 @@ def test_independent_calls_that_xla_may_run_concurrently():
 
     results = {}
     for impl in ("fused", "xla"):
-        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"),) + (P(None, "tp"),) * 4,
-                                  out_specs=(P(None, "tp"), P("tp"))))
+        f = jax.jit(
+            jax.shard_map(
+                body, mesh=mesh, in_specs=(P("tp"),) + (P(None, "tp"),) * 4, out_specs=(P(None, "tp"), P("tp"))
+            )
+        )
         xs = place(mesh, x, P("tp"))
         wss = [place(mesh, w, P(None, "tp")) for w in ws]
         results[impl] = [f(xs, *wss) for _ in range(3)]
@@ -95,8 +105,9 @@ def test_bitwise_deterministic_across_runs(op):
     else:
         fn, specs, out = flux_jax.matmul_rs, (P(None, "tp"), P("tp")), P("tp")
         x, w = random_array(rng, (32, 64), "bfloat16"), random_array(rng, (64, 64), "bfloat16")
-    f = jax.jit(jax.shard_map(functools.partial(fn, axis_name="tp", impl="fused"), mesh=mesh,
-                              in_specs=specs, out_specs=out))
+    f = jax.jit(
+        jax.shard_map(functools.partial(fn, axis_name="tp", impl="fused"), mesh=mesh, in_specs=specs, out_specs=out)
+    )
     xs, ws = place(mesh, x, specs[0]), place(mesh, w, specs[1])
     first = np.asarray(f(xs, ws))
     for _ in range(3):
@@ -114,17 +125,22 @@ def test_missing_peer_times_out_with_diagnostic_then_reset_recovers(op):
     x = place(mesh, random_array(rng, (16, 16), "float32"), specs[0])
     w = place(mesh, random_array(rng, (16, 16), "float32"), specs[1])
     with flux_jax.config(timeout_s=0.3, debug_drop_rank=3):
-        f = jax.jit(jax.shard_map(functools.partial(fn, axis_name="tp", impl="fused"), mesh=mesh,
-                                  in_specs=specs, out_specs=out))
-        with pytest.raises(Exception, match=r"timed out after 0.3 s waiting for chunk \d+ from rank 3 \(epoch 1") as err:
+        f = jax.jit(
+            jax.shard_map(functools.partial(fn, axis_name="tp", impl="fused"), mesh=mesh, in_specs=specs, out_specs=out)
+        )
+        with pytest.raises(
+            Exception, match=r"timed out after 0.3 s waiting for chunk \d+ from rank 3 \(epoch 1"
+        ) as err:
             np.asarray(f(x, w))
         assert "TP group 0 [devices 0,1,2,3,4,5,6,7]" in str(err.value)
         # The channel is now failed: the same program fails fast, without waiting again.
         with pytest.raises(Exception, match="failed earlier"):
             np.asarray(f(x, w))
     flux_jax.reset()
-    good = jax.jit(jax.shard_map(functools.partial(fn, axis_name="tp", impl="fused"), mesh=mesh,
-                                 in_specs=specs, out_specs=out))
-    twin = jax.jit(jax.shard_map(functools.partial(fn, axis_name="tp", impl="xla"), mesh=mesh,
-                                 in_specs=specs, out_specs=out))
+    good = jax.jit(
+        jax.shard_map(functools.partial(fn, axis_name="tp", impl="fused"), mesh=mesh, in_specs=specs, out_specs=out)
+    )
+    twin = jax.jit(
+        jax.shard_map(functools.partial(fn, axis_name="tp", impl="xla"), mesh=mesh, in_specs=specs, out_specs=out)
+    )
     np.testing.assert_allclose(np.asarray(good(x, w)), np.asarray(twin(x, w)), rtol=1e-5, atol=1e-5)

@@ -42,8 +42,11 @@ def test_waits_for_every_process_then_moves_to_the_next_generation(store):
 
 def test_a_missing_process_is_named_and_nothing_moves_until_it_comes(store):
     store.data["flux_jax/v1/reset/1/1"] = "1"
-    with pytest.raises(RuntimeError, match=r"process 2 did not call flux_jax.reset\(\) within 0.2 s.*"
-                                           r"every process must call it.*generation 1"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"process 2 did not call flux_jax.reset\(\) within 0.2 s.*"
+        r"every process must call it.*generation 1",
+    ):
         _distributed.reset_barrier(0.2)
     assert _distributed._reset_generation == 0
     store.data["flux_jax/v1/reset/1/2"] = "1"  # process 2 arrives; this process calls reset() again

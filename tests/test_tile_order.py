@@ -33,7 +33,7 @@ def test_groups_sweep_n_and_start_at_the_rotated_rows(tiles_m, tiles_n, group):
     assert tiles[0] == (rotate, 0)  # rank r's first tile is its own first row tile
     for start in range(0, tiles_m, group):
         rows = min(group, tiles_m - start)
-        block = tiles[start * tiles_n:(start + rows) * tiles_n]
+        block = tiles[start * tiles_n : (start + rows) * tiles_n]
         expected_rows = {(start + i + rotate) % tiles_m for i in range(rows)}
         assert {m for m, _ in block} == expected_rows  # one group of row tiles at a time
         assert [n for _, n in block] == [i // rows for i in range(rows * tiles_n)]  # column by column
@@ -63,7 +63,7 @@ def test_clusters_cover_every_padded_tile_once_and_share_n(tiles_m, tiles_n, gro
         tiles = clustered(tiles_m, tiles_n, group, rotate, cluster_m)
         assert sorted(tiles) == [(m, n) for m in range(padded) for n in range(tiles_n)]
         for i in range(0, len(tiles), cluster_m):
-            cluster = tiles[i:i + cluster_m]
+            cluster = tiles[i : i + cluster_m]
             assert len({n for _, n in cluster}) == 1
             assert [m for m, _ in cluster] == list(range(cluster[0][0], cluster[0][0] + cluster_m))
             assert cluster[0][0] % cluster_m == 0

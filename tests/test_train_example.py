@@ -16,8 +16,24 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_transformer.py"
-TINY = ["--layers", "1", "--hidden", "32", "--heads", "4", "--kv-heads", "4", "--ffn", "64",
-        "--seq", "16", "--batch", "4", "--sample-chars", "0"]
+TINY = [
+    "--layers",
+    "1",
+    "--hidden",
+    "32",
+    "--heads",
+    "4",
+    "--kv-heads",
+    "4",
+    "--ffn",
+    "64",
+    "--seq",
+    "16",
+    "--batch",
+    "4",
+    "--sample-chars",
+    "0",
+]
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +41,7 @@ def example():
     sys.path.insert(0, str(EXAMPLE.parent))
     try:
         import train_transformer
+
         yield train_transformer
     finally:
         sys.path.remove(str(EXAMPLE.parent))
@@ -43,8 +60,9 @@ def test_fused_and_xla_give_the_same_losses(example, tmp_path):
 
 def test_without_sequence_parallelism_fused_and_xla_give_the_same_losses(example, tmp_path):
     """--no-sequence-parallel: column_matmul / matmul_ar projections, any sequence length."""
-    summary = example.main([*TINY, "--seq", "15", "--steps", "8", "--compare", "--no-sequence-parallel",
-                            "--out", str(tmp_path)])
+    summary = example.main(
+        [*TINY, "--seq", "15", "--steps", "8", "--compare", "--no-sequence-parallel", "--out", str(tmp_path)]
+    )
     assert summary["config"]["sequence_parallel"] is False
     fused, xla = summary["runs"]["fused"]["losses"], summary["runs"]["xla"]["losses"]
     assert len(fused) == len(xla) == 8
@@ -71,8 +89,13 @@ def test_cpu_default_command_runs_end_to_end(tmp_path):
     """The README's main command with its CPU defaults (mesh, impl), reduced in size."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the example sets up 8 devices itself
     env["JAX_PLATFORMS"] = "cpu"
-    out = subprocess.run([sys.executable, str(EXAMPLE), *TINY, "--steps", "8", "--out", str(tmp_path)],
-                         capture_output=True, text=True, env=env, timeout=300)
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLE), *TINY, "--steps", "8", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "8/8" in out.stderr  # the progress bar
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -102,16 +125,19 @@ def test_stopped_run_resumes_with_identical_losses(example, tmp_path):
         example.main([*common, "--ckpt-dir", ckpt, "--out", str(tmp_path / "e")])
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--heads", "6", "--kv-heads", "2"], "heads=6 is not divisible by tp=4"),
-    (["--hidden", "30"], "hidden=30 is not divisible by tp=4"),
-    (["--seq", "18"], "seq=18 is not divisible by tp=4"),
-    (["--batch", "3"], "batch=3 is not divisible by the data-parallel size 2"),
-    (["--dp", "4"], "only 8 cpu devices"),
-    (["--flux-config", "gpu_tile_n=100"], "--flux-config: GpuTuning.tile_n must be"),
-    (["--flux-config", "gpu_tile_n"], "--flux-config: expected name=value"),
-    (["--flux-config", "no_such_field=1"], "no_such_field"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--heads", "6", "--kv-heads", "2"], "heads=6 is not divisible by tp=4"),
+        (["--hidden", "30"], "hidden=30 is not divisible by tp=4"),
+        (["--seq", "18"], "seq=18 is not divisible by tp=4"),
+        (["--batch", "3"], "batch=3 is not divisible by the data-parallel size 2"),
+        (["--dp", "4"], "only 8 cpu devices"),
+        (["--flux-config", "gpu_tile_n=100"], "--flux-config: GpuTuning.tile_n must be"),
+        (["--flux-config", "gpu_tile_n"], "--flux-config: expected name=value"),
+        (["--flux-config", "no_such_field=1"], "no_such_field"),
+    ],
+)
 def test_shapes_that_cannot_shard_are_usage_errors(example, capsys, flags, message):
     with pytest.raises(SystemExit) as exit_info:
         example.main([*TINY, *flags, "--steps", "1"])
@@ -130,18 +156,41 @@ def test_two_processes_train_like_one(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"
     run = [*TINY, "--steps", "6"]
-    procs = [subprocess.Popen([sys.executable, str(EXAMPLE), *run, "--coordinator", f"127.0.0.1:{port}",
-                               "--num-processes", "2", "--process-id", str(i), "--out", str(tmp_path / f"p{i}")],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-             for i in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(EXAMPLE),
+                *run,
+                "--coordinator",
+                f"127.0.0.1:{port}",
+                "--num-processes",
+                "2",
+                "--process-id",
+                str(i),
+                "--out",
+                str(tmp_path / f"p{i}"),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for i in (0, 1)
+    ]
     logs = [p.communicate(timeout=300)[0] for p in procs]
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-3000:]
     assert not (tmp_path / "p1").exists()
     multi = json.loads((tmp_path / "p0" / "summary.json").read_text())
     assert multi["config"]["devices"] == 8
-    single = subprocess.run([sys.executable, str(EXAMPLE), *run, "--out", str(tmp_path / "single")],
-                            capture_output=True, text=True, env=env, timeout=300)
+    single = subprocess.run(
+        [sys.executable, str(EXAMPLE), *run, "--out", str(tmp_path / "single")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert single.returncode == 0, single.stdout + single.stderr
     want = json.loads((tmp_path / "single" / "summary.json").read_text())["runs"]["fused"]["losses"]
     got = multi["runs"]["fused"]["losses"]
@@ -158,13 +207,19 @@ def test_profile_summary_sorts_kernels_into_categories(example, tmp_path):
     from training.profile import StepTracer, category, summarize
 
     gpu, host = 7, 8
-    events = [{"ph": "M", "name": "process_name", "pid": gpu, "args": {"name": "/device:GPU:0"}},
-              {"ph": "M", "name": "process_name", "pid": host, "args": {"name": "/host:CPU"}}]
+    events = [
+        {"ph": "M", "name": "process_name", "pid": gpu, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "process_name", "pid": host, "args": {"name": "/host:CPU"}},
+    ]
     t = 0.0
     for _ in range(2):  # per step: our GEMM 300 us, XLA's GEMM 200, NCCL 100 (overlapping), a copy
-        for name, dur, gap in [("_ZN7cutlass13device_kernelIN8flux_jax4cuda5Gated", 300, 10),
-                               ("ncclDevKernel_ReduceScatter", 100, -100), ("nvjet_sm90_tst_256x128", 200, 0),
-                               ("loop_add_fusion", 50, 40), ("MemcpyP2P", 20, 0)]:
+        for name, dur, gap in [
+            ("_ZN7cutlass13device_kernelIN8flux_jax4cuda5Gated", 300, 10),
+            ("ncclDevKernel_ReduceScatter", 100, -100),
+            ("nvjet_sm90_tst_256x128", 200, 0),
+            ("loop_add_fusion", 50, 40),
+            ("MemcpyP2P", 20, 0),
+        ]:
             events.append({"ph": "X", "pid": gpu, "name": name, "ts": t, "dur": dur})
             t += dur + gap
         events.append({"ph": "X", "pid": host, "name": "PjitFunction(train_step)", "ts": 0.0, "dur": 5.0})

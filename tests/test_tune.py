@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_matches, cpu_mesh, place, random_array, to64
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -24,6 +23,8 @@ import flux_jax
 import flux_jax.tune
 from flux_jax import _auto_rule, _plan, _tuning
 from flux_jax.tune import _table
+
+from helpers import assert_matches, cpu_mesh, place, random_array, to64
 
 SHAPES = "ag_matmul:64x32x64,matmul_rs:64x64x32"
 FAST = ["--allow-cpu", "--repeats", "1", "--target-ms", "5"]
@@ -55,8 +56,9 @@ def _auto_fn(op, mesh, impl="auto"):
     else:
         specs, body = (P(None, "tp"), P("tp", None)), flux_jax.matmul_rs
         out_spec = P("tp", None)
-    fn = jax.shard_map(functools.partial(body, axis_name="tp", impl=impl), mesh=mesh, in_specs=specs,
-                       out_specs=out_spec)
+    fn = jax.shard_map(
+        functools.partial(body, axis_name="tp", impl=impl), mesh=mesh, in_specs=specs, out_specs=out_spec
+    )
     return jax.jit(fn), specs, fn
 
 
@@ -72,8 +74,19 @@ def _rewritten(src: pathlib.Path, dst: pathlib.Path, path: str) -> str:
 def test_help_names_every_input_and_the_docs():
     rc, out, _ = _tool("--help")
     assert rc == 0
-    for flag in ("--model", "--shapes", "--from", "--tp", "--dtype", "--out", "--budget-minutes", "--allow-cpu",
-                 "llama3-8b", "docs/tuning.md", "XDG_CACHE_HOME"):
+    for flag in (
+        "--model",
+        "--shapes",
+        "--from",
+        "--tp",
+        "--dtype",
+        "--out",
+        "--budget-minutes",
+        "--allow-cpu",
+        "llama3-8b",
+        "docs/tuning.md",
+        "XDG_CACHE_HOME",
+    ):
         assert flag in out, flag
 
 
@@ -158,8 +171,19 @@ def test_auto_follows_a_table_that_prefers_fused_or_the_twin(measured, tmp_path,
 def test_budget_stops_cleanly_and_a_rerun_continues(tmp_path):
     path = tmp_path / "budget.json"
     shapes = "ag_matmul:64x32x64,ag_matmul:512x32x64,matmul_rs:64x64x32"
-    argv = ("--shapes", shapes, "--tp", "2", "--dtype", "float32", "--budget-minutes", "0.0001", "--out", str(path),
-            *FAST)
+    argv = (
+        "--shapes",
+        shapes,
+        "--tp",
+        "2",
+        "--dtype",
+        "float32",
+        "--budget-minutes",
+        "0.0001",
+        "--out",
+        str(path),
+        *FAST,
+    )
     rc, out, err = _tool(*argv)
     assert rc == 0, err
     assert "budget of 0.0001 min reached" in out and "re-run the same command" in out, out
@@ -194,17 +218,29 @@ def _plan_cpu(rows, table, op="ag_matmul", impl="auto"):
 
 
 def test_between_measured_points_auto_interpolates_only_where_the_neighbours_agree(tmp_path):
-    agree = _write(tmp_path, [_entry(256, "overlap", {"overlap": 1.3}), _entry(1024, "overlap", {"overlap": 1.2})],
-                   name="agree.json")
+    agree = _write(
+        tmp_path,
+        [_entry(256, "overlap", {"overlap": 1.3}), _entry(1024, "overlap", {"overlap": 1.2})],
+        name="agree.json",
+    )
     plan = _plan_cpu(512, agree)
     assert plan.path == "overlap" and "between measured points that agree" in plan.reason
-    disagree = _write(tmp_path, [_entry(256, "overlap", {"overlap": 1.3}), _entry(1024, "twin", {"overlap": 0.9})],
-                      name="disagree.json")
+    disagree = _write(
+        tmp_path,
+        [_entry(256, "overlap", {"overlap": 1.3}), _entry(1024, "twin", {"overlap": 0.9})],
+        name="disagree.json",
+    )
     plan = _plan_cpu(512, disagree)
     assert plan.path == "twin" and "disagree" in plan.reason, plan
     assert _plan_cpu(512, disagree, impl="fused").path == "overlap"  # impl="fused": the best fused path
-    both_beat = _write(tmp_path, [_entry(256, "overlap", {"overlap": 1.3, "latency": 1.1}),
-                                  _entry(1024, "latency", {"overlap": 0.9, "latency": 1.2})], name="both.json")
+    both_beat = _write(
+        tmp_path,
+        [
+            _entry(256, "overlap", {"overlap": 1.3, "latency": 1.1}),
+            _entry(1024, "latency", {"overlap": 0.9, "latency": 1.2}),
+        ],
+        name="both.json",
+    )
     plan = _plan_cpu(512, both_beat)
     assert plan.path == "latency" and "beat the twin at both" in plan.reason, plan
     # Far from every measured point the table says nothing: CPU calls keep the CPU default.
@@ -241,8 +277,12 @@ def test_gpu_tables_in_order_config_then_user_cache_then_built_in(tmp_path, monk
         assert f"decided by tuning table {explicit}" in flux_jax.explain_auto("ag_matmul", 4096, 8192, 8192, 2)
     # A table of another GPU kind is not this GPU's: the next one decides.
     other = _tuning.Device("Other GPU", "gpu", 132, 300.0, 10.0)
-    foreign = _write(tmp_path, [_table.make_entry(other, 2, 2, "bfloat16", "ag_matmul", 4096, 8192, 4096,
-                                                  {"latency": 1.3})], other, "foreign.json")
+    foreign = _write(
+        tmp_path,
+        [_table.make_entry(other, 2, 2, "bfloat16", "ag_matmul", 4096, 8192, 4096, {"latency": 1.3})],
+        other,
+        "foreign.json",
+    )
     assert plan(flux_jax.Config(tuning=foreign)).decided_by == f"tuning table {cached}"
     # TP sizes no table has measured take the twin, and say so.
     problem = _plan.Problem("ag_matmul", 4096, 8192, 4096, np.dtype(jnp.bfloat16), 4, "cuda")
@@ -264,7 +304,9 @@ def test_table_errors_are_clear(tmp_path):
     fails("[]", "not a flux_jax tuning table")
     fails(json.dumps(dict(good, schema_version=99)), r"schema version 99; this flux_jax reads version 1")
     fails(json.dumps(dict(good, entries=[dict(good["entries"][0], path="fastest")])), r"entry 0: field 'path'")
-    fails(json.dumps(dict(good, entries=[dict(good["entries"][0], device_kind="TPU")])), "is not in the table's devices")
+    fails(
+        json.dumps(dict(good, entries=[dict(good["entries"][0], device_kind="TPU")])), "is not in the table's devices"
+    )
     entry = dict(good["entries"][0], shape_class=dict(good["entries"][0]["shape_class"], log2_flop=1.0))
     fails(json.dumps(dict(good, entries=[entry])), "does not match its shape")
     fails(json.dumps(dict(good, entries=[good["entries"][0]] * 2)), "a second entry")
@@ -281,8 +323,9 @@ def test_table_errors_are_clear(tmp_path):
 
 def test_only_the_planner_calls_the_table_lookup():
     package = pathlib.Path(flux_jax.__file__).parent
-    callers = {str(f.relative_to(package)) for f in package.rglob("*.py")
-               if re.search(r"(?<!def )\blookup\(", f.read_text())}
+    callers = {
+        str(f.relative_to(package)) for f in package.rglob("*.py") if re.search(r"(?<!def )\blookup\(", f.read_text())
+    }
     assert callers == {"_plan.py"}, callers
 
 
@@ -291,13 +334,19 @@ def test_built_in_table_is_the_rule_points_written_by_the_tool():
     assert shipped.is_file()  # package data (pyproject's wheel.packages ships flux_jax/ whole)
     device, entries = _auto_rule.entries()
     assert shipped.read_text() == _tuning.dumps(_table.merged(None, device, entries)), (
-        "flux_jax/_tuning/h200_tp2.json is stale: python -m flux_jax._auto_rule rewrites it")
+        "flux_jax/_tuning/h200_tp2.json is stale: python -m flux_jax._auto_rule rewrites it"
+    )
     table = _tuning.builtin()
     assert table.builtin and {e.dtype for e in table.entries} == {"bfloat16", "float16"}
     assert not any(e.path == "decode" for e in table.entries if e.dtype == "float16")
     # Every listed point keeps the rule's choice when the planner reads the table.
     for op, rows, k, n, path, _, _ in _auto_rule.POINTS:
-        assert _auto_rule.choose(op, 2, rows, k, n, jnp.bfloat16) == ("xla" if path == "twin" else path), (op, rows, k, n)
+        assert _auto_rule.choose(op, 2, rows, k, n, jnp.bfloat16) == ("xla" if path == "twin" else path), (
+            op,
+            rows,
+            k,
+            n,
+        )
     problem = _plan.Problem("ag_matmul", 4096, 8192, 4096, np.dtype(jnp.bfloat16), 2, "cuda")
     assert _plan.plan(problem, "auto", flux_jax.Config(), on_hopper=True).decided_by == _tuning.BUILTIN_SOURCE
 
@@ -310,13 +359,17 @@ def test_shape_class_follows_waves_on_the_gpu_sm_count():
     fewer_sms = _tuning.shape_class("ag_matmul", 192, 4096, 3200, "bfloat16", 2, h200, sms=114)
     assert fewer_sms.decode_waves > 1.0 and fewer_sms.log2_waves > fits.log2_waves
     # Rows below one 64-row MMA tile do the same GEMM work.
-    assert _tuning.shape_class("matmul_rs", 8, 2048, 4096, "bfloat16", 2, h200).log2_flop == \
-        _tuning.shape_class("matmul_rs", 64, 2048, 4096, "bfloat16", 2, h200).log2_flop
+    assert (
+        _tuning.shape_class("matmul_rs", 8, 2048, 4096, "bfloat16", 2, h200).log2_flop
+        == _tuning.shape_class("matmul_rs", 64, 2048, 4096, "bfloat16", 2, h200).log2_flop
+    )
     # A faster link makes the same bytes a shorter transfer.
     fast = dataclasses_replace(h200, link_gbps=2 * h200.link_gbps, link_latency_us=0.0)
     slow = dataclasses_replace(h200, link_latency_us=0.0)
-    assert _tuning.shape_class("ag_matmul", 8192, 8192, 4096, "bfloat16", 2, fast).log2_transfer_us == \
-        _tuning.shape_class("ag_matmul", 8192, 8192, 4096, "bfloat16", 2, slow).log2_transfer_us - 1
+    assert (
+        _tuning.shape_class("ag_matmul", 8192, 8192, 4096, "bfloat16", 2, fast).log2_transfer_us
+        == _tuning.shape_class("ag_matmul", 8192, 8192, 4096, "bfloat16", 2, slow).log2_transfer_us - 1
+    )
 
 
 def dataclasses_replace(obj, **kw):
@@ -340,7 +393,9 @@ def _block():
 def test_shapes_of_a_function_and_of_a_model_preset():
     shapes = flux_jax.tune.function_shapes(_block)
     assert [(s.op, s.M, s.K, s.N, s.tp, s.dtype) for s in shapes] == [
-        ("ag_matmul", 64, 32, 128, 4, "bfloat16"), ("matmul_rs", 64, 128, 32, 4, "bfloat16")]
+        ("ag_matmul", 64, 32, 128, 4, "bfloat16"),
+        ("matmul_rs", 64, 128, 32, 4, "bfloat16"),
+    ]
     from benchmarks.presets import _llama_layers
 
     ours = [(op, k, n) for op, k, n, _ in flux_jax.tune._models.layers("llama3-8b")]

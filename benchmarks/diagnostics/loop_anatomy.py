@@ -24,13 +24,12 @@ sys.path.insert(0, _ROOT)
 sys.path.insert(0, os.path.join(_ROOT, "examples"))
 
 import jax  # noqa: E402
+from training.profile import load_trace, union_length  # noqa: E402  (the training example's trace reader)
 
 import flux_jax  # noqa: E402
-from flux_jax._config import parse_overrides  # noqa: E402
-
 from benchmarks import timing, variants  # noqa: E402
 from benchmarks.presets import Case, case_from_text  # noqa: E402
-from training.profile import load_trace, union_length  # noqa: E402  (the training example's trace reader)
+from flux_jax._config import parse_overrides  # noqa: E402
 
 
 def read_trace(trace_dir: str, calls: int) -> dict:
@@ -69,16 +68,25 @@ def read_trace(trace_dir: str, calls: int) -> dict:
             anchor = next((e["name"] for e in ordered if abs(counts[e["name"]] - calls) <= 1), None)
             starts = [i for i, e in enumerate(ordered) if e["name"] == anchor]
             k = len(starts) // 2
-            window = ordered[starts[k]:starts[k + 1]] if len(starts) > k + 1 else []
+            window = ordered[starts[k] : starts[k + 1]] if len(starts) > k + 1 else []
             origin = window[0]["ts"] if window else 0
-            timeline = [{"name": e["name"][:48], "stream": e.get("tid"), "start_us": round(e["ts"] - origin, 2),
-                         "dur_us": round(e["dur"], 2)} for e in window]
+            timeline = [
+                {
+                    "name": e["name"][:48],
+                    "stream": e.get("tid"),
+                    "start_us": round(e["ts"] - origin, 2),
+                    "dur_us": round(e["dur"], 2),
+                }
+                for e in window
+            ]
             result["devices"][pname] = {
                 "timeline": timeline,
                 # Copy-engine operations (the overlap path's pushes): they overlap kernels, so
                 # they are not in busy.
-                "copies": [{"name": n, "per_call": round(len(d) / calls, 2), "mean_us": round(sum(d) / len(d), 2)}
-                           for n, d in copies.items()],
+                "copies": [
+                    {"name": n, "per_call": round(len(d) / calls, 2), "mean_us": round(sum(d) / len(d), 2)}
+                    for n, d in copies.items()
+                ],
                 "events": len(kernels),
                 "per_call_us": round((stop - start) / calls, 2),
                 "busy_per_call_us": round(busy / calls, 2),
@@ -104,20 +112,32 @@ def read_trace(trace_dir: str, calls: int) -> dict:
 def summary_line(row: dict) -> str:
     dev = next(iter(row.get("devices", {}).values()), {})
     kernels = "; ".join(f"{k['name'][:40]} x{k['count']} {k['mean_us']}us" for k in dev.get("kernels", [])[:4])
-    copies = "; ".join(f"{c['name']} x{c['per_call']}/call {c['mean_us']}us"
-                       for c in dev.get("copies", []))
+    copies = "; ".join(f"{c['name']} x{c['per_call']}/call {c['mean_us']}us" for c in dev.get("copies", []))
     copies = f"| copies {copies}" if copies else ""
     host = row.get("host_loop_per_call_us")
     if host and dev.get("per_call_us") and host >= 0.9 * dev["per_call_us"]:
-        copies += (f" | HOST-BOUND UNDER THE PROFILER (host {host} us per call per device thread): the trace's "
-                   "gaps and late starts are profiler overhead, compare with loop_us")
-    return (f"ANATOMY {row['case']:>18} {row['variant']:>14} {row.get('config', '')} loop {row.get('loop_us', '-')} us | trace/call "
-            f"{dev.get('per_call_us')} busy {dev.get('busy_per_call_us')} gap {dev.get('gap_per_call_us')} | "
-            f"{kernels} {copies} {row.get('error', '')}")
+        copies += (
+            f" | HOST-BOUND UNDER THE PROFILER (host {host} us per call per device thread): the trace's "
+            "gaps and late starts are profiler overhead, compare with loop_us"
+        )
+    return (
+        f"ANATOMY {row['case']:>18} {row['variant']:>14} {row.get('config', '')} "
+        f"loop {row.get('loop_us', '-')} us | trace/call "
+        f"{dev.get('per_call_us')} busy {dev.get('busy_per_call_us')} gap {dev.get('gap_per_call_us')} | "
+        f"{kernels} {copies} {row.get('error', '')}"
+    )
 
 
-def anatomy(case: Case, names: list[str], calls: int, seed: int, trace: bool = True,
-            label: str = "", grad: bool = False, timeline_lines: bool = False) -> list[dict]:
+def anatomy(
+    case: Case,
+    names: list[str],
+    calls: int,
+    seed: int,
+    trace: bool = True,
+    label: str = "",
+    grad: bool = False,
+    timeline_lines: bool = False,
+) -> list[dict]:
     ctx = variants.case_context(case, seed, grad)  # grad: forward + backward, as the harness's --grad
     if grad:
         label = f"{label} grad".strip()
@@ -146,8 +166,13 @@ def anatomy(case: Case, names: list[str], calls: int, seed: int, trace: bool = T
         print(summary_line(row), flush=True)
         if timeline_lines:
             for dev_name, dev in row.get("devices", {}).items():
-                print(f"TIMELINE {row['case']} {row['variant']} {dev_name[-14:]}: " + " | ".join(
-                    f"{t['name'][:28]}@s{t['stream']} {t['start_us']}+{t['dur_us']}" for t in dev["timeline"]), flush=True)
+                print(
+                    f"TIMELINE {row['case']} {row['variant']} {dev_name[-14:]}: "
+                    + " | ".join(
+                        f"{t['name'][:28]}@s{t['stream']} {t['start_us']}+{t['dur_us']}" for t in dev["timeline"]
+                    ),
+                    flush=True,
+                )
         rows.append(row)
     return rows
 
@@ -159,20 +184,30 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=40)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--config", default="", help="flux_jax.Config fields for every variant, e.g. "
-                    "'gpu_tile_group_m=16'")
+    ap.add_argument("--config", default="", help="flux_jax.Config fields for every variant, e.g. 'gpu_tile_group_m=16'")
     ap.add_argument("--no-trace", action="store_true", help="time the loops only (no profiler run)")
     ap.add_argument("--grad", action="store_true", help="forward + backward steps (the harness's --grad)")
-    ap.add_argument("--timeline", action="store_true", help="print one call's kernels and copies per device "
-                    "(start + duration in us from the call's first event, stream id)")
+    ap.add_argument(
+        "--timeline",
+        action="store_true",
+        help="print one call's kernels and copies per device "
+        "(start + duration in us from the call's first event, stream id)",
+    )
     args = ap.parse_args()
     kw = parse_overrides(args.config)
     rows = []
     with flux_jax.config(**kw):
         for text in args.cases.split(","):
-            rows += anatomy(case_from_text(text, 2, "anatomy"), args.variants.split(","), args.calls, args.seed,
-                            trace=not args.no_trace, label=args.config, grad=args.grad,
-                            timeline_lines=args.timeline)
+            rows += anatomy(
+                case_from_text(text, 2, "anatomy"),
+                args.variants.split(","),
+                args.calls,
+                args.seed,
+                trace=not args.no_trace,
+                label=args.config,
+                grad=args.grad,
+                timeline_lines=args.timeline,
+            )
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"xla_flags": os.environ.get("XLA_FLAGS", ""), "rows": rows}, f, indent=1)

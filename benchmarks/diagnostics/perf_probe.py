@@ -59,8 +59,11 @@ def time_per_call(fn, *args, n1=10, n2=40, repeats=5):
     f2(*args).block_until_ready()
     samples = []
     for _ in range(repeats):
-        t0 = time.perf_counter(); f1(*args).block_until_ready(); t1 = time.perf_counter()
-        f2(*args).block_until_ready(); t2 = time.perf_counter()
+        t0 = time.perf_counter()
+        f1(*args).block_until_ready()
+        t1 = time.perf_counter()
+        f2(*args).block_until_ready()
+        t2 = time.perf_counter()
         samples.append(((t2 - t1) - (t1 - t0)) / (n2 - n1))
     return float(np.median(samples)) * 1e3, float(np.min(samples)) * 1e3, float(np.max(samples)) * 1e3
 
@@ -70,12 +73,11 @@ def main():
     ap.add_argument("--shapes", default="4096x8192x8192,8192x8192x28672,16384x8192x8192,2048x8192x8192,512x8192x8192")
     ap.add_argument("--ops", default="ag,rs")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--configs", default="",
-                    help="extra fused variants, e.g. 'gpu_tile_group_m=16;fused_path=latency'")
-    ap.add_argument("--grad", action="store_true",
-                    help="time forward + backward (dx, dw) instead of the forward alone")
-    ap.add_argument("--gemm-alone", action="store_true",
-                    help="also time flux_jax's GEMM kernel alone (size-1 axis) per config")
+    ap.add_argument("--configs", default="", help="extra fused variants, e.g. 'gpu_tile_group_m=16;fused_path=latency'")
+    ap.add_argument("--grad", action="store_true", help="time forward + backward (dx, dw) instead of the forward alone")
+    ap.add_argument(
+        "--gemm-alone", action="store_true", help="also time flux_jax's GEMM kernel alone (size-1 axis) per config"
+    )
     args = ap.parse_args()
     gpus = [d for d in jax.devices() if d.platform == "gpu"][:2] or jax.devices()[:2]  # CPU: dry run
     mesh = jax.sharding.Mesh(np.array(gpus), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
@@ -106,14 +108,18 @@ def main():
                 variants.append((f"fused[{spec_text}]", "fused", kw))
             for name, impl, kw in variants:
                 with flux_jax.config(**kw):
-                    f = jax.shard_map(functools.partial(fn, axis_name="tp", impl=impl), mesh=mesh,
-                                      in_specs=specs, out_specs=out)
+                    f = jax.shard_map(
+                        functools.partial(fn, axis_name="tp", impl=impl), mesh=mesh, in_specs=specs, out_specs=out
+                    )
                     f = with_grad(f) if args.grad else f
                     res[name] = time_per_call(f, *args_in)
                     res[name + "_out"] = f(*args_in)
             ref = res["xla_out"].astype(jnp.float32)
-            errs = {name: float(jnp.max(jnp.abs(res[name + "_out"].astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref)))
-                    for name, _, _ in variants if name != "xla"}
+            errs = {
+                name: float(jnp.max(jnp.abs(res[name + "_out"].astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref)))
+                for name, _, _ in variants
+                if name != "xla"
+            }
             err = max(errs.values())  # every fused variant against the twin
             g = jax.device_put(jnp.asarray(rng.standard_normal(lshape[0]), jnp.bfloat16), gpus[0])
             gw = jax.device_put(jnp.asarray(rng.standard_normal(lshape[1]) / 64, jnp.bfloat16), gpus[0])
@@ -121,23 +127,42 @@ def main():
             if args.gemm_alone:
                 # flux_jax's GEMM kernel alone: the fused op over a size-1 axis on one GPU.
                 one = jax.sharding.Mesh(np.array(gpus[:1]), ("one",), axis_types=(jax.sharding.AxisType.Auto,))
-                alone = jax.shard_map(functools.partial(fn, axis_name="one", impl="fused"), mesh=one,
-                                      in_specs=(P(), P()), out_specs=P(), check_vma=False)
+                alone = jax.shard_map(
+                    functools.partial(fn, axis_name="one", impl="fused"),
+                    mesh=one,
+                    in_specs=(P(), P()),
+                    out_specs=P(),
+                    check_vma=False,
+                )
                 for name, _, kw in variants:
                     if name == "xla":
                         continue
                     with flux_jax.config(**{"fused_path": "overlap", **kw}):
                         res["gemm_alone_" + name] = time_per_call(alone, g, gw)
-            row = dict(op=op, M=M, K=K, N=N, grad=args.grad, fused_ms=res["fused"][0], xla_ms=res["xla"][0],
-                       gemm_ms=gemm[0], speedup=res["xla"][0] / res["fused"][0], max_rel_err=err,
-                       fused_spread=res["fused"][1:], xla_spread=res["xla"][1:],
-                       variants={k: v[0] for k, v in res.items() if not k.endswith("_out")}, errors=errs)
+            row = dict(
+                op=op,
+                M=M,
+                K=K,
+                N=N,
+                grad=args.grad,
+                fused_ms=res["fused"][0],
+                xla_ms=res["xla"][0],
+                gemm_ms=gemm[0],
+                speedup=res["xla"][0] / res["fused"][0],
+                max_rel_err=err,
+                fused_spread=res["fused"][1:],
+                xla_spread=res["xla"][1:],
+                variants={k: v[0] for k, v in res.items() if not k.endswith("_out")},
+                errors=errs,
+            )
             rows.append(row)
             print(json.dumps(row), flush=True)
     print(f"{'op':3} {'M':>6} {'K':>6} {'N':>6} {'fused':>8} {'xla':>8} {'gemm':>8} {'x':>6} {'err':>8}")
     for r in rows:
-        print(f"{r['op']:3} {r['M']:6d} {r['K']:6d} {r['N']:6d} {r['fused_ms']:8.3f} {r['xla_ms']:8.3f} "
-              f"{r['gemm_ms']:8.3f} {r['speedup']:6.2f} {r['max_rel_err']:8.1e}")
+        print(
+            f"{r['op']:3} {r['M']:6d} {r['K']:6d} {r['N']:6d} {r['fused_ms']:8.3f} {r['xla_ms']:8.3f} "
+            f"{r['gemm_ms']:8.3f} {r['speedup']:6.2f} {r['max_rel_err']:8.1e}"
+        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -24,7 +24,8 @@ class TrainCheckpoints:
         self.every = every
         self.directory = Path(directory).resolve()
         self.manager = ocp.CheckpointManager(
-            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
+        )
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -38,10 +39,13 @@ class TrainCheckpoints:
         not overwrite a good checkpoint (the error names the rank, the peer and the epoch)."""
         errors = flux_jax.device_errors()
         if errors:
-            raise SystemExit("a fused op failed on the GPU; not saving this state:\n" +
-                             "\n".join(f"  device {d}: {msg}" for d, msg in sorted(errors.items())))
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                        meta=ocp.args.JsonSave(meta)), force=True)
+            raise SystemExit(
+                "a fused op failed on the GPU; not saving this state:\n"
+                + "\n".join(f"  device {d}: {msg}" for d, msg in sorted(errors.items()))
+            )
+        self.manager.save(
+            step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True
+        )
 
     def restore(self, like_state: dict) -> tuple[int, dict, dict]:
         """(step, state, meta) of the latest checkpoint; `like_state` gives structure and shardings."""
@@ -49,8 +53,9 @@ class TrainCheckpoints:
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like_state)
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+        restored = self.manager.restore(
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore())
+        )
         return step, restored["state"], restored["meta"]
 
     def close(self) -> None:

@@ -18,9 +18,18 @@ import os
 # First match wins (lower-case substrings of the kernel name). Our GEMM's mangled name carries
 # flux_jax in its template arguments; XLA's GEMMs are nvjet / cuBLAS (xmma) / Triton (gemm_fusion).
 CATEGORIES = (
-    ("flux_jax", "flux"), ("nccl", "nccl"), ("sdpa", "attention"), ("cudnn", "attention"),
-    ("fmha", "attention"), ("flash", "attention"), ("nvjet", "gemm"), ("xmma", "gemm"),
-    ("gemm", "gemm"), ("cutlass", "gemm"), ("memcpy", "copy"), ("memset", "copy"),
+    ("flux_jax", "flux"),
+    ("nccl", "nccl"),
+    ("sdpa", "attention"),
+    ("cudnn", "attention"),
+    ("fmha", "attention"),
+    ("flash", "attention"),
+    ("nvjet", "gemm"),
+    ("xmma", "gemm"),
+    ("gemm", "gemm"),
+    ("cutlass", "gemm"),
+    ("memcpy", "copy"),
+    ("memset", "copy"),
 )
 
 
@@ -50,8 +59,11 @@ def load_trace(trace_dir: str, patterns=("perfetto_trace.json.gz",)) -> tuple[li
     with gzip.open(paths[0], "rt") as f:
         data = json.load(f)
     events = data["traceEvents"] if isinstance(data, dict) else data
-    names = {ev["pid"]: ev.get("args", {}).get("name", str(ev["pid"])) for ev in events
-             if ev.get("ph") == "M" and ev.get("name") == "process_name"}
+    names = {
+        ev["pid"]: ev.get("args", {}).get("name", str(ev["pid"]))
+        for ev in events
+        if ev.get("ph") == "M" and ev.get("name") == "process_name"
+    }
     return events, names
 
 
@@ -81,8 +93,10 @@ def summarize(trace_dir: str, steps: int, top: int = 12) -> dict:
             "span_ms_per_step": ms(span),
             "busy_ms_per_step": ms(union_length([(e["ts"], e["ts"] + e["dur"]) for e in kernels])),
             "ms_per_step": {cat: ms(t) for cat, t in per_cat.most_common()},
-            "top_kernels": [{"name": n, "calls_per_step": round(len(d) / steps, 2), "ms_per_step": ms(sum(d))}
-                            for n, d in sorted(per_kernel.items(), key=lambda kv: -sum(kv[1]))[:top]],
+            "top_kernels": [
+                {"name": n, "calls_per_step": round(len(d) / steps, 2), "ms_per_step": ms(sum(d))}
+                for n, d in sorted(per_kernel.items(), key=lambda kv: -sum(kv[1]))[:top]
+            ],
         }
     return {"steps": steps, "devices": devices}
 
@@ -94,8 +108,10 @@ def describe(summary: dict) -> str:
     lines = []
     for name, d in summary["devices"].items():
         cats = ", ".join(f"{cat} {t:.2f}" for cat, t in d["ms_per_step"].items())
-        lines.append(f"  profile {name}: span {d['span_ms_per_step']:.2f} ms/step, busy "
-                     f"{d['busy_ms_per_step']:.2f}; kernels by category (ms/step): {cats}")
+        lines.append(
+            f"  profile {name}: span {d['span_ms_per_step']:.2f} ms/step, busy "
+            f"{d['busy_ms_per_step']:.2f}; kernels by category (ms/step): {cats}"
+        )
     return "\n".join(lines)
 
 

@@ -28,8 +28,10 @@ class ProgressBar:
         eta = elapsed / done * (self.total - step) if done else 0.0
         filled = int(self.width * step / max(self.total, 1))
         bar = "#" * filled + "." * (self.width - filled)
-        line = (f"{self.desc}[{bar}] {step}/{self.total}  loss {loss:.4f}  "
-                f"{tokens_per_s / 1e3:,.1f}k tok/s  {_clock(elapsed)}<{_clock(eta)}")
+        line = (
+            f"{self.desc}[{bar}] {step}/{self.total}  loss {loss:.4f}  "
+            f"{tokens_per_s / 1e3:,.1f}k tok/s  {_clock(elapsed)}<{_clock(eta)}"
+        )
         if self.interactive:
             self.stream.write("\r" + line)
         elif step == self.total or step - self._last_printed >= max(self.total // 10, 1):

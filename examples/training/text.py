@@ -13,8 +13,24 @@ from __future__ import annotations
 
 import numpy as np
 
-NOUNS = ["cat", "dog", "bird", "fox", "horse", "ball", "tree", "house", "river", "ship",
-         "king", "queen", "child", "robot", "lamp", "book"]
+NOUNS = [
+    "cat",
+    "dog",
+    "bird",
+    "fox",
+    "horse",
+    "ball",
+    "tree",
+    "house",
+    "river",
+    "ship",
+    "king",
+    "queen",
+    "child",
+    "robot",
+    "lamp",
+    "book",
+]
 PLURALS = {"fox": "foxes", "child": "children"}
 VERBS = ["chase", "see", "like", "find", "push", "watch", "follow", "draw", "help", "carry"]
 THIRD_PERSON = {"push": "pushes", "watch": "watches", "carry": "carries"}

@@ -76,8 +76,12 @@ class Device:
     link_latency_us: float  # the time of the smallest all-gather the tool measured, us
 
     def to_json(self) -> dict:
-        return {"platform": self.platform, "sms": self.sms, "link_gbps": round(self.link_gbps, 3),
-                "link_latency_us": round(self.link_latency_us, 3)}
+        return {
+            "platform": self.platform,
+            "sms": self.sms,
+            "link_gbps": round(self.link_gbps, 3),
+            "link_latency_us": round(self.link_latency_us, 3),
+        }
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -96,8 +100,10 @@ class ShapeClass:
         return dataclasses.asdict(self)
 
     def describe(self) -> str:
-        return (f"2^{self.log2_flop:g} flop, 2^{self.log2_transfer_us:g} us of transfer, "
-                f"2^{self.log2_waves:g} waves, {self.decode_waves:g} decode waves")
+        return (
+            f"2^{self.log2_flop:g} flop, 2^{self.log2_transfer_us:g} us of transfer, "
+            f"2^{self.log2_waves:g} waves, {self.decode_waves:g} decode waves"
+        )
 
 
 def _round_log2(value: float) -> float:
@@ -117,7 +123,9 @@ def moved_bytes(op: str, rows: int, k: int, n: int, dtype, tp: int) -> float:
     return share * n * (2 if op == "matmul_ar" else 1)
 
 
-def shape_class(op: str, rows: int, k: int, n: int, dtype, tp: int, device: Device, sms: int | None = None) -> ShapeClass:
+def shape_class(
+    op: str, rows: int, k: int, n: int, dtype, tp: int, device: Device, sms: int | None = None
+) -> ShapeClass:
     """The shape class of a per-rank GEMM (`rows` x `k` x `n`, as flux_jax/_plan.Problem counts
     them) on `device` (with `sms` SMs where given: this GPU's count, not the table's)."""
     sms = sms or device.sms
@@ -163,10 +171,17 @@ class Entry:
 
     def to_json(self) -> dict:
         rows, k, n = self.shape
-        out = {"device_kind": self.device_kind, "gpu_count": self.gpu_count, "tp": self.tp,
-               "dtype": self.dtype, "op": self.op, "shape_class": self.shape_class.to_json(),
-               "shape": {"rows": rows, "k": k, "n": n}, "path": self.path,
-               "speedup": {p: round(s, 4) for p, s in sorted(self.speedup.items())}}
+        out = {
+            "device_kind": self.device_kind,
+            "gpu_count": self.gpu_count,
+            "tp": self.tp,
+            "dtype": self.dtype,
+            "op": self.op,
+            "shape_class": self.shape_class.to_json(),
+            "shape": {"rows": rows, "k": k, "n": n},
+            "path": self.path,
+            "speedup": {p: round(s, 4) for p, s in sorted(self.speedup.items())},
+        }
         if self.note:
             out["note"] = self.note
         return out
@@ -187,8 +202,7 @@ class Table:
             "format": FORMAT,
             "schema_version": SCHEMA_VERSION,
             "devices": {kind: d.to_json() for kind, d in sorted(self.devices.items())},
-            "entries": [dict(e.to_json(), **self.extra.get(e.key, {}))
-                        for e in sorted(self.entries, key=_entry_order)],
+            "entries": [dict(e.to_json(), **self.extra.get(e.key, {})) for e in sorted(self.entries, key=_entry_order)],
         }
 
 
@@ -201,8 +215,9 @@ def _entry_order(e: Entry):
 
 
 def _fail(where: str, why: str):
-    raise TuningTableError(f"flux_jax tuning table {where}: {why} (format: docs/tuning.md; "
-                           "python -m flux_jax.tune writes a valid one)")
+    raise TuningTableError(
+        f"flux_jax tuning table {where}: {why} (format: docs/tuning.md; python -m flux_jax.tune writes a valid one)"
+    )
 
 
 def _field(where: str, obj: dict, name: str, kind, check=None, what: str = ""):
@@ -224,8 +239,11 @@ def parse(data, where: str, *, builtin: bool = False) -> Table:
         _fail(where, f'not a flux_jax tuning table (expected a JSON object with "format": "{FORMAT}")')
     version = data.get("schema_version")
     if version != SCHEMA_VERSION:
-        _fail(where, f"schema version {version!r}; this flux_jax reads version {SCHEMA_VERSION} "
-                     "(re-run python -m flux_jax.tune to measure again)")
+        _fail(
+            where,
+            f"schema version {version!r}; this flux_jax reads version {SCHEMA_VERSION} "
+            "(re-run python -m flux_jax.tune to measure again)",
+        )
     raw_devices = _field(where, data, "devices", dict, what="an object of device kinds")
     devices = {}
     for kind, d in raw_devices.items():
@@ -263,12 +281,19 @@ def parse(data, where: str, *, builtin: bool = False) -> Table:
             raw_class = _field(at, e, "shape_class", dict, what="an object")
             stored = {f.name: _field(at, raw_class, f.name, _NUMBER) for f in dataclasses.fields(ShapeClass)}
             if ShapeClass(**stored) != computed:
-                _fail(at, f"shape_class {raw_class} does not match its shape on {kind!r}: "
-                          f"{computed.to_json()} (leave the field out to have it computed)")
+                _fail(
+                    at,
+                    f"shape_class {raw_class} does not match its shape on {kind!r}: "
+                    f"{computed.to_json()} (leave the field out to have it computed)",
+                )
         entry = Entry(
             kind,
             _field(at, e, "gpu_count", int, lambda v: v >= 1, "a positive int"),
-            tp, dtype, op, computed, shape,
+            tp,
+            dtype,
+            op,
+            computed,
+            shape,
             _field(at, e, "path", str, lambda v: v in PATHS, f"one of {PATHS}"),
             {p: float(s) for p, s in speedup.items()},
             note,
@@ -397,8 +422,11 @@ def _candidates(table: Table, kind: str | None, count: int | None, tp: int, dtyp
     """The entries of `table` that may answer a call: same TP, dtype and op; the same device kind
     (any kind for the built-in table; any of the platform's kinds when `kind` is None); the same
     GPU count where the table has it."""
-    same = [e for e in table.entries if e.tp == tp and e.dtype == dtype and e.op == op
-            and (table.builtin or kind is None or e.device_kind == kind)]
+    same = [
+        e
+        for e in table.entries
+        if e.tp == tp and e.dtype == dtype and e.op == op and (table.builtin or kind is None or e.device_kind == kind)
+    ]
     if kind is None and not table.builtin and same:
         first = min(e.device_kind for e in same)
         same = [e for e in same if e.device_kind == first]
@@ -415,8 +443,10 @@ def _agreement(near: list) -> tuple[str, str]:
     safe = [(min(a.speedup.get(p, 0.0), b.speedup.get(p, 0.0)), p) for p in FUSED_PATHS]
     worst, best = max(safe)
     if worst > 1.0:
-        return best, (f"between measured points where {best} beat the twin at both "
-                      f"({a.describe()}: {a.speedup[best]:.2f}x, {b.describe()}: {b.speedup[best]:.2f}x)")
+        return best, (
+            f"between measured points where {best} beat the twin at both "
+            f"({a.describe()}: {a.speedup[best]:.2f}x, {b.describe()}: {b.speedup[best]:.2f}x)"
+        )
     return "twin", f"the measured points nearest this shape disagree ({where})"
 
 

@@ -20,7 +20,7 @@ projections are column_matmul (QKV) and matmul_ar (out): the same heads per rank
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -59,15 +59,31 @@ class GroupedQueryAttention(nnx.Module):
       fp8: the QKV and out projections on FP8 operands (False, True or a flux_jax.Fp8).
     """
 
-    def __init__(self, hidden: int, heads: int, kv_heads: int, *, mesh: jax.sharding.Mesh,
-                 tp_axis: str = "tp", head_dim: int | None = None, rope_theta: float = 10000.0,
-                 impl: str = "auto", dtype=None, param_dtype=jnp.float32,
-                 attention_implementation: str | None = None, out_init: Callable | None = None,
-                 sequence_parallel: bool = True, fp8=False, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        hidden: int,
+        heads: int,
+        kv_heads: int,
+        *,
+        mesh: jax.sharding.Mesh,
+        tp_axis: str = "tp",
+        head_dim: int | None = None,
+        rope_theta: float = 10000.0,
+        impl: str = "auto",
+        dtype=None,
+        param_dtype=jnp.float32,
+        attention_implementation: str | None = None,
+        out_init: Callable | None = None,
+        sequence_parallel: bool = True,
+        fp8=False,
+        rngs: nnx.Rngs,
+    ):
         tp = axis_size(mesh, tp_axis)
         if heads % kv_heads:
-            raise ValueError(f"heads={heads} is not a multiple of kv_heads={kv_heads} (grouped-query "
-                             "attention shares each kv head among heads/kv_heads query heads)")
+            raise ValueError(
+                f"heads={heads} is not a multiple of kv_heads={kv_heads} (grouped-query "
+                "attention shares each kv head among heads/kv_heads query heads)"
+            )
         if head_dim is None:
             if hidden % heads:
                 raise ValueError(f"hidden={hidden} is not divisible by heads={heads}; pass head_dim")
@@ -78,8 +94,16 @@ class GroupedQueryAttention(nnx.Module):
         self.q_per_kv = heads // kv_heads
         self.rope_theta = rope_theta
         self.attention_implementation = attention_implementation
-        common = dict(mesh=mesh, tp_axis=tp_axis, impl=impl, dtype=dtype, param_dtype=param_dtype,
-                      sequence_parallel=sequence_parallel, fp8=fp8, rngs=rngs)
+        common = dict(
+            mesh=mesh,
+            tp_axis=tp_axis,
+            impl=impl,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            sequence_parallel=sequence_parallel,
+            fp8=fp8,
+            rngs=rngs,
+        )
         self.qkv = ColumnParallelLinear(hidden, (kv_heads, self.q_per_kv + 2, head_dim), **common)
         self.out = RowParallelLinear(heads * head_dim, hidden, kernel_init=out_init, **common)
 
@@ -96,7 +120,6 @@ class GroupedQueryAttention(nnx.Module):
         # dot_product_attention wants [B, T, heads, Dh]; query head index = group * g + j.
         q = q.reshape(seq, batch, kv_local * g, self.head_dim).transpose(1, 0, 2, 3)
         k, v = k.transpose(1, 0, 2, 3), v.transpose(1, 0, 2, 3)
-        attn = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                            implementation=self.attention_implementation)
+        attn = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.attention_implementation)
         attn = attn.transpose(1, 0, 2, 3).reshape(seq, batch, kv_local * g * self.head_dim)
         return self.out(attn)

@@ -9,7 +9,7 @@ the projections are column_matmul / matmul_ar.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -22,8 +22,15 @@ from flux_jax.flax.linear import ColumnParallelLinear, RowParallelLinear, axis_s
 class RMSNorm(nnx.Module):
     """x / rms(x) * scale over the last axis, computed in float32. The scale is replicated."""
 
-    def __init__(self, features: int, *, mesh: jax.sharding.Mesh, eps: float = 1e-6,
-                 param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+    def __init__(
+        self,
+        features: int,
+        *,
+        mesh: jax.sharding.Mesh,
+        eps: float = 1e-6,
+        param_dtype=jnp.float32,
+        rngs: nnx.Rngs | None = None,
+    ):
         del rngs  # deterministic init; accepted for a uniform constructor signature
         init = nnx.with_partitioning(nnx.initializers.ones, (None,), mesh=mesh)
         self.scale = nnx.Param(init(jax.random.key(0), (features,), param_dtype))
@@ -44,14 +51,32 @@ class SwiGLUMLP(nnx.Module):
     matching rows.
     """
 
-    def __init__(self, hidden: int, ffn: int, *, mesh: jax.sharding.Mesh, tp_axis: str = "tp",
-                 impl: str = "auto", dtype=None, param_dtype=jnp.float32,
-                 out_init: Callable | None = None, sequence_parallel: bool = True, fp8=False,
-                 rngs: nnx.Rngs):
-        check_divisible("ffn", ffn, tp_axis, axis_size(mesh, tp_axis),
-                        "the MLP's hidden units are sharded over TP")
-        common = dict(mesh=mesh, tp_axis=tp_axis, impl=impl, dtype=dtype, param_dtype=param_dtype,
-                      sequence_parallel=sequence_parallel, fp8=fp8, rngs=rngs)
+    def __init__(
+        self,
+        hidden: int,
+        ffn: int,
+        *,
+        mesh: jax.sharding.Mesh,
+        tp_axis: str = "tp",
+        impl: str = "auto",
+        dtype=None,
+        param_dtype=jnp.float32,
+        out_init: Callable | None = None,
+        sequence_parallel: bool = True,
+        fp8=False,
+        rngs: nnx.Rngs,
+    ):
+        check_divisible("ffn", ffn, tp_axis, axis_size(mesh, tp_axis), "the MLP's hidden units are sharded over TP")
+        common = dict(
+            mesh=mesh,
+            tp_axis=tp_axis,
+            impl=impl,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            sequence_parallel=sequence_parallel,
+            fp8=fp8,
+            rngs=rngs,
+        )
         self.gate_up = ColumnParallelLinear(hidden, (ffn, 2), **common)
         self.down = RowParallelLinear(ffn, hidden, kernel_init=out_init, **common)
 
@@ -70,17 +95,48 @@ class DecoderBlock(nnx.Module):
     forward and two (column_matmul's) backward.
     """
 
-    def __init__(self, hidden: int, heads: int, kv_heads: int, ffn: int, *, mesh: jax.sharding.Mesh,
-                 tp_axis: str = "tp", head_dim: int | None = None, rope_theta: float = 10000.0,
-                 norm_eps: float = 1e-6, impl: str = "auto", dtype=None, param_dtype=jnp.float32,
-                 attention_implementation: str | None = None, out_init: Callable | None = None,
-                 sequence_parallel: bool = True, fp8=False, rngs: nnx.Rngs):
-        common = dict(mesh=mesh, tp_axis=tp_axis, impl=impl, dtype=dtype, param_dtype=param_dtype,
-                      out_init=out_init, sequence_parallel=sequence_parallel, fp8=fp8, rngs=rngs)
+    def __init__(
+        self,
+        hidden: int,
+        heads: int,
+        kv_heads: int,
+        ffn: int,
+        *,
+        mesh: jax.sharding.Mesh,
+        tp_axis: str = "tp",
+        head_dim: int | None = None,
+        rope_theta: float = 10000.0,
+        norm_eps: float = 1e-6,
+        impl: str = "auto",
+        dtype=None,
+        param_dtype=jnp.float32,
+        attention_implementation: str | None = None,
+        out_init: Callable | None = None,
+        sequence_parallel: bool = True,
+        fp8=False,
+        rngs: nnx.Rngs,
+    ):
+        common = dict(
+            mesh=mesh,
+            tp_axis=tp_axis,
+            impl=impl,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            out_init=out_init,
+            sequence_parallel=sequence_parallel,
+            fp8=fp8,
+            rngs=rngs,
+        )
         self.attn_norm = RMSNorm(hidden, mesh=mesh, eps=norm_eps, param_dtype=param_dtype)
-        self.attn = GroupedQueryAttention(hidden, heads, kv_heads, head_dim=head_dim,
-                                          rope_theta=rope_theta,
-                                          attention_implementation=attention_implementation, **common)
+        self.attn = GroupedQueryAttention(
+            hidden,
+            heads,
+            kv_heads,
+            head_dim=head_dim,
+            rope_theta=rope_theta,
+            attention_implementation=attention_implementation,
+            **common,
+        )
         self.mlp_norm = RMSNorm(hidden, mesh=mesh, eps=norm_eps, param_dtype=param_dtype)
         self.mlp = SwiGLUMLP(hidden, ffn, **common)
 

@@ -30,7 +30,7 @@ one fused op in each direction of a block.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -45,16 +45,16 @@ IMPLS = ("auto", "fused", "xla")
 def axis_size(mesh: jax.sharding.Mesh, axis_name: str) -> int:
     """Size of `axis_name` in `mesh`, with an error naming the mesh's axes if it is missing."""
     if axis_name not in mesh.axis_names:
-        raise ValueError(f"mesh axes are {tuple(mesh.axis_names)}; the tensor-parallel axis "
-                         f"{axis_name!r} is not one of them")
+        raise ValueError(
+            f"mesh axes are {tuple(mesh.axis_names)}; the tensor-parallel axis {axis_name!r} is not one of them"
+        )
     return int(mesh.shape[axis_name])
 
 
 def check_divisible(what: str, value: int, axis_name: str, size: int, why: str) -> None:
     """ValueError naming the numbers when `value` cannot be split evenly over a mesh axis."""
     if value % size:
-        raise ValueError(f"{what}={value} is not divisible by {axis_name}={size} (mesh axis "
-                         f"{axis_name!r}): {why}")
+        raise ValueError(f"{what}={value} is not divisible by {axis_name}={size} (mesh axis {axis_name!r}): {why}")
 
 
 def check_impl(impl: str) -> None:
@@ -69,8 +69,9 @@ def check_fp8(layer: str, fp8) -> None:
 
 def _fan_in_init(ndim: int) -> Callable:
     """LeCun-normal init for a kernel [in, *out]: fan-in is the first axis, fan-out the rest."""
-    return nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=0,
-                                             out_axis=tuple(range(1, ndim)))
+    return nnx.initializers.variance_scaling(
+        1.0, "fan_in", "truncated_normal", in_axis=0, out_axis=tuple(range(1, ndim))
+    )
 
 
 class ColumnParallelLinear(nnx.Module):
@@ -99,22 +100,42 @@ class ColumnParallelLinear(nnx.Module):
     quantized per row before they are gathered, the kernel per tensor (flux_jax.ag_matmul).
     """
 
-    def __init__(self, in_features: int, out_features: int | Sequence[int], *, mesh: jax.sharding.Mesh,
-                 tp_axis: str = "tp", use_bias: bool = False, impl: str = "auto", dtype=None,
-                 param_dtype=jnp.float32, kernel_init: Callable | None = None,
-                 bias_init: Callable = nnx.initializers.zeros, sequence_parallel: bool = True,
-                 seq_axis: int = 0, fp8=False, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int | Sequence[int],
+        *,
+        mesh: jax.sharding.Mesh,
+        tp_axis: str = "tp",
+        use_bias: bool = False,
+        impl: str = "auto",
+        dtype=None,
+        param_dtype=jnp.float32,
+        kernel_init: Callable | None = None,
+        bias_init: Callable = nnx.initializers.zeros,
+        sequence_parallel: bool = True,
+        seq_axis: int = 0,
+        fp8=False,
+        rngs: nnx.Rngs,
+    ):
         check_impl(impl)
         check_fp8("ColumnParallelLinear", fp8)
         if fp8 and not sequence_parallel:
-            raise ValueError("ColumnParallelLinear: fp8 runs with sequence parallelism (ag_matmul / matmul_rs); "
-                             "matmul_ar and column_matmul have no FP8 form yet")
+            raise ValueError(
+                "ColumnParallelLinear: fp8 runs with sequence parallelism (ag_matmul / matmul_rs); "
+                "matmul_ar and column_matmul have no FP8 form yet"
+            )
         self.fp8 = fp8
         self.seq_axis = seq_axis
         out_shape = (out_features,) if isinstance(out_features, int) else tuple(out_features)
         tp = axis_size(mesh, tp_axis)
-        check_divisible("out_features" if len(out_shape) == 1 else "out_features[0]", out_shape[0],
-                        tp_axis, tp, "a column-parallel layer splits its output columns over TP")
+        check_divisible(
+            "out_features" if len(out_shape) == 1 else "out_features[0]",
+            out_shape[0],
+            tp_axis,
+            tp,
+            "a column-parallel layer splits its output columns over TP",
+        )
         self.in_features, self.out_shape = in_features, out_shape
         self.tp_axis, self.impl, self.dtype = tp_axis, impl, dtype
         self.sequence_parallel = sequence_parallel
@@ -136,8 +157,9 @@ class ColumnParallelLinear(nnx.Module):
         kernel = self.kernel[...]  # local shard [in, out0/tp, *rest]
         w = kernel.reshape(kernel.shape[0], -1).astype(dtype)
         if self.sequence_parallel:
-            y = flux_jax.ag_matmul(x.astype(dtype), w, axis_name=self.tp_axis, axis=self.seq_axis, impl=self.impl,
-                                   fp8=self.fp8)
+            y = flux_jax.ag_matmul(
+                x.astype(dtype), w, axis_name=self.tp_axis, axis=self.seq_axis, impl=self.impl, fp8=self.fp8
+            )
         else:
             y = flux_jax.column_matmul(x.astype(dtype), w, axis_name=self.tp_axis, impl=self.impl)
         y = y.reshape(*y.shape[:-1], *kernel.shape[1:])
@@ -164,21 +186,37 @@ class RowParallelLinear(nnx.Module):
     its partial in the compute dtype (flux_jax.matmul_rs).
     """
 
-    def __init__(self, in_features: int, out_features: int, *, mesh: jax.sharding.Mesh,
-                 tp_axis: str = "tp", use_bias: bool = False, impl: str = "auto", dtype=None,
-                 param_dtype=jnp.float32, kernel_init: Callable | None = None,
-                 bias_init: Callable = nnx.initializers.zeros, sequence_parallel: bool = True,
-                 seq_axis: int = 0, fp8=False, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        mesh: jax.sharding.Mesh,
+        tp_axis: str = "tp",
+        use_bias: bool = False,
+        impl: str = "auto",
+        dtype=None,
+        param_dtype=jnp.float32,
+        kernel_init: Callable | None = None,
+        bias_init: Callable = nnx.initializers.zeros,
+        sequence_parallel: bool = True,
+        seq_axis: int = 0,
+        fp8=False,
+        rngs: nnx.Rngs,
+    ):
         check_impl(impl)
         check_fp8("RowParallelLinear", fp8)
         if fp8 and not sequence_parallel:
-            raise ValueError("RowParallelLinear: fp8 runs with sequence parallelism (ag_matmul / matmul_rs); "
-                             "matmul_ar and column_matmul have no FP8 form yet")
+            raise ValueError(
+                "RowParallelLinear: fp8 runs with sequence parallelism (ag_matmul / matmul_rs); "
+                "matmul_ar and column_matmul have no FP8 form yet"
+            )
         self.fp8 = fp8
         self.seq_axis = seq_axis
         tp = axis_size(mesh, tp_axis)
-        check_divisible("in_features", in_features, tp_axis, tp,
-                        "a row-parallel layer splits its input features over TP")
+        check_divisible(
+            "in_features", in_features, tp_axis, tp, "a row-parallel layer splits its input features over TP"
+        )
         self.in_features, self.out_features = in_features, out_features
         self.tp_axis, self.impl, self.dtype = tp_axis, impl, dtype
         self.sequence_parallel = sequence_parallel
@@ -197,8 +235,14 @@ class RowParallelLinear(nnx.Module):
         dtype = self.dtype or x.dtype
         w = self.kernel[...].astype(dtype)
         if self.sequence_parallel:
-            y = flux_jax.matmul_rs(x.astype(dtype), w, axis_name=self.tp_axis, scatter_dimension=self.seq_axis,
-                                   impl=self.impl, fp8=self.fp8)
+            y = flux_jax.matmul_rs(
+                x.astype(dtype),
+                w,
+                axis_name=self.tp_axis,
+                scatter_dimension=self.seq_axis,
+                impl=self.impl,
+                fp8=self.fp8,
+            )
         else:
             y = flux_jax.matmul_ar(x.astype(dtype), w, axis_name=self.tp_axis, impl=self.impl)
         if self.bias is not None:

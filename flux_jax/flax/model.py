@@ -78,23 +78,25 @@ def check_config(config: GPTConfig, mesh: jax.sharding.Mesh) -> None:
         if getattr(config, field) < 1:
             raise ValueError(f"{field} must be >= 1, got {getattr(config, field)}")
     if config.heads % config.kv_heads:
-        raise ValueError(f"heads={config.heads} is not a multiple of kv_heads={config.kv_heads} "
-                         "(grouped-query attention shares each kv head among heads/kv_heads query heads)")
+        raise ValueError(
+            f"heads={config.heads} is not a multiple of kv_heads={config.kv_heads} "
+            "(grouped-query attention shares each kv head among heads/kv_heads query heads)"
+        )
     check_divisible("heads", config.heads, name, tp, "query heads are sharded over TP")
     check_divisible("kv_heads", config.kv_heads, name, tp, "key/value heads are sharded over TP")
     if config.head_dim is None:
-        check_divisible("hidden", config.hidden, name, tp,
-                        "each rank holds hidden/tp of the attention width")
+        check_divisible("hidden", config.hidden, name, tp, "each rank holds hidden/tp of the attention width")
         if config.hidden % config.heads:
-            raise ValueError(f"hidden={config.hidden} is not divisible by heads={config.heads} "
-                             "(head_dim = hidden / heads); pass head_dim explicitly")
+            raise ValueError(
+                f"hidden={config.hidden} is not divisible by heads={config.heads} "
+                "(head_dim = hidden / heads); pass head_dim explicitly"
+            )
     check_divisible("ffn", config.ffn, name, tp, "the MLP's hidden units are sharded over TP")
     for field in ("dtype", "param_dtype"):
         jnp.dtype(getattr(config, field))  # raises TypeError for an unknown dtype name
 
 
-def check_tokens_shape(shape, mesh: jax.sharding.Mesh, tp_axis: str = "tp",
-                       sequence_parallel: bool = True) -> None:
+def check_tokens_shape(shape, mesh: jax.sharding.Mesh, tp_axis: str = "tp", sequence_parallel: bool = True) -> None:
     """Raises ValueError, naming the numbers, for a [batch, seq] that cannot shard on `mesh`."""
     if len(shape) != 2:
         raise ValueError(f"tokens must be [batch, seq], got shape {tuple(shape)}")
@@ -104,8 +106,10 @@ def check_tokens_shape(shape, mesh: jax.sharding.Mesh, tp_axis: str = "tp",
         check_divisible("seq", seq, tp_axis, tp, "the sequence is sharded over TP (sequence parallelism)")
     if batch % dp:
         axes = " x ".join(f"{a}={mesh.shape[a]}" for a in data_axes(mesh, tp_axis))
-        raise ValueError(f"batch={batch} is not divisible by the data-parallel size {dp} ({axes}): "
-                         "the batch is sharded over every mesh axis except the TP axis")
+        raise ValueError(
+            f"batch={batch} is not divisible by the data-parallel size {dp} ({axes}): "
+            "the batch is sharded over every mesh axis except the TP axis"
+        )
 
 
 class GPT(nnx.Module):
@@ -124,27 +128,42 @@ class GPT(nnx.Module):
         self.config, self.mesh = config, mesh
         param_dtype, dtype = jnp.dtype(config.param_dtype), jnp.dtype(config.dtype)
         replicated = lambda init, ndim: nnx.with_partitioning(init, (None,) * ndim, mesh=mesh)
-        embed_init = nnx.initializers.normal(1.0 / config.hidden ** 0.5)
-        self.embedding = nnx.Param(replicated(embed_init, 2)(
-            rngs.params(), (config.vocab_size, config.hidden), param_dtype))
+        embed_init = nnx.initializers.normal(1.0 / config.hidden**0.5)
+        self.embedding = nnx.Param(
+            replicated(embed_init, 2)(rngs.params(), (config.vocab_size, config.hidden), param_dtype)
+        )
         # GPT-2 style: residual branches start small so the stack starts near identity.
-        out_init = nnx.initializers.variance_scaling(1.0 / (2 * config.layers), "fan_in",
-                                                     "truncated_normal")
-        self.blocks = nnx.List([
-            DecoderBlock(config.hidden, config.heads, config.kv_heads, config.ffn, mesh=mesh,
-                         tp_axis=config.tp_axis, head_dim=config.head_dim,
-                         rope_theta=config.rope_theta, norm_eps=config.norm_eps, impl=config.impl,
-                         dtype=dtype, param_dtype=param_dtype,
-                         attention_implementation=config.attention_implementation,
-                         out_init=out_init, sequence_parallel=config.sequence_parallel, fp8=config.fp8,
-                         rngs=rngs)
-            for _ in range(config.layers)
-        ])
+        out_init = nnx.initializers.variance_scaling(1.0 / (2 * config.layers), "fan_in", "truncated_normal")
+        self.blocks = nnx.List(
+            [
+                DecoderBlock(
+                    config.hidden,
+                    config.heads,
+                    config.kv_heads,
+                    config.ffn,
+                    mesh=mesh,
+                    tp_axis=config.tp_axis,
+                    head_dim=config.head_dim,
+                    rope_theta=config.rope_theta,
+                    norm_eps=config.norm_eps,
+                    impl=config.impl,
+                    dtype=dtype,
+                    param_dtype=param_dtype,
+                    attention_implementation=config.attention_implementation,
+                    out_init=out_init,
+                    sequence_parallel=config.sequence_parallel,
+                    fp8=config.fp8,
+                    rngs=rngs,
+                )
+                for _ in range(config.layers)
+            ]
+        )
         self.final_norm = RMSNorm(config.hidden, mesh=mesh, eps=config.norm_eps, param_dtype=param_dtype)
         # Small logits at init: the first loss is about ln(vocab_size), a uniform guess.
         head_init = nnx.initializers.variance_scaling(0.01, "fan_in", "truncated_normal")
-        self.lm_head = nnx.Param(replicated(head_init, 2)(
-            rngs.params(), (config.hidden, config.vocab_size), param_dtype))
+        self.lm_head = nnx.Param(
+            replicated(head_init, 2)(rngs.params(), (config.hidden, config.vocab_size), param_dtype)
+        )
 
     def token_spec(self) -> P:
         """PartitionSpec of tokens [B, S]: batch over the data axes, sequence over TP (or
@@ -166,13 +185,13 @@ class GPT(nnx.Module):
         # One 2-D GEMM [S*B, D] x [D, V]: XLA:CPU has no bf16 x bf16 -> f32 kernel for the 3-D
         # einsum "sbd,dv->bsv" (DotThunk), but runs the 2-D one.
         seq, batch, hidden = x.shape
-        logits = jnp.dot(x.reshape(seq * batch, hidden), self.lm_head[...].astype(dtype),
-                         preferred_element_type=jnp.float32)
+        logits = jnp.dot(
+            x.reshape(seq * batch, hidden), self.lm_head[...].astype(dtype), preferred_element_type=jnp.float32
+        )
         return logits.reshape(seq, batch, -1).transpose(1, 0, 2)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Global tokens [B, S] (int) -> logits [B, S, vocab] (float32), sharded like the tokens."""
         check_tokens_shape(tokens.shape, self.mesh, self.config.tp_axis, self.config.sequence_parallel)
         spec = self.token_spec()
-        return sharded_call(self, GPT.forward_shard, tokens, mesh=self.mesh, in_specs=(spec,),
-                            out_specs=P(*spec, None))
+        return sharded_call(self, GPT.forward_shard, tokens, mesh=self.mesh, in_specs=(spec,), out_specs=P(*spec, None))

@@ -9,7 +9,8 @@ shard of every parameter, and gradients flow back to the global parameters.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 from flax import nnx
@@ -42,8 +43,9 @@ def place(x: jax.Array, mesh: jax.sharding.Mesh, spec: P) -> jax.Array:
     return x
 
 
-def sharded_call(module: nnx.Module, fn: Callable[..., Any], *args, mesh: jax.sharding.Mesh,
-                 in_specs: Sequence[P], out_specs) -> Any:
+def sharded_call(
+    module: nnx.Module, fn: Callable[..., Any], *args, mesh: jax.sharding.Mesh, in_specs: Sequence[P], out_specs
+) -> Any:
     """`fn(module_shard, *arg_shards)` inside one jax.shard_map over every axis of `mesh`.
 
     Args:

@@ -23,8 +23,19 @@ def plan_call(spec: OpSpec, x_front, w, info: AxisInfo, impl: str, fp8=None, **p
     _explain.record(spec.name, problem, plan, backward=False)
     if not plan.fused:
         return None
-    return Call(info.axis_name, info.tp_size, False, impl, False, plan, config, get_gpu_tuning(),
-                platform=info.platform, fp8=fp8, **params)
+    return Call(
+        info.axis_name,
+        info.tp_size,
+        False,
+        impl,
+        False,
+        plan,
+        config,
+        get_gpu_tuning(),
+        platform=info.platform,
+        fp8=fp8,
+        **params,
+    )
 
 
 def run(spec: OpSpec, x_front, w, call: Call) -> list:
@@ -42,6 +53,16 @@ def backward_call(spec: OpSpec, dy, w, call: Call) -> Call:
     plan = _plan.plan(problem, "fused" if call.forced else "auto", call.config, backward=True)
     logger.debug("flux_jax.%s (backward): %s -> %s", spec.name, problem.describe(), plan.describe())
     _explain.record(spec.name, problem, plan, backward=True)
-    return Call(call.axis_name, call.tp, transpose_w, call.impl, True, plan, call.config, call.tuning,
-                platform=call.platform, return_gathered=spec.name == "ag_matmul", fp8=call.fp8)
-
+    return Call(
+        call.axis_name,
+        call.tp,
+        transpose_w,
+        call.impl,
+        True,
+        plan,
+        call.config,
+        call.tuning,
+        platform=call.platform,
+        return_gathered=spec.name == "ag_matmul",
+        fp8=call.fp8,
+    )

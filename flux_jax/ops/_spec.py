@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -93,8 +93,9 @@ class OpSpec:
     def target(self) -> str:
         return f"flux_jax_{self.name}"
 
-    def problem(self, x_shape, w_shape, dtype, tp: int, platform: str, transpose_w: bool,
-                fp8: str | None = None) -> Problem:
+    def problem(
+        self, x_shape, w_shape, dtype, tp: int, platform: str, transpose_w: bool, fp8: str | None = None
+    ) -> Problem:
         """The planner's view of a call on operands x [rows, ..., k], w (`fp8`: Call.fp8_format)."""
         probe = Call("", tp, transpose_w, "auto", False, None, None, None)  # only shape fields are read
         rows, k, n = self.gemm(x_shape, w_shape, probe)
@@ -121,8 +122,16 @@ def gathered_gemm(x, w, call: Call, gather) -> list:
     `gather(a)` the all_gather of dimension 0 (lax's or our collective). With `call.fp8` the FP8
     rows and their scales are gathered and the gathered x comes back dequantized."""
     if call.fp8 is not None:
-        return _fp8.gathered_matmul(x, w, call.fp8, gather, call.tp, transpose_w=call.transpose_w,
-                                   grad=call.backward, return_gathered=call.return_gathered)
+        return _fp8.gathered_matmul(
+            x,
+            w,
+            call.fp8,
+            gather,
+            call.tp,
+            transpose_w=call.transpose_w,
+            grad=call.backward,
+            return_gathered=call.return_gathered,
+        )
     x_full = gather(x)
     out = jnp.dot(x_full, weight_2d(w, call.transpose_w))
     return [out, x_full] if call.return_gathered else [out]
@@ -162,7 +171,8 @@ def _batch_rows(prim, args, dims, *, call: Call):
     if w_dim is not None or rank_dim is not None:
         raise NotImplementedError(
             f"flux_jax: vmap of {prim.name} over the weight is not supported (vmap over x only; "
-            "for a batch of weights use the XLA twin, impl='xla')")
+            "for a batch of weights use the XLA twin, impl='xla')"
+        )
     outs = prim.bind(jnp.moveaxis(x, x_dim, 1), w, rank, call=call)
     return outs, [1] * len(outs)
 

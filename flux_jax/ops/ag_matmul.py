@@ -30,8 +30,9 @@ def _gemm(x_shape, w_shape, call: Call):
 def _twin(x, w, call: Call):
     if call.fp8 is not None:  # the FP8 twin's forward (its custom_vjp lives in twins.py)
         return gathered_gemm(x, w, call, lambda a: lax.all_gather(a, call.axis_name, axis=0, tiled=True))
-    out = twins.ag_matmul_xla(x, weight_2d(w, call.transpose_w), axis_name=call.axis_name,
-                              return_gathered=call.return_gathered)
+    out = twins.ag_matmul_xla(
+        x, weight_2d(w, call.transpose_w), axis_name=call.axis_name, return_gathered=call.return_gathered
+    )
     return list(out) if call.return_gathered else [out]
 
 
@@ -58,8 +59,7 @@ def _bwd(call: Call, residuals, cotangents):
 SPEC = define(OpSpec(NAME, _out_shapes, _gemm, _twin, _latency, _fwd, _bwd))
 
 
-def ag_matmul(x, w, *, axis_name: str, axis: int = 0, impl: str = "auto", return_gathered: bool = False,
-              fp8=None):
+def ag_matmul(x, w, *, axis_name: str, axis: int = 0, impl: str = "auto", return_gathered: bool = False, fp8=None):
     """AllGather -> GEMM, for use inside `jax.shard_map`.
 
     Computes exactly `jnp.dot(lax.all_gather(x, axis_name, axis=axis, tiled=True), w)` (with
@@ -105,8 +105,7 @@ def ag_matmul(x, w, *, axis_name: str, axis: int = 0, impl: str = "auto", return
     x_front = jnp.moveaxis(x, axis, 0)
     call = _common.plan_call(SPEC, x_front, w, info, impl, fp8=recipe, return_gathered=return_gathered)
     if call is None:
-        return twins.ag_matmul_xla(x, w, axis_name=axis_name, axis=axis, return_gathered=return_gathered,
-                                   fp8=recipe)
+        return twins.ag_matmul_xla(x, w, axis_name=axis_name, axis=axis, return_gathered=return_gathered, fp8=recipe)
     outs = _common.run(SPEC, x_front, w, call)
     out = jnp.moveaxis(outs[0], 0, axis)
     return (out, jnp.moveaxis(outs[1], 0, axis)) if return_gathered else out

@@ -140,13 +140,11 @@ def _backward_call(x, w, info, impl: str) -> Call | None:
     problem = SPEC.problem(dy_shape, w.shape, x.dtype, info.tp_size, info.platform, True)
     config = get_config()
     plan = _plan.plan(problem, impl, config)
-    _common.logger.debug("flux_jax.column_matmul (backward matmul_ar): %s -> %s", problem.describe(),
-                         plan.describe())
+    _common.logger.debug("flux_jax.column_matmul (backward matmul_ar): %s -> %s", problem.describe(), plan.describe())
     _explain.record(NAME, problem, plan, backward=True)
     if not plan.fused:
         return None
-    return Call(info.axis_name, info.tp_size, True, impl, True, plan, config, get_gpu_tuning(),
-                platform=info.platform)
+    return Call(info.axis_name, info.tp_size, True, impl, True, plan, config, get_gpu_tuning(), platform=info.platform)
 
 
 def _column_primal(x, w, call: Call):

@@ -56,8 +56,9 @@ _SPECS = {  # (x, w, out) in the global view
 }
 _CPU_WARNING = (
     "WARNING: tuning on CPU (--allow-cpu). The CPU backend is a reference of the protocol: its "
-    "timings do not predict GPU speed. The run exercises the tool's mechanics only; impl=\"auto\" "
-    "follows a CPU table only through flux_jax.Config(tuning=<path>).")
+    'timings do not predict GPU speed. The run exercises the tool\'s mechanics only; impl="auto" '
+    "follows a CPU table only through flux_jax.Config(tuning=<path>)."
+)
 
 
 class TuneError(Exception):
@@ -173,8 +174,9 @@ def model_shapes(model: str, ms, tps, dtypes) -> list[Shape]:
         layers = _models.layers(model)
     except ValueError as err:
         raise TuneError(str(err)) from None
-    return [Shape(op, m, k, n, tp, dtype, label)
-            for tp in tps for dtype in dtypes for op, k, n, label in layers for m in ms]
+    return [
+        Shape(op, m, k, n, tp, dtype, label) for tp in tps for dtype in dtypes for op, k, n, label in layers for m in ms
+    ]
 
 
 def function_shapes(target) -> list[Shape]:
@@ -218,8 +220,9 @@ def _mesh(tp: int):
 
 
 def _random(key, shape, dtype, mesh, spec):
-    make = jax.jit(lambda k: jax.random.normal(k, shape, jnp.float32).astype(dtype),
-                   out_shardings=NamedSharding(mesh, spec))
+    make = jax.jit(
+        lambda k: jax.random.normal(k, shape, jnp.float32).astype(dtype), out_shardings=NamedSharding(mesh, spec)
+    )
     return make(key)
 
 
@@ -318,8 +321,9 @@ def _measure_link(tp: int, params: _timing.Params, small: bool) -> tuple[float, 
     per rank on GPU, 256 KiB on CPU) and the time of a tiny one."""
     mesh = _mesh(tp)
     spec = P(_AXIS, None)
-    step = jax.shard_map(lambda v: jax.lax.all_gather(v, _AXIS, axis=0, tiled=True), mesh=mesh,
-                         in_specs=spec, out_specs=spec)
+    step = jax.shard_map(
+        lambda v: jax.lax.all_gather(v, _AXIS, axis=0, tiled=True), mesh=mesh, in_specs=spec, out_specs=spec
+    )
     times = {}
     for rows in (8, 128 if small else 8192):
         v = _random(jax.random.key(rows), (tp * rows, 2048), jnp.bfloat16, mesh, spec)
@@ -353,16 +357,23 @@ def _summary(rows: list) -> str:
     lines = [header]
     for r in rows:
         s = r.shape
-        lines.append((
-            s.op, f"{s.M}x{s.K}x{s.N}", str(s.tp), s.dtype,
-            f"{r.ms['twin']:.4f}" if "twin" in r.ms else "-",
-            *(f"{r.speedup[p]:.2f}x" if p in r.speedup else ("WRONG" if p in r.max_rel_err else "-")
-              for p in ("overlap", "latency", "decode")),
-            r.path or "-", r.status,
-        ))
+        lines.append(
+            (
+                s.op,
+                f"{s.M}x{s.K}x{s.N}",
+                str(s.tp),
+                s.dtype,
+                f"{r.ms['twin']:.4f}" if "twin" in r.ms else "-",
+                *(
+                    f"{r.speedup[p]:.2f}x" if p in r.speedup else ("WRONG" if p in r.max_rel_err else "-")
+                    for p in ("overlap", "latency", "decode")
+                ),
+                r.path or "-",
+                r.status,
+            )
+        )
     widths = [max(len(line[i]) for line in lines) for i in range(len(header) - 1)]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line[:-1], widths)) + "  " + line[-1]
-                     for line in lines)
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line[:-1], widths)) + "  " + line[-1] for line in lines)
 
 
 def _platform(allow_cpu: bool, log) -> str:
@@ -373,9 +384,10 @@ def _platform(allow_cpu: bool, log) -> str:
         raise TuneError(f"the fused kernels run on CUDA GPUs (and a CPU reference backend), not on {platform!r}")
     if not allow_cpu:
         raise TuneError(
-            "no GPU here (JAX's devices are CPUs). Tuning measures the GPUs impl=\"auto\" will run on: "
+            'no GPU here (JAX\'s devices are CPUs). Tuning measures the GPUs impl="auto" will run on: '
             "run it on the GPU host. --allow-cpu runs the mechanics on CPU anyway (its timings do not "
-            "predict GPU speed).")
+            "predict GPU speed)."
+        )
     log(_CPU_WARNING)
     return "cpu"
 
@@ -385,17 +397,32 @@ def _tp_sizes(tp, count: int) -> list[int]:
     if 1 in sizes or count == 1:
         raise TuneError(
             "TP=1 has nothing to overlap: a fused op moves no data between GPUs at TP=1, so there is "
-            f"nothing to tune. Run with --tp 2 or more (this host has {count} device(s)).")
+            f"nothing to tune. Run with --tp 2 or more (this host has {count} device(s))."
+        )
     too_big = [t for t in sizes if t > count]
     if too_big:
         raise TuneError(f"--tp {too_big[0]} needs {too_big[0]} devices; this host has {count}")
     return sorted(set(sizes))
 
 
-def run(*, model: str | None = None, shapes=None, from_function=None, ms=None, tp=None, dtypes=("bfloat16",),
-        out=None, budget_minutes: float | None = None, allow_cpu: bool = False, repeats: int | None = None,
-        target_ms: float | None = None, min_speedup: float = MIN_SPEEDUP, seed: int = 0, log=print,
-        dtype=None) -> Result:
+def run(
+    *,
+    model: str | None = None,
+    shapes=None,
+    from_function=None,
+    ms=None,
+    tp=None,
+    dtypes=("bfloat16",),
+    out=None,
+    budget_minutes: float | None = None,
+    allow_cpu: bool = False,
+    repeats: int | None = None,
+    target_ms: float | None = None,
+    min_speedup: float = MIN_SPEEDUP,
+    seed: int = 0,
+    log=print,
+    dtype=None,
+) -> Result:
     """Measures the fused paths against the twin and writes the tuning table; see `main --help`.
 
     Exactly one of `model` (a preset name: MODELS), `shapes` ("op:MxKxN,..." global shapes) and
@@ -425,8 +452,9 @@ def run(*, model: str | None = None, shapes=None, from_function=None, ms=None, t
         else:
             requested = parse_shapes(shapes, tps, dtypes)
     params = _timing.GPU if platform == "cuda" else _timing.CPU
-    params = dataclasses.replace(params, **{k: v for k, v in (("repeats", repeats), ("target_ms", target_ms))
-                                            if v is not None})
+    params = dataclasses.replace(
+        params, **{k: v for k, v in (("repeats", repeats), ("target_ms", target_ms)) if v is not None}
+    )
     if params.repeats < 1 or params.target_ms <= 0:
         raise TuneError("--repeats must be >= 1 and --target-ms > 0")
 
@@ -470,17 +498,26 @@ def run(*, model: str | None = None, shapes=None, from_function=None, ms=None, t
                 results += [Row(s, "not measured (budget)") for s in requested[index:]]
                 break
             left = f", ~{_clock(estimate * (len(requested) - index))} left" if entry_seconds else ""
-            log(f"{progress} {shape.text} tp={shape.tp} {shape.dtype} (elapsed {_clock(time.monotonic() - start)}{left})")
+            log(
+                f"{progress} {shape.text} tp={shape.tp} {shape.dtype} "
+                f"(elapsed {_clock(time.monotonic() - start)}{left})"
+            )
             began = time.monotonic()
             row = _measure(shape, platform, params, seed, log)
             if row.status == "measured":
-                entry = _table.make_entry(device, count, shape.tp, shape.dtype, shape.op, rows, k, n, row.speedup,
-                                          min_speedup=min_speedup)
+                entry = _table.make_entry(
+                    device, count, shape.tp, shape.dtype, shape.op, rows, k, n, row.speedup, min_speedup=min_speedup
+                )
                 row.path = entry.path
-                extra = {entry.key: {"global_shape": f"{shape.M}x{shape.K}x{shape.N}", "label": shape.label,
-                                     "ms": {p: round(v, 6) for p, v in row.ms.items()},
-                                     "max_rel_err": {p: float(f"{v:.3g}") for p, v in row.max_rel_err.items()},
-                                     "measured_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}}
+                extra = {
+                    entry.key: {
+                        "global_shape": f"{shape.M}x{shape.K}x{shape.N}",
+                        "label": shape.label,
+                        "ms": {p: round(v, 6) for p, v in row.ms.items()},
+                        "max_rel_err": {p: float(f"{v:.3g}") for p, v in row.max_rel_err.items()},
+                        "measured_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                    }
+                }
                 table = _table.merged(table, device, [entry], extra)
                 _table.write(path, table)  # after every entry: nothing measured is lost
                 done_keys.add(entry.key)
@@ -489,13 +526,15 @@ def run(*, model: str | None = None, shapes=None, from_function=None, ms=None, t
             results.append(row)
         if not invalid:
             seen.setdefault(key, shape)
-    log(_bar(len(requested) if not stopped else index, len(requested)) +
-        (" stopped by the budget: re-run the same command to measure the rest" if stopped else " done"))
+    log(
+        _bar(len(requested) if not stopped else index, len(requested))
+        + (" stopped by the budget: re-run the same command to measure the rest" if stopped else " done")
+    )
     log(_summary(results))
     if platform == "cuda" and path == cache_path(kind):
-        log(f"impl=\"auto\" reads {path} in every new process on {kind} GPUs.")
+        log(f'impl="auto" reads {path} in every new process on {kind} GPUs.')
     else:
-        log(f"impl=\"auto\" follows this table with flux_jax.Config(tuning={str(path)!r}).")
+        log(f'impl="auto" follows this table with flux_jax.Config(tuning={str(path)!r}).')
     return Result(path, results, stopped, table)
 
 
@@ -514,46 +553,81 @@ def _parser() -> argparse.ArgumentParser:
         description=(
             "Measure, on this host's GPUs, every fused path of flux_jax's ops against the XLA twin "
             "(dispatch-free device time, outputs checked against the twin) and write the tuning "
-            "table impl=\"auto\" follows. Run it once per GPU kind and TP size; re-running skips "
-            "what the table already has. See docs/tuning.md."),
+            'table impl="auto" follows. Run it once per GPU kind and TP size; re-running skips '
+            "what the table already has. See docs/tuning.md."
+        ),
         epilog=(
             "examples:\n"
             "  python -m flux_jax.tune --model llama3-8b --tp 2\n"
             "  python -m flux_jax.tune --shapes ag_matmul:4096x8192x28672,matmul_rs:4096x28672x8192 --tp 2,4\n"
             "  python -m flux_jax.tune --from mypkg.train:make_step --budget-minutes 30\n"
             "  python -m flux_jax.tune --model llama3-70b --out /shared/flux_jax/h100_tp4.json  "
-            "# then Config(tuning=...)\n"),
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+            "# then Config(tuning=...)\n"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     what = p.add_argument_group("what to measure (exactly one)")
     group = what.add_mutually_exclusive_group()
     group.add_argument("--model", metavar="NAME", help=f"a model preset's layer GEMMs: {models}")
-    group.add_argument("--shapes", metavar="OP:MxKxN,...",
-                       help="global GEMM shapes; OP is ag_matmul (x [M,K] row-sharded, w [K,N] column-sharded) "
-                            "or matmul_rs (x and w sharded on K); e.g. ag_matmul:4096x4096x28672")
-    group.add_argument("--from", dest="from_function", metavar="MODULE:FUNCTION",
-                       help="a function returning (fn, args): the shapes, TP sizes and dtypes of fn's flux_jax "
-                            "calls (found with flux_jax.explain)")
-    p.add_argument("--m", metavar="M,...", help="with --model: the M values (rows, i.e. tokens) to sweep "
-                   f"(default {','.join(map(str, _models.DEFAULT_MS))})")
-    p.add_argument("--tp", metavar="TP,...", help="TP sizes (mesh axis sizes) to measure, each >= 2 "
-                   "(default: every local device)")
-    p.add_argument("--dtype", default="bfloat16", metavar="DTYPE,...",
-                   help=f"dtypes among {', '.join(DTYPES)} (default bfloat16)")
-    p.add_argument("--out", metavar="PATH",
-                   help="the table file (default: this GPU kind's table in the user cache, "
-                        "$XDG_CACHE_HOME/flux_jax/tuning/<device-kind>.json, which impl=\"auto\" reads)")
-    p.add_argument("--budget-minutes", type=float, metavar="MIN",
-                   help="stop before a shape that would not finish within this many minutes (at least one "
-                        "shape is measured per run); the table keeps what was measured; re-run to continue")
+    group.add_argument(
+        "--shapes",
+        metavar="OP:MxKxN,...",
+        help="global GEMM shapes; OP is ag_matmul (x [M,K] row-sharded, w [K,N] column-sharded) "
+        "or matmul_rs (x and w sharded on K); e.g. ag_matmul:4096x4096x28672",
+    )
+    group.add_argument(
+        "--from",
+        dest="from_function",
+        metavar="MODULE:FUNCTION",
+        help="a function returning (fn, args): the shapes, TP sizes and dtypes of fn's flux_jax "
+        "calls (found with flux_jax.explain)",
+    )
+    p.add_argument(
+        "--m",
+        metavar="M,...",
+        help="with --model: the M values (rows, i.e. tokens) to sweep "
+        f"(default {','.join(map(str, _models.DEFAULT_MS))})",
+    )
+    p.add_argument(
+        "--tp", metavar="TP,...", help="TP sizes (mesh axis sizes) to measure, each >= 2 (default: every local device)"
+    )
+    p.add_argument(
+        "--dtype", default="bfloat16", metavar="DTYPE,...", help=f"dtypes among {', '.join(DTYPES)} (default bfloat16)"
+    )
+    p.add_argument(
+        "--out",
+        metavar="PATH",
+        help="the table file (default: this GPU kind's table in the user cache, "
+        '$XDG_CACHE_HOME/flux_jax/tuning/<device-kind>.json, which impl="auto" reads)',
+    )
+    p.add_argument(
+        "--budget-minutes",
+        type=float,
+        metavar="MIN",
+        help="stop before a shape that would not finish within this many minutes (at least one "
+        "shape is measured per run); the table keeps what was measured; re-run to continue",
+    )
     p.add_argument("--repeats", type=int, metavar="N", help="timing rounds per shape (default 5 on GPU)")
-    p.add_argument("--target-ms", type=float, metavar="MS",
-                   help="length of the timed loop difference per sample (default 20 on GPU)")
-    p.add_argument("--min-speedup", type=float, default=MIN_SPEEDUP, metavar="X",
-                   help=f"a fused path must beat the twin by this factor to be chosen (default {MIN_SPEEDUP})")
+    p.add_argument(
+        "--target-ms",
+        type=float,
+        metavar="MS",
+        help="length of the timed loop difference per sample (default 20 on GPU)",
+    )
+    p.add_argument(
+        "--min-speedup",
+        type=float,
+        default=MIN_SPEEDUP,
+        metavar="X",
+        help=f"a fused path must beat the twin by this factor to be chosen (default {MIN_SPEEDUP})",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs and of the round order")
-    p.add_argument("--allow-cpu", action="store_true",
-                   help="run on CPU devices when there is no GPU: the mechanics only, timings do not predict "
-                        "GPU speed (for testing the tool)")
+    p.add_argument(
+        "--allow-cpu",
+        action="store_true",
+        help="run on CPU devices when there is no GPU: the mechanics only, timings do not predict "
+        "GPU speed (for testing the tool)",
+    )
     p.add_argument("--list-models", action="store_true", help="list the model presets and exit")
     return p
 
@@ -568,14 +642,28 @@ def main(argv=None) -> int:
     if not (args.model or args.shapes or args.from_function):
         parser.error("say what to measure: one of --model, --shapes, --from")
     try:
-        run(model=args.model, shapes=args.shapes, from_function=args.from_function, ms=args.m, tp=args.tp,
-            dtypes=args.dtype, out=args.out, budget_minutes=args.budget_minutes, allow_cpu=args.allow_cpu,
-            repeats=args.repeats, target_ms=args.target_ms, min_speedup=args.min_speedup, seed=args.seed)
+        run(
+            model=args.model,
+            shapes=args.shapes,
+            from_function=args.from_function,
+            ms=args.m,
+            tp=args.tp,
+            dtypes=args.dtype,
+            out=args.out,
+            budget_minutes=args.budget_minutes,
+            allow_cpu=args.allow_cpu,
+            repeats=args.repeats,
+            target_ms=args.target_ms,
+            min_speedup=args.min_speedup,
+            seed=args.seed,
+        )
     except (TuneError, TuningTableError) as err:
         print(f"flux_jax.tune: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("flux_jax.tune: interrupted; the table keeps every shape measured so far (re-run to continue)",
-              file=sys.stderr)
+        print(
+            "flux_jax.tune: interrupted; the table keeps every shape measured so far (re-run to continue)",
+            file=sys.stderr,
+        )
         return 130
     return 0

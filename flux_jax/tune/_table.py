@@ -25,14 +25,36 @@ def choose(speedup: dict, min_speedup: float = MIN_SPEEDUP) -> str:
     return best if speedup[best] >= min_speedup else "twin"
 
 
-def make_entry(device: Device, gpu_count: int, tp: int, dtype, op: str, rows: int, k: int, n: int,
-               speedup: dict, *, path: str | None = None, note: str = "",
-               min_speedup: float = MIN_SPEEDUP) -> Entry:
+def make_entry(
+    device: Device,
+    gpu_count: int,
+    tp: int,
+    dtype,
+    op: str,
+    rows: int,
+    k: int,
+    n: int,
+    speedup: dict,
+    *,
+    path: str | None = None,
+    note: str = "",
+    min_speedup: float = MIN_SPEEDUP,
+) -> Entry:
     """The entry of one measured per-rank GEMM (rows x k x n). `path` defaults to `choose`'s."""
     dtype = np.dtype(dtype).name
     shape_class = _tuning.shape_class(op, rows, k, n, dtype, tp, device)
-    return Entry(device.kind, gpu_count, tp, dtype, op, shape_class, (rows, k, n),
-                 path or choose(speedup, min_speedup), dict(speedup), note)
+    return Entry(
+        device.kind,
+        gpu_count,
+        tp,
+        dtype,
+        op,
+        shape_class,
+        (rows, k, n),
+        path or choose(speedup, min_speedup),
+        dict(speedup),
+        note,
+    )
 
 
 def merged(table: Table | None, device: Device, entries, extra: dict | None = None) -> Table:
