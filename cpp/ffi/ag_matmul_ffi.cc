@@ -11,9 +11,8 @@
 namespace flux_jax::ffi_adapter {
 namespace {
 
-Status MakeParams(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
-                  ffi::RemainingRets& extra, const GemmAttrs& attrs, const TpGroup& group,
-                  AgMatmulParams* p) {
+Status MakeParams(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out, ffi::RemainingRets& extra,
+                  const GemmAttrs& attrs, const TpGroup& group, AgMatmulParams* p) {
   auto wd = w.dimensions();
   Folded xf;
   FLUX_JAX_RETURN_IF_ERROR(Fold(x, "ag_matmul x", &xf));
@@ -38,8 +37,7 @@ Status MakeParams(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer
   if (extra.size() > 0) {
     auto gathered = extra.get<ffi::AnyBuffer>(0);
     if (!gathered.has_value()) return Status::Internal("ag_matmul: cannot decode gathered result");
-    FLUX_JAX_RETURN_IF_ERROR(
-        CheckElements("ag_matmul gathered", (*gathered)->element_count(), rows * p->k));
+    FLUX_JAX_RETURN_IF_ERROR(CheckElements("ag_matmul gathered", (*gathered)->element_count(), rows * p->k));
     p->gathered = (*gathered)->untyped_data();
   }
   return AgMatmulCanImplement(*p, group);
@@ -62,9 +60,8 @@ ffi::Error AgMatmul(void* stream, int32_t device_ordinal, std::optional<int32_t>
   return ToFfiError(s);
 }
 
-ffi::Error AgMatmulCpu(int32_t device_ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                       ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> out,
-                       ffi::RemainingRets extra, GemmAttrs attrs) {
+ffi::Error AgMatmulCpu(int32_t device_ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> rank,
+                       ffi::Result<ffi::AnyBuffer> out, ffi::RemainingRets extra, GemmAttrs attrs) {
   return AgMatmul(nullptr, device_ordinal, rank.typed_data()[0], x, w, out, extra, attrs);
 }
 
@@ -93,9 +90,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FluxJaxAgMatmulCuda, flux_jax::ffi_adapter::AgMatm
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<void*>>()
                                   .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()         // x [m_local, k]
-                                  .Arg<ffi::AnyBuffer>()         // w [k, n] or [n, k]
-                                  .Ret<ffi::AnyBuffer>()         // out [tp*m_local, n]
-                                  .RemainingRets()               // gathered x, optional
+                                  .Arg<ffi::AnyBuffer>()  // x [m_local, k]
+                                  .Arg<ffi::AnyBuffer>()  // w [k, n] or [n, k]
+                                  .Ret<ffi::AnyBuffer>()  // out [tp*m_local, n]
+                                  .RemainingRets()        // gathered x, optional
                                   .Attrs<flux_jax::ffi_adapter::GemmAttrs>());
 #endif

@@ -59,8 +59,8 @@ struct GemmAttrs {
 // attributes every custom call carries. `rank_operand` is lax.axis_index
 // where the host can read it (CPU), cross-checked against the device table.
 template <typename Attrs>
-Status DecodeCommon(const Attrs& a, Platform platform, int32_t device_ordinal,
-                    std::optional<int32_t> rank_operand, TpGroup* group, CommConfig* cfg) {
+Status DecodeCommon(const Attrs& a, Platform platform, int32_t device_ordinal, std::optional<int32_t> rank_operand,
+                    TpGroup* group, CommConfig* cfg) {
   if (a.tp_processes.size() != a.tp_devices.size()) {
     return Status::InvalidArgument("tp_processes and tp_devices differ in length");
   }
@@ -69,15 +69,14 @@ Status DecodeCommon(const Attrs& a, Platform platform, int32_t device_ordinal,
   cfg->jitter_us = a.jitter_us;
   cfg->drop_rank = a.drop_rank;
   cfg->poison_outputs = a.poison;
-  return ResolveTpGroup(a.tp_devices.begin(), a.tp_processes.begin(), a.tp_devices.size(),
-                        a.tp_size, platform, device_ordinal, rank_operand, group);
+  return ResolveTpGroup(a.tp_devices.begin(), a.tp_processes.begin(), a.tp_devices.size(), a.tp_size, platform,
+                        device_ordinal, rank_operand, group);
 }
 
 inline Status DecodeGemm(const GemmAttrs& a, Platform platform, int32_t device_ordinal,
                          std::optional<int32_t> rank_operand, TpGroup* group, CommConfig* cfg) {
   if (a.path != FusedPath::kOverlap && a.path != FusedPath::kDecode) {
-    return Status::InvalidArgument("unknown fused path " +
-                                   std::to_string(static_cast<int32_t>(a.path)));
+    return Status::InvalidArgument("unknown fused path " + std::to_string(static_cast<int32_t>(a.path)));
   }
   cfg->path = a.path;
   cfg->tuning.piece_bytes = a.piece_bytes;
@@ -99,32 +98,21 @@ inline Status DecodeGemm(const GemmAttrs& a, Platform platform, int32_t device_o
 
 XLA_FFI_REGISTER_ENUM_ATTR_DECODING(flux_jax::FusedPath);
 
-XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(flux_jax::ffi_adapter::CollectiveAttrs,
-                                      StructMember<int64_t>("tp_size"),
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(flux_jax::ffi_adapter::CollectiveAttrs, StructMember<int64_t>("tp_size"),
                                       StructMember<Span<const int64_t>>("tp_devices"),
                                       StructMember<Span<const int64_t>>("tp_processes"),
-                                      StructMember<int64_t>("callsite"),
-                                      StructMember<int64_t>("timeout_us"),
-                                      StructMember<int64_t>("jitter_us"),
-                                      StructMember<int64_t>("drop_rank"),
+                                      StructMember<int64_t>("callsite"), StructMember<int64_t>("timeout_us"),
+                                      StructMember<int64_t>("jitter_us"), StructMember<int64_t>("drop_rank"),
                                       StructMember<bool>("poison"));
 
-XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(flux_jax::ffi_adapter::GemmAttrs,
-                                      StructMember<int64_t>("tp_size"),
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(flux_jax::ffi_adapter::GemmAttrs, StructMember<int64_t>("tp_size"),
                                       StructMember<Span<const int64_t>>("tp_devices"),
                                       StructMember<Span<const int64_t>>("tp_processes"),
-                                      StructMember<int64_t>("callsite"),
-                                      StructMember<int64_t>("timeout_us"),
-                                      StructMember<int64_t>("jitter_us"),
-                                      StructMember<int64_t>("drop_rank"),
-                                      StructMember<bool>("poison"),
-                                      StructMember<bool>("w_transposed"),
-                                      StructMember<flux_jax::FusedPath>("path"),
-                                      StructMember<int64_t>("piece_bytes"),
-                                      StructMember<int64_t>("tile_group_m"),
-                                      StructMember<int64_t>("rs_stage_launches"),
-                                      StructMember<int64_t>("rs_tile_signal"),
-                                      StructMember<int64_t>("tile_n"),
-                                      StructMember<bool>("decode_early_launch"),
-                                      StructMember<int64_t>("gemm_kernel"),
+                                      StructMember<int64_t>("callsite"), StructMember<int64_t>("timeout_us"),
+                                      StructMember<int64_t>("jitter_us"), StructMember<int64_t>("drop_rank"),
+                                      StructMember<bool>("poison"), StructMember<bool>("w_transposed"),
+                                      StructMember<flux_jax::FusedPath>("path"), StructMember<int64_t>("piece_bytes"),
+                                      StructMember<int64_t>("tile_group_m"), StructMember<int64_t>("rs_stage_launches"),
+                                      StructMember<int64_t>("rs_tile_signal"), StructMember<int64_t>("tile_n"),
+                                      StructMember<bool>("decode_early_launch"), StructMember<int64_t>("gemm_kernel"),
                                       StructMember<bool>("gate_probe"));

@@ -13,8 +13,8 @@ namespace {
 
 enum class Collective { kAllGather, kReduceScatter };
 
-Status MakeParams(Collective op, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
-                  const TpGroup& group, CollectiveParams* p) {
+Status MakeParams(Collective op, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out, const TpGroup& group,
+                  CollectiveParams* p) {
   const char* name = op == Collective::kAllGather ? "all_gather" : "reduce_scatter";
   Folded xf;
   FLUX_JAX_RETURN_IF_ERROR(Fold(x, name, &xf));
@@ -58,8 +58,8 @@ ffi::Error Run(void* stream, int32_t device_ordinal, std::optional<int32_t> host
 }
 
 template <Collective op>
-ffi::Error RunCpu(int32_t device_ordinal, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank,
-                  ffi::Result<ffi::AnyBuffer> out, CollectiveAttrs attrs) {
+ffi::Error RunCpu(int32_t device_ordinal, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> out,
+                  CollectiveAttrs attrs) {
   return Run<op>(nullptr, device_ordinal, rank.typed_data()[0], x, out, attrs);
 }
 
@@ -70,8 +70,8 @@ ffi::Error RunCuda(void* stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::
 }
 
 // all_reduce: out has x's shape; every rank gets the rank-ordered sum.
-ffi::Error RunAllReduce(void* stream, int32_t device_ordinal, std::optional<int32_t> host_rank,
-                        ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out, const CollectiveAttrs& attrs) {
+ffi::Error RunAllReduce(void* stream, int32_t device_ordinal, std::optional<int32_t> host_rank, ffi::AnyBuffer x,
+                        ffi::Result<ffi::AnyBuffer> out, const CollectiveAttrs& attrs) {
   ScopedHandlerTimer timer(HandlerOp::kAllReduce);
   TpGroup group;
   CommConfig cfg;
@@ -113,32 +113,29 @@ namespace ffi = xla::ffi;
 using flux_jax::ffi_adapter::Collective;
 
 // CPU: x, rank (= lax.axis_index, cross-checked); CUDA: x only (see ag_matmul_ffi.cc).
-#define FLUX_JAX_CPU_COLLECTIVE_BINDING()                                 \
-  ffi::Ffi::Bind()                                                        \
-      .Ctx<ffi::DeviceOrdinal>()                                          \
-      .Arg<ffi::AnyBuffer>()         /* x */                              \
-      .Arg<ffi::Buffer<ffi::S32>>()  /* rank = lax.axis_index */          \
-      .Ret<ffi::AnyBuffer>()         /* gathered / reduced rows */        \
+#define FLUX_JAX_CPU_COLLECTIVE_BINDING()                         \
+  ffi::Ffi::Bind()                                                \
+      .Ctx<ffi::DeviceOrdinal>()                                  \
+      .Arg<ffi::AnyBuffer>()        /* x */                       \
+      .Arg<ffi::Buffer<ffi::S32>>() /* rank = lax.axis_index */   \
+      .Ret<ffi::AnyBuffer>()        /* gathered / reduced rows */ \
       .Attrs<flux_jax::ffi_adapter::CollectiveAttrs>()
-#define FLUX_JAX_CUDA_COLLECTIVE_BINDING()                                \
-  ffi::Ffi::Bind()                                                        \
-      .Ctx<ffi::PlatformStream<void*>>()                                  \
-      .Ctx<ffi::DeviceOrdinal>()                                          \
-      .Arg<ffi::AnyBuffer>()         /* x */                              \
-      .Ret<ffi::AnyBuffer>()         /* gathered / reduced rows */        \
+#define FLUX_JAX_CUDA_COLLECTIVE_BINDING()                 \
+  ffi::Ffi::Bind()                                         \
+      .Ctx<ffi::PlatformStream<void*>>()                   \
+      .Ctx<ffi::DeviceOrdinal>()                           \
+      .Arg<ffi::AnyBuffer>() /* x */                       \
+      .Ret<ffi::AnyBuffer>() /* gathered / reduced rows */ \
       .Attrs<flux_jax::ffi_adapter::CollectiveAttrs>()
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FluxJaxAllGatherCpu,
-                              flux_jax::ffi_adapter::RunCpu<Collective::kAllGather>,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FluxJaxAllGatherCpu, flux_jax::ffi_adapter::RunCpu<Collective::kAllGather>,
                               FLUX_JAX_CPU_COLLECTIVE_BINDING());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FluxJaxReduceScatterCpu,
-                              flux_jax::ffi_adapter::RunCpu<Collective::kReduceScatter>,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FluxJaxReduceScatterCpu, flux_jax::ffi_adapter::RunCpu<Collective::kReduceScatter>,
                               FLUX_JAX_CPU_COLLECTIVE_BINDING());
 #ifdef FLUX_JAX_WITH_CUDA
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FluxJaxAllGatherCuda, flux_jax::ffi_adapter::RunCuda<Collective::kAllGather>,
                               FLUX_JAX_CUDA_COLLECTIVE_BINDING());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FluxJaxReduceScatterCuda,
-                              flux_jax::ffi_adapter::RunCuda<Collective::kReduceScatter>,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FluxJaxReduceScatterCuda, flux_jax::ffi_adapter::RunCuda<Collective::kReduceScatter>,
                               FLUX_JAX_CUDA_COLLECTIVE_BINDING());
 #endif
 

@@ -65,8 +65,8 @@ inline Status Fold(ffi::AnyBuffer x, const char* what, Folded* out) {
 // Checks that a result buffer has the element count the op will write.
 inline Status CheckElements(const char* what, size_t have, int64_t want) {
   if (static_cast<int64_t>(have) == want) return Status::Ok();
-  return Status::InvalidArgument(std::string(what) + " has " + std::to_string(have) +
-                                 " elements, expected " + std::to_string(want));
+  return Status::InvalidArgument(std::string(what) + " has " + std::to_string(have) + " elements, expected " +
+                                 std::to_string(want));
 }
 
 }  // namespace flux_jax::ffi_adapter

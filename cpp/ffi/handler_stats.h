@@ -35,8 +35,8 @@ class ScopedHandlerTimer {
  public:
   explicit ScopedHandlerTimer(HandlerOp op) : op_(op), start_(std::chrono::steady_clock::now()) {}
   ~ScopedHandlerTimer() {
-    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
-        std::chrono::steady_clock::now() - start_).count();
+    const auto ns =
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start_).count();
     RecordHandlerTime(op_, static_cast<uint64_t>(ns));
   }
   ScopedHandlerTimer(const ScopedHandlerTimer&) = delete;

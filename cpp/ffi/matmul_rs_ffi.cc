@@ -11,8 +11,8 @@
 namespace flux_jax::ffi_adapter {
 namespace {
 
-Status MakeParams(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
-                  const GemmAttrs& attrs, const TpGroup& group, MatmulRsParams* p) {
+Status MakeParams(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out, const GemmAttrs& attrs,
+                  const TpGroup& group, MatmulRsParams* p) {
   auto wd = w.dimensions();
   Folded xf;
   FLUX_JAX_RETURN_IF_ERROR(Fold(x, "matmul_rs x", &xf));
@@ -49,9 +49,8 @@ ffi::Error MatmulRs(void* stream, int32_t device_ordinal, std::optional<int32_t>
   return ToFfiError(s);
 }
 
-ffi::Error MatmulRsCpu(int32_t device_ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                       ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> out,
-                       GemmAttrs attrs) {
+ffi::Error MatmulRsCpu(int32_t device_ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> rank,
+                       ffi::Result<ffi::AnyBuffer> out, GemmAttrs attrs) {
   return MatmulRs(nullptr, device_ordinal, rank.typed_data()[0], x, w, out, attrs);
 }
 
@@ -79,8 +78,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FluxJaxMatmulRsCuda, flux_jax::ffi_adapter::Matmul
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<void*>>()
                                   .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()         // x [m, k_local]
-                                  .Arg<ffi::AnyBuffer>()         // w [k_local, n] or [n, k_local]
-                                  .Ret<ffi::AnyBuffer>()         // out [m/tp, n]
+                                  .Arg<ffi::AnyBuffer>()  // x [m, k_local]
+                                  .Arg<ffi::AnyBuffer>()  // w [k_local, n] or [n, k_local]
+                                  .Ret<ffi::AnyBuffer>()  // out [m/tp, n]
                                   .Attrs<flux_jax::ffi_adapter::GemmAttrs>());
 #endif

@@ -23,7 +23,6 @@
 #include "flux_jax/cuda_runtime.h"
 #endif
 
-
 namespace nb = nanobind;
 
 namespace {
@@ -121,21 +120,18 @@ flux_jax::IpcAreaSizes AreaSizes(const std::vector<uint64_t>& v) {
 
 NB_MODULE(_flux_jax_ffi, m) {
   m.doc() = "flux_jax native extension: FFI handlers and process-wide state.";
-  m.def("registrations", &Registrations,
-        "{platform: {target name: handler capsule}} for jax.ffi.register_ffi_target.");
+  m.def("registrations", &Registrations, "{platform: {target name: handler capsule}} for jax.ffi.register_ffi_target.");
   m.def("build_info", &BuildInfo, "What this extension was built with.");
   m.def("ops", &Ops, "The custom calls of this extension (flux_jax/ops.def), in order.");
   m.def("limits", &Limits, "Kernel limits the planner respects (flux_jax/limits.h).");
-  m.def("reset_cpu_channels", &flux_jax::ResetCpuChannels,
-        "Drop all CPU-backend channels (also clears failed state).");
+  m.def("reset_cpu_channels", &flux_jax::ResetCpuChannels, "Drop all CPU-backend channels (also clears failed state).");
   m.def("cpu_channel_count", &flux_jax::CpuChannelCount, "Number of live CPU-backend channels.");
-  m.def("set_process_identity", &flux_jax::SetProcessIdentity, nb::arg("process_index"),
-        nb::arg("session"), "This process's index and the job's job token ('' if single).");
+  m.def("set_process_identity", &flux_jax::SetProcessIdentity, nb::arg("process_index"), nb::arg("session"),
+        "This process's index and the job token ('' in a single-process job).");
   m.def(
       "register_local_devices",
       [](const std::string& platform, const std::vector<std::pair<int32_t, int64_t>>& pairs) {
-        flux_jax::RegisterLocalDevices(
-            platform == "cpu" ? flux_jax::Platform::kCpu : flux_jax::Platform::kCuda, pairs);
+        flux_jax::RegisterLocalDevices(platform == "cpu" ? flux_jax::Platform::kCpu : flux_jax::Platform::kCuda, pairs);
       },
       nb::arg("platform"), nb::arg("ordinal_to_id"),
       "Map local device ordinals (what handlers see) to global device ids (the mesh table).");
@@ -158,7 +154,8 @@ NB_MODULE(_flux_jax_ffi, m) {
       "grouped_tile_order",
       [](int tiles_m, int tiles_n, int group, int rotate) {
         if (tiles_m < 1 || tiles_n < 1 || group < 1 || rotate < 0 || rotate >= tiles_m) {
-          throw std::invalid_argument("grouped_tile_order: need tiles_m, tiles_n, group >= 1 and 0 <= rotate < tiles_m");
+          throw std::invalid_argument(
+              "grouped_tile_order: need tiles_m, tiles_n, group >= 1 and 0 <= rotate < tiles_m");
         }
         std::vector<std::pair<int, int>> order;
         order.reserve(static_cast<size_t>(tiles_m) * tiles_n);
@@ -232,21 +229,21 @@ NB_MODULE(_flux_jax_ffi, m) {
         "Diagnostic of the device-side waits that gave up on a GPU (a line per rank), or ''.");
   m.def(
       "cuda_ipc_export",
-      [](const std::vector<int64_t>& devices, const std::vector<int64_t>& processes, int32_t ordinal,
-         size_t data_bytes, size_t slot_bytes) {
+      [](const std::vector<int64_t>& devices, const std::vector<int64_t>& processes, int32_t ordinal, size_t data_bytes,
+         size_t slot_bytes) {
         std::string blob;
         flux_jax::Status s = flux_jax::CudaIpcExport(devices, processes, ordinal, data_bytes, slot_bytes, &blob);
         if (!s.ok()) throw std::runtime_error(s.message());
         return nb::bytes(blob.data(), blob.size());
       },
-      nb::arg("devices"), nb::arg("processes"), nb::arg("ordinal"), nb::arg("data_bytes"),
-      nb::arg("slot_bytes"), "Set up this process's member of a cross-process TP group; its IPC blob.");
+      nb::arg("devices"), nb::arg("processes"), nb::arg("ordinal"), nb::arg("data_bytes"), nb::arg("slot_bytes"),
+      "Set up this process's member of a cross-process TP group; its IPC blob.");
   m.def(
       "cuda_ipc_import",
-      [](const std::vector<int64_t>& devices, const std::vector<int64_t>& processes, int32_t ordinal,
-         int peer_rank, nb::bytes blob) {
-        flux_jax::Status s = flux_jax::CudaIpcImport(devices, processes, ordinal, peer_rank,
-                                                     std::string(blob.c_str(), blob.size()));
+      [](const std::vector<int64_t>& devices, const std::vector<int64_t>& processes, int32_t ordinal, int peer_rank,
+         nb::bytes blob) {
+        flux_jax::Status s =
+            flux_jax::CudaIpcImport(devices, processes, ordinal, peer_rank, std::string(blob.c_str(), blob.size()));
         if (!s.ok()) throw std::runtime_error(s.message());
       },
       nb::arg("devices"), nb::arg("processes"), nb::arg("ordinal"), nb::arg("peer_rank"), nb::arg("blob"),

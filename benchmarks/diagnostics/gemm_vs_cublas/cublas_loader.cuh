@@ -24,9 +24,9 @@ using CreateFn = int (*)(CublasHandle*);
 using SetStreamFn = int (*)(CublasHandle, cudaStream_t);
 using GemmExFn = int (*)(CublasHandle, int, int, int, int, int, const void*, const void*, cudaDataType, int,
                          const void*, cudaDataType, int, const void*, void*, cudaDataType, int, int, int);
-constexpr int kOpN = 0;                // CUBLAS_OP_N
-constexpr int kCompute32F = 68;        // CUBLAS_COMPUTE_32F
-constexpr int kGemmDefault = -1;       // CUBLAS_GEMM_DEFAULT
+constexpr int kOpN = 0;           // CUBLAS_OP_N
+constexpr int kCompute32F = 68;   // CUBLAS_COMPUTE_32F
+constexpr int kGemmDefault = -1;  // CUBLAS_GEMM_DEFAULT
 
 struct Cublas {
   CublasHandle handle = nullptr;
@@ -78,7 +78,10 @@ float RelativeDiff(const E* a, const E* b, size_t n, unsigned* acc) {
 }
 
 // A per-GPU GEMM (M x K x N) and its label.
-struct Shape { int m, k, n; const char* what; };
+struct Shape {
+  int m, k, n;
+  const char* what;
+};
 
 // Shapes given on the command line as MxKxN (labelled "cli"); false if an argument is not one.
 bool ParseShapes(int argc, char** argv, int first, std::vector<Shape>* shapes) {
@@ -105,9 +108,14 @@ struct ProbeBuffers {
   ProbeBuffers(const std::vector<Shape>& shapes, size_t workspace_bytes) : ws_bytes(workspace_bytes) {
     size_t maxe = 0;
     // x: M rounded up to whole 128-row tiles (the decode GEMM may read that many rows).
-    for (auto& s : shapes) maxe = std::max({maxe, (size_t)(s.m + 127) / 128 * 128 * s.k, (size_t)s.k * s.n, (size_t)s.m * s.n});
-    cudaMalloc(&x, maxe * 2); cudaMalloc(&w, maxe * 2); cudaMalloc(&d, maxe * 2); cudaMalloc(&d2, maxe * 2);
-    cudaMalloc(&ws, ws_bytes); cudaMalloc(&acc, 8);
+    for (auto& s : shapes)
+      maxe = std::max({maxe, (size_t)(s.m + 127) / 128 * 128 * s.k, (size_t)s.k * s.n, (size_t)s.m * s.n});
+    cudaMalloc(&x, maxe * 2);
+    cudaMalloc(&w, maxe * 2);
+    cudaMalloc(&d, maxe * 2);
+    cudaMalloc(&d2, maxe * 2);
+    cudaMalloc(&ws, ws_bytes);
+    cudaMalloc(&acc, 8);
     Fill<<<1024, 256>>>(x, maxe, 1);
     Fill<<<1024, 256>>>(w, maxe, 2);
   }

@@ -53,7 +53,8 @@ __global__ void ReadAll(const uint4* p, size_t n, unsigned* sink) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
     uint4 v;
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p + i));
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p + i));
     acc ^= v.x ^ v.y ^ v.z ^ v.w;
   }
   if (acc == 0x9e3779b9u) *sink = acc;
@@ -61,15 +62,28 @@ __global__ void ReadAll(const uint4* p, size_t n, unsigned* sink) {
 
 bool RunOurs(int m, int n, int k, const E* a, const E* b, E* d, const float* one, int sms) {
   flux_jax::cuda::GemmPlan p;
-  p.m = m; p.n = n; p.k = k; p.a = a; p.b = b; p.d = d; p.alpha_ptr = one;
-  p.group_m_tiles = 8; p.block_n = 256;
+  p.m = m;
+  p.n = n;
+  p.k = k;
+  p.a = a;
+  p.b = b;
+  p.d = d;
+  p.alpha_ptr = one;
+  p.group_m_tiles = 8;
+  p.block_n = 256;
   return flux_jax::cuda::RunGemm(p, flux_jax::DType::kBF16, 0, 0, sms).ok();
 }
 
 // The decode path's own GEMM (decode_gemm.cuh), nothing to wait for.
 bool RunDecode(int m, int n, int k, const E* x, const E* w, E* d, const float* one, int sms) {
   flux_jax::cuda::DecodeGemmPlan p;
-  p.rows = m; p.n = n; p.k = k; p.x = x; p.w = w; p.d = d; p.alpha_ptr = one;
+  p.rows = m;
+  p.n = n;
+  p.k = k;
+  p.x = x;
+  p.w = w;
+  p.d = d;
+  p.alpha_ptr = one;
   p.x_rows_readable = flux_jax::cuda::DecodeRowsReadable(m);  // x holds that many rows
   return flux_jax::cuda::RunDecodeGemm(p, flux_jax::DType::kBF16, 0, 0, sms).ok();
 }
@@ -105,7 +119,9 @@ struct Variant {
 };
 
 template <class T>
-struct Tag { using type = T; };
+struct Tag {
+  using type = T;
+};
 
 struct Row {
   const char* name;
@@ -154,14 +170,17 @@ int main(int argc, char** argv) {
   if (!flux_jax::cuda::PreloadDecodeGemmKernels().ok()) return 1;
 
   printf("# %s, %d SMs; us per call = best of 7 loops of back-to-back launches\n", prop.name, sms);
-  printf("%-12s %5s %5s %5s  %-12s %8s %7s %7s  %s\n", "layer", "M", "K", "N", "variant", "us", "/cuBLAS",
-         "W TB/s", "check");
+  printf("%-12s %5s %5s %5s  %-12s %8s %7s %7s  %s\n", "layer", "M", "K", "N", "variant", "us", "/cuBLAS", "W TB/s",
+         "check");
   for (int pass = 0; pass < 2; ++pass) {
     for (const Shape& s : shapes) {
       const int M = s.m, K = s.k, N = s.n;
       const double wbytes = 2.0 * K * N;
       cudaMemset(d, 0xff, (size_t)M * N * 2);
-      if (cublas.Run(M, N, K, x, w, d) != 0) { printf("cuBLAS failed\n"); return 1; }
+      if (cublas.Run(M, N, K, x, w, d) != 0) {
+        printf("cuBLAS failed\n");
+        return 1;
+      }
       const float t_cublas0 = BestUsPerCall([&] { cublas.Run(M, N, K, x, w, d); }, 10, 1);
       const int it = std::max(10, std::min(400, (int)(3000.f / t_cublas0)));
       std::vector<Row> rows;
@@ -172,11 +191,12 @@ int main(int argc, char** argv) {
         return RelativeDiff(d2, d, (size_t)M * N, buf.acc);
       };
       rows.push_back({"cuBLAS", BestUsPerCall([&] { cublas.Run(M, N, K, x, w, d); }, it, 7), 0.f});
-      rows.push_back({"read W",
-                      BestUsPerCall([&] { ReadAll<<<sms * 4, 512>>>(reinterpret_cast<const uint4*>(w),
-                                                                    (size_t)K * N / 8, buf.acc); },
-                                    it, 7),
-                      -1.f});
+      rows.push_back(
+          {"read W",
+           BestUsPerCall(
+               [&] { ReadAll<<<sms * 4, 512>>>(reinterpret_cast<const uint4*>(w), (size_t)K * N / 8, buf.acc); }, it,
+               7),
+           -1.f});
       {
         const float c = check([&] { RunOurs(M, N, K, x, w, d2, one, sms); });
         rows.push_back({"ours 256", BestUsPerCall([&] { RunOurs(M, N, K, x, w, d, one, sms); }, it, 7), c});
@@ -187,7 +207,10 @@ int main(int argc, char** argv) {
         Variant<I> v;
         const int rc = swap ? v.Setup(N, M, K, w, x, d2, ws, kWsBytes, splits, heuristic)
                             : v.Setup(M, N, K, x, w, d2, ws, kWsBytes, splits, heuristic);
-        if (rc != 0) { rows.push_back({name, (float)rc, -1.f}); return; }
+        if (rc != 0) {
+          rows.push_back({name, (float)rc, -1.f});
+          return;
+        }
         const float c = check([&] { v.Run(); });
         rows.push_back({name, BestUsPerCall([&] { v.Run(); }, it, 7), c});
         if (v.stream_k && splits == 2 && !heuristic && swap)

@@ -37,8 +37,15 @@ using SKMode = cutlass::gemm::kernel::detail::DecompositionMode;
 
 bool RunOurs(int m, int n, int k, const E* a, const E* b, E* d, const float* one, int bn, int sms) {
   flux_jax::cuda::GemmPlan p;
-  p.m = m; p.n = n; p.k = k; p.a = a; p.b = b; p.d = d; p.alpha_ptr = one;
-  p.group_m_tiles = 8; p.block_n = bn;
+  p.m = m;
+  p.n = n;
+  p.k = k;
+  p.a = a;
+  p.b = b;
+  p.d = d;
+  p.alpha_ptr = one;
+  p.group_m_tiles = 8;
+  p.block_n = bn;
   return flux_jax::cuda::RunGemm(p, flux_jax::DType::kBF16, 0, 0, sms).ok();
 }
 
@@ -49,11 +56,11 @@ int main(int argc, char** argv) {
   // RS layers all M rows against K / 2. The held-out shapes (M = 3000 and the Qwen / Phi-3 layers)
   // are where our GEMM trails cuBLAS most.
   std::vector<Shape> shapes = {
-      {3000, 3072, 4608, "Phi3 qkv 3000"},     {12288, 3072, 8192, "Phi3 gate+up 12288"},
-      {3000, 5120, 3584, "Qwen qkv 3000"},     {12288, 5120, 13824, "Qwen gate+up 12288"},
-      {3000, 2560, 5120, "Qwen out 3000"},     {12288, 2560, 5120, "Qwen out 12288"},
-      {6144, 6912, 5120, "Qwen down 6144"},    {12288, 1536, 3072, "Phi3 out 12288"},
-      {16384, 2048, 4096, "8B out 16384"},     {16384, 4096, 14336, "8B gate+up 16384"},
+      {3000, 3072, 4608, "Phi3 qkv 3000"},  {12288, 3072, 8192, "Phi3 gate+up 12288"},
+      {3000, 5120, 3584, "Qwen qkv 3000"},  {12288, 5120, 13824, "Qwen gate+up 12288"},
+      {3000, 2560, 5120, "Qwen out 3000"},  {12288, 2560, 5120, "Qwen out 12288"},
+      {6144, 6912, 5120, "Qwen down 6144"}, {12288, 1536, 3072, "Phi3 out 12288"},
+      {16384, 2048, 4096, "8B out 16384"},  {16384, 4096, 14336, "8B gate+up 16384"},
       {8192, 8192, 8192, "8192^3"},
   };
   if (argc > 1) {
@@ -66,8 +73,10 @@ int main(int argc, char** argv) {
   constexpr size_t kWsBytes = size_t{256} << 20;
   float* one;
   cudaMalloc(&one, 4);
-  float h1 = 1.f; cudaMemcpy(one, &h1, 4, cudaMemcpyHostToDevice);
-  cudaDeviceProp prop; cudaGetDeviceProperties(&prop, 0);
+  float h1 = 1.f;
+  cudaMemcpy(one, &h1, 4, cudaMemcpyHostToDevice);
+  cudaDeviceProp prop;
+  cudaGetDeviceProperties(&prop, 0);
   const int sms = prop.multiProcessorCount;
   Cublas cublas;
   const bool have_cublas = cublas.Load();
@@ -81,7 +90,8 @@ int main(int argc, char** argv) {
       const int it = std::max(3, (int)(20.0 * 8192.0 * 8192 * 8192 / ((double)M * N * K)));
       char check[64] = "-";
       if (pass == 0 && have_cublas) {  // cuBLAS and ours on the same inputs, poisoned outputs
-        cudaMemset(d, 0xff, (size_t)M * N * 2); cudaMemset(d2, 0xff, (size_t)M * N * 2);
+        cudaMemset(d, 0xff, (size_t)M * N * 2);
+        cudaMemset(d2, 0xff, (size_t)M * N * 2);
         const bool ok = cublas.Run(M, N, K, x, w, d) == 0 && RunOurs(M, N, K, x, w, d2, one, 256, sms);
         const float ours = RelativeDiff(d2, d, (size_t)M * N, buf.acc);
         cudaMemset(d2, 0xff, (size_t)M * N * 2);

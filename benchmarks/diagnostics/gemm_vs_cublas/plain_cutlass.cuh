@@ -35,8 +35,7 @@ struct PlainGemm {
   using Cluster = cute::Shape<cute::Int<ClusterM>, cute::_1, cute::_1>;
   using Epi = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, E, LC, 8, E, LC, 8,
-      EpiSchedule>::CollectiveOp;
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, E, LC, 8, E, LC, 8, EpiSchedule>::CollectiveOp;
   using Main = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, E, LA, 8, E, LB, 8, float, Tile, Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epi::SharedStorage))>,
@@ -108,8 +107,7 @@ float TimePlain(int m, int n, int k, const E* a, const E* b, E* d, int iters, vo
 // (cutlass::gemm::StreamKScheduler) in `mode`: initialize() runs inside every call, since it
 // zeroes the reduction locks the kernel counts up and never resets. ws holds ws_bytes.
 template <class I, class Mode>
-float TimeStreamK(int m, int n, int k, const E* a, const E* b, E* d, int iters, void* ws, size_t ws_bytes,
-                  Mode mode) {
+float TimeStreamK(int m, int n, int k, const E* a, const E* b, E* d, int iters, void* ws, size_t ws_bytes, Mode mode) {
   using K = typename I::Kernel;
   auto args = PlainArguments<K>(m, n, k, a, b, d);
   args.scheduler.max_swizzle_size = 8;
@@ -118,7 +116,12 @@ float TimeStreamK(int m, int n, int k, const E* a, const E* b, E* d, int iters, 
   if (g.can_implement(args) != cutlass::Status::kSuccess) return -1;
   if (I::Gemm::get_workspace_size(args) > ws_bytes) return -3;
   if (g.initialize(args, ws) != cutlass::Status::kSuccess) return -2;
-  return BestUsPerCall([&] { g.initialize(args, ws); g.run(); }, iters, 7);
+  return BestUsPerCall(
+      [&] {
+        g.initialize(args, ws);
+        g.run();
+      },
+      iters, 7);
 }
 
 // Hash-based values in [-0.5, 0.5): random-looking, never zero everywhere, reproducible.

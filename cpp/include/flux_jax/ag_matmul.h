@@ -13,7 +13,6 @@ Status AgMatmulCanImplement(const AgMatmulParams& p, const TpGroup& group);
 Status RunAgMatmulCpu(const AgMatmulParams& p, const TpGroup& group, const CommConfig& cfg);
 
 // CUDA backend (only when built with CUDA): enqueues on `stream`.
-Status RunAgMatmulCuda(const AgMatmulParams& p, const TpGroup& group, const CommConfig& cfg,
-                       void* stream);
+Status RunAgMatmulCuda(const AgMatmulParams& p, const TpGroup& group, const CommConfig& cfg, void* stream);
 
 }  // namespace flux_jax

@@ -34,12 +34,9 @@ Status RunReduceScatterCpu(const CollectiveParams& p, const TpGroup& group, cons
 
 Status AllReduceCanImplement(const CollectiveParams& p, const TpGroup& group);
 Status RunAllReduceCpu(const CollectiveParams& p, const TpGroup& group, const CommConfig& cfg);
-Status RunAllReduceCuda(const CollectiveParams& p, const TpGroup& group, const CommConfig& cfg,
-                        void* stream);
+Status RunAllReduceCuda(const CollectiveParams& p, const TpGroup& group, const CommConfig& cfg, void* stream);
 
-Status RunAllGatherCuda(const CollectiveParams& p, const TpGroup& group, const CommConfig& cfg,
-                        void* stream);
-Status RunReduceScatterCuda(const CollectiveParams& p, const TpGroup& group, const CommConfig& cfg,
-                            void* stream);
+Status RunAllGatherCuda(const CollectiveParams& p, const TpGroup& group, const CommConfig& cfg, void* stream);
+Status RunReduceScatterCuda(const CollectiveParams& p, const TpGroup& group, const CommConfig& cfg, void* stream);
 
 }  // namespace flux_jax

@@ -29,9 +29,9 @@ void CudaFailNextWorkspaceGrowthForTesting(int rank);
 // Cross-process TP groups: set up the member of `ordinal` in the group whose
 // ranks are `devices` (global ids) in `processes`, returning its CUDA IPC blob;
 // then open a remote rank's blob. Called from flux_jax/_ipc.py before tracing.
-Status CudaIpcExport(const std::vector<int64_t>& devices, const std::vector<int64_t>& processes,
-                     int32_t ordinal, size_t data_bytes, size_t slot_bytes, std::string* blob);
-Status CudaIpcImport(const std::vector<int64_t>& devices, const std::vector<int64_t>& processes,
-                     int32_t ordinal, int peer_rank, const std::string& blob);
+Status CudaIpcExport(const std::vector<int64_t>& devices, const std::vector<int64_t>& processes, int32_t ordinal,
+                     size_t data_bytes, size_t slot_bytes, std::string* blob);
+Status CudaIpcImport(const std::vector<int64_t>& devices, const std::vector<int64_t>& processes, int32_t ordinal,
+                     int peer_rank, const std::string& blob);
 
 }  // namespace flux_jax

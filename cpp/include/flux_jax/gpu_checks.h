@@ -35,18 +35,22 @@ inline Status CheckHardwareQueues(const char* env, int ranks_on_gpu, int device,
     char* end = nullptr;
     errno = 0;
     const long v = std::strtol(env, &end, 10);
-    if (errno == 0 && end != env && *end == '\0' && v >= 1) connections = v > kMaxDeviceConnections ? kMaxDeviceConnections : static_cast<int>(v);
+    if (errno == 0 && end != env && *end == '\0' && v >= 1)
+      connections = v > kMaxDeviceConnections ? kMaxDeviceConnections : static_cast<int>(v);
   }
   const int needed = 2 * ranks_on_gpu;
   if (connections >= needed) return Status::Ok();
   return Status::InvalidArgument(
       "flux_jax: " + std::to_string(ranks_on_gpu) + " ranks of " + group + " share GPU " + std::to_string(device) +
-      ", and CUDA_DEVICE_MAX_CONNECTIONS=" + (env != nullptr && *env != '\0' ? std::string(env) : std::string("(unset)")) +
-      " gives that GPU's streams " + std::to_string(connections) +
+      ", and CUDA_DEVICE_MAX_CONNECTIONS=" +
+      (env != nullptr && *env != '\0' ? std::string(env) : std::string("(unset)")) + " gives that GPU's streams " +
+      std::to_string(connections) +
       " hardware queue(s). Ranks that share a GPU need a queue for each of their streams (2 per rank: the compute "
-      "stream and flux_jax's comm stream), at least " + std::to_string(needed) +
+      "stream and flux_jax's comm stream), at least " +
+      std::to_string(needed) +
       ": in a shared queue, work that waits for a peer holds back the pushes that the peer's GEMM waits for, and "
-      "the ranks deadlock until the timeout. Set CUDA_DEVICE_MAX_CONNECTIONS=" + std::to_string(needed) +
+      "the ranks deadlock until the timeout. Set CUDA_DEVICE_MAX_CONNECTIONS=" +
+      std::to_string(needed) +
       " or more (at most 32) before CUDA starts. (With one rank per GPU, as in every JAX mesh, any value works, "
       "1 included.)");
 }
@@ -73,7 +77,7 @@ inline Status CheckIpcPeer(int peer, int tp, int declared_rank, int declared_tp,
   }
   struct Area {
     const char* name;
-    uint64_t IpcAreaSizes::*bytes;
+    uint64_t IpcAreaSizes::* bytes;
   };
   const Area areas[] = {{"control", &IpcAreaSizes::ctrl},
                         {"data", &IpcAreaSizes::data},
@@ -84,8 +88,11 @@ inline Status CheckIpcPeer(int peer, int tp, int declared_rank, int declared_tp,
     const uint64_t d = declared.*a.bytes, e = expected.*a.bytes;
     if (d != e) {
       return Status::InvalidArgument(
-          "flux_jax: " + who + " declares a " + a.name + " area of " + std::to_string(d) + " bytes in its CUDA IPC "
-          "blob; this process's member has " + std::to_string(e) + " bytes. Every process must set up the group "
+          "flux_jax: " + who + " declares a " + a.name + " area of " + std::to_string(d) +
+          " bytes in its CUDA IPC "
+          "blob; this process's member has " +
+          std::to_string(e) +
+          " bytes. Every process must set up the group "
           "with the same flux_jax.initialize_distributed(gpu_workspace_mib=...) and the same flux_jax build.");
     }
     if (opened && (mapped.*a.bytes) < d) {

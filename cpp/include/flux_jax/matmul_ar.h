@@ -26,7 +26,6 @@ Status RunMatmulArCpu(const MatmulArParams& p, const TpGroup& group, const CommC
 
 // CUDA backend (only when built with CUDA): enqueues on `stream` our GEMM of the
 // partial into the workspace, then the latency path's all_reduce kernel on it.
-Status RunMatmulArCuda(const MatmulArParams& p, const TpGroup& group, const CommConfig& cfg,
-                       void* stream);
+Status RunMatmulArCuda(const MatmulArParams& p, const TpGroup& group, const CommConfig& cfg, void* stream);
 
 }  // namespace flux_jax

@@ -12,7 +12,6 @@ Status MatmulRsCanImplement(const MatmulRsParams& p, const TpGroup& group);
 Status RunMatmulRsCpu(const MatmulRsParams& p, const TpGroup& group, const CommConfig& cfg);
 
 // CUDA backend (only when built with CUDA): enqueues on `stream`.
-Status RunMatmulRsCuda(const MatmulRsParams& p, const TpGroup& group, const CommConfig& cfg,
-                       void* stream);
+Status RunMatmulRsCuda(const MatmulRsParams& p, const TpGroup& group, const CommConfig& cfg, void* stream);
 
 }  // namespace flux_jax

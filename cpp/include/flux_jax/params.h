@@ -28,14 +28,14 @@ inline const char* DTypeName(DType t) {
 // The tensor-parallel group this device belongs to, resolved from the device
 // table that the Python lowering passes down (see tp_group.h).
 struct TpGroup {
-  int rank = 0;                   // position of this device in the group (== lax.axis_index)
-  int size = 1;                   // TP degree
-  int64_t group_index = 0;        // which group of the mesh (0 for a 1-D mesh)
-  std::vector<int64_t> devices;   // global device id of each rank, in rank order
-  std::vector<int64_t> processes; // process index of each rank
-  std::vector<int32_t> ordinals;  // local device ordinal of each rank in this process, or -1
-  bool cross_process = false;     // some rank lives in another process
-  std::string Describe() const;   // "TP group 1 [devices 4,5,6,7]"
+  int rank = 0;                    // position of this device in the group (== lax.axis_index)
+  int size = 1;                    // TP degree
+  int64_t group_index = 0;         // which group of the mesh (0 for a 1-D mesh)
+  std::vector<int64_t> devices;    // global device id of each rank, in rank order
+  std::vector<int64_t> processes;  // process index of each rank
+  std::vector<int32_t> ordinals;   // local device ordinal of each rank in this process, or -1
+  bool cross_process = false;      // some rank lives in another process
+  std::string Describe() const;    // "TP group 1 [devices 4,5,6,7]"
 };
 
 // Which kernel a fused GEMM op runs (the latency path is a separate custom call:
@@ -59,18 +59,18 @@ enum class GemmKernel : int64_t {
 // GPU tuning of the overlap and decode kernels. Every default is the product
 // setting; other values exist for A/B measurements (flux_jax/_config.py, private).
 struct GpuTuning {
-  int64_t piece_bytes = 0;         // target bytes per flagged piece (0: automatic)
-  int64_t tile_group_m = 0;        // M tiles the GEMM sweeps together (0: default)
-  int64_t rs_stage_launches = 1;   // launches of a pushed ReduceScatter stage
-                                   // (1: one; 0: about one wave of tiles each)
-  int64_t rs_tile_signal = -1;     // pushed RS pieces released by launch end (0) or by
-                                   // tile counters (1: at the next tile, 2: right after);
-                                   // -1: by shape (ChooseRsTileSignal)
-  int64_t tile_n = 0;              // output tile width, 256 or 192 (0: by waves)
+  int64_t piece_bytes = 0;          // target bytes per flagged piece (0: automatic)
+  int64_t tile_group_m = 0;         // M tiles the GEMM sweeps together (0: default)
+  int64_t rs_stage_launches = 1;    // launches of a pushed ReduceScatter stage
+                                    // (1: one; 0: about one wave of tiles each)
+  int64_t rs_tile_signal = -1;      // pushed RS pieces released by launch end (0) or by
+                                    // tile counters (1: at the next tile, 2: right after);
+                                    // -1: by shape (ChooseRsTileSignal)
+  int64_t tile_n = 0;               // output tile width, 256 or 192 (0: by waves)
   bool decode_early_launch = true;  // the decode GEMM launches while the rows are pushed
-  int64_t gemm_kernel = 0;         // a GemmKernel (0: by shape)
-  bool gate_probe = false;         // tp = 1, ag_matmul: gate every tile's A loads on flags
-                                   // that are already set (the cost of the gate's poll)
+  int64_t gemm_kernel = 0;          // a GemmKernel (0: by shape)
+  bool gate_probe = false;          // tp = 1, ag_matmul: gate every tile's A loads on flags
+                                    // that are already set (the cost of the gate's poll)
 };
 
 // Everything a fused call needs besides its buffers, decoded from the custom

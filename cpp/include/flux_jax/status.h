@@ -31,9 +31,9 @@ class Status {
   std::string message_;
 };
 
-#define FLUX_JAX_RETURN_IF_ERROR(expr)        \
-  do {                                        \
-    ::flux_jax::Status _flux_status = (expr); \
+#define FLUX_JAX_RETURN_IF_ERROR(expr)           \
+  do {                                           \
+    ::flux_jax::Status _flux_status = (expr);    \
     if (!_flux_status.ok()) return _flux_status; \
   } while (0)
 

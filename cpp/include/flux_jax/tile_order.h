@@ -25,8 +25,7 @@ struct TileCoord {
   int n;
 };
 
-FLUX_JAX_HOST_DEVICE inline TileCoord GroupedTile(int t, int tiles_m, int tiles_n, int group,
-                                                  int rotate) {
+FLUX_JAX_HOST_DEVICE inline TileCoord GroupedTile(int t, int tiles_m, int tiles_n, int group, int rotate) {
   const int first = (t / (group * tiles_n)) * group;
   const int rows = group < tiles_m - first ? group : tiles_m - first;
   const int idx = t - first * tiles_n;
@@ -44,8 +43,8 @@ FLUX_JAX_HOST_DEVICE inline TileCoord GroupedTile(int t, int tiles_m, int tiles_
 // tile m = cluster row * cluster_m + cta. tiles_m is padded to whole clusters: tiles past it
 // are computed out of bounds (TMA zero-fills their loads and drops their stores). With
 // cluster_m = 1 this is GroupedTile.
-FLUX_JAX_HOST_DEVICE inline TileCoord ClusteredTile(int t, int cta, int tiles_m, int tiles_n, int group,
-                                                    int rotate, int cluster_m) {
+FLUX_JAX_HOST_DEVICE inline TileCoord ClusteredTile(int t, int cta, int tiles_m, int tiles_n, int group, int rotate,
+                                                    int cluster_m) {
   if (cluster_m <= 1) return GroupedTile(t, tiles_m, tiles_n, group, rotate);
   const int cluster_rows = (tiles_m + cluster_m - 1) / cluster_m;
   const int cluster_group = group / cluster_m > 1 ? group / cluster_m : 1;

@@ -18,8 +18,7 @@ namespace flux_jax {
 // `devices` holds global device ids and `processes` their process indices (the
 // same layout). `rank_operand` is the value of lax.axis_index, or nullopt when
 // it cannot be read on the host (GPU: it lives in device memory).
-Status ResolveTpGroup(const int64_t* devices, const int64_t* processes, size_t table_size,
-                      int64_t tp_size, Platform platform, int32_t device_ordinal,
-                      std::optional<int32_t> rank_operand, TpGroup* group);
+Status ResolveTpGroup(const int64_t* devices, const int64_t* processes, size_t table_size, int64_t tp_size,
+                      Platform platform, int32_t device_ordinal, std::optional<int32_t> rank_operand, TpGroup* group);
 
 }  // namespace flux_jax

@@ -42,8 +42,8 @@ struct DeviceError {
   int32_t site;  // WaitSite
   int32_t device;
   int32_t rank;
-  int32_t peer;     // rank expected to write the flag (-1 unknown)
-  int32_t chunk;    // chunk / step of rows the flag guards (-1 none)
+  int32_t peer;   // rank expected to write the flag (-1 unknown)
+  int32_t chunk;  // chunk / step of rows the flag guards (-1 none)
   int32_t piece;
   int32_t missing;  // kSitePresent: bit p set = rank p had not reached the op (0 elsewhere)
   uint64_t epoch;
@@ -56,13 +56,26 @@ inline std::string DescribeWait(const DeviceError& e) {
   os << "rank " << e.rank;
   switch (e.site) {
     case kSitePresent: os << " waited for rank " << e.peer << " to reach the op"; break;
-    case kSiteGemmA: os << " waited for rows of chunk " << e.chunk << ", piece " << e.piece << " from rank " << e.peer; break;
+    case kSiteGemmA:
+      os << " waited for rows of chunk " << e.chunk << ", piece " << e.piece << " from rank " << e.peer;
+      break;
     case kSiteEpilogueC: os << " waited for partial sums, piece " << e.piece << ", from rank " << e.peer; break;
-    case kSiteAllGather: os << " waited in all_gather for block " << e.piece << " of the rows of rank " << e.peer; break;
-    case kSiteReduceScatter: os << " waited in reduce_scatter for block " << e.piece << " of the partial sums of rank " << e.peer; break;
-    case kSiteDecodeRows: os << " waited in ag_matmul's decode GEMM for push block " << e.piece << " of the rows of rank " << e.peer; break;
-    case kSiteDecodeSums: os << " waited in matmul_rs's decode GEMM for the partial sums of output tile " << e.piece << " from rank " << e.peer; break;
-    case kSiteAllReduce: os << " waited in all_reduce for block " << e.piece << " of the partial sums of rank " << e.peer; break;
+    case kSiteAllGather:
+      os << " waited in all_gather for block " << e.piece << " of the rows of rank " << e.peer;
+      break;
+    case kSiteReduceScatter:
+      os << " waited in reduce_scatter for block " << e.piece << " of the partial sums of rank " << e.peer;
+      break;
+    case kSiteDecodeRows:
+      os << " waited in ag_matmul's decode GEMM for push block " << e.piece << " of the rows of rank " << e.peer;
+      break;
+    case kSiteDecodeSums:
+      os << " waited in matmul_rs's decode GEMM for the partial sums of output tile " << e.piece << " from rank "
+         << e.peer;
+      break;
+    case kSiteAllReduce:
+      os << " waited in all_reduce for block " << e.piece << " of the partial sums of rank " << e.peer;
+      break;
     default: os << " waited on an unknown site " << e.site << " for rank " << e.peer; break;
   }
   os << "; epoch " << e.epoch << ", flag value seen " << e.seen;

@@ -20,12 +20,12 @@ Status AgMatmulCanImplement(const AgMatmulParams& p, const TpGroup& group) {
 
 Status MatmulRsCanImplement(const MatmulRsParams& p, const TpGroup& group) {
   if (p.m < 0 || p.k <= 0 || p.n <= 0) {
-    return Status::InvalidArgument("matmul_rs: bad shape m=" + std::to_string(p.m) +
-                                   " k=" + std::to_string(p.k) + " n=" + std::to_string(p.n));
+    return Status::InvalidArgument("matmul_rs: bad shape m=" + std::to_string(p.m) + " k=" + std::to_string(p.k) +
+                                   " n=" + std::to_string(p.n));
   }
   if (group.size < 1 || p.m % group.size != 0) {
-    return Status::InvalidArgument("matmul_rs: rows " + std::to_string(p.m) +
-                                   " not divisible by TP size " + std::to_string(group.size));
+    return Status::InvalidArgument("matmul_rs: rows " + std::to_string(p.m) + " not divisible by TP size " +
+                                   std::to_string(group.size));
   }
   return Status::Ok();
 }
@@ -48,16 +48,16 @@ Status ReduceScatterCanImplement(const CollectiveParams& p, const TpGroup& group
     return Status::InvalidArgument("reduce_scatter: sums float32, bfloat16 or float16, not a 1-byte payload");
   }
   if (group.size < 1 || p.rows % group.size != 0) {
-    return Status::InvalidArgument("reduce_scatter: rows " + std::to_string(p.rows) +
-                                   " not divisible by TP size " + std::to_string(group.size));
+    return Status::InvalidArgument("reduce_scatter: rows " + std::to_string(p.rows) + " not divisible by TP size " +
+                                   std::to_string(group.size));
   }
   return Status::Ok();
 }
 
 Status MatmulArCanImplement(const MatmulArParams& p, const TpGroup& group) {
   if (p.m < 0 || p.k <= 0 || p.n <= 0) {
-    return Status::InvalidArgument("matmul_ar: bad shape m=" + std::to_string(p.m) +
-                                   " k=" + std::to_string(p.k) + " n=" + std::to_string(p.n));
+    return Status::InvalidArgument("matmul_ar: bad shape m=" + std::to_string(p.m) + " k=" + std::to_string(p.k) +
+                                   " n=" + std::to_string(p.n));
   }
   if (group.size < 1) return Status::InvalidArgument("matmul_ar: empty TP group");
   return Status::Ok();

@@ -16,9 +16,8 @@ std::string TpGroup::Describe() const {
   return os.str();
 }
 
-Status ResolveTpGroup(const int64_t* table, const int64_t* processes, size_t table_size,
-                      int64_t tp_size, Platform platform, int32_t device_ordinal,
-                      std::optional<int32_t> rank_operand, TpGroup* group) {
+Status ResolveTpGroup(const int64_t* table, const int64_t* processes, size_t table_size, int64_t tp_size,
+                      Platform platform, int32_t device_ordinal, std::optional<int32_t> rank_operand, TpGroup* group) {
   if (tp_size < 1 || tp_size > 64) {
     return Status::InvalidArgument("tp_size must be in [1, 64], got " + std::to_string(tp_size));
   }
@@ -31,8 +30,7 @@ Status ResolveTpGroup(const int64_t* table, const int64_t* processes, size_t tab
   for (size_t i = 0; i < table_size; ++i) {
     if (table[i] != my_id) continue;
     if (found >= 0) {
-      return Status::InvalidArgument("device " + std::to_string(my_id) +
-                                     " appears twice in the TP device table");
+      return Status::InvalidArgument("device " + std::to_string(my_id) + " appears twice in the TP device table");
     }
     found = static_cast<int64_t>(i);
   }
@@ -58,10 +56,9 @@ Status ResolveTpGroup(const int64_t* table, const int64_t* processes, size_t tab
     }
   }
   if (rank_operand.has_value() && *rank_operand != group->rank) {
-    return Status::InvalidArgument(
-        "lax.axis_index says rank " + std::to_string(*rank_operand) + " but device " +
-        std::to_string(my_id) + " sits at rank " + std::to_string(group->rank) + " of " +
-        group->Describe() + " in the mesh table");
+    return Status::InvalidArgument("lax.axis_index says rank " + std::to_string(*rank_operand) + " but device " +
+                                   std::to_string(my_id) + " sits at rank " + std::to_string(group->rank) + " of " +
+                                   group->Describe() + " in the mesh table");
   }
   return Status::Ok();
 }

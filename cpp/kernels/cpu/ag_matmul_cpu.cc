@@ -40,9 +40,8 @@ Status RunAgMatmulCpu(const AgMatmulParams& p, const TpGroup& group, const CommC
   // 1. Push the local chunk to every peer (copy-engine role on the GPU).
   for (int i = 1; i < tp; ++i) {
     const int peer = (rank + i) % tp;
-    FLUX_JAX_RETURN_IF_ERROR(channel.Wait(rank, cpu::FlagKind::kFreed, parity, peer,
-                                           epoch >= 2 ? epoch - 2 : 0, epoch, cfg,
-                                           {"ag_matmul", peer, rank}));
+    FLUX_JAX_RETURN_IF_ERROR(channel.Wait(rank, cpu::FlagKind::kFreed, parity, peer, epoch >= 2 ? epoch - 2 : 0, epoch,
+                                          cfg, {"ag_matmul", peer, rank}));
     if (chunk_bytes) std::memcpy(channel.Slot(peer, parity, rank), p.x, chunk_bytes);
     if (rank != cfg.drop_rank) {
       channel.Signal(peer, cpu::FlagKind::kArrived, parity, rank, epoch, cfg);
@@ -56,8 +55,8 @@ Status RunAgMatmulCpu(const AgMatmulParams& p, const TpGroup& group, const CommC
     const int src = (rank + i) % tp;
     const void* rows = p.x;
     if (src != rank) {
-      FLUX_JAX_RETURN_IF_ERROR(channel.Wait(rank, cpu::FlagKind::kArrived, parity, src, epoch,
-                                             epoch, cfg, {"ag_matmul", src, src}));
+      FLUX_JAX_RETURN_IF_ERROR(
+          channel.Wait(rank, cpu::FlagKind::kArrived, parity, src, epoch, epoch, cfg, {"ag_matmul", src, src}));
       rows = channel.Slot(rank, parity, src);
     }
     cpu::GemmRows(rows, p.dtype, p.m_local, p.k, w.data(), p.n, acc.data());

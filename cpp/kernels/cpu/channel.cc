@@ -55,18 +55,18 @@ using Clock = std::chrono::steady_clock;
 struct alignas(64) ChannelLayout {
   std::atomic<uint64_t> ready;
   int32_t tp;
-  int32_t mappers;                         // processes that map the region
+  int32_t mappers;  // processes that map the region
   int64_t callsite;
   int64_t group_index;
-  uint64_t generation;                     // flux_jax.reset() generation of the creator
+  uint64_t generation;  // flux_jax.reset() generation of the creator
   uint64_t slot_bytes;
   uint64_t signature;
-  std::atomic<int32_t> mapped;             // processes that mapped it so far
-  std::atomic<int32_t> failed;             // 0 healthy, 1 message being written, 2 written
+  std::atomic<int32_t> mapped;  // processes that mapped it so far
+  std::atomic<int32_t> failed;  // 0 healthy, 1 message being written, 2 written
   char failure[kFailureBytes];
-  std::atomic<uint64_t> epochs[kMaxTp];    // epochs[r]: touched only by rank r
-  std::atomic<int32_t> in_flight[kMaxTp];  // in_flight[r]: calls of rank r running now
-  std::atomic<uint64_t> arrivals[kMaxTp];  // arrivals[r]: calls rank r began, failed ones included
+  std::atomic<uint64_t> epochs[kMaxTp];      // epochs[r]: touched only by rank r
+  std::atomic<int32_t> in_flight[kMaxTp];    // in_flight[r]: calls of rank r running now
+  std::atomic<uint64_t> arrivals[kMaxTp];    // arrivals[r]: calls rank r began, failed ones included
   std::atomic<int32_t> rank_mapped[kMaxTp];  // the process of rank r has mapped the region
 };
 
@@ -94,13 +94,13 @@ Mailbox* MailboxAt(ChannelLayout* layout, int r) {
 void FutexWait(std::atomic<uint32_t>* word, uint32_t expected, Clock::duration timeout, bool shared) {
   const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(timeout).count();
   timespec ts{static_cast<time_t>(ns / 1'000'000'000), static_cast<long>(ns % 1'000'000'000)};
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), shared ? FUTEX_WAIT : FUTEX_WAIT_PRIVATE,
-          expected, &ts, nullptr, 0);  // EAGAIN, EINTR, ETIMEDOUT: the caller re-checks
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), shared ? FUTEX_WAIT : FUTEX_WAIT_PRIVATE, expected, &ts,
+          nullptr, 0);  // EAGAIN, EINTR, ETIMEDOUT: the caller re-checks
 }
 
 void FutexWakeAll(std::atomic<uint32_t>* word, bool shared) {
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), shared ? FUTEX_WAKE : FUTEX_WAKE_PRIVATE,
-          INT_MAX, nullptr, nullptr, 0);
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), shared ? FUTEX_WAKE : FUTEX_WAKE_PRIVATE, INT_MAX, nullptr,
+          nullptr, 0);
 }
 
 inline void CpuRelax() {
@@ -112,8 +112,8 @@ inline void CpuRelax() {
 }
 
 // Builds the header and mailboxes in a zeroed region; `ready` is set last.
-void InitLayout(ChannelLayout* layout, const TpGroup& group, int64_t callsite, uint64_t generation,
-                size_t slot_bytes, uint64_t signature, int mappers) {
+void InitLayout(ChannelLayout* layout, const TpGroup& group, int64_t callsite, uint64_t generation, size_t slot_bytes,
+                uint64_t signature, int mappers) {
   layout->tp = group.size;
   layout->mappers = mappers;
   layout->callsite = callsite;
@@ -231,10 +231,20 @@ uint64_t SipHash24(const uint8_t key[16], const uint8_t* msg, size_t len) {
   uint64_t v2 = k0 ^ 0x6c7967656e657261ull, v3 = k1 ^ 0x7465646279746573ull;
   auto rounds = [&](int n) {
     for (int i = 0; i < n; ++i) {
-      v0 += v1; v1 = rotl(v1, 13); v1 ^= v0; v0 = rotl(v0, 32);
-      v2 += v3; v3 = rotl(v3, 16); v3 ^= v2;
-      v0 += v3; v3 = rotl(v3, 21); v3 ^= v0;
-      v2 += v1; v1 = rotl(v1, 17); v1 ^= v2; v2 = rotl(v2, 32);
+      v0 += v1;
+      v1 = rotl(v1, 13);
+      v1 ^= v0;
+      v0 = rotl(v0, 32);
+      v2 += v3;
+      v3 = rotl(v3, 16);
+      v3 ^= v2;
+      v0 += v3;
+      v3 = rotl(v3, 21);
+      v3 ^= v0;
+      v2 += v1;
+      v1 = rotl(v1, 17);
+      v1 ^= v2;
+      v2 = rotl(v2, 32);
     }
   };
   const size_t tail = len - len % 8;
@@ -256,20 +266,19 @@ uint64_t SipHash24(const uint8_t key[16], const uint8_t* msg, size_t len) {
 // /fluxjax-<session>-<128-bit keyed hash of (generation, call site, group)> in hex
 // (tests/shm_names.py recomputes it). The job token only groups a job's
 // segments for people; the hash is what makes the name unpredictable.
-std::string SegmentName(const std::string& session, const std::string& secret, uint64_t generation,
-                        int64_t callsite, const TpGroup& group) {
+std::string SegmentName(const std::string& session, const std::string& secret, uint64_t generation, int64_t callsite,
+                        const TpGroup& group) {
   std::string out = "/fluxjax-" + session + "-";
   for (int64_t half = 0; half < 2; ++half) {
-    const int64_t words[5] = {half, static_cast<int64_t>(generation), callsite, group.group_index,
-                              group.size};
+    const int64_t words[5] = {half, static_cast<int64_t>(generation), callsite, group.group_index, group.size};
     uint8_t msg[sizeof(words)];
     for (size_t i = 0; i < sizeof(words); ++i) {
       msg[i] = static_cast<uint8_t>(static_cast<uint64_t>(words[i / 8]) >> (8 * (i % 8)));
     }
     char hex[17];
-    std::snprintf(hex, sizeof(hex), "%016llx",
-                  static_cast<unsigned long long>(
-                      SipHash24(reinterpret_cast<const uint8_t*>(secret.data()), msg, sizeof(msg))));
+    std::snprintf(
+        hex, sizeof(hex), "%016llx",
+        static_cast<unsigned long long>(SipHash24(reinterpret_cast<const uint8_t*>(secret.data()), msg, sizeof(msg))));
     out += hex;
   }
   return out;
@@ -307,8 +316,7 @@ Status Reserve(int fd, size_t bytes, const std::string& what) {
         "--shm-size=<bytes>, Kubernetes: an emptyDir with medium Memory on /dev/shm, or mount -o "
         "remount,size=<bytes> /dev/shm), use smaller messages per call, or keep each TP group "
         "inside one process.";
-  return rc == ENOSPC || rc == ENOMEM || rc == EFBIG ? Status::ResourceExhausted(os.str())
-                                                     : Status::Internal(os.str());
+  return rc == ENOSPC || rc == ENOMEM || rc == EFBIG ? Status::ResourceExhausted(os.str()) : Status::Internal(os.str());
 }
 
 // Creates (O_EXCL, 0600, reserved) or opens-and-checks the segment `name` and
@@ -371,7 +379,8 @@ Status MapSegment(const std::string& name, const std::string& what, size_t bytes
       if (!refused.empty()) {
         close(fd);
         return Status::Internal(
-            "flux_jax (cpu backend): refusing the " + what + ": " + refused + ". flux_jax creates its "
+            "flux_jax (cpu backend): refusing the " + what + ": " + refused +
+            ". flux_jax creates its "
             "segments with O_EXCL and mode 0600 under names derived from a secret of the job; this one "
             "was made by someone else (another local user squatting the name?). Nothing was read "
             "from or written to it; remove it, or call flux_jax.reset() in every process for fresh names.");
@@ -379,8 +388,8 @@ Status MapSegment(const std::string& name, const std::string& what, size_t bytes
       if (sized) {
         if (static_cast<size_t>(st.st_size) != bytes) {
           close(fd);
-          return Status::Internal("flux_jax (cpu backend): processes disagree on the size of the " + what +
-                                  " (" + std::to_string(st.st_size) + " vs " + std::to_string(bytes) +
+          return Status::Internal("flux_jax (cpu backend): processes disagree on the size of the " + what + " (" +
+                                  std::to_string(st.st_size) + " vs " + std::to_string(bytes) +
                                   " bytes): they compiled different fused ops for one call site");
         }
         break;
@@ -393,8 +402,10 @@ Status MapSegment(const std::string& name, const std::string& what, size_t bytes
       }
       if (Clock::now() > deadline) {
         close(fd);
-        return Status::DeadlineExceeded("flux_jax (cpu backend): timed out waiting for the process that "
-                                        "creates the " + what + " to reserve it");
+        return Status::DeadlineExceeded(
+            "flux_jax (cpu backend): timed out waiting for the process that "
+            "creates the " +
+            what + " to reserve it");
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
@@ -427,8 +438,7 @@ std::byte* Channel::Slot(int owner, int parity, int slot) {
   return data_ + ((static_cast<size_t>(owner) * kParities + parity) * (size_ - 1) + index) * slot_stride_;
 }
 
-void Channel::Signal(int target, FlagKind kind, int parity, int slot, uint64_t value,
-                     const CommConfig& cfg) {
+void Channel::Signal(int target, FlagKind kind, int parity, int slot, uint64_t value, const CommConfig& cfg) {
   MaybeJitter(cfg);
   Mailbox* box = MailboxAt(layout_, target);
   std::atomic<uint64_t>& flag = box->flags[static_cast<int>(kind)][parity][slot];
@@ -448,8 +458,8 @@ void Channel::WakeAll() {
   }
 }
 
-Status Channel::Wait(int me, FlagKind kind, int parity, int slot, uint64_t value, uint64_t epoch,
-                     const CommConfig& cfg, const WaitInfo& info) {
+Status Channel::Wait(int me, FlagKind kind, int parity, int slot, uint64_t value, uint64_t epoch, const CommConfig& cfg,
+                     const WaitInfo& info) {
   Mailbox* box = MailboxAt(layout_, me);
   const std::atomic<uint64_t>& flag = box->flags[static_cast<int>(kind)][parity][slot];
   uint64_t seen = flag.load(std::memory_order_acquire);
@@ -476,15 +486,15 @@ Status Channel::Wait(int me, FlagKind kind, int parity, int slot, uint64_t value
   if (layout_->failed.load() != 0) return Health();
 
   std::ostringstream os;
-  os << "flux_jax." << info.op << " (cpu backend): rank " << me << " of " << group_.Describe()
-     << " timed out after " << static_cast<double>(cfg.timeout_us) / 1e6 << " s waiting for ";
+  os << "flux_jax." << info.op << " (cpu backend): rank " << me << " of " << group_.Describe() << " timed out after "
+     << static_cast<double>(cfg.timeout_us) / 1e6 << " s waiting for ";
   if (kind == FlagKind::kArrived) {
     os << "chunk " << info.chunk << " from rank " << info.peer;
   } else {
     os << "rank " << info.peer << " to release its receive slot (chunk " << info.chunk << ")";
   }
-  os << " (epoch " << epoch << ", flag value " << seen << " < " << value << ", call site "
-     << callsite_ << "). Rank " << info.peer << " never reached this op, is stuck, or its process "
+  os << " (epoch " << epoch << ", flag value " << seen << " < " << value << ", call site " << callsite_ << "). Rank "
+     << info.peer << " never reached this op, is stuck, or its process "
      << "died; every device of the TP group must run the same fused ops in the same order. "
      << "Raise flux_jax.Config.timeout_s if the peer is merely slow." << NeverMapped();
   Fail(os.str());
@@ -505,8 +515,8 @@ std::string Channel::NeverMapped() const {
     os << (first ? "" : ", ") << p;
     first = false;
   }
-  os << " never opened this call site's channel (flux_jax.reset() generation " << generation_
-     << " of process " << ProcessIndex() << "): not running this program, died before it, or on "
+  os << " never opened this call site's channel (flux_jax.reset() generation " << generation_ << " of process "
+     << ProcessIndex() << "): not running this program, died before it, or on "
      << "another reset generation (flux_jax.reset() must be called in every process).";
   return os.str();
 }
@@ -534,9 +544,8 @@ Status Channel::Health() const {
   }
   const std::string failure = state == 2 ? std::string(layout_->failure, strnlen(layout_->failure, kFailureBytes))
                                          : "(a rank of the group failed it; its message is not available)";
-  return Status::Internal(
-      "flux_jax: this fused call site failed earlier and its TP group state is unusable: " +
-      failure + " Call flux_jax.reset() (or re-jit) before running it again.");
+  return Status::Internal("flux_jax: this fused call site failed earlier and its TP group state is unusable: " +
+                          failure + " Call flux_jax.reset() (or re-jit) before running it again.");
 }
 
 Status Channel::BeginCall(int rank, uint64_t* epoch) {
@@ -544,12 +553,11 @@ Status Channel::BeginCall(int rank, uint64_t* epoch) {
   FLUX_JAX_RETURN_IF_ERROR(Health());
   if (layout_->in_flight[rank].fetch_add(1) != 0) {
     layout_->in_flight[rank].fetch_sub(1);
-    std::string msg =
-        "flux_jax (cpu backend): the same fused call site (id " + std::to_string(callsite_) +
-        ") is running twice at once on rank " + std::to_string(rank) +
-        "; XLA:CPU ran two copies of it concurrently (e.g. an inlined jitted function called "
-        "twice on independent data). Make the calls data-dependent or call the op from distinct "
-        "call sites.";
+    std::string msg = "flux_jax (cpu backend): the same fused call site (id " + std::to_string(callsite_) +
+                      ") is running twice at once on rank " + std::to_string(rank) +
+                      "; XLA:CPU ran two copies of it concurrently (e.g. an inlined jitted function called "
+                      "twice on independent data). Make the calls data-dependent or call the op from distinct "
+                      "call sites.";
     Fail(msg);
     return Status::Internal(msg);
   }
@@ -571,15 +579,14 @@ namespace {
 
 // Creates or opens the shared region of a channel, checks it and counts this
 // process as mapped (the last one unlinks the name); see channel.h.
-Status OpenShared(ChannelLayout** layout, const TpGroup& group, int64_t callsite,
-                  uint64_t generation, size_t slot_bytes, uint64_t signature, size_t region_bytes,
-                  Clock::time_point deadline, std::string* name_out) {
+Status OpenShared(ChannelLayout** layout, const TpGroup& group, int64_t callsite, uint64_t generation,
+                  size_t slot_bytes, uint64_t signature, size_t region_bytes, Clock::time_point deadline,
+                  std::string* name_out) {
   const std::string session = Session(), secret = ShmSecret();
   if (session.empty() || secret.size() < 16) {
-    return Status::InvalidArgument(
-        "flux_jax (cpu backend): this TP group spans processes (" + group.Describe() +
-        ") but no session secret is set; fused ops across processes need jax.distributed "
-        "(flux_jax.initialize_distributed)");
+    return Status::InvalidArgument("flux_jax (cpu backend): this TP group spans processes (" + group.Describe() +
+                                   ") but no session secret is set; fused ops across processes need jax.distributed "
+                                   "(flux_jax.initialize_distributed)");
   }
   const std::string name = SegmentName(session, secret, generation, callsite, group);
   const std::string what = SegmentWhat(name, callsite, group);
@@ -606,7 +613,8 @@ Status OpenShared(ChannelLayout** layout, const TpGroup& group, int64_t callsite
     }
     if (l->tp != group.size || l->callsite != callsite || l->group_index != group.group_index ||
         l->generation != generation || l->mappers != mappers) {
-      return Status::Internal("flux_jax (cpu backend): the " + what + " was created for another group, "
+      return Status::Internal("flux_jax (cpu backend): the " + what +
+                              " was created for another group, "
                               "call site or reset generation; every process must run the same program");
     }
   }
@@ -622,8 +630,8 @@ Status OpenShared(ChannelLayout** layout, const TpGroup& group, int64_t callsite
 
 }  // namespace
 
-std::shared_ptr<Channel> GetChannel(const TpGroup& group, int64_t callsite, size_t slot_bytes,
-                                    uint64_t signature, const CommConfig& cfg, Status* status) {
+std::shared_ptr<Channel> GetChannel(const TpGroup& group, int64_t callsite, size_t slot_bytes, uint64_t signature,
+                                    const CommConfig& cfg, Status* status) {
   if (group.size > kMaxTp) {
     *status = Status::InvalidArgument("flux_jax (cpu backend): TP groups larger than 64 ranks");
     return nullptr;
@@ -633,8 +641,8 @@ std::shared_ptr<Channel> GetChannel(const TpGroup& group, int64_t callsite, size
   if (!lock.try_lock_until(deadline)) {
     std::ostringstream os;
     os << "flux_jax (cpu backend): rank " << group.rank << " of " << group.Describe() << " timed out after "
-       << static_cast<double>(cfg.timeout_us) / 1e6 << " s waiting to set up the channel of call site "
-       << callsite << ": another channel's setup in this process is waiting for a peer process (its "
+       << static_cast<double>(cfg.timeout_us) / 1e6 << " s waiting to set up the channel of call site " << callsite
+       << ": another channel's setup in this process is waiting for a peer process (its "
        << "error says which)";
     *status = Status::DeadlineExceeded(os.str());
     return nullptr;
@@ -660,8 +668,8 @@ std::shared_ptr<Channel> GetChannel(const TpGroup& group, int64_t callsite, size
       InitLayout(channel->layout_, group, callsite, channel->generation_, slot_bytes, signature, 1);
     } else {
       channel->shared_ = true;
-      Status s = OpenShared(&channel->layout_, group, callsite, channel->generation_,
-                            slot_bytes, signature, channel->region_bytes_, deadline, &channel->shm_name_);
+      Status s = OpenShared(&channel->layout_, group, callsite, channel->generation_, slot_bytes, signature,
+                            channel->region_bytes_, deadline, &channel->shm_name_);
       if (!s.ok()) {
         if (channel->layout_ == nullptr) channel->shared_ = false;  // nothing mapped
         // A region that is ours but unusable: tell the peers instead of letting them time out.
@@ -676,11 +684,11 @@ std::shared_ptr<Channel> GetChannel(const TpGroup& group, int64_t callsite, size
   }
   const ChannelLayout* layout = entry.channel->layout_;
   if (layout->slot_bytes != slot_bytes || layout->signature != signature || layout->tp != group.size) {
-    const std::string msg =
-        "flux_jax (cpu backend): call site " + std::to_string(callsite) + " of " + group.Describe() +
-        " is used by different fused ops or shapes (message " + std::to_string(layout->slot_bytes) +
-        " vs " + std::to_string(slot_bytes) + " bytes); every process and device must compile the "
-        "same program";
+    const std::string msg = "flux_jax (cpu backend): call site " + std::to_string(callsite) + " of " +
+                            group.Describe() + " is used by different fused ops or shapes (message " +
+                            std::to_string(layout->slot_bytes) + " vs " + std::to_string(slot_bytes) +
+                            " bytes); every process and device must compile the "
+                            "same program";
     entry.channel->Fail(msg);  // the peers get this instead of a timeout
     *status = Status::Internal(msg);
     return nullptr;
@@ -716,11 +724,13 @@ void ResetCpuChannels() {
   for (auto& [key, entry] : cpu::Registry()) {
     if (entry.channel && entry.channel->shared()) {
       // Peers that did not reset (yet) fail with this instead of pairing stale state.
-      entry.channel->Fail(
-          "process " + std::to_string(ProcessIndex()) + " called flux_jax.reset() and moved from reset "
-          "generation " + std::to_string(old_generation) + " to " + std::to_string(old_generation + 1) +
-          " while this channel of generation " + std::to_string(old_generation) + " was open here; in a "
-          "multi-process job every process must call flux_jax.reset() (it is collective).");
+      entry.channel->Fail("process " + std::to_string(ProcessIndex()) +
+                          " called flux_jax.reset() and moved from reset "
+                          "generation " +
+                          std::to_string(old_generation) + " to " + std::to_string(old_generation + 1) +
+                          " while this channel of generation " + std::to_string(old_generation) +
+                          " was open here; in a "
+                          "multi-process job every process must call flux_jax.reset() (it is collective).");
     }
   }
   cpu::Registry().clear();

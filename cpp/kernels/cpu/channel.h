@@ -73,14 +73,13 @@ class Channel {
   std::byte* Slot(int owner, int parity, int slot);
 
   // Writes `value` into flag (kind, parity, slot) of `target`'s mailbox.
-  void Signal(int target, FlagKind kind, int parity, int slot, uint64_t value,
-              const CommConfig& cfg);
+  void Signal(int target, FlagKind kind, int parity, int slot, uint64_t value, const CommConfig& cfg);
 
   // Blocks until flag (kind, parity, slot) of `me`'s mailbox is >= value, the
   // channel fails, or cfg.timeout_us passes. A timeout fails the channel.
   // Lock-free: no peer can hold anything this waits for.
-  Status Wait(int me, FlagKind kind, int parity, int slot, uint64_t value, uint64_t epoch,
-              const CommConfig& cfg, const WaitInfo& info);
+  Status Wait(int me, FlagKind kind, int parity, int slot, uint64_t value, uint64_t epoch, const CommConfig& cfg,
+              const WaitInfo& info);
 
   // Marks the channel failed (in every process of the group) and wakes every
   // waiter; later calls fail fast. Never blocks.
@@ -96,8 +95,7 @@ class Channel {
   void EndCall(int rank);
 
  private:
-  friend std::shared_ptr<Channel> GetChannel(const TpGroup&, int64_t, size_t, uint64_t,
-                                             const CommConfig&, Status*);
+  friend std::shared_ptr<Channel> GetChannel(const TpGroup&, int64_t, size_t, uint64_t, const CommConfig&, Status*);
 
   Channel() = default;
   void WakeAll();
@@ -112,15 +110,15 @@ class Channel {
   ChannelLayout* layout_ = nullptr;  // start of the region
   std::byte* data_ = nullptr;
   size_t region_bytes_ = 0;
-  bool shared_ = false;              // mmap'ed segment (else heap)
-  std::string shm_name_;             // the segment's name (shared only)
+  bool shared_ = false;   // mmap'ed segment (else heap)
+  std::string shm_name_;  // the segment's name (shared only)
 };
 
 // Returns the channel of (call site, TP group), creating or opening it on first
 // use. `signature` identifies the op and its shapes; processes that disagree
 // on it for one call site get an error instead of pairing different ops.
-std::shared_ptr<Channel> GetChannel(const TpGroup& group, int64_t callsite, size_t slot_bytes,
-                                    uint64_t signature, const CommConfig& cfg, Status* status);
+std::shared_ptr<Channel> GetChannel(const TpGroup& group, int64_t callsite, size_t slot_bytes, uint64_t signature,
+                                    const CommConfig& cfg, Status* status);
 
 // A stable 64-bit hash of a few integers (op signatures; not keyed, not secret).
 uint64_t HashInts(std::initializer_list<int64_t> values);

@@ -22,12 +22,12 @@ namespace {
 
 // Pushes `src_of(peer)` (chunk_bytes) into every peer's slot, signalling each.
 template <typename SrcOf>
-Status PushToPeers(cpu::Channel& channel, int rank, int tp, int parity, uint64_t epoch,
-                   size_t chunk_bytes, const CommConfig& cfg, const char* op, SrcOf src_of) {
+Status PushToPeers(cpu::Channel& channel, int rank, int tp, int parity, uint64_t epoch, size_t chunk_bytes,
+                   const CommConfig& cfg, const char* op, SrcOf src_of) {
   for (int i = 1; i < tp; ++i) {
     const int peer = (rank + i) % tp;
-    FLUX_JAX_RETURN_IF_ERROR(channel.Wait(rank, cpu::FlagKind::kFreed, parity, peer,
-                                          epoch >= 2 ? epoch - 2 : 0, epoch, cfg, {op, peer, rank}));
+    FLUX_JAX_RETURN_IF_ERROR(channel.Wait(rank, cpu::FlagKind::kFreed, parity, peer, epoch >= 2 ? epoch - 2 : 0, epoch,
+                                          cfg, {op, peer, rank}));
     if (chunk_bytes) std::memcpy(channel.Slot(peer, parity, rank), src_of(peer), chunk_bytes);
     if (rank != cfg.drop_rank) channel.Signal(peer, cpu::FlagKind::kArrived, parity, rank, epoch, cfg);
   }
@@ -49,13 +49,13 @@ Status RunAllGatherCpu(const CollectiveParams& p, const TpGroup& group, const Co
   auto* out = static_cast<char*>(p.out);
   if (cfg.poison_outputs) std::memset(out, 0xFF, tp * chunk_bytes);
 
-  FLUX_JAX_RETURN_IF_ERROR(PushToPeers(channel, rank, tp, parity, epoch, chunk_bytes, cfg,
-                                       "all_gather", [&](int) { return p.x; }));
+  FLUX_JAX_RETURN_IF_ERROR(
+      PushToPeers(channel, rank, tp, parity, epoch, chunk_bytes, cfg, "all_gather", [&](int) { return p.x; }));
   if (chunk_bytes) std::memcpy(out + rank * chunk_bytes, p.x, chunk_bytes);
   for (int i = 1; i < tp; ++i) {
     const int src = (rank + i) % tp;
-    FLUX_JAX_RETURN_IF_ERROR(channel.Wait(rank, cpu::FlagKind::kArrived, parity, src, epoch, epoch,
-                                           cfg, {"all_gather", src, src}));
+    FLUX_JAX_RETURN_IF_ERROR(
+        channel.Wait(rank, cpu::FlagKind::kArrived, parity, src, epoch, epoch, cfg, {"all_gather", src, src}));
     if (chunk_bytes) std::memcpy(out + src * chunk_bytes, channel.Slot(rank, parity, src), chunk_bytes);
     channel.Signal(src, cpu::FlagKind::kFreed, parity, rank, epoch, cfg);
   }
@@ -77,14 +77,13 @@ Status RunReduceScatterCpu(const CollectiveParams& p, const TpGroup& group, cons
   if (cfg.poison_outputs) std::memset(p.out, 0xFF, chunk_bytes);
   auto chunk = [&](int q) { return static_cast<const char*>(p.x) + q * chunk_bytes; };
 
-  FLUX_JAX_RETURN_IF_ERROR(PushToPeers(channel, rank, tp, parity, epoch, chunk_bytes, cfg,
-                                       "reduce_scatter", chunk));
+  FLUX_JAX_RETURN_IF_ERROR(PushToPeers(channel, rank, tp, parity, epoch, chunk_bytes, cfg, "reduce_scatter", chunk));
   std::vector<float> acc(static_cast<size_t>(chunk_elems), 0.0f), part(acc.size());
   for (int src = 0; src < tp; ++src) {
     const void* rows = chunk(rank);
     if (src != rank) {
-      FLUX_JAX_RETURN_IF_ERROR(channel.Wait(rank, cpu::FlagKind::kArrived, parity, src, epoch,
-                                             epoch, cfg, {"reduce_scatter", src, rank}));
+      FLUX_JAX_RETURN_IF_ERROR(
+          channel.Wait(rank, cpu::FlagKind::kArrived, parity, src, epoch, epoch, cfg, {"reduce_scatter", src, rank}));
       rows = channel.Slot(rank, parity, src);
     }
     cpu::ToFloat(rows, p.dtype, chunk_elems, part.data());
@@ -108,14 +107,14 @@ Status RunAllReduceCpu(const CollectiveParams& p, const TpGroup& group, const Co
   const int parity = call.parity();
   if (cfg.poison_outputs) std::memset(p.out, 0xFF, bytes);
 
-  FLUX_JAX_RETURN_IF_ERROR(PushToPeers(channel, rank, tp, parity, epoch, bytes, cfg, "all_reduce",
-                                       [&](int) { return p.x; }));
+  FLUX_JAX_RETURN_IF_ERROR(
+      PushToPeers(channel, rank, tp, parity, epoch, bytes, cfg, "all_reduce", [&](int) { return p.x; }));
   std::vector<float> acc(static_cast<size_t>(elems), 0.0f), part(acc.size());
   for (int src = 0; src < tp; ++src) {  // rank order on every rank: the same sum everywhere
     const void* rows = p.x;
     if (src != rank) {
-      FLUX_JAX_RETURN_IF_ERROR(channel.Wait(rank, cpu::FlagKind::kArrived, parity, src, epoch,
-                                             epoch, cfg, {"all_reduce", src, src}));
+      FLUX_JAX_RETURN_IF_ERROR(
+          channel.Wait(rank, cpu::FlagKind::kArrived, parity, src, epoch, epoch, cfg, {"all_reduce", src, src}));
       rows = channel.Slot(rank, parity, src);
     }
     cpu::ToFloat(rows, p.dtype, elems, part.data());

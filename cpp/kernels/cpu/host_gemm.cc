@@ -59,7 +59,7 @@ uint16_t FloatToF16(float f) {
     return static_cast<uint16_t>(sign | 0x7c00u | (abs > 0x7f800000u ? 0x200u : 0u));
   }
   if (abs >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // overflow -> inf
-  if (abs < 0x38800000u) {  // subnormal or zero in f16
+  if (abs < 0x38800000u) {                                               // subnormal or zero in f16
     if (abs < 0x33000000u) return static_cast<uint16_t>(sign);
     uint32_t exp = abs >> 23;
     uint32_t man = (abs & 0x7fffffu) | 0x800000u;
@@ -80,9 +80,7 @@ uint16_t FloatToF16(float f) {
 
 void ToFloat(const void* src, DType dtype, int64_t count, float* dst) {
   switch (dtype) {
-    case DType::kF32:
-      std::memcpy(dst, src, static_cast<size_t>(count) * 4);
-      return;
+    case DType::kF32: std::memcpy(dst, src, static_cast<size_t>(count) * 4); return;
     case DType::kBF16: {
       auto* s = static_cast<const uint16_t*>(src);
       for (int64_t i = 0; i < count; ++i) dst[i] = Bf16ToFloat(s[i]);
@@ -101,9 +99,7 @@ void ToFloat(const void* src, DType dtype, int64_t count, float* dst) {
 
 void FromFloat(const float* src, int64_t count, DType dtype, void* dst) {
   switch (dtype) {
-    case DType::kF32:
-      std::memcpy(dst, src, static_cast<size_t>(count) * 4);
-      return;
+    case DType::kF32: std::memcpy(dst, src, static_cast<size_t>(count) * 4); return;
     case DType::kBF16: {
       auto* d = static_cast<uint16_t*>(dst);
       for (int64_t i = 0; i < count; ++i) d[i] = FloatToBf16(src[i]);
@@ -120,8 +116,7 @@ void FromFloat(const float* src, int64_t count, DType dtype, void* dst) {
   }
 }
 
-std::vector<float> WeightAsFloat(const void* w, DType dtype, int64_t k, int64_t n,
-                                 bool transposed) {
+std::vector<float> WeightAsFloat(const void* w, DType dtype, int64_t k, int64_t n, bool transposed) {
   std::vector<float> out(static_cast<size_t>(k * n));
   if (!transposed) {
     ToFloat(w, dtype, k * n, out.data());
@@ -136,8 +131,7 @@ std::vector<float> WeightAsFloat(const void* w, DType dtype, int64_t k, int64_t 
   return out;
 }
 
-void GemmRows(const void* a, DType dtype, int64_t m, int64_t k, const float* b, int64_t n,
-              float* c) {
+void GemmRows(const void* a, DType dtype, int64_t m, int64_t k, const float* b, int64_t n, float* c) {
   constexpr int64_t kRows = 4;  // rows per pass: 4 FMAs per load of b
   const size_t elt = DTypeBytes(dtype);
   std::vector<float> a_rows(static_cast<size_t>(kRows * k));

@@ -10,12 +10,10 @@
 namespace flux_jax::cpu {
 
 // op(w) as a row-major float32 [k, n] matrix; w is [k, n], or [n, k] if transposed.
-std::vector<float> WeightAsFloat(const void* w, DType dtype, int64_t k, int64_t n,
-                                 bool transposed);
+std::vector<float> WeightAsFloat(const void* w, DType dtype, int64_t k, int64_t n, bool transposed);
 
 // c[m, n] = a[m, k] @ b[k, n]; a in `dtype`, b and c float32.
-void GemmRows(const void* a, DType dtype, int64_t m, int64_t k, const float* b, int64_t n,
-              float* c);
+void GemmRows(const void* a, DType dtype, int64_t m, int64_t k, const float* b, int64_t n, float* c);
 
 // Element conversions.
 void ToFloat(const void* src, DType dtype, int64_t count, float* dst);

@@ -39,9 +39,8 @@ Status RunMatmulArCpu(const MatmulArParams& p, const TpGroup& group, const CommC
   cpu::GemmRows(p.x, p.dtype, p.m, p.k, w.data(), p.n, own.data());
   for (int i = 1; i < tp; ++i) {
     const int dst = (rank + i) % tp;
-    FLUX_JAX_RETURN_IF_ERROR(channel.Wait(rank, cpu::FlagKind::kFreed, parity, dst,
-                                           epoch >= 2 ? epoch - 2 : 0, epoch, cfg,
-                                           {"matmul_ar", dst, rank}));
+    FLUX_JAX_RETURN_IF_ERROR(channel.Wait(rank, cpu::FlagKind::kFreed, parity, dst, epoch >= 2 ? epoch - 2 : 0, epoch,
+                                          cfg, {"matmul_ar", dst, rank}));
     if (partial_bytes) std::memcpy(channel.Slot(dst, parity, rank), own.data(), partial_bytes);
     if (rank != cfg.drop_rank) channel.Signal(dst, cpu::FlagKind::kArrived, parity, rank, epoch, cfg);
   }
@@ -51,8 +50,8 @@ Status RunMatmulArCpu(const MatmulArParams& p, const TpGroup& group, const CommC
   for (int src = 0; src < tp; ++src) {
     const float* part = own.data();
     if (src != rank) {
-      FLUX_JAX_RETURN_IF_ERROR(channel.Wait(rank, cpu::FlagKind::kArrived, parity, src, epoch,
-                                             epoch, cfg, {"matmul_ar", src, src}));
+      FLUX_JAX_RETURN_IF_ERROR(
+          channel.Wait(rank, cpu::FlagKind::kArrived, parity, src, epoch, epoch, cfg, {"matmul_ar", src, src}));
       part = reinterpret_cast<const float*>(channel.Slot(rank, parity, src));
     }
     for (int64_t i = 0; i < elems; ++i) acc[i] += part[i];

@@ -42,9 +42,8 @@ Status RunMatmulRsCpu(const MatmulRsParams& p, const TpGroup& group, const CommC
   // 1. Partials of the peers' rows: compute straight into the peer's slot.
   for (int i = 1; i < tp; ++i) {
     const int dst = (rank + i) % tp;
-    FLUX_JAX_RETURN_IF_ERROR(channel.Wait(rank, cpu::FlagKind::kFreed, parity, dst,
-                                           epoch >= 2 ? epoch - 2 : 0, epoch, cfg,
-                                           {"matmul_rs", dst, dst}));
+    FLUX_JAX_RETURN_IF_ERROR(channel.Wait(rank, cpu::FlagKind::kFreed, parity, dst, epoch >= 2 ? epoch - 2 : 0, epoch,
+                                          cfg, {"matmul_rs", dst, dst}));
     auto* slot = reinterpret_cast<float*>(channel.Slot(dst, parity, rank));
     cpu::GemmRows(x_chunk(dst), p.dtype, m_out, p.k, w.data(), p.n, slot);
     if (rank != cfg.drop_rank) {
@@ -59,8 +58,8 @@ Status RunMatmulRsCpu(const MatmulRsParams& p, const TpGroup& group, const CommC
   for (int src = 0; src < tp; ++src) {
     const float* part = own.data();
     if (src != rank) {
-      FLUX_JAX_RETURN_IF_ERROR(channel.Wait(rank, cpu::FlagKind::kArrived, parity, src, epoch,
-                                             epoch, cfg, {"matmul_rs", src, rank}));
+      FLUX_JAX_RETURN_IF_ERROR(
+          channel.Wait(rank, cpu::FlagKind::kArrived, parity, src, epoch, epoch, cfg, {"matmul_rs", src, rank}));
       part = reinterpret_cast<const float*>(channel.Slot(rank, parity, src));
     }
     for (int64_t i = 0; i < chunk_out; ++i) acc[i] += part[i];

@@ -21,8 +21,7 @@
 
 namespace flux_jax {
 
-Status RunAgMatmulCuda(const AgMatmulParams& p, const TpGroup& group, const CommConfig& cfg,
-                       void* stream_ptr) {
+Status RunAgMatmulCuda(const AgMatmulParams& p, const TpGroup& group, const CommConfig& cfg, void* stream_ptr) {
   using namespace cuda;
   FLUX_JAX_RETURN_IF_ERROR(AgMatmulCanImplement(p, group));
   auto S = static_cast<cudaStream_t>(stream_ptr);
@@ -43,7 +42,8 @@ Status RunAgMatmulCuda(const AgMatmulParams& p, const TpGroup& group, const Comm
   plan.d = p.out;
 
   if (tp == 1) {
-    if (cfg.tuning.gemm_kernel == static_cast<int64_t>(GemmKernel::kDecode)) return RunDecodeGemmAlone(p, group, cfg, S);
+    if (cfg.tuning.gemm_kernel == static_cast<int64_t>(GemmKernel::kDecode))
+      return RunDecodeGemmAlone(p, group, cfg, S);
     GroupWorkspace* ws = nullptr;  // no communication; the workspace only holds alpha
     FLUX_JAX_RETURN_IF_ERROR(AcquireWorkspace(group, 0, cfg, S, &ws));
     FLUX_JAX_RETURN_IF_ERROR(ChooseGemmInstance(cfg, p.dtype, p.w_transposed, rows, p.n, ws->sm_count, &plan));
@@ -110,8 +110,8 @@ Status RunAgMatmulCuda(const AgMatmulParams& p, const TpGroup& group, const Comm
   plan.a = ws->data;
   plan.alpha_ptr = ws->alpha;
   plan.rotate_m_tiles = static_cast<int32_t>((r * p.m_local + kGemmBlockM - 1) / kGemmBlockM);
-  plan.gate_a = MakeGate(*ws, cfg, ws->arrived, static_cast<int32_t>(p.m_local), piece_rows,
-                         static_cast<int32_t>(rows), r, 0, kSiteGemmA);
+  plan.gate_a = MakeGate(*ws, cfg, ws->arrived, static_cast<int32_t>(p.m_local), piece_rows, static_cast<int32_t>(rows),
+                         r, 0, kSiteGemmA);
   FLUX_JAX_RETURN_IF_ERROR(RunGemm(plan, p.dtype, S, device, ws->sm_count));
 
   if (p.gathered) {

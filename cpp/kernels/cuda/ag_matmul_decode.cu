@@ -52,12 +52,12 @@ constexpr int kMaxBlocks = 32;
 
 struct PushArgs {
   const uint4* x;
-  uint4* dst[kDecodeMaxRanks];        // chunk r of G[b] on rank q (own included)
-  uint64_t* flag[kDecodeMaxRanks];    // block_arrived[r][.] on rank q
+  uint4* dst[kDecodeMaxRanks];      // chunk r of G[b] on rank q (own included)
+  uint64_t* flag[kDecodeMaxRanks];  // block_arrived[r][.] on rank q
   int64_t chunk_vecs;
   int32_t tp, rank;
-  bool signal_peers;            // false: debug_drop_rank (tests the timeout path): no rows, no flags to peers
-  bool local_first;             // own copy and flag before the peers' (GEMM row tiles per sender)
+  bool signal_peers;  // false: debug_drop_rank (tests the timeout path): no rows, no flags to peers
+  bool local_first;   // own copy and flag before the peers' (GEMM row tiles per sender)
   uint64_t epoch;
 };
 
@@ -97,16 +97,17 @@ __global__ void __launch_bounds__(kThreads) PushRowsKernel(PushArgs a) {
 }  // namespace
 
 bool AgMatmulDecodeSupported(const AgMatmulParams& p, const TpGroup& group) {
-  return group.size >= 2 && group.size <= kDecodeMaxRanks && HasDecodeGemm(p.dtype, p.w_transposed, group.size * p.m_local);
+  return group.size >= 2 && group.size <= kDecodeMaxRanks &&
+         HasDecodeGemm(p.dtype, p.w_transposed, group.size * p.m_local);
 }
 
 Status RunAgMatmulDecode(const AgMatmulParams& p, const TpGroup& group, const CommConfig& cfg, cudaStream_t S) {
   const int tp = group.size, r = group.rank;
   if (!AgMatmulDecodeSupported(p, group)) {
-    return Status::InvalidArgument(
-        "flux_jax: ag_matmul's decode path takes bfloat16, the untransposed weight, 2.." +
-        std::to_string(kDecodeMaxRanks) + " ranks and at most " + std::to_string(kDecodeMaxRows) +
-        " rows in all; got " + std::to_string(tp * p.m_local) + " rows (use fused_path=\"latency\")");
+    return Status::InvalidArgument("flux_jax: ag_matmul's decode path takes bfloat16, the untransposed weight, 2.." +
+                                   std::to_string(kDecodeMaxRanks) + " ranks and at most " +
+                                   std::to_string(kDecodeMaxRows) + " rows in all; got " +
+                                   std::to_string(tp * p.m_local) + " rows (use fused_path=\"latency\")");
   }
   const int device = group.ordinals[r];
   const size_t elt = DTypeBytes(p.dtype);
@@ -171,8 +172,9 @@ Status RunDecodeGemmAlone(const AgMatmulParams& p, const TpGroup& group, const C
   if (group.size != 1 || !HasDecodeGemm(p.dtype, p.w_transposed, rows)) {
     return Status::InvalidArgument(
         "flux_jax: GpuTuning.gemm_kernel='decode' runs the decode GEMM alone: tp = 1, bfloat16, the untransposed "
-        "weight and 1.." + std::to_string(kDecodeMaxRows) + " rows; got tp=" + std::to_string(group.size) + ", " +
-        DTypeName(p.dtype) + (p.w_transposed ? " with the transposed weight" : "") + ", rows=" + std::to_string(rows));
+        "weight and 1.." +
+        std::to_string(kDecodeMaxRows) + " rows; got tp=" + std::to_string(group.size) + ", " + DTypeName(p.dtype) +
+        (p.w_transposed ? " with the transposed weight" : "") + ", rows=" + std::to_string(rows));
   }
   const int device = group.ordinals[group.rank];
   const size_t elt = DTypeBytes(p.dtype);

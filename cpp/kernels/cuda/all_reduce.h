@@ -19,7 +19,7 @@ using PartialWriter = std::function<Status(GroupWorkspace& ws, void* partial)>;
 // ignored: `write_partial` writes the partial into this rank's own slot of the call's parity
 // (no peer ever writes there: peers write the slots of their own ranks), and the kernel reads
 // it from there; with tp == 1 it writes straight into p.out.
-Status EnqueueAllReduce(const CollectiveParams& p, const TpGroup& group, const CommConfig& cfg,
-                        cudaStream_t stream, const PartialWriter& write_partial);
+Status EnqueueAllReduce(const CollectiveParams& p, const TpGroup& group, const CommConfig& cfg, cudaStream_t stream,
+                        const PartialWriter& write_partial);
 
 }  // namespace flux_jax::cuda

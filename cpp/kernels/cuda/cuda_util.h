@@ -11,13 +11,11 @@ namespace flux_jax::cuda {
 
 inline Status CudaStatus(cudaError_t err, const char* what, const char* file, int line) {
   if (err == cudaSuccess) return Status::Ok();
-  return Status::Internal(std::string("flux_jax CUDA error in ") + what + " (" + file + ":" +
-                          std::to_string(line) + "): " + cudaGetErrorName(err) + ": " +
-                          cudaGetErrorString(err));
+  return Status::Internal(std::string("flux_jax CUDA error in ") + what + " (" + file + ":" + std::to_string(line) +
+                          "): " + cudaGetErrorName(err) + ": " + cudaGetErrorString(err));
 }
 
-#define FLUX_CUDA_TRY(expr) \
-  FLUX_JAX_RETURN_IF_ERROR(::flux_jax::cuda::CudaStatus((expr), #expr, __FILE__, __LINE__))
+#define FLUX_CUDA_TRY(expr) FLUX_JAX_RETURN_IF_ERROR(::flux_jax::cuda::CudaStatus((expr), #expr, __FILE__, __LINE__))
 
 // Restores the calling thread's current device on scope exit.
 class DeviceGuard {

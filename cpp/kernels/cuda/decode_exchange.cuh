@@ -38,8 +38,7 @@ namespace flux_jax::cuda {
 
 // One 16-byte low-latency word: data words d0, d1 with the epoch after each.
 __device__ __forceinline__ void StoreLL(uint4* p, uint32_t d0, uint32_t d1, uint32_t epoch) {
-  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(d0), "r"(epoch), "r"(d1),
-               "r"(epoch)
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(d0), "r"(epoch), "r"(d1), "r"(epoch)
                : "memory");
 }
 

@@ -66,8 +66,7 @@ struct DeferredRowsMainloop : Base {
   };
 
   template <class ProblemShape>
-  static Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args,
-                                        void* workspace) {
+  static Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args, void* workspace) {
     using namespace cute;
     Params params;
     static_cast<typename Base::Params&>(params) = Base::to_underlying_arguments(problem_shape, args, workspace);
@@ -118,8 +117,8 @@ struct DeferredRowsMainloop : Base {
       senders_ready_ |= needed;
       for (int j = 0; j < deferred; ++j, ++smem_pipe_write, ++k_tile_iter) {
         if (leader) {
-          copy(params.tma_load_b.with(*pipeline.producer_get_barrier(smem_pipe_write), 0),
-               tBgB(_, _, _, *k_tile_iter), tBsB(_, _, _, smem_pipe_write.index()));
+          copy(params.tma_load_b.with(*pipeline.producer_get_barrier(smem_pipe_write), 0), tBgB(_, _, _, *k_tile_iter),
+               tBsB(_, _, _, smem_pipe_write.index()));
         }
       }
       k_tile_count -= deferred;
@@ -165,20 +164,20 @@ struct DecodeGemmInstance {
 
   using BaseEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, Element, Layout, kAlignment, Element,
-      Layout, kAlignment, cutlass::epilogue::TmaWarpSpecialized>::CollectiveOp;
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, Element, Layout, kAlignment, Element, Layout,
+      kAlignment, cutlass::epilogue::TmaWarpSpecialized>::CollectiveOp;
   // One kernel for both decode paths: the exchange runs only when the plan has one (matmul_rs).
   using Epilogue = ExchangingEpilogue<BaseEpilogue>;
 
   using BaseMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, Layout, kAlignment, Element, Layout,
-      kAlignment, float, TileShape, ClusterShape,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, Layout, kAlignment, Element, Layout, kAlignment,
+      float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       cutlass::gemm::KernelTmaWarpSpecializedPingpong>::CollectiveOp;
 
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>,
-                                                      DeferredRowsMainloop<BaseMainloop>, Epilogue,
-                                                      cutlass::gemm::PersistentScheduler>;
+  using Kernel =
+      cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, DeferredRowsMainloop<BaseMainloop>,
+                                           Epilogue, cutlass::gemm::PersistentScheduler>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 
@@ -282,12 +281,16 @@ Status RunDecodeGemmInstance(const DecodeGemmPlan& p, cudaStream_t stream, int d
   key.sm_count = sm_count;
   static DecodeParamsCache<Params> cache;
   Params params;
-  cutlass::Status st = cache.Get(key, [&](Params* out) {
-    const auto args = DecodeArguments<Instance>(p, device, sm_count);
-    if (Instance::Gemm::can_implement(args) != cutlass::Status::kSuccess) return cutlass::Status::kErrorInvalidProblem;
-    *out = Kernel::to_underlying_arguments(args, nullptr);  // the persistent scheduler takes no workspace
-    return cutlass::Status::kSuccess;
-  }, &params);
+  cutlass::Status st = cache.Get(
+      key,
+      [&](Params* out) {
+        const auto args = DecodeArguments<Instance>(p, device, sm_count);
+        if (Instance::Gemm::can_implement(args) != cutlass::Status::kSuccess)
+          return cutlass::Status::kErrorInvalidProblem;
+        *out = Kernel::to_underlying_arguments(args, nullptr);  // the persistent scheduler takes no workspace
+        return cutlass::Status::kSuccess;
+      },
+      &params);
   if (st == cutlass::Status::kErrorInvalidProblem) {
     return Status::InvalidArgument("flux_jax: CUTLASS cannot implement the decode GEMM rows=" + std::to_string(p.rows) +
                                    " n=" + std::to_string(p.n) + " k=" + std::to_string(p.k) +

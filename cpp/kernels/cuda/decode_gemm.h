@@ -52,8 +52,8 @@ inline size_t DecodeExchangeBytes(int64_t rows, int64_t n) { return static_cast<
 
 struct DecodeGemmPlan {
   int64_t rows = 0, n = 0, k = 0;
-  const void* x = nullptr;           // the gathered rows (written by the pushes)
-  int64_t x_rows_readable = 0;       // rows of x that may be read (DecodeRowsReadable; 0: rows)
+  const void* x = nullptr;      // the gathered rows (written by the pushes)
+  int64_t x_rows_readable = 0;  // rows of x that may be read (DecodeRowsReadable; 0: rows)
   const void* w = nullptr;
   void* d = nullptr;
   const float* alpha_ptr = nullptr;  // device scalar (1.0f; NaN once a wait timed out)

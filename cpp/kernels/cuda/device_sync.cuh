@@ -34,8 +34,8 @@ struct RowGate {
   int32_t rows_per_piece = 0;
   int32_t pieces_per_chunk = 0;
   int32_t total_rows = 0;
-  int32_t skip_chunk = -1;          // rows already present (the local chunk)
-  int32_t peer_of_chunk0 = 0;       // for diagnostics: rank that sends chunk c = c + this (mod tp)
+  int32_t skip_chunk = -1;     // rows already present (the local chunk)
+  int32_t peer_of_chunk0 = 0;  // for diagnostics: rank that sends chunk c = c + this (mod tp)
   int32_t tp = 1;
   int32_t site = kSiteGemmA;
   WaitContext ctx;
@@ -63,8 +63,8 @@ struct PushGate {
 struct TileSignal {
   uint64_t* counters = nullptr;  // null: no signal
   int32_t rows_per_piece = 0;
-  int32_t total_rows = 0;        // rows of D (the last tile may stop short)
-  bool immediate = false;        // wait for a tile's stores right after them (else at the next tile)
+  int32_t total_rows = 0;  // rows of D (the last tile may stop short)
+  bool immediate = false;  // wait for a tile's stores right after them (else at the next tile)
 };
 
 #if defined(__CUDACC__)
@@ -83,8 +83,7 @@ __device__ __forceinline__ uint64_t LoadAcquireSys(const uint64_t* p) {
 
 // Fills `e` unless it already holds a record (the first one stays).
 __device__ __forceinline__ void FillRecord(DeviceError* e, int32_t code, const WaitContext& ctx, int32_t site,
-                                           int32_t peer, int32_t chunk, int32_t piece, uint64_t seen,
-                                           int32_t missing) {
+                                           int32_t peer, int32_t chunk, int32_t piece, uint64_t seen, int32_t missing) {
   if (atomicCAS(&e->code, kWaitNone, kWaitWriting) != kWaitNone) return;
   e->site = site;
   e->device = ctx.device;
@@ -130,8 +129,8 @@ struct WaitDeadline {
 
 // Spins until *flag >= ctx.epoch. Returns false (after recording) on timeout,
 // or at once if another wait on this device already failed.
-static __device__ __noinline__ bool WaitFlag(const uint64_t* flag, const WaitContext& ctx, int32_t site,
-                                             int32_t peer, int32_t chunk, int32_t piece) {
+static __device__ __noinline__ bool WaitFlag(const uint64_t* flag, const WaitContext& ctx, int32_t site, int32_t peer,
+                                             int32_t chunk, int32_t piece) {
   WaitDeadline deadline;
   for (;;) {
     const uint64_t seen = LoadAcquireSys(flag);
@@ -158,8 +157,7 @@ __device__ __forceinline__ bool WaitRows(const RowGate& g, int32_t row0, int32_t
     const int32_t piece = in_chunk / g.rows_per_piece;
     if (chunk != g.skip_chunk) {
       const int32_t peer = (chunk + g.peer_of_chunk0) % g.tp;
-      if (!WaitFlag(g.flags + chunk * g.pieces_per_chunk + piece, g.ctx, g.site, peer, chunk,
-                    piece)) {
+      if (!WaitFlag(g.flags + chunk * g.pieces_per_chunk + piece, g.ctx, g.site, peer, chunk, piece)) {
         return false;
       }
     }

@@ -69,8 +69,7 @@ class RotatedScheduler : public cutlass::gemm::kernel::detail::PersistentTileSch
 
   template <class ProblemShapeMNKL, class TileShape, class ClusterShape>
   static Params to_underlying_arguments(ProblemShapeMNKL problem_shape_mnkl, TileShape tile_shape,
-                                        ClusterShape cluster_shape,
-                                        cutlass::KernelHardwareInfo const& hw_info,
+                                        ClusterShape cluster_shape, cutlass::KernelHardwareInfo const& hw_info,
                                         Arguments const& args, void* workspace = nullptr,
                                         const uint32_t epilogue_subtile = 1,
                                         uint32_t ktile_start_alignment_count = 1u) {
@@ -78,9 +77,9 @@ class RotatedScheduler : public cutlass::gemm::kernel::detail::PersistentTileSch
     base_args.max_swizzle_size = 1;
     base_args.raster_order = Base::RasterOrderOptions::AlongN;
     Params params;
-    static_cast<Base::Params&>(params) = Base::to_underlying_arguments(
-        problem_shape_mnkl, tile_shape, cluster_shape, hw_info, base_args, workspace,
-        epilogue_subtile, ktile_start_alignment_count);
+    static_cast<Base::Params&>(params) =
+        Base::to_underlying_arguments(problem_shape_mnkl, tile_shape, cluster_shape, hw_info, base_args, workspace,
+                                      epilogue_subtile, ktile_start_alignment_count);
     const int m = static_cast<int>(cute::get<0>(problem_shape_mnkl));
     const int n = static_cast<int>(cute::get<1>(problem_shape_mnkl));
     params.tiles_m = (m + cute::size<0>(tile_shape) - 1) / cute::size<0>(tile_shape);
@@ -122,8 +121,8 @@ class RotatedScheduler : public cutlass::gemm::kernel::detail::PersistentTileSch
       c = GroupedTile(w.M_idx * tiles_n_ + w.N_idx, tiles_m_, tiles_n_, group_, rotate_);
     } else {
       const int cluster_row = w.M_idx / kClusterM;
-      c = ClusteredTile(cluster_row * tiles_n_ + w.N_idx, w.M_idx - cluster_row * kClusterM, tiles_m_, tiles_n_,
-                        group_, rotate_, kClusterM);
+      c = ClusteredTile(cluster_row * tiles_n_ + w.N_idx, w.M_idx - cluster_row * kClusterM, tiles_m_, tiles_n_, group_,
+                        rotate_, kClusterM);
     }
     w.M_idx = c.m;
     w.N_idx = c.n;
@@ -171,12 +170,10 @@ struct GatedMainloop : Base {
   };
 
   template <class ProblemShape>
-  static Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args,
-                                        void* workspace) {
+  static Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args, void* workspace) {
     using namespace cute;
     Params params;
-    static_cast<typename Base::Params&>(params) =
-        Base::to_underlying_arguments(problem_shape, args, workspace);
+    static_cast<typename Base::Params&>(params) = Base::to_underlying_arguments(problem_shape, args, workspace);
     auto [M, N, K, L] = append<4>(problem_shape, 1);
     params.k = static_cast<int32_t>(K);
     params.gate = args.gate;
@@ -185,8 +182,7 @@ struct GatedMainloop : Base {
       auto ptr = reinterpret_cast<typename Base::InternalElementA const*>(args.ptr_A_local);
       Tensor tensor = make_tensor(ptr, make_layout(make_shape(args.local_rows, K, L), args.dA));
       params.tma_load_a_local = make_tma_copy_A_sm90(typename Base::GmemTiledCopyA{}, tensor,
-                                                     SmemLayoutA{}(_, _, Int<0>{}), TileShape{},
-                                                     ClusterShape{});
+                                                     SmemLayoutA{}(_, _, Int<0>{}), TileShape{}, ClusterShape{});
       params.local_rows = args.local_rows;
       params.local_first_tile = args.local_first_tile;
       params.local_tiles = (args.local_rows + kBlockM - 1) / kBlockM;
@@ -201,12 +197,10 @@ struct GatedMainloop : Base {
 
   // Producer warp, once per work tile (the whole warp enters).
   template <class TensorA, class TensorB, class KTileIterator, class BlockCoord>
-  CUTLASS_DEVICE void load(Params const& params, MainloopPipeline pipeline,
-                           PipelineState smem_pipe_write,
-                           cute::tuple<TensorA, TensorB> const& load_inputs,
-                           BlockCoord const& blk_coord, KTileIterator k_tile_iter, int k_tile_count,
-                           int /*thread_idx*/, uint32_t block_rank_in_cluster,
-                           TensorStorage& shared_tensors) {
+  CUTLASS_DEVICE void load(Params const& params, MainloopPipeline pipeline, PipelineState smem_pipe_write,
+                           cute::tuple<TensorA, TensorB> const& load_inputs, BlockCoord const& blk_coord,
+                           KTileIterator k_tile_iter, int k_tile_count, int /*thread_idx*/,
+                           uint32_t block_rank_in_cluster, TensorStorage& shared_tensors) {
     using namespace cute;
     using X = Underscore;
     auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
@@ -299,11 +293,10 @@ struct GatedEpilogue : Base {
   };
 
   template <class ProblemShape>
-  static constexpr Params to_underlying_arguments(ProblemShape const& problem_shape,
-                                                  Arguments const& args, void* workspace) {
+  static constexpr Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args,
+                                                  void* workspace) {
     Params params;
-    static_cast<typename Base::Params&>(params) =
-        Base::to_underlying_arguments(problem_shape, args, workspace);
+    static_cast<typename Base::Params&>(params) = Base::to_underlying_arguments(problem_shape, args, workspace);
     params.gate = args.gate;
     params.signal = args.signal;
     params.c = const_cast<void*>(static_cast<void const*>(args.ptr_C));
@@ -314,8 +307,7 @@ struct GatedEpilogue : Base {
   CUTLASS_HOST_DEVICE GatedEpilogue(Params const& params, TensorStorage& shared_tensors)
       : Base(params, shared_tensors), gated_(&params), signal_(&params.signal) {}
 
-  template <class ProblemShapeMNKL, class TileShapeMNK, class TileCoordMNKL, class TiledMma,
-            class... Rest>
+  template <class ProblemShapeMNKL, class TileShapeMNK, class TileCoordMNKL, class TiledMma, class... Rest>
   CUTLASS_DEVICE auto load(typename Base::LoadPipeline load_pipeline,
                            typename Base::LoadPipelineState load_pipe_producer_state,
                            ProblemShapeMNKL problem_shape_mnkl, TileShapeMNK tile_shape_MNK,
@@ -331,13 +323,13 @@ struct GatedEpilogue : Base {
                      block_n, static_cast<int>(cute::get<0>(problem_shape_mnkl)),
                      static_cast<int>(cute::get<1>(problem_shape_mnkl)));
     }
-    return Base::load(load_pipeline, load_pipe_producer_state, problem_shape_mnkl, tile_shape_MNK,
-                      tile_coord_mnkl, tiled_mma, thread_idx, shared_tensors, rest...);
+    return Base::load(load_pipeline, load_pipe_producer_state, problem_shape_mnkl, tile_shape_MNK, tile_coord_mnkl,
+                      tiled_mma, thread_idx, shared_tensors, rest...);
   }
 
   // Consumer warpgroups, once per work tile; warp 0 (thread_idx < 32) issues the TMA stores.
-  template <class ProblemShapeMNKL, class TileShapeMNK, class TileCoordMNKL, class Accumulators,
-            class TiledMma, class... Rest>
+  template <class ProblemShapeMNKL, class TileShapeMNK, class TileCoordMNKL, class Accumulators, class TiledMma,
+            class... Rest>
   CUTLASS_DEVICE auto store(LoadPipeline load_pipeline, LoadPipelineState load_pipe_consumer_state,
                             StorePipeline store_pipeline, StorePipelineState store_pipe_producer_state,
                             ProblemShapeMNKL problem_shape_mnkl, TileShapeMNK tile_shape_MNK,
@@ -349,10 +341,9 @@ struct GatedEpilogue : Base {
       SignalTileStored(*signal_, pending_row0_, block_m);
       pending_row0_ = -1;
     }
-    auto states = Base::store(load_pipeline, load_pipe_consumer_state, store_pipeline,
-                              store_pipe_producer_state, problem_shape_mnkl, tile_shape_MNK,
-                              tile_coord_mnkl, accumulators, tiled_mma, thread_idx, shared_tensors,
-                              rest...);
+    auto states = Base::store(load_pipeline, load_pipe_consumer_state, store_pipeline, store_pipe_producer_state,
+                              problem_shape_mnkl, tile_shape_MNK, tile_coord_mnkl, accumulators, tiled_mma, thread_idx,
+                              shared_tensors, rest...);
     if (signals) {
       const int row0 = static_cast<int>(cute::get<0>(tile_coord_mnkl)) * block_m;
       if (signal_->immediate) {
@@ -367,8 +358,7 @@ struct GatedEpilogue : Base {
   // Consumer warpgroups, after their last tile.
   CUTLASS_DEVICE auto store_tail(LoadPipeline load_pipeline, LoadPipelineState load_pipe_consumer_state,
                                  StorePipeline store_pipeline, StorePipelineState store_pipe_producer_state) {
-    auto states = Base::store_tail(load_pipeline, load_pipe_consumer_state, store_pipeline,
-                                   store_pipe_producer_state);
+    auto states = Base::store_tail(load_pipeline, load_pipe_consumer_state, store_pipeline, store_pipe_producer_state);
     if (pending_row0_ >= 0) {  // only warp 0 of a signalling epilogue ever sets it
       SignalTileStored(*signal_, pending_row0_, kTileRows);
       pending_row0_ = -1;
@@ -388,8 +378,7 @@ struct GatedEpilogue : Base {
 // Route our scheduler tag to RotatedScheduler inside GemmUniversal.
 namespace cutlass::gemm::kernel::detail {
 template <class ArchTag, class TileShape, class ClusterShape, uint32_t Stages>
-struct TileSchedulerSelector<flux_jax::cuda::RotatedSchedulerTag, ArchTag, TileShape, ClusterShape,
-                             Stages> {
+struct TileSchedulerSelector<flux_jax::cuda::RotatedSchedulerTag, ArchTag, TileShape, ClusterShape, Stages> {
   using Scheduler = flux_jax::cuda::RotatedScheduler<cute::size<0>(ClusterShape{})>;
 };
 }  // namespace cutlass::gemm::kernel::detail

@@ -9,8 +9,8 @@ using DecodeGemm128 = DecodeGemmInstance<cutlass::bfloat16_t, 128>;
 
 Status RunDecodeGemm(const DecodeGemmPlan& plan, DType dtype, cudaStream_t stream, int device, int sm_count) {
   if (dtype != DType::kBF16 || plan.rows < 1 || plan.rows > kDecodeMaxRows) {
-    return Status::InvalidArgument("flux_jax: the decode GEMM takes bfloat16 and 1.." +
-                                   std::to_string(kDecodeMaxRows) + " rows, got rows=" + std::to_string(plan.rows));
+    return Status::InvalidArgument("flux_jax: the decode GEMM takes bfloat16 and 1.." + std::to_string(kDecodeMaxRows) +
+                                   " rows, got rows=" + std::to_string(plan.rows));
   }
   if (plan.rows <= 64) {
     return RunDecodeGemmInstance<DecodeGemm64>(plan, stream, device, sm_count);

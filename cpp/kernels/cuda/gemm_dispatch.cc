@@ -46,7 +46,8 @@ static Status RunForcedGemm(const GemmPlan& plan, DType dtype, cudaStream_t stre
 }
 
 Status RunGemm(const GemmPlan& plan, DType dtype, cudaStream_t stream, int device, int sm_count) {
-  if (plan.cluster_m != 1 || plan.block_n == kGemmBlockN160) return RunForcedGemm(plan, dtype, stream, device, sm_count);
+  if (plan.cluster_m != 1 || plan.block_n == kGemmBlockN160)
+    return RunForcedGemm(plan, dtype, stream, device, sm_count);
   switch (dtype) {
     case DType::kBF16:
       if (plan.block_n == kGemmBlockNNarrow && HasNarrowTile(dtype, plan.b_kmajor)) {
@@ -58,8 +59,7 @@ Status RunGemm(const GemmPlan& plan, DType dtype, cudaStream_t stream, int devic
       return plan.b_kmajor ? RunGemm_f16_kmajor(plan, stream, device, sm_count)
                            : RunGemm_f16_nmajor(plan, stream, device, sm_count);
     case DType::kF32:
-    case DType::kU8:
-      break;
+    case DType::kU8: break;
   }
   return Status::InvalidArgument(
       "flux_jax: the CUDA kernels take bfloat16 or float16 inputs (float32: use impl='xla')");

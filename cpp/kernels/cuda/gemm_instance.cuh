@@ -32,18 +32,16 @@ struct GemmInstance {
 
   using BaseEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, Element, LayoutC, kAlignment,
-      Element, LayoutC, kAlignment, cutlass::epilogue::TmaWarpSpecializedCooperative>::CollectiveOp;
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, Element, LayoutC, kAlignment, Element, LayoutC,
+      kAlignment, cutlass::epilogue::TmaWarpSpecializedCooperative>::CollectiveOp;
 
   using BaseMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, kAlignment, Element,
-      LayoutB, kAlignment, float, TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
-          sizeof(typename BaseEpilogue::SharedStorage))>,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, kAlignment, Element, LayoutB, kAlignment,
+      float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename BaseEpilogue::SharedStorage))>,
       cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
 
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>,
-                                                      GatedMainloop<BaseMainloop>,
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, GatedMainloop<BaseMainloop>,
                                                       GatedEpilogue<BaseEpilogue>, RotatedSchedulerTag>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
@@ -92,16 +90,14 @@ Status RunGemmInstance(const GemmPlan& p, cudaStream_t stream, int device, int s
 
   typename Instance::Gemm gemm;
   if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
-    return Status::InvalidArgument("flux_jax: CUTLASS cannot implement GEMM m=" + std::to_string(m) +
-                                   " n=" + std::to_string(n) + " k=" + std::to_string(k) +
-                                   " (K and N must be multiples of 8)");
+    return Status::InvalidArgument("flux_jax: CUTLASS cannot implement GEMM m=" + std::to_string(m) + " n=" +
+                                   std::to_string(n) + " k=" + std::to_string(k) + " (K and N must be multiples of 8)");
   }
   cutlass::Status st = gemm.initialize(args, nullptr, stream);
   if (st == cutlass::Status::kSuccess) st = gemm.run(stream);
   if (st != cutlass::Status::kSuccess) {
     return Status::Internal(std::string("flux_jax: CUTLASS GEMM launch failed: ") +
-                            cutlass::cutlassGetStatusString(st) + " / " +
-                            cudaGetErrorString(cudaGetLastError()));
+                            cutlass::cutlassGetStatusString(st) + " / " + cudaGetErrorString(cudaGetLastError()));
   }
   return Status::Ok();
 }
@@ -114,8 +110,7 @@ Status RunGemmInstance(const GemmPlan& p, cudaStream_t stream, int device, int s
 template <class Instance>
 Status PreloadGemmInstance() {
   using Kernel = typename Instance::Kernel;
-  cudaError_t err = cudaFuncSetAttribute(cutlass::device_kernel<Kernel>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+  cudaError_t err = cudaFuncSetAttribute(cutlass::device_kernel<Kernel>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(Kernel::SharedStorageSize));
   if (err != cudaSuccess) {
     return Status::Internal(std::string("flux_jax: loading a GEMM kernel failed: ") + cudaGetErrorString(err));
@@ -127,22 +122,19 @@ Status PreloadGemmInstance() {
 
 // Defines the entry points of one instance: Status <name>(plan, stream, device,
 // sms) and Status Preload_<name>().
-#define FLUX_JAX_DEFINE_GEMM_INSTANCE(name, Element, kBKMajor, kBlockN)                                \
-  namespace flux_jax::cuda {                                                                            \
-  Status name(const GemmPlan& plan, cudaStream_t stream, int device, int sm_count) {                    \
-    return RunGemmInstance<GemmInstance<Element, kBKMajor, kBlockN>>(plan, stream, device, sm_count);  \
-  }                                                                                                     \
-  Status Preload_##name() { return PreloadGemmInstance<GemmInstance<Element, kBKMajor, kBlockN>>(); }  \
+#define FLUX_JAX_DEFINE_GEMM_INSTANCE(name, Element, kBKMajor, kBlockN)                               \
+  namespace flux_jax::cuda {                                                                          \
+  Status name(const GemmPlan& plan, cudaStream_t stream, int device, int sm_count) {                  \
+    return RunGemmInstance<GemmInstance<Element, kBKMajor, kBlockN>>(plan, stream, device, sm_count); \
+  }                                                                                                   \
+  Status Preload_##name() { return PreloadGemmInstance<GemmInstance<Element, kBKMajor, kBlockN>>(); } \
   }
 
 // The same for an instance with clusters of kClusterM CTAs along M (gated_gemm.cuh).
-#define FLUX_JAX_DEFINE_GEMM_INSTANCE_CLUSTER(name, Element, kBKMajor, kBlockN, kClusterM)                \
-  namespace flux_jax::cuda {                                                                            \
-  Status name(const GemmPlan& plan, cudaStream_t stream, int device, int sm_count) {                    \
-    return RunGemmInstance<GemmInstance<Element, kBKMajor, kBlockN, kClusterM>>(plan, stream, device,   \
-                                                                                sm_count);             \
-  }                                                                                                     \
-  Status Preload_##name() {                                                                             \
-    return PreloadGemmInstance<GemmInstance<Element, kBKMajor, kBlockN, kClusterM>>();                  \
-  }                                                                                                     \
+#define FLUX_JAX_DEFINE_GEMM_INSTANCE_CLUSTER(name, Element, kBKMajor, kBlockN, kClusterM)                       \
+  namespace flux_jax::cuda {                                                                                     \
+  Status name(const GemmPlan& plan, cudaStream_t stream, int device, int sm_count) {                             \
+    return RunGemmInstance<GemmInstance<Element, kBKMajor, kBlockN, kClusterM>>(plan, stream, device, sm_count); \
+  }                                                                                                              \
+  Status Preload_##name() { return PreloadGemmInstance<GemmInstance<Element, kBKMajor, kBlockN, kClusterM>>(); } \
   }

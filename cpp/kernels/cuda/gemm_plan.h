@@ -15,8 +15,8 @@
 
 namespace flux_jax::cuda {
 
-inline constexpr int kGemmBlockM = 128;  // tile rows of every shipped instance
-inline constexpr int kGemmBlockN = 256;       // tile columns of the default instances
+inline constexpr int kGemmBlockM = 128;        // tile rows of every shipped instance
+inline constexpr int kGemmBlockN = 256;        // tile columns of the default instances
 inline constexpr int kGemmBlockNNarrow = 192;  // the narrow instance (bf16, N-major weight)
 inline constexpr int kGemmBlockN160 = 160;     // the 2x1-cluster 128x160 instances (bf16, forced only)
 // M tiles swept together across N when the config says 0 (automatic); see the
@@ -40,7 +40,7 @@ struct GemmPlan {
   RowGate gate_c;                    // waits before C loads (ReduceScatter)
   TileSignal signal_d;               // per-piece counters raised as D tiles are written
   int32_t rotate_m_tiles = 0;
-  int32_t group_m_tiles = 1;  // M tiles swept together across N (L2 reuse; gated_gemm.cuh)
+  int32_t group_m_tiles = 1;      // M tiles swept together across N (L2 reuse; gated_gemm.cuh)
   int32_t block_n = kGemmBlockN;  // tile columns: kGemmBlockN, or kGemmBlockNNarrow where built
   int32_t cluster_m = 1;          // CTAs per cluster along M (2: B shared by TMA multicast)
 };

@@ -63,13 +63,13 @@ constexpr int kBatch = 4;
 struct CollectiveArgs {
   const uint4* x;
   uint4* out;
-  uint4* peer_slot[kMaxPeers];       // my chunk's slot on each peer (null for me)
-  uint64_t* peer_flag[kMaxPeers];    // peer's block_arrived row for sender `rank`
-  const uint4* my_slots;             // slot[b][0] of my own area; sender q at q * chunk_vecs
-  const uint64_t* my_flags;          // my block_arrived, [sender][block]
-  int64_t chunk_vecs;                // 16-byte vectors per chunk
+  uint4* peer_slot[kMaxPeers];     // my chunk's slot on each peer (null for me)
+  uint64_t* peer_flag[kMaxPeers];  // peer's block_arrived row for sender `rank`
+  const uint4* my_slots;           // slot[b][0] of my own area; sender q at q * chunk_vecs
+  const uint64_t* my_flags;        // my block_arrived, [sender][block]
+  int64_t chunk_vecs;              // 16-byte vectors per chunk
   int32_t tp, rank;
-  bool signal;                       // false: debug_drop_rank (tests the timeout path)
+  bool signal;  // false: debug_drop_rank (tests the timeout path)
   int32_t site;
   WaitContext ctx;
 };
@@ -91,8 +91,8 @@ __device__ __forceinline__ bool WaitSender(const CollectiveArgs& a, int q) {
   __shared__ int ok;
   if (threadIdx.x == 0) {
     const WaitContext ctx = a.ctx;  // WaitFlag takes a reference: copy only this, not all of `a`
-    ok = WaitFlag(a.my_flags + q * kMaxLatencyBlocks + blockIdx.x, ctx, a.site, q, -1,
-                  static_cast<int32_t>(blockIdx.x));
+    ok =
+        WaitFlag(a.my_flags + q * kMaxLatencyBlocks + blockIdx.x, ctx, a.site, q, -1, static_cast<int32_t>(blockIdx.x));
   }
   __syncthreads();
   const bool result = ok != 0;
@@ -127,9 +127,7 @@ __global__ void __launch_bounds__(kThreads) AllGatherKernel(CollectiveArgs a) {
     const bool ok = WaitSender(a, q);
     const uint4* src = a.my_slots + q * a.chunk_vecs;
     uint4* dst = a.out + q * a.chunk_vecs;
-    BatchedCopy(
-        lo, hi, [&](int64_t v) { return ok ? src[v] : NaN16(); },
-        [&](int64_t v, uint4 val) { dst[v] = val; });
+    BatchedCopy(lo, hi, [&](int64_t v) { return ok ? src[v] : NaN16(); }, [&](int64_t v, uint4 val) { dst[v] = val; });
   }
 }
 
@@ -163,8 +161,7 @@ __global__ void __launch_bounds__(kThreads) ReduceScatterKernel(CollectiveArgs a
     if (p >= a.tp || p == a.rank) continue;
     const uint4* src = a.x + p * a.chunk_vecs;
     uint4* dst = a.peer_slot[p];
-    BatchedCopy(
-        lo, hi, [&](int64_t v) { return __ldg(src + v); }, [&](int64_t v, uint4 val) { dst[v] = val; });
+    BatchedCopy(lo, hi, [&](int64_t v) { return __ldg(src + v); }, [&](int64_t v, uint4 val) { dst[v] = val; });
   }
   SignalPeers(a);
   bool ok = true;
@@ -210,8 +207,8 @@ __global__ void __launch_bounds__(kThreads) ReduceScatterKernel(CollectiveArgs a
 // out[lo, hi) = the rank-ordered float32 sum of own[lo, hi) (rank a.rank) and the peers'
 // slots, rounded once; NaN where a peer's block never arrived (`ok` false).
 template <typename T>
-__device__ __forceinline__ void SumInRankOrder(const CollectiveArgs& a, const uint4* own, int64_t lo,
-                                               int64_t hi, bool ok) {
+__device__ __forceinline__ void SumInRankOrder(const CollectiveArgs& a, const uint4* own, int64_t lo, int64_t hi,
+                                               bool ok) {
   for (int64_t base = lo + threadIdx.x; base < hi; base += int64_t{kThreads} * kBatch) {
     float2 acc[kBatch][4] = {};
     for (int q = 0; q < a.tp; ++q) {  // rank order: the same sum on every rank, every run
@@ -270,8 +267,7 @@ __global__ void __launch_bounds__(kThreads) AllReduceKernel(CollectiveArgs a) {
 
 enum class Kind { kAllGather, kReduceScatter };
 
-Status Run(Kind kind, const CollectiveParams& p, const TpGroup& group, const CommConfig& cfg,
-           void* stream_ptr) {
+Status Run(Kind kind, const CollectiveParams& p, const TpGroup& group, const CommConfig& cfg, void* stream_ptr) {
   const char* name = kind == Kind::kAllGather ? "all_gather" : "reduce_scatter";
   // The all_gather copies bytes (FP8 payloads, float32 scales); the reduce_scatter sums pairs.
   if (kind == Kind::kReduceScatter && p.dtype != DType::kBF16 && p.dtype != DType::kF16) {
@@ -350,8 +346,8 @@ Status PreloadLatencyCollectives() {
   return Status::Ok();
 }
 
-Status EnqueueAllReduce(const CollectiveParams& p, const TpGroup& group, const CommConfig& cfg,
-                        cudaStream_t S, const PartialWriter& write_partial) {
+Status EnqueueAllReduce(const CollectiveParams& p, const TpGroup& group, const CommConfig& cfg, cudaStream_t S,
+                        const PartialWriter& write_partial) {
   if (p.dtype == DType::kF32) {
     return Status::InvalidArgument("all_reduce: the CUDA kernel takes bfloat16 or float16");
   }
@@ -426,20 +422,17 @@ Status EnqueueAllReduce(const CollectiveParams& p, const TpGroup& group, const C
 
 namespace flux_jax {
 
-Status RunAllGatherCuda(const CollectiveParams& p, const TpGroup& group, const CommConfig& cfg,
-                        void* stream) {
+Status RunAllGatherCuda(const CollectiveParams& p, const TpGroup& group, const CommConfig& cfg, void* stream) {
   FLUX_JAX_RETURN_IF_ERROR(AllGatherCanImplement(p, group));
   return cuda::Run(cuda::Kind::kAllGather, p, group, cfg, stream);
 }
 
-Status RunReduceScatterCuda(const CollectiveParams& p, const TpGroup& group, const CommConfig& cfg,
-                            void* stream) {
+Status RunReduceScatterCuda(const CollectiveParams& p, const TpGroup& group, const CommConfig& cfg, void* stream) {
   FLUX_JAX_RETURN_IF_ERROR(ReduceScatterCanImplement(p, group));
   return cuda::Run(cuda::Kind::kReduceScatter, p, group, cfg, stream);
 }
 
-Status RunAllReduceCuda(const CollectiveParams& p, const TpGroup& group, const CommConfig& cfg,
-                        void* stream) {
+Status RunAllReduceCuda(const CollectiveParams& p, const TpGroup& group, const CommConfig& cfg, void* stream) {
   FLUX_JAX_RETURN_IF_ERROR(AllReduceCanImplement(p, group));
   return cuda::EnqueueAllReduce(p, group, cfg, static_cast<cudaStream_t>(stream), nullptr);
 }

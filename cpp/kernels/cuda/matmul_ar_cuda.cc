@@ -15,8 +15,7 @@
 
 namespace flux_jax {
 
-Status RunMatmulArCuda(const MatmulArParams& p, const TpGroup& group, const CommConfig& cfg,
-                       void* stream_ptr) {
+Status RunMatmulArCuda(const MatmulArParams& p, const TpGroup& group, const CommConfig& cfg, void* stream_ptr) {
   using namespace cuda;
   FLUX_JAX_RETURN_IF_ERROR(MatmulArCanImplement(p, group));
   if (p.dtype == DType::kF32) {

@@ -31,8 +31,7 @@
 
 namespace flux_jax {
 
-Status RunMatmulRsCuda(const MatmulRsParams& p, const TpGroup& group, const CommConfig& cfg,
-                       void* stream_ptr) {
+Status RunMatmulRsCuda(const MatmulRsParams& p, const TpGroup& group, const CommConfig& cfg, void* stream_ptr) {
   using namespace cuda;
   FLUX_JAX_RETURN_IF_ERROR(MatmulRsCanImplement(p, group));
   auto S = static_cast<cudaStream_t>(stream_ptr);
@@ -75,8 +74,9 @@ Status RunMatmulRsCuda(const MatmulRsParams& p, const TpGroup& group, const Comm
   // all of it (one group of 8 row tiles at m/tp = 1024 made the whole push
   // exposed: 0.80x of the twin at 2048x4096x28672).
   const int32_t tiles_m = static_cast<int32_t>((m_out + kGemmBlockM - 1) / kGemmBlockM);
-  const int32_t gated_group_m =
-      cfg.tuning.tile_group_m > 0 ? TileGroupM(cfg) : std::max<int32_t>(1, std::min<int32_t>(TileGroupM(cfg), tiles_m / 4));
+  const int32_t gated_group_m = cfg.tuning.tile_group_m > 0
+                                    ? TileGroupM(cfg)
+                                    : std::max<int32_t>(1, std::min<int32_t>(TileGroupM(cfg), tiles_m / 4));
 
   FLUX_JAX_RETURN_IF_ERROR(PresenceHandshake(*ws, S, cfg));
   for (int j = 0; j < tp; ++j) {
@@ -91,8 +91,8 @@ Status RunMatmulRsCuda(const MatmulRsParams& p, const TpGroup& group, const Comm
     } else {
       plan.c = recv + (j - 1) * slot_bytes;
       plan.beta = 1.0f;
-      plan.gate_c = MakeGate(*ws, cfg, ws->arrived + (j - 1) * pieces, static_cast<int32_t>(m_out),
-                             piece_rows, static_cast<int32_t>(m_out), -1, prev, kSiteEpilogueC);
+      plan.gate_c = MakeGate(*ws, cfg, ws->arrived + (j - 1) * pieces, static_cast<int32_t>(m_out), piece_rows,
+                             static_cast<int32_t>(m_out), -1, prev, kSiteEpilogueC);
     }
     if (j == tp - 1) {
       plan.a = a_chunk;
@@ -102,7 +102,8 @@ Status RunMatmulRsCuda(const MatmulRsParams& p, const TpGroup& group, const Comm
     }
     // A pushed stage: each launch hands its pieces to rank r+1 as soon as it ends.
     // Only the ungated stage 0 is split (a gated one would need row-offset gates).
-    const int32_t launches = j == 0 ? StageLaunches(cfg, m_out, p.n, plan.block_n, piece_rows, pieces, ws->sm_count) : 1;
+    const int32_t launches =
+        j == 0 ? StageLaunches(cfg, m_out, p.n, plan.block_n, piece_rows, pieces, ws->sm_count) : 1;
     const int32_t pieces_per_launch = (pieces + launches - 1) / launches;
     for (int32_t q0 = 0; q0 < pieces; q0 += pieces_per_launch) {
       const int32_t q1 = std::min(pieces, q0 + pieces_per_launch);
@@ -114,15 +115,14 @@ Status RunMatmulRsCuda(const MatmulRsParams& p, const TpGroup& group, const Comm
       part.d = d_slot + row0 * out_row_bytes;
       const bool tile_signal = j == 0 && signal_mode != 0;
       if (tile_signal) {
-        part.signal_d = TileSignal{ws->tiles_done + q0, piece_rows, static_cast<int32_t>(part.m),
-                                   signal_mode == 2};
+        part.signal_d = TileSignal{ws->tiles_done + q0, piece_rows, static_cast<int32_t>(part.m), signal_mode == 2};
       }
       FLUX_JAX_RETURN_IF_ERROR(RunGemm(part, p.dtype, S, device, ws->sm_count));
       if (tile_signal) {  // the launch raises every piece's counter, whatever fails below
         for (int q = q0; q < q1; ++q) {
           const int64_t p0 = static_cast<int64_t>(q) * piece_rows - row0;
-          ws->tiles_done_expected[q] += TilesTouchingRows(p0, std::min<int64_t>(p0 + piece_rows, part.m), part.n,
-                                                          plan.block_n);
+          ws->tiles_done_expected[q] +=
+              TilesTouchingRows(p0, std::min<int64_t>(p0 + piece_rows, part.m), part.n, plan.block_n);
         }
       }
 

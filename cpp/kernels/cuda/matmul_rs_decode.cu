@@ -25,8 +25,8 @@
 
 namespace flux_jax::cuda {
 bool MatmulRsDecodeSupported(const MatmulRsParams& p, const TpGroup& group) {
-  return group.size >= 2 && group.size <= kDecodeMaxRanks && p.m % group.size == 0 &&
-         p.m <= kDecodeExchangeMaxRows && p.n <= limits::kDecodeRsMaxN && HasDecodeGemm(p.dtype, p.w_transposed, p.m);
+  return group.size >= 2 && group.size <= kDecodeMaxRanks && p.m % group.size == 0 && p.m <= kDecodeExchangeMaxRows &&
+         p.n <= limits::kDecodeRsMaxN && HasDecodeGemm(p.dtype, p.w_transposed, p.m);
 }
 
 Status RunMatmulRsDecode(const MatmulRsParams& p, const TpGroup& group, const CommConfig& cfg, cudaStream_t S) {

@@ -23,12 +23,10 @@ namespace flux_jax::cuda {
 // 8192, within +-3% elsewhere (2x H200, 2026-11-30; docs/decisions/2026-11-30-piece-size-floor.md).
 // `granule_rows`: the rows of one cluster of tiles (kGemmBlockM x GemmPlan.cluster_m), so the
 // CTAs of a 2x1 cluster, which share B, wait for the same piece.
-inline int32_t PieceRows(int64_t rows, int64_t row_bytes, int64_t requested_bytes,
-                         int64_t granule_rows = kGemmBlockM) {
+inline int32_t PieceRows(int64_t rows, int64_t row_bytes, int64_t requested_bytes, int64_t granule_rows = kGemmBlockM) {
   if (rows <= 0) return 1;
-  const int64_t target_bytes = requested_bytes > 0
-                                   ? requested_bytes
-                                   : std::max<int64_t>(int64_t{8} << 20, rows * row_bytes / 8);
+  const int64_t target_bytes =
+      requested_bytes > 0 ? requested_bytes : std::max<int64_t>(int64_t{8} << 20, rows * row_bytes / 8);
   int64_t piece = std::max<int64_t>(1, (target_bytes + row_bytes - 1) / row_bytes);
   piece = (piece + granule_rows - 1) / granule_rows * granule_rows;
   piece = std::max<int64_t>(piece, (rows + kMaxPieces - 1) / kMaxPieces);
@@ -38,10 +36,11 @@ inline int32_t PieceRows(int64_t rows, int64_t row_bytes, int64_t requested_byte
 // Launches the pushed ReduceScatter stage 0 is split into (GpuTuning.rs_stage_launches):
 // 1 = one launch; n >= 2 = n (at most one per piece); 0 = about one wave of output tiles
 // per launch (a whole wave leaves no SM idle; a smaller launch would), at most 8.
-inline int32_t StageLaunches(const CommConfig& cfg, int64_t rows, int64_t n, int32_t block_n,
-                             int32_t piece_rows, int32_t pieces, int sm_count) {
+inline int32_t StageLaunches(const CommConfig& cfg, int64_t rows, int64_t n, int32_t block_n, int32_t piece_rows,
+                             int32_t pieces, int sm_count) {
   if (cfg.tuning.rs_stage_launches == 1 || pieces <= 1 || rows <= 0) return 1;
-  if (cfg.tuning.rs_stage_launches > 1) return static_cast<int32_t>(std::min<int64_t>(cfg.tuning.rs_stage_launches, pieces));
+  if (cfg.tuning.rs_stage_launches > 1)
+    return static_cast<int32_t>(std::min<int64_t>(cfg.tuning.rs_stage_launches, pieces));
   const int64_t tiles_n = (n + block_n - 1) / block_n;
   const int64_t wave_rows = std::max<int64_t>(1, sm_count / tiles_n) * kGemmBlockM;
   const int64_t pieces_per_launch = std::max<int64_t>(1, wave_rows / piece_rows);
@@ -57,8 +56,7 @@ inline int32_t StageLaunches(const CommConfig& cfg, int64_t rows, int64_t n, int
 // wave of 128x256 tiles, the case measured: 8B qkv AG at M = 2048 (2048 x 3072
 // per GPU, 192 tiles = 1.45 waves) 103.0 -> 86.6 us; where the rule keeps 256,
 // forcing 192 was 2-4% slower (2x H200, 2026-11-30; docs/decisions/2026-11-30-tile-width-by-waves.md).
-inline int32_t ChooseBlockN(const CommConfig& cfg, DType dtype, bool b_kmajor, int64_t m, int64_t n,
-                            int sm_count) {
+inline int32_t ChooseBlockN(const CommConfig& cfg, DType dtype, bool b_kmajor, int64_t m, int64_t n, int sm_count) {
   if (!HasNarrowTile(dtype, b_kmajor)) return kGemmBlockN;
   if (cfg.tuning.tile_n != 0) return static_cast<int32_t>(cfg.tuning.tile_n);
   if (m <= 0 || n <= 0 || sm_count <= 0) return kGemmBlockN;
@@ -74,19 +72,13 @@ inline int32_t ChooseBlockN(const CommConfig& cfg, DType dtype, bool b_kmajor, i
 // is an error, never a silent fallback. kAuto keeps ChooseBlockN's choice (cluster 1x1).
 // kDecode is no overlap instance: ag_matmul's tp = 1 branch runs the decode GEMM for it, and
 // every other call rejects it here.
-inline Status ChooseGemmInstance(const CommConfig& cfg, DType dtype, bool b_kmajor, int64_t m, int64_t n,
-                                 int sm_count, GemmPlan* plan) {
+inline Status ChooseGemmInstance(const CommConfig& cfg, DType dtype, bool b_kmajor, int64_t m, int64_t n, int sm_count,
+                                 GemmPlan* plan) {
   plan->cluster_m = 1;
   switch (static_cast<GemmKernel>(cfg.tuning.gemm_kernel)) {
-    case GemmKernel::kAuto:
-      plan->block_n = ChooseBlockN(cfg, dtype, b_kmajor, m, n, sm_count);
-      return Status::Ok();
-    case GemmKernel::k128x256:
-      plan->block_n = kGemmBlockN;
-      break;
-    case GemmKernel::k128x192:
-      plan->block_n = kGemmBlockNNarrow;
-      break;
+    case GemmKernel::kAuto: plan->block_n = ChooseBlockN(cfg, dtype, b_kmajor, m, n, sm_count); return Status::Ok();
+    case GemmKernel::k128x256: plan->block_n = kGemmBlockN; break;
+    case GemmKernel::k128x192: plan->block_n = kGemmBlockNNarrow; break;
     case GemmKernel::k128x256Cluster2x1:
       plan->block_n = kGemmBlockN;
       plan->cluster_m = 2;
@@ -100,14 +92,14 @@ inline Status ChooseGemmInstance(const CommConfig& cfg, DType dtype, bool b_kmaj
           "flux_jax: GpuTuning.gemm_kernel='decode' runs the decode GEMM alone, in ag_matmul at tp = 1 only "
           "(for the decode path at tp > 1 pin Config.fused_path='decode')");
     default:
-      return Status::InvalidArgument("flux_jax: unknown GpuTuning.gemm_kernel " + std::to_string(cfg.tuning.gemm_kernel));
+      return Status::InvalidArgument("flux_jax: unknown GpuTuning.gemm_kernel " +
+                                     std::to_string(cfg.tuning.gemm_kernel));
   }
   if (!HasGemmInstance(dtype, b_kmajor, plan->block_n, plan->cluster_m)) {
-    return Status::InvalidArgument("flux_jax: this build has no overlap GEMM instance with 128x" +
-                                   std::to_string(plan->block_n) + " tiles in " + std::to_string(plan->cluster_m) +
-                                   "x1 clusters for " + DTypeName(dtype) +
-                                   (b_kmajor ? " with the transposed weight" : " with a [K, N] weight") +
-                                   " (GpuTuning.gemm_kernel)");
+    return Status::InvalidArgument(
+        "flux_jax: this build has no overlap GEMM instance with 128x" + std::to_string(plan->block_n) + " tiles in " +
+        std::to_string(plan->cluster_m) + "x1 clusters for " + DTypeName(dtype) +
+        (b_kmajor ? " with the transposed weight" : " with a [K, N] weight") + " (GpuTuning.gemm_kernel)");
   }
   return Status::Ok();
 }
@@ -143,8 +135,7 @@ inline int32_t TileGroupM(const CommConfig& cfg) {
 }
 
 // The GEMM plan both ops start from: D[m, n] = A @ op(w), tuning from the config.
-inline GemmPlan BasePlan(int64_t m, int64_t n, int64_t k, const void* w, bool w_transposed,
-                         const CommConfig& cfg) {
+inline GemmPlan BasePlan(int64_t m, int64_t n, int64_t k, const void* w, bool w_transposed, const CommConfig& cfg) {
   GemmPlan plan;
   plan.m = m;
   plan.n = n;
@@ -184,9 +175,9 @@ inline Status PushPiece(GroupWorkspace& ws, void* dst, const void* src, size_t b
   return Status::Ok();
 }
 
-inline RowGate MakeGate(const GroupWorkspace& ws, const CommConfig& cfg, const uint64_t* flags,
-                        int32_t rows_per_chunk, int32_t rows_per_piece, int32_t total_rows,
-                        int32_t skip_chunk, int32_t peer_of_chunk0, int32_t site) {
+inline RowGate MakeGate(const GroupWorkspace& ws, const CommConfig& cfg, const uint64_t* flags, int32_t rows_per_chunk,
+                        int32_t rows_per_piece, int32_t total_rows, int32_t skip_chunk, int32_t peer_of_chunk0,
+                        int32_t site) {
   RowGate g;
   g.flags = flags;
   g.rows_per_chunk = rows_per_chunk;

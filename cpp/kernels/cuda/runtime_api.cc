@@ -17,23 +17,23 @@ std::string CudaDeviceError(int device) {
 void CudaFailNextWorkspaceGrowthForTesting(int rank) { cuda::FailNextGrowthForTesting(rank); }
 
 namespace {
-Status Group(const std::vector<int64_t>& devices, const std::vector<int64_t>& processes,
-             int32_t ordinal, TpGroup* group) {
+Status Group(const std::vector<int64_t>& devices, const std::vector<int64_t>& processes, int32_t ordinal,
+             TpGroup* group) {
   if (devices.size() != processes.size()) return Status::InvalidArgument("devices / processes differ in length");
-  return ResolveTpGroup(devices.data(), processes.data(), devices.size(),
-                        static_cast<int64_t>(devices.size()), Platform::kCuda, ordinal, std::nullopt, group);
+  return ResolveTpGroup(devices.data(), processes.data(), devices.size(), static_cast<int64_t>(devices.size()),
+                        Platform::kCuda, ordinal, std::nullopt, group);
 }
 }  // namespace
 
-Status CudaIpcExport(const std::vector<int64_t>& devices, const std::vector<int64_t>& processes,
-                     int32_t ordinal, size_t data_bytes, size_t slot_bytes, std::string* blob) {
+Status CudaIpcExport(const std::vector<int64_t>& devices, const std::vector<int64_t>& processes, int32_t ordinal,
+                     size_t data_bytes, size_t slot_bytes, std::string* blob) {
   TpGroup group;
   FLUX_JAX_RETURN_IF_ERROR(Group(devices, processes, ordinal, &group));
   return cuda::ExportIpcMember(group, data_bytes, slot_bytes, blob);
 }
 
-Status CudaIpcImport(const std::vector<int64_t>& devices, const std::vector<int64_t>& processes,
-                     int32_t ordinal, int peer_rank, const std::string& blob) {
+Status CudaIpcImport(const std::vector<int64_t>& devices, const std::vector<int64_t>& processes, int32_t ordinal,
+                     int peer_rank, const std::string& blob) {
   TpGroup group;
   FLUX_JAX_RETURN_IF_ERROR(Group(devices, processes, ordinal, &group));
   return cuda::ImportIpcPeer(group, peer_rank, blob);

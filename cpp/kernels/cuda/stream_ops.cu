@@ -27,8 +27,7 @@ Status ResolveStreamValue64(const char* name, StreamValue64Fn* fn) {
     resolved = reinterpret_cast<StreamValue64Fn>(p);
   });
   *fn = resolved;
-  return CudaStatus(err, (std::string("cudaGetDriverEntryPointByVersion(") + name + ")").c_str(), __FILE__,
-                    __LINE__);
+  return CudaStatus(err, (std::string("cudaGetDriverEntryPointByVersion(") + name + ")").c_str(), __FILE__, __LINE__);
 }
 
 Status ResolveWriteValue64(StreamValue64Fn* fn) { return ResolveStreamValue64<0>("cuStreamWriteValue64", fn); }
@@ -38,8 +37,7 @@ Status ResolveWaitValue64(StreamValue64Fn* fn) { return ResolveStreamValue64<1>(
 // wait gave up are recorded once, together (DeviceError::missing), naming the
 // lowest missing rank as the peer, so a rank's error lists every rank that had
 // not reached the op instead of whichever lane's record landed first.
-__global__ void PresenceHandshakeKernel(PresenceSignal signal, const uint64_t* present, int tp,
-                                        WaitContext ctx) {
+__global__ void PresenceHandshakeKernel(PresenceSignal signal, const uint64_t* present, int tp, WaitContext ctx) {
   const int peer = static_cast<int>(threadIdx.x);
   const bool mine = peer < tp && peer != ctx.rank;
   if (mine && signal.signal) {
@@ -65,8 +63,7 @@ __global__ void PresenceHandshakeKernel(PresenceSignal signal, const uint64_t* p
 }
 
 __global__ void __launch_bounds__(512) CopyUnlessPoisonedKernel(uint4* dst, const uint4* src, int64_t vecs,
-                                                                int64_t skip_lo, int64_t skip_len,
-                                                                const float* alpha) {
+                                                                int64_t skip_lo, int64_t skip_len, const float* alpha) {
   const float a = *reinterpret_cast<const volatile float*>(alpha);
   const bool poisoned = a != a;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -91,8 +88,8 @@ Status StreamWriteValue64(cudaStream_t stream, uint64_t* addr, uint64_t value) {
 Status StreamWaitValue64Geq(cudaStream_t stream, const uint64_t* addr, uint64_t value) {
   StreamValue64Fn fn = nullptr;
   FLUX_JAX_RETURN_IF_ERROR(ResolveWaitValue64(&fn));
-  CUresult r = fn(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(addr), value,
-                  CU_STREAM_WAIT_VALUE_GEQ);
+  CUresult r =
+      fn(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(addr), value, CU_STREAM_WAIT_VALUE_GEQ);
   if (r != CUDA_SUCCESS) {
     return Status::Internal("flux_jax: cuStreamWaitValue64 failed with CUresult " + std::to_string(r));
   }
@@ -126,11 +123,10 @@ Status PreloadStreamOps() {
   return ResolveWaitValue64(&fn);
 }
 
-Status LaunchPresenceHandshake(cudaStream_t stream, const PresenceSignal& signal,
-                               const uint64_t* present, int tp, const WaitContext& ctx) {
+Status LaunchPresenceHandshake(cudaStream_t stream, const PresenceSignal& signal, const uint64_t* present, int tp,
+                               const WaitContext& ctx) {
   if (tp > kMaxPresenceRanks) {
-    return Status::InvalidArgument("flux_jax: presence handshake supports TP <= " +
-                                   std::to_string(kMaxPresenceRanks));
+    return Status::InvalidArgument("flux_jax: presence handshake supports TP <= " + std::to_string(kMaxPresenceRanks));
   }
   PresenceHandshakeKernel<<<1, 32, 0, stream>>>(signal, present, tp, ctx);
   FLUX_CUDA_TRY(cudaGetLastError());

@@ -36,8 +36,8 @@ struct PresenceSignal {
 // occupies the SMs before every peer has reached the op. One launch: the
 // announcement used to be a copy-engine write, which put ~4-5 us of copy
 // latency on the critical path of every call.
-Status LaunchPresenceHandshake(cudaStream_t stream, const PresenceSignal& signal,
-                               const uint64_t* present, int tp, const WaitContext& ctx);
+Status LaunchPresenceHandshake(cudaStream_t stream, const PresenceSignal& signal, const uint64_t* present, int tp,
+                               const WaitContext& ctx);
 
 // The `return_gathered` copies after a GEMM that waited for the rows they copy:
 // dst[b] = src[b] for the bytes b of [0, bytes) outside [skip_lo, skip_hi), or

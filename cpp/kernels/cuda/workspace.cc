@@ -42,11 +42,10 @@ class HostBarrier {
       cv_.notify_all();
       return Status::Ok();
     }
-    if (!cv_.wait_for(lock, std::chrono::microseconds(timeout_us),
-                      [&] { return generation_ != generation; })) {
+    if (!cv_.wait_for(lock, std::chrono::microseconds(timeout_us), [&] { return generation_ != generation; })) {
       --count_;
-      return Status::DeadlineExceeded("flux_jax: timed out after " +
-                                      std::to_string(timeout_us / 1e6) + " s at " + what);
+      return Status::DeadlineExceeded("flux_jax: timed out after " + std::to_string(timeout_us / 1e6) + " s at " +
+                                      what);
     }
     return Status::Ok();
   }
@@ -61,15 +60,19 @@ class HostBarrier {
 
 struct Group {
   explicit Group(const TpGroup& g)
-      : devices(g.devices), barrier(g.size), members(g.size), remote(g.size),
-        cross_process(g.cross_process), name(g.Describe()) {}
+      : devices(g.devices),
+        barrier(g.size),
+        members(g.size),
+        remote(g.size),
+        cross_process(g.cross_process),
+        name(g.Describe()) {}
   std::vector<int64_t> devices;
   HostBarrier barrier;
   std::vector<std::unique_ptr<GroupWorkspace>> members;  // by rank; each owned by its device's thread
   // Cross-process groups: members in other processes, mapped through CUDA IPC
   // (set up once, fixed capacity, see ExportIpcMember / ImportIpcPeer).
-  std::vector<PeerView> remote;                           // by rank
-  std::vector<std::pair<int, void*>> opened;              // (device, IPC mapping) to close
+  std::vector<PeerView> remote;               // by rank
+  std::vector<std::pair<int, void*>> opened;  // (device, IPC mapping) to close
   bool cross_process = false;
   std::string name;  // TpGroup::Describe()
 
@@ -141,9 +144,9 @@ Status AllocationError(int device, size_t bytes, cudaError_t err) {
   cudaMemGetInfo(&free_bytes, &total);
   cudaGetLastError();
   std::ostringstream os;
-  os << "flux_jax: cannot allocate the fused-op workspace on GPU " << device << ": asked for "
-     << (bytes >> 20) << " MiB, " << (free_bytes >> 20) << " MiB free of " << (total >> 20)
-     << " MiB (" << cudaGetErrorString(err) << "). XLA preallocates 75% of GPU memory; leave room "
+  os << "flux_jax: cannot allocate the fused-op workspace on GPU " << device << ": asked for " << (bytes >> 20)
+     << " MiB, " << (free_bytes >> 20) << " MiB free of " << (total >> 20) << " MiB (" << cudaGetErrorString(err)
+     << "). XLA preallocates 75% of GPU memory; leave room "
      << "with XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 (or lower) or XLA_PYTHON_CLIENT_PREALLOCATE=false.";
   return Status::ResourceExhausted(os.str());
 }
@@ -311,18 +314,18 @@ std::shared_ptr<Group> GroupOf(const TpGroup& g, bool create) {
 }
 
 // The areas a call of `w` uses (`needed`: data, slots, low-latency) exist on every peer.
-Status ValidatePeers(const TpGroup& g, const GroupWorkspace& w, size_t data_bytes, size_t slot_bytes,
-                     size_t ll_bytes) {
+Status ValidatePeers(const TpGroup& g, const GroupWorkspace& w, size_t data_bytes, size_t slot_bytes, size_t ll_bytes) {
   if (static_cast<int>(w.peers.size()) != g.size) {
     return Status::Internal("flux_jax: rank " + std::to_string(g.rank) + " of " + g.Describe() +
                             " has no view of its peers' workspaces (its setup did not finish)");
   }
   for (int p = 0; p < g.size; ++p) {
     const PeerView& v = w.peers[p];
-    const char* missing = v.present == nullptr ? "control"
-                          : data_bytes > 0 && v.data == nullptr ? "data"
+    const char* missing = v.present == nullptr                   ? "control"
+                          : data_bytes > 0 && v.data == nullptr  ? "data"
                           : slot_bytes > 0 && v.slots == nullptr ? "slot"
-                          : ll_bytes > 0 && v.ll == nullptr ? "low-latency" : nullptr;
+                          : ll_bytes > 0 && v.ll == nullptr      ? "low-latency"
+                                                                 : nullptr;
     if (missing != nullptr) {
       return Status::Internal("flux_jax: rank " + std::to_string(p) + " of " + g.Describe() + " (GPU " +
                               std::to_string(g.ordinals[p]) + ") has no " + missing + " workspace area");
@@ -356,7 +359,8 @@ Status AcquireIpcWorkspace(const TpGroup& g, size_t data_bytes, size_t slot_byte
         "flux_jax: this call needs " + std::to_string((std::max({data_bytes, slot_bytes, ll_bytes}) >> 20) + 1) +
         " MiB of workspace but the cross-process workspace of " + g.Describe() + " has " +
         std::to_string(w->capacity >> 20) + " MiB (data) / " + std::to_string(w->slots_capacity >> 20) +
-        " MiB (slots) / " + std::to_string(w->ll_capacity >> 20) + " MiB (low-latency slots) and cannot grow; raise it with "
+        " MiB (slots) / " + std::to_string(w->ll_capacity >> 20) +
+        " MiB (low-latency slots) and cannot grow; raise it with "
         "flux_jax.initialize_distributed(gpu_workspace_mib=...) before the first fused op");
   }
   FLUX_JAX_RETURN_IF_ERROR(ValidatePeers(g, *w, data_bytes, slot_bytes, ll_bytes));
@@ -366,9 +370,8 @@ Status AcquireIpcWorkspace(const TpGroup& g, size_t data_bytes, size_t slot_byte
 
 }  // namespace
 
-Status AcquireWorkspace(const TpGroup& g, size_t data_bytes, const CommConfig& cfg,
-                        cudaStream_t compute_stream, GroupWorkspace** out, size_t slot_bytes,
-                        size_t ll_bytes) {
+Status AcquireWorkspace(const TpGroup& g, size_t data_bytes, const CommConfig& cfg, cudaStream_t compute_stream,
+                        GroupWorkspace** out, size_t slot_bytes, size_t ll_bytes) {
   const int device = g.ordinals[g.rank];
   if (device < 0 || device >= kMaxDevices) return Status::InvalidArgument("device ordinal out of range");
   if (g.cross_process) return AcquireIpcWorkspace(g, data_bytes, slot_bytes, ll_bytes, out);
@@ -381,7 +384,8 @@ Status AcquireWorkspace(const TpGroup& g, size_t data_bytes, const CommConfig& c
     // Ranks that share a GPU need their own hardware queues (flux_jax/gpu_checks.h): checked
     // before anything is set up, so every rank of the group fails alike at every call.
     const int sharing = static_cast<int>(std::count(g.ordinals.begin(), g.ordinals.end(), device));
-    FLUX_JAX_RETURN_IF_ERROR(CheckHardwareQueues(std::getenv("CUDA_DEVICE_MAX_CONNECTIONS"), sharing, device, Describe(g)));
+    FLUX_JAX_RETURN_IF_ERROR(
+        CheckHardwareQueues(std::getenv("CUDA_DEVICE_MAX_CONNECTIONS"), sharing, device, Describe(g)));
     member = std::make_unique<GroupWorkspace>();  // kept even if its setup fails: reset() frees it
     GroupWorkspace* m = member.get();
     const std::string what = "workspace setup (" + who + " waited for its peers to reach the first fused op)";
@@ -404,15 +408,17 @@ Status AcquireWorkspace(const TpGroup& g, size_t data_bytes, const CommConfig& c
     // call's presence kernel wrote the epoch there made the peer wait until its
     // timeout (seen in the loopback tests at TP 4 and 8).
     DeviceGuard guard(device);
-    Status warm = CudaStatus(cudaMemcpyAsync(m->cells + 1, m->cells, sizeof(uint64_t), cudaMemcpyDeviceToDevice, m->comm),
-                             "cudaMemcpyAsync(warm-up)", __FILE__, __LINE__);
+    Status warm =
+        CudaStatus(cudaMemcpyAsync(m->cells + 1, m->cells, sizeof(uint64_t), cudaMemcpyDeviceToDevice, m->comm),
+                   "cudaMemcpyAsync(warm-up)", __FILE__, __LINE__);
     for (int p = 0; p < g.size && warm.ok(); ++p) {
       if (p == g.rank) continue;  // writes 0 into our own present slot on the peer: a no-op
-      warm = CudaStatus(cudaMemcpyAsync(m->peers[p].present + g.rank, m->cells, sizeof(uint64_t),
-                                        cudaMemcpyDeviceToDevice, m->comm),
-                        "cudaMemcpyAsync(warm-up)", __FILE__, __LINE__);
+      warm = CudaStatus(
+          cudaMemcpyAsync(m->peers[p].present + g.rank, m->cells, sizeof(uint64_t), cudaMemcpyDeviceToDevice, m->comm),
+          "cudaMemcpyAsync(warm-up)", __FILE__, __LINE__);
     }
-    if (warm.ok()) warm = CudaStatus(cudaStreamSynchronize(m->comm), "cudaStreamSynchronize(warm-up)", __FILE__, __LINE__);
+    if (warm.ok())
+      warm = CudaStatus(cudaStreamSynchronize(m->comm), "cudaStreamSynchronize(warm-up)", __FILE__, __LINE__);
     if (!warm.ok()) {
       group->MarkFailed("flux_jax: setting up the workspace of " + who + " on GPU " + std::to_string(device) +
                         " failed: " + warm.message());
@@ -427,21 +433,23 @@ Status AcquireWorkspace(const TpGroup& g, size_t data_bytes, const CommConfig& c
   // old area, a null new one), and using them would fault the GPU.
   // `zeroed`: the low-latency area, whose readers take any word whose epoch matches (0 is no
   // call's epoch), is cleared before any peer can write to it (the barrier below).
-  auto grow = [&](char** area, size_t* capacity, size_t bytes, char* PeerView::*peer_area,
-                  const char* name, bool zeroed) -> Status {
+  auto grow = [&](char** area, size_t* capacity, size_t bytes, char* PeerView::* peer_area, const char* name,
+                  bool zeroed) -> Status {
     if (bytes <= *capacity) return Status::Ok();
     DeviceGuard guard(device);
     const std::string what = std::string(name) + " growth (" + who + ")";
     const size_t rounded = (bytes + kGrowGranule - 1) / kGrowGranule * kGrowGranule;
     auto fail = [&](const Status& st) {
       group->MarkFailed("flux_jax: growing the " + std::string(name) + " of " + who + " on GPU " +
-                        std::to_string(device) + " to " + std::to_string(rounded >> 20) + " MiB failed: " +
-                        st.message());
+                        std::to_string(device) + " to " + std::to_string(rounded >> 20) +
+                        " MiB failed: " + st.message());
       return group->Failed();
     };
     if (Status st = group->barrier.Arrive(cfg.timeout_us, what); !st.ok()) return fail(st);
-    Status drained = CudaStatus(cudaStreamSynchronize(compute_stream), "cudaStreamSynchronize(compute)", __FILE__, __LINE__);
-    if (drained.ok()) drained = CudaStatus(cudaStreamSynchronize(w->comm), "cudaStreamSynchronize(comm)", __FILE__, __LINE__);
+    Status drained =
+        CudaStatus(cudaStreamSynchronize(compute_stream), "cudaStreamSynchronize(compute)", __FILE__, __LINE__);
+    if (drained.ok())
+      drained = CudaStatus(cudaStreamSynchronize(w->comm), "cudaStreamSynchronize(comm)", __FILE__, __LINE__);
     if (!drained.ok()) fail(drained);  // before the barrier: the peers see it after it
     if (Status st = group->barrier.Arrive(cfg.timeout_us, what + ", drain"); !st.ok()) return fail(st);
     FLUX_JAX_RETURN_IF_ERROR(group->Failed());  // a member could not drain: nobody frees anything
@@ -460,7 +468,7 @@ Status AcquireWorkspace(const TpGroup& g, size_t data_bytes, const CommConfig& c
       cudaGetLastError();
       if (*area) cudaFree(*area);
       *area = nullptr;
-      fail(AllocationError(device, rounded, err));  // before the barrier: the peers see it after it
+      fail(AllocationError(device, rounded, err));                     // before the barrier: the peers see it after it
       group->barrier.Arrive(cfg.timeout_us, what + ", reallocation");  // keep the peers in step
       return group->Failed();
     }
@@ -500,9 +508,9 @@ Status ExportIpcMember(const TpGroup& g, size_t data_bytes, size_t slot_bytes, s
   FLUX_JAX_RETURN_IF_ERROR(InitMember(g, w.get()));
   DeviceGuard guard(device);
   IpcBlob b{};
-  for (auto [area, capacity, bytes] : {std::tuple{&w->data, &w->capacity, data_bytes},
-                                       std::tuple{&w->slots, &w->slots_capacity, slot_bytes},
-                                       std::tuple{&w->ll, &w->ll_capacity, slot_bytes}}) {
+  for (auto [area, capacity, bytes] :
+       {std::tuple{&w->data, &w->capacity, data_bytes}, std::tuple{&w->slots, &w->slots_capacity, slot_bytes},
+        std::tuple{&w->ll, &w->ll_capacity, slot_bytes}}) {
     const size_t rounded = std::max<size_t>(kGrowGranule, (bytes + kGrowGranule - 1) / kGrowGranule * kGrowGranule);
     cudaError_t err = cudaMalloc(reinterpret_cast<void**>(area), rounded);
     if (err != cudaSuccess) {
@@ -548,11 +556,13 @@ Status MappedBytes(const void* p, uint64_t* bytes) {
     if (err == cudaSuccess && query != cudaDriverEntryPointSuccess) err = cudaErrorSymbolNotFound;
     fn = reinterpret_cast<Fn>(entry);
   });
-  FLUX_JAX_RETURN_IF_ERROR(CudaStatus(err, "cudaGetDriverEntryPointByVersion(cuMemGetAddressRange)", __FILE__, __LINE__));
+  FLUX_JAX_RETURN_IF_ERROR(
+      CudaStatus(err, "cudaGetDriverEntryPointByVersion(cuMemGetAddressRange)", __FILE__, __LINE__));
   CUdeviceptr base = 0;
   size_t size = 0;
   const CUresult r = fn(&base, &size, reinterpret_cast<CUdeviceptr>(p));
-  if (r != CUDA_SUCCESS) return Status::Internal("flux_jax: cuMemGetAddressRange failed with CUresult " + std::to_string(r));
+  if (r != CUDA_SUCCESS)
+    return Status::Internal("flux_jax: cuMemGetAddressRange failed with CUresult " + std::to_string(r));
   // The mapping starts at the allocation's base (cudaIpcOpenMemHandle maps whole allocations).
   *bytes = size - (reinterpret_cast<CUdeviceptr>(p) - base);
   return Status::Ok();
@@ -569,9 +579,10 @@ Status ImportIpcPeer(const TpGroup& g, int peer, const std::string& blob) {
   IpcBlob b{};
   if (blob.size() >= sizeof(b.magic)) std::memcpy(&b.magic, blob.data(), sizeof(b.magic));
   if (blob.size() != sizeof(IpcBlob) || b.magic != kIpcMagic) {
-    return Status::InvalidArgument("flux_jax: the CUDA IPC blob of rank " + std::to_string(peer) + " of " + g.Describe() +
-                                   " is not one of this build's (" + std::to_string(blob.size()) + " bytes, expected " +
-                                   std::to_string(sizeof(IpcBlob)) + "): every process must run the same flux_jax build");
+    return Status::InvalidArgument("flux_jax: the CUDA IPC blob of rank " + std::to_string(peer) + " of " +
+                                   g.Describe() + " is not one of this build's (" + std::to_string(blob.size()) +
+                                   " bytes, expected " + std::to_string(sizeof(IpcBlob)) +
+                                   "): every process must run the same flux_jax build");
   }
   std::memcpy(&b, blob.data(), sizeof(b));
   GroupWorkspace* w = group->members[g.rank].get();
@@ -601,8 +612,12 @@ Status ImportIpcPeer(const TpGroup& g, int peer, const std::string& blob) {
   std::lock_guard<std::mutex> lock(RegistryMutex());
   for (void* p : mapped) group->opened.emplace_back(device, p);
   auto* words = static_cast<uint64_t*>(mapped[0]);
-  group->remote[peer] = PeerView{words, words + kMaxTp, words + kMaxTp + kMaxFlags + 2, static_cast<char*>(mapped[1]),
-                                 static_cast<char*>(mapped[2]), static_cast<char*>(mapped[3])};
+  group->remote[peer] = PeerView{words,
+                                 words + kMaxTp,
+                                 words + kMaxTp + kMaxFlags + 2,
+                                 static_cast<char*>(mapped[1]),
+                                 static_cast<char*>(mapped[2]),
+                                 static_cast<char*>(mapped[3])};
   return Status::Ok();
 }
 

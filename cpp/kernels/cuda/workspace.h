@@ -65,9 +65,9 @@ struct GroupWorkspace {
   int sm_count = 0;
   uint64_t epoch = 0;  // calls of this group so far (host side)
 
-  uint64_t* present = nullptr;  // [kMaxTp]: present[p] = last epoch rank p reached
-  uint64_t* arrived = nullptr;  // [kMaxFlags]: row pieces of the current call
-  uint64_t* cells = nullptr;    // [2]: cells[1] = epoch, the source of copy-engine flag writes
+  uint64_t* present = nullptr;        // [kMaxTp]: present[p] = last epoch rank p reached
+  uint64_t* arrived = nullptr;        // [kMaxFlags]: row pieces of the current call
+  uint64_t* cells = nullptr;          // [2]: cells[1] = epoch, the source of copy-engine flag writes
   uint64_t* block_arrived = nullptr;  // [kMaxTp][kMaxLatencyBlocks]: latency and decode paths
   // [kMaxPieces]: output tiles written per piece of rows (TileSignal; only grow), and
   // the totals the launches enqueued so far will have raised them to (host side).
@@ -112,9 +112,8 @@ struct GroupWorkspace {
 // `compute_stream` is drained (synchronized) only when the workspace grows.
 // `slot_bytes`: size the latency path's slot area needs (0: leave it); `ll_bytes`: the same
 // for the low-latency area.
-Status AcquireWorkspace(const TpGroup& group, size_t data_bytes, const CommConfig& cfg,
-                        cudaStream_t compute_stream, GroupWorkspace** out, size_t slot_bytes = 0,
-                        size_t ll_bytes = 0);
+Status AcquireWorkspace(const TpGroup& group, size_t data_bytes, const CommConfig& cfg, cudaStream_t compute_stream,
+                        GroupWorkspace** out, size_t slot_bytes = 0, size_t ll_bytes = 0);
 
 // Cross-process TP groups (one process per GPU under jax.distributed): each
 // process allocates its member once, with fixed capacities, and exports CUDA

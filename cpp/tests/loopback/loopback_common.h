@@ -12,13 +12,13 @@
 #include <cstring>
 #include <string>
 
-#define CHECK_CUDA(expr)                                                                          \
-  do {                                                                                            \
-    cudaError_t err_ = (expr);                                                                    \
-    if (err_ != cudaSuccess) {                                                                    \
+#define CHECK_CUDA(expr)                                                                           \
+  do {                                                                                             \
+    cudaError_t err_ = (expr);                                                                     \
+    if (err_ != cudaSuccess) {                                                                     \
       std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(err_)); \
-      std::exit(2);                                                                               \
-    }                                                                                             \
+      std::exit(2);                                                                                \
+    }                                                                                              \
   } while (0)
 
 namespace loopback {
@@ -50,10 +50,11 @@ inline void SetUpProcess(int ranks, int streams_per_rank) {
   setenv("CUDA_DEVICE_MAX_CONNECTIONS", std::to_string(use).c_str(), 1);
   setenv("CUDA_MODULE_LOADING", "EAGER", 0);
   const char* from = user_value > 0 ? "the user's value" : "CUDA's default";
-  std::printf("CUDA_DEVICE_MAX_CONNECTIONS=%d (%s %s %d; the tests want 2 x %d ranks x %d stream(s) per rank = %d, "
-              "at most %d), CUDA_MODULE_LOADING=%s\n",
-              use, use == have ? "kept" : (use > have ? "raised from" : "capped, from"), from, have, ranks,
-              streams_per_rank, want, kMaxConnections, std::getenv("CUDA_MODULE_LOADING"));
+  std::printf(
+      "CUDA_DEVICE_MAX_CONNECTIONS=%d (%s %s %d; the tests want 2 x %d ranks x %d stream(s) per rank = %d, "
+      "at most %d), CUDA_MODULE_LOADING=%s\n",
+      use, use == have ? "kept" : (use > have ? "raised from" : "capped, from"), from, have, ranks, streams_per_rank,
+      want, kMaxConnections, std::getenv("CUDA_MODULE_LOADING"));
   std::fflush(stdout);
 }
 

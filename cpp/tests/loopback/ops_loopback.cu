@@ -88,7 +88,7 @@ constexpr int kStreamsPerRank = 2;
 
 // How one call is configured. MakeCommConfig is the only place that fills a CommConfig.
 struct CallOptions {
-  int64_t callsite = 0;         // CPU channels: one per call site
+  int64_t callsite = 0;  // CPU channels: one per call site
   int64_t timeout_us = kTimeoutUs;
   int drop_rank = -1;           // this rank never signals (the silent-rank cases)
   bool poison_outputs = false;  // outputs NaN-filled first, so unwritten elements fail the checks
@@ -117,9 +117,7 @@ std::string Describe(const Case& c, int tp) {
   return buf;
 }
 
-float ToFloat(uint16_t v, DType t) {
-  return t == DType::kF16 ? loopback::F16ToFloat(v) : loopback::Bf16ToFloat(v);
-}
+float ToFloat(uint16_t v, DType t) { return t == DType::kF16 ? loopback::F16ToFloat(v) : loopback::Bf16ToFloat(v); }
 
 uint16_t FromFloat(float f, DType t) {  // round to nearest even
   return t == DType::kF16 ? loopback::FloatToF16(f) : loopback::FloatToBf16(f);
@@ -134,16 +132,22 @@ void* Alloc(size_t bytes) {
 // On the rank's stream: a cudaMemcpy from pageable memory may return before its DMA has landed,
 // and the rank streams (non-blocking) do not wait for the legacy stream it runs on.
 void Upload(void* dst, const void* src, size_t bytes, cudaStream_t stream) {
-  if (g_cpu) std::memcpy(dst, src, bytes);
-  else CHECK_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream));
+  if (g_cpu)
+    std::memcpy(dst, src, bytes);
+  else
+    CHECK_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream));
 }
 void Download(void* dst, const void* src, size_t bytes) {
-  if (g_cpu) std::memcpy(dst, src, bytes);
-  else CHECK_CUDA(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
+  if (g_cpu)
+    std::memcpy(dst, src, bytes);
+  else
+    CHECK_CUDA(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
 }
 void Release(void* p) {
-  if (g_cpu) std::free(p);
-  else if (p) cudaFree(p);
+  if (g_cpu)
+    std::free(p);
+  else if (p)
+    cudaFree(p);
 }
 
 // A reusable barrier for the rank threads (bounded: a rank stuck in a call fails the run).
@@ -296,7 +300,8 @@ class RankThread {
       std::fflush(stdout);
     }
     for (size_t i : drop_cases) DropLastRank(cases[i], inputs[i], i, &call);
-    if (!g_cpu && !g_self_test && growth_case >= 0) GrowthFails(cases[growth_case], inputs[growth_case], growth_case, &call);
+    if (!g_cpu && !g_self_test && growth_case >= 0)
+      GrowthFails(cases[growth_case], inputs[growth_case], growth_case, &call);
     if (!g_cpu) CHECK_CUDA(cudaStreamDestroy(stream_));
   }
 
@@ -330,7 +335,8 @@ class RankThread {
       Download(out.data(), b.out, out.size() * 2);
       if (b.gathered) Download(gathered.data(), b.gathered, gathered.size() * 2);
       if (Compare(c, in, 0, out, gathered, *call - 1, /*nan_ok=*/true) != 0) {
-        std::printf("  FAIL rank %d, %s, rank %d silent: finite wrong outputs\n", rank_, Describe(c, tp_).c_str(), dropped);
+        std::printf("  FAIL rank %d, %s, rank %d silent: finite wrong outputs\n", rank_, Describe(c, tp_).c_str(),
+                    dropped);
         ++bad;
       }
     }
@@ -348,8 +354,8 @@ class RankThread {
                        (g_cpu || own.find("(rank " + std::to_string(rank_) + " ") != std::string::npos) &&
                        own.find(who) != std::string::npos;
     if (rank_ != dropped && (!named || s > 10.0)) {
-      std::printf("  FAIL rank %d, %s, rank %d silent: %.2f s, error: %s\n", rank_, Describe(c, tp_).c_str(), dropped, s,
-                  error.empty() ? "(none)" : error.c_str());
+      std::printf("  FAIL rank %d, %s, rank %d silent: %.2f s, error: %s\n", rank_, Describe(c, tp_).c_str(), dropped,
+                  s, error.empty() ? "(none)" : error.c_str());
       ++bad;
     }
     if (!g_cpu) CHECK_CUDA(cudaStreamSynchronize(stream_));
@@ -366,8 +372,9 @@ class RankThread {
     Free(b);
     if (bad) failures_->fetch_add(bad);
     rendezvous_->Arrive();
-    if (rank_ == 0) std::printf(failures_->load() ? "  -> failures so far: %d\n" : "  -> ok (and right after the reset)\n",
-                                failures_->load());
+    if (rank_ == 0)
+      std::printf(failures_->load() ? "  -> failures so far: %d\n" : "  -> ok (and right after the reset)\n",
+                  failures_->load());
     std::fflush(stdout);
   }
 
@@ -415,8 +422,9 @@ class RankThread {
     Free(b);
     if (bad) failures_->fetch_add(bad);
     rendezvous_->Arrive();
-    if (rank_ == 0) std::printf(failures_->load() ? "  -> failures so far: %d\n" : "  -> ok (and right after the reset)\n",
-                                failures_->load());
+    if (rank_ == 0)
+      std::printf(failures_->load() ? "  -> failures so far: %d\n" : "  -> ok (and right after the reset)\n",
+                  failures_->load());
     std::fflush(stdout);
   }
 
@@ -440,7 +448,10 @@ class RankThread {
       Upload(b.w, in.w[rank_].data(), in.w[rank_].size() * 2, stream_);
     }
     switch (c.op) {
-      case Op::kAgMatmul: b.out_elems = tp_ * c.m * c.n; b.gathered_elems = c.gathered ? tp_ * c.m * c.k : 0; break;
+      case Op::kAgMatmul:
+        b.out_elems = tp_ * c.m * c.n;
+        b.gathered_elems = c.gathered ? tp_ * c.m * c.k : 0;
+        break;
       case Op::kMatmulRs: b.out_elems = c.m / tp_ * c.n; break;
       case Op::kAllGather: b.out_elems = tp_ * c.m * c.n; break;
       case Op::kReduceScatter: b.out_elems = c.m / tp_ * c.n; break;
@@ -483,8 +494,10 @@ class RankThread {
     }
     CollectiveParams p;
     p.x = b.x[set], p.out = b.out, p.rows = c.m, p.cols = c.n, p.dtype = c.dtype;
-    if (c.op == Op::kAllGather) return g_cpu ? RunAllGatherCpu(p, group_, cfg) : RunAllGatherCuda(p, group_, cfg, stream_);
-    if (c.op == Op::kAllReduce) return g_cpu ? RunAllReduceCpu(p, group_, cfg) : RunAllReduceCuda(p, group_, cfg, stream_);
+    if (c.op == Op::kAllGather)
+      return g_cpu ? RunAllGatherCpu(p, group_, cfg) : RunAllGatherCuda(p, group_, cfg, stream_);
+    if (c.op == Op::kAllReduce)
+      return g_cpu ? RunAllReduceCpu(p, group_, cfg) : RunAllReduceCuda(p, group_, cfg, stream_);
     return g_cpu ? RunReduceScatterCpu(p, group_, cfg) : RunReduceScatterCuda(p, group_, cfg, stream_);
   }
 

@@ -45,8 +45,8 @@ using namespace flux_jax::cuda;
 namespace {
 
 constexpr int kMaxRanks = kDecodeMaxRanks;  // the exchange serves up to 8 ranks
-constexpr int kCtas = 120;        // all ranks' persistent grids resident at once (132 SMs)
-constexpr int kInputSets = 3;     // calls e and e+2 share a parity half, never inputs
+constexpr int kCtas = 120;                  // all ranks' persistent grids resident at once (132 SMs)
+constexpr int kInputSets = 3;               // calls e and e+2 share a parity half, never inputs
 constexpr int kStreamsPerRank = 1;
 
 struct Rank {
@@ -153,7 +153,8 @@ class Loopback {
       e.ctx.epoch = epoch;
       e.recv = static_cast<char*>(me.ll) + b * ll_half;
       for (int q = 0; q < tp_; ++q) {
-        if (q != r) e.peer_recv[q] = static_cast<char*>(ranks_[q].ll) + b * ll_half + DecodeExchangeBytes(r * rpr_, s_.n);
+        if (q != r)
+          e.peer_recv[q] = static_cast<char*>(ranks_[q].ll) + b * ll_half + DecodeExchangeBytes(r * rpr_, s_.n);
       }
       const flux_jax::Status st = RunDecodeGemm(plan, DType::kBF16, me.stream, 0, kCtas / tp_);
       if (!st.ok()) {
@@ -180,8 +181,8 @@ class Loopback {
       if ((only < 0 || r == only) && ranks_[r].error_host->code != 0) {
         const DeviceError& d = *ranks_[r].error_host;
         std::printf("  %s call %llu: rank %d recorded a timeout (site %d peer %d piece %d epoch %llu seen %llu)\n",
-                    only < 0 ? "FAIL" : "note:", static_cast<unsigned long long>(epoch), r, d.site, d.peer,
-                    d.piece, static_cast<unsigned long long>(d.epoch), static_cast<unsigned long long>(d.seen));
+                    only < 0 ? "FAIL" : "note:", static_cast<unsigned long long>(epoch), r, d.site, d.peer, d.piece,
+                    static_cast<unsigned long long>(d.epoch), static_cast<unsigned long long>(d.seen));
         if (only < 0) ++failures;
       }
       p[r].resize(part);
@@ -203,10 +204,11 @@ class Loopback {
       }
       if (bad) {
         const size_t i = static_cast<size_t>(first);
-        std::printf("  FAIL call %llu: rank %d out differs from the sum of the partials at %lld of %zu elements "
-                    "(first: row %zu col %zu: %g, expected %g)\n",
-                    static_cast<unsigned long long>(epoch), r, static_cast<long long>(bad), outn, i / s_.n, i % s_.n,
-                    Bf16ToFloat(out[r][i]), Bf16ToFloat(FloatToBf16(Expected(p, r * outn + i))));
+        std::printf(
+            "  FAIL call %llu: rank %d out differs from the sum of the partials at %lld of %zu elements "
+            "(first: row %zu col %zu: %g, expected %g)\n",
+            static_cast<unsigned long long>(epoch), r, static_cast<long long>(bad), outn, i / s_.n, i % s_.n,
+            Bf16ToFloat(out[r][i]), Bf16ToFloat(FloatToBf16(Expected(p, r * outn + i))));
         ++failures;
       }
     }
@@ -304,9 +306,10 @@ int RunShape(const Shape& s, uint64_t* epoch_base) {
   CHECK_CUDA(cudaEventDestroy(stop));
   failures += lb.Check(epoch, /*check_partial=*/false);
   PrintShape(s);
-  std::printf(": %d checked calls + %d back to back, %.1f us per call (one GPU shared by the ranks: not a timing of "
-              "the path): %s\n",
-              kChecked, kLoop, 1000.f * ms / kLoop, failures ? "FAIL" : "ok");
+  std::printf(
+      ": %d checked calls + %d back to back, %.1f us per call (one GPU shared by the ranks: not a timing of "
+      "the path): %s\n",
+      kChecked, kLoop, 1000.f * ms / kLoop, failures ? "FAIL" : "ok");
   std::fflush(stdout);
   *epoch_base = epoch;
   return failures;
@@ -352,9 +355,10 @@ int RunDropped(const Shape& s) {
     ++failures;
   }
   PrintShape(s);
-  std::printf(", rank %d silent: the other ranks timed out at the exchange naming rank %d with NaN outputs, rank %d "
-              "NaN or right, %.2f s: %s\n",
-              kSilent, kSilent, kSilent, s_elapsed, failures ? "FAIL" : "ok");
+  std::printf(
+      ", rank %d silent: the other ranks timed out at the exchange naming rank %d with NaN outputs, rank %d "
+      "NaN or right, %.2f s: %s\n",
+      kSilent, kSilent, kSilent, s_elapsed, failures ? "FAIL" : "ok");
   std::fflush(stdout);
   return failures;
 }
@@ -374,10 +378,10 @@ int main(int argc, char** argv) {
   // Per-rank shapes (m rows, k = global K / 2, n): x padded to whole row tiles, tails of N, both
   // tile heights, the LLaMA-70B out-projection at 64 and 128 rows; at TP 4 and 8 each rank's GEMM
   // runs on 30 / 15 SMs.
-  const Shape shapes[] = {{2, 2, 264, 136},    {2, 8, 1024, 512},    {2, 16, 2048, 1000}, {2, 30, 512, 2056},
-                          {2, 64, 1024, 4096}, {2, 64, 4096, 8192},  {2, 66, 776, 1544},  {2, 100, 2048, 3000},
+  const Shape shapes[] = {{2, 2, 264, 136},    {2, 8, 1024, 512},    {2, 16, 2048, 1000},  {2, 30, 512, 2056},
+                          {2, 64, 1024, 4096}, {2, 64, 4096, 8192},  {2, 66, 776, 1544},   {2, 100, 2048, 3000},
                           {2, 128, 1024, 520}, {2, 128, 4096, 8192}, {2, 128, 8192, 8200}, {4, 8, 512, 1024},
-                          {4, 64, 1024, 2048}, {4, 128, 1024, 4096}, {4, 100, 256, 776}, {8, 16, 512, 1024},
+                          {4, 64, 1024, 2048}, {4, 128, 1024, 4096}, {4, 100, 256, 776},   {8, 16, 512, 1024},
                           {8, 64, 256, 2056},  {8, 128, 1024, 4096}};
   // The silent-rank calls: both tile heights at TP 2, one shape at TP 4 and 8.
   const Shape dropped[] = {{2, 64, 1024, 2048}, {2, 128, 1024, 2048}, {4, 64, 1024, 2048}, {8, 128, 1024, 2048}};
