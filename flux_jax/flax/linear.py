@@ -62,9 +62,15 @@ def check_impl(impl: str) -> None:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
-def check_fp8(layer: str, fp8) -> None:
-    """fp8 must be what flux_jax.ag_matmul / matmul_rs take: None, a bool or a flux_jax.Fp8."""
+def check_fp8(layer: str, fp8, sequence_parallel: bool = True) -> None:
+    """fp8 must be what flux_jax.ag_matmul / matmul_rs take: None, a bool or a flux_jax.Fp8; and it
+    needs sequence parallelism (matmul_ar and column_matmul have no FP8 form yet)."""
     fp8_lib.resolve(layer, fp8)
+    if fp8 and not sequence_parallel:
+        raise ValueError(
+            f"{layer}: fp8 runs with sequence parallelism (ag_matmul / matmul_rs); "
+            "matmul_ar and column_matmul have no FP8 form yet"
+        )
 
 
 def _fan_in_init(ndim: int) -> Callable:
@@ -119,12 +125,7 @@ class ColumnParallelLinear(nnx.Module):
         rngs: nnx.Rngs,
     ):
         check_impl(impl)
-        check_fp8("ColumnParallelLinear", fp8)
-        if fp8 and not sequence_parallel:
-            raise ValueError(
-                "ColumnParallelLinear: fp8 runs with sequence parallelism (ag_matmul / matmul_rs); "
-                "matmul_ar and column_matmul have no FP8 form yet"
-            )
+        check_fp8("ColumnParallelLinear", fp8, sequence_parallel)
         self.fp8 = fp8
         self.seq_axis = seq_axis
         out_shape = (out_features,) if isinstance(out_features, int) else tuple(out_features)
@@ -205,12 +206,7 @@ class RowParallelLinear(nnx.Module):
         rngs: nnx.Rngs,
     ):
         check_impl(impl)
-        check_fp8("RowParallelLinear", fp8)
-        if fp8 and not sequence_parallel:
-            raise ValueError(
-                "RowParallelLinear: fp8 runs with sequence parallelism (ag_matmul / matmul_rs); "
-                "matmul_ar and column_matmul have no FP8 form yet"
-            )
+        check_fp8("RowParallelLinear", fp8, sequence_parallel)
         self.fp8 = fp8
         self.seq_axis = seq_axis
         tp = axis_size(mesh, tp_axis)
