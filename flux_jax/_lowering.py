@@ -255,7 +255,10 @@ def register(spec) -> None:
                 call.transpose_w,
                 call.fp8_format,
             )
-            plan = _plan.plan(problem, call.impl, call.config, backward=call.backward)
+            # Lowered for a GPU on a host without one (export): plan for the GPU the built-in
+            # tables describe (Hopper).
+            on_hopper = platform == "cuda" and not _plan.local_gpus()
+            plan = _plan.plan(problem, call.impl, call.config, backward=call.backward, on_hopper=on_hopper)
         groups = None
         if plan.fused:
             groups, reason = _topology(ctx, platform, call)

@@ -92,6 +92,11 @@ def limits() -> dict:
     return dict(_native.extension().limits())
 
 
+def local_gpus() -> list:
+    """This process's GPUs (none on a CPU-only host)."""
+    return [d for d in jax.local_devices() if d.platform == "gpu"]
+
+
 def _non_hopper_gpus() -> list[str]:
     bad = []
     for d in jax.local_devices():
