@@ -440,6 +440,7 @@ def preflight(names: list[str], timeout_s: float) -> dict[str, str]:
             stderr=errors,
             text=True,
             env=env,
+            cwd=Path(__file__).resolve().parents[1],  # the repository root: `benchmarks` importable
         )
         done, current, timed_out = set(), None, False
         deadline = time.monotonic() + timeout_s
