@@ -4,6 +4,7 @@
     python examples/train_transformer.py --compare    # impl="fused" and impl="xla" from one seed
     python examples/train_transformer.py --no-sequence-parallel   # TP without SP: matmul_ar
     python examples/train_transformer.py --fp8        # the projections' GEMMs on FP8 operands
+    python examples/train_transformer.py --mesh 2,1,4 # a GSPMD model: only TP manual, dp x fsdp automatic
     python examples/train_transformer.py --ckpt-dir /tmp/ckpt          # stop it (Ctrl-C) ...
     python examples/train_transformer.py --ckpt-dir /tmp/ckpt --resume # ... and continue
 
@@ -17,7 +18,10 @@ flux_jax.ag_matmul / flux_jax.matmul_rs calls inside one shard_map over the
 dp x tp mesh (Megatron sequence parallelism, see docs/flax.md). With
 --no-sequence-parallel every TP rank holds the whole sequence and the projections
 are flux_jax.column_matmul / flux_jax.matmul_ar (one fused all-reduce per
-row projection forward, one per column projection backward). The text is a
+row projection forward, one per column projection backward). With --mesh dp,fsdp,tp
+the model is a GSPMD program instead: batch-first activations, each block in a
+shard_map over tp only, the batch split over dp x fsdp by the partitioner and the
+parameters' hidden dimension sharded over fsdp (FSDP). The text is a
 character corpus generated from a small grammar (examples/training/text.py),
 so nothing is downloaded. Optimizer: AdamW, linear warm-up then cosine decay,
 gradient clipping. On a GPU host the defaults switch to all local GPUs as TP
@@ -30,8 +34,11 @@ loss.png. Errors for shapes that cannot shard name the numbers.
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import dataclasses
 import functools
+import re
 import statistics
 import time
 from pathlib import Path
@@ -112,6 +119,14 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
     g = p.add_argument_group("mesh (default CPU: dp=2 tp=4; GPU: dp=1, tp=all GPUs)")
     g.add_argument("--dp", type=int, help="data-parallel size (batch sharding)")
     g.add_argument("--tp", type=int, help="tensor-parallel size (heads, ffn and sequence sharding)")
+    g.add_argument(
+        "--mesh",
+        type=mesh_shape,
+        metavar="DP,FSDP,TP",
+        help="run as a GSPMD model on a (dp, fsdp, tp) mesh, e.g. 2,1,4: each block's TP part in a "
+        "shard_map over tp only, the batch over dp x fsdp and the parameters over fsdp left to the "
+        "partitioner (instead of --dp/--tp, whose one shard_map maps every axis)",
+    )
     g = p.add_argument_group("model")
     g.add_argument("--preset", choices=sorted(PRESETS), help="named sizes (flags given explicitly win)")
     for flag in ("--layers", "--hidden", "--heads", "--kv-heads", "--ffn"):
@@ -183,6 +198,11 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
         "device time per step by kernel category; those steps are left out of the timing",
     )
     args = p.parse_args(argv)
+    args.fsdp = None
+    if args.mesh is not None:
+        if args.dp is not None or args.tp is not None:
+            p.error("--mesh dp,fsdp,tp replaces --dp and --tp: give one or the other")
+        args.dp, args.fsdp, args.tp = args.mesh
     if args.num_processes > 1:
         init_distributed(args, p)
 
@@ -216,12 +236,28 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
         p.error("--resume needs --ckpt-dir")
     if min(args.dp, args.tp, args.steps, args.seq, args.batch) < 1:
         p.error("--dp, --tp, --steps, --seq and --batch must be >= 1")
+    if args.mesh is not None and np.prod(args.mesh) > n_devices:
+        p.error(
+            f"--mesh {','.join(map(str, args.mesh))} needs dp x fsdp x tp = {np.prod(args.mesh)} devices, "
+            f"but only {n_devices} {jax.default_backend()} devices are visible"
+        )
     if args.dp * args.tp > n_devices:
         p.error(
             f"--dp {args.dp} x --tp {args.tp} = {args.dp * args.tp} devices, but only {n_devices} "
             f"{jax.default_backend()} devices are visible"
         )
     return args, p
+
+
+def mesh_shape(text: str) -> tuple[int, int, int]:
+    """--mesh DP,FSDP,TP: three sizes >= 1."""
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        sizes = ()
+    if len(sizes) != 3 or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"expected three sizes >= 1, dp,fsdp,tp (e.g. 2,1,4), got {text!r}")
+    return sizes
 
 
 def init_distributed(args, parser) -> None:
@@ -257,6 +293,11 @@ def global_array(host, sharding: NamedSharding) -> jax.Array:
 
 
 def make_mesh(args) -> jax.sharding.Mesh:
+    """(dp, tp) with Explicit axes for the fully manual model; --mesh: (dp, fsdp, tp) with Auto axes,
+    which the partitioner shards outside the TP regions."""
+    if args.mesh is not None:
+        devices = np.array(jax.devices()[: np.prod(args.mesh)]).reshape(args.mesh)
+        return jax.sharding.Mesh(devices, ("dp", "fsdp", "tp"), axis_types=(AxisType.Auto,) * 3)
     devices = np.array(jax.devices()[: args.dp * args.tp]).reshape(args.dp, args.tp)
     return jax.sharding.Mesh(devices, ("dp", "tp"), axis_types=(AxisType.Explicit,) * 2)
 
@@ -275,6 +316,8 @@ def model_config(args, vocab_size: int, impl: str) -> GPTConfig:
         attention_implementation=None if args.attention == "xla" else args.attention,
         sequence_parallel=args.sequence_parallel,
         fp8=args.fp8,
+        gspmd=args.mesh is not None,
+        fsdp_axis="fsdp" if args.mesh is not None else None,
     )
 
 
@@ -296,13 +339,15 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - jnp.sum(logits * one_hot, axis=-1))
 
 
-def make_step_functions(graphdef, tx):
-    """jit-compiled train step (params and optimizer state donated) and loss/logits functions."""
+def make_step_functions(graphdef, tx, out_shardings=None):
+    """jit-compiled train step (params and optimizer state donated) and loss/logits functions.
+    `out_shardings`: the step's (params, opt_state, loss) placement; on Auto axes it keeps the
+    state where it started (else the partitioner picks, and the next step sees other shardings)."""
 
     def loss_fn(params, inputs, targets):
         return cross_entropy(nnx.merge(graphdef, params)(inputs), targets)
 
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    @functools.partial(jax.jit, donate_argnums=(0, 1), out_shardings=out_shardings)
     def train_step(params, opt_state, inputs, targets):
         loss, grads = jax.value_and_grad(loss_fn)(params, inputs, targets)
         updates, opt_state = tx.update(grads, opt_state, params)
@@ -310,6 +355,12 @@ def make_step_functions(graphdef, tx):
 
     logits_fn = jax.jit(lambda params, tokens: nnx.merge(graphdef, params)(tokens))
     return train_step, jax.jit(loss_fn), logits_fn
+
+
+def flux_calls(compiled) -> dict[str, int]:
+    """The flux_jax custom calls in a compiled step, by target (none: every projection is a twin)."""
+    targets = re.findall(r'custom_call_target="(flux_jax_\w+)"', compiled.as_text())
+    return dict(sorted(collections.Counter(targets).items()))
 
 
 def on_mesh(tree, mesh):
@@ -358,7 +409,7 @@ def open_checkpoints(args, settings: dict, state: dict):
 def sample(logits_fn, params, vocab: CharVocab, args) -> str:
     """Greedy continuation of SAMPLE_PROMPT, one forward pass over the whole window per character."""
     length = min(args.sample_chars, args.seq - len(SAMPLE_PROMPT))
-    window = np.zeros((args.dp, args.seq), np.int32)
+    window = np.zeros((args.dp * (args.fsdp or 1), args.seq), np.int32)  # one row per batch shard
     window[:, : len(SAMPLE_PROMPT)] = vocab.encode(SAMPLE_PROMPT)
     for pos in range(len(SAMPLE_PROMPT), len(SAMPLE_PROMPT) + length):
         logits = logits_fn(params, window)
@@ -373,7 +424,11 @@ def train(args, mesh, vocab: CharVocab, train_data, eval_data, impl: str) -> dic
     graphdef, params = nnx.split(model, nnx.Param)
     tx = make_optimizer(args)
     state = on_mesh({"params": params, "opt_state": tx.init(params)}, mesh)
-    train_step, loss_fn, logits_fn = make_step_functions(graphdef, tx)
+    out_shardings = None
+    if config.gspmd:
+        shardings = jax.tree.map(lambda a: a.sharding, state)
+        out_shardings = (shardings["params"], shardings["opt_state"], NamedSharding(mesh, P()))
+    train_step, loss_fn, logits_fn = make_step_functions(graphdef, tx, out_shardings)
     token_sharding = NamedSharding(mesh, model.token_spec())
     place = lambda a: global_array(a, token_sharding)
 
@@ -381,7 +436,7 @@ def train(args, mesh, vocab: CharVocab, train_data, eval_data, impl: str) -> dic
     checkpoints, start, state, losses = open_checkpoints(args, settings, state)
     last = min(args.steps, args.stop_after or args.steps)
     tokens_per_step = args.batch * args.seq
-    step_times, compile_s = [], None
+    step_times, compile_s, compiled, calls = [], None, None, None
     tracer = StepTracer(args.profile_steps, first=start + 3)  # after the compile step and a warm one
     bar = ProgressBar(args.steps, start=start, desc=f"{impl:>5} ")
     try:
@@ -389,7 +444,11 @@ def train(args, mesh, vocab: CharVocab, train_data, eval_data, impl: str) -> dic
             inputs, targets = batch_at(train_data, step, args.batch, args.seq, args.seed)
             tracer.before(step)
             t0 = time.perf_counter()
-            params, opt_state, loss = train_step(state["params"], state["opt_state"], place(inputs), place(targets))
+            batch = (state["params"], state["opt_state"], place(inputs), place(targets))
+            if compiled is None:  # compiled ahead of time once, to report its flux_jax calls
+                compiled = train_step.lower(*batch).compile()
+                calls = flux_calls(compiled)
+            params, opt_state, loss = compiled(*batch)
             loss = float(loss)  # waits for the step
             dt = time.perf_counter() - t0
             state = {"params": params, "opt_state": opt_state}
@@ -418,6 +477,7 @@ def train(args, mesh, vocab: CharVocab, train_data, eval_data, impl: str) -> dic
     median = statistics.median(step_times) if step_times else None
     result = dict(
         impl=impl,
+        flux_calls=calls,
         first_step=start + 1,
         completed_steps=last,
         losses=losses,
@@ -438,10 +498,13 @@ def train(args, mesh, vocab: CharVocab, train_data, eval_data, impl: str) -> dic
 def describe(args, vocab_size: int) -> str:
     devices = jax.devices()
     sp = "" if args.sequence_parallel else " (no sequence parallelism)"
+    mesh = f"dp={args.dp} x tp={args.tp}"
+    if args.mesh is not None:
+        mesh = f"dp={args.dp} x fsdp={args.fsdp} x tp={args.tp} (GSPMD, TP manual)"
     return (
-        f"flux_jax {flux_jax.__version__} | {len(devices)} x {devices[0].platform} | mesh dp={args.dp} x "
-        f"tp={args.tp}{sp} | GPT {args.layers} layers, hidden {args.hidden}, heads {args.heads}/"
-        f"{args.kv_heads} kv, ffn {args.ffn}, vocab {vocab_size} | seq {args.seq} x batch {args.batch}, "
+        f"flux_jax {flux_jax.__version__} | {len(devices)} x {devices[0].platform} | mesh {mesh}{sp} | "
+        f"GPT {args.layers} layers, hidden {args.hidden}, heads {args.heads}/{args.kv_heads} kv, ffn {args.ffn}, "
+        f"vocab {vocab_size} | seq {args.seq} x batch {args.batch}, "
         f"{args.steps} steps, {args.dtype}" + (" with FP8 projections" if args.fp8 else "")
     )
 
@@ -469,8 +532,10 @@ def main(argv=None) -> dict:
 
     runs = {}
     for impl in impls:
+        # The GSPMD model traces under the concrete mesh (nested manual regions need it).
+        mesh_context = jax.set_mesh(mesh) if args.mesh is not None else contextlib.nullcontext()
         try:
-            with _config.overriding(args.flux_config):
+            with _config.overriding(args.flux_config), mesh_context:
                 runs[impl] = train(args, mesh, vocab, data[:split], data[split:], impl)
         except flux_jax.FusedUnavailableError as e:
             raise SystemExit(f"error: {e}\n(use --impl auto to fall back to the XLA twin)") from e
@@ -479,6 +544,7 @@ def main(argv=None) -> dict:
             f"impl={impl}: loss {r['first_loss']:.3f} -> {r['final_loss']:.3f} (eval {r['eval_loss']:.3f})"
             + (f", {r['step_time_ms']:.1f} ms/step, {r['tokens_per_s']:,.0f} tokens/s" if r["step_time_ms"] else "")
             + f", compile {r['compile_s']:.1f} s"
+            + (f"; fused calls in the step: {r['flux_calls']}" if r["flux_calls"] else "")
         )
         if "profile" in r:
             print(describe_profile(r["profile"]))

@@ -8,6 +8,7 @@ arrays on one device and shares no code with the layers.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -37,7 +38,14 @@ SEQ, BATCH, HIDDEN, HEADS, KV_HEADS, FFN, VOCAB = 16, 4, 64, 16, 8, 32, 24
 HEAD_DIM = HIDDEN // HEADS
 RTOL = 2e-4  # float32, relative to the largest magnitude of each compared array
 
-MESHES = {"dp2xtp4": ((2, 4), ("dp", "tp")), "tp8": ((8,), ("tp",))}
+MESHES = {
+    "dp2xtp4": ((2, 4), ("dp", "tp")),
+    "tp8": ((8,), ("tp",)),
+    # GSPMD models (GPTConfig(gspmd=True)): only tp manual, the batch over dp x fsdp.
+    "dp2xfsdp2xtp2": ((2, 2, 2), ("dp", "fsdp", "tp")),
+    "dp2xfsdp1xtp4": ((2, 1, 4), ("dp", "fsdp", "tp")),
+    "fsdp2xtp4": ((1, 2, 4), ("dp", "fsdp", "tp")),
+}
 
 
 @functools.cache
@@ -287,7 +295,29 @@ def _gpt_config(impl, **overrides):
 )
 def test_gpt_forward_backward_matches_reference(mesh_name, impl, axis_type, remat, sp):
     mesh = mesh_of(mesh_name, axis_type)
-    model = GPT(_gpt_config(impl, remat=remat, sequence_parallel=sp), mesh=mesh, rngs=nnx.Rngs(0))
+    _check_gpt_against_reference(mesh, _gpt_config(impl, remat=remat, sequence_parallel=sp))
+
+
+@pytest.mark.parametrize(
+    "mesh_name, impl, remat, sp",
+    [
+        ("dp2xfsdp2xtp2", "fused", False, True),
+        ("dp2xfsdp2xtp2", "xla", False, True),
+        ("fsdp2xtp4", "fused", True, True),
+        ("dp2xfsdp2xtp2", "fused", False, False),
+    ],
+)
+def test_gspmd_gpt_forward_backward_matches_reference(mesh_name, impl, remat, sp):
+    """gspmd=True: global batch-first code, each block in a shard_map over tp only, the batch over
+    dp x fsdp and the parameters' hidden dimension over fsdp left to the partitioner."""
+    mesh = mesh_of(mesh_name, AxisType.Auto)
+    config = _gpt_config(impl, remat=remat, sequence_parallel=sp, gspmd=True, fsdp_axis="fsdp")
+    with jax.set_mesh(mesh):
+        _check_gpt_against_reference(mesh, config)
+
+
+def _check_gpt_against_reference(mesh, config):
+    model = GPT(config, mesh=mesh, rngs=nnx.Rngs(0))
     _randomize(model, seed=3)
     graphdef, params = nnx.split(model, nnx.Param)
     rng = np.random.default_rng(4)
@@ -316,16 +346,20 @@ def test_gpt_forward_backward_matches_reference(mesh_name, impl, axis_type, rema
     assert_trees_close(_host(nnx.to_pure_dict(grads)), grads_ref, "d")
 
 
-@pytest.mark.parametrize("mesh_name, remat", [("tp8", False), ("dp2xtp4", False), ("dp2xtp4", True)])
-def test_fused_gpt_sends_every_tp_collective_through_flux(mesh_name, remat):
+@pytest.mark.parametrize(
+    "mesh_name, remat, gspmd",
+    [("tp8", False, False), ("dp2xtp4", False, False), ("dp2xtp4", True, False), ("dp2xfsdp1xtp4", False, True)],
+)
+def test_fused_gpt_sends_every_tp_collective_through_flux(mesh_name, remat, gspmd):
     """The compiled train step of a fused GPT has no XLA all-gather / reduce-scatter: each block's
     four projections are flux calls forward (AG qkv, RS out, AG gate+up, RS down) and backward
-    (each op's dx is the other op), so a projection that fell back to the twin shows up here."""
+    (each op's dx is the other op), so a projection that fell back to the twin shows up here. In
+    the GSPMD model (fsdp=1) the partitioner adds none either: the batch stays split over dp."""
     import collections
     import re
 
-    mesh = mesh_of(mesh_name)
-    config = _gpt_config("fused", remat=remat)
+    mesh = mesh_of(mesh_name, AxisType.Auto if gspmd else AxisType.Explicit)
+    config = _gpt_config("fused", remat=remat, gspmd=gspmd)
     model = GPT(config, mesh=mesh, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model, nnx.Param)
     tokens = jax.device_put(np.zeros((BATCH, SEQ), np.int32), jax.NamedSharding(mesh, model.token_spec()))
@@ -333,7 +367,8 @@ def test_fused_gpt_sends_every_tp_collective_through_flux(mesh_name, remat):
     def loss(params, tokens):
         return jnp.sum(nnx.merge(graphdef, params)(tokens))
 
-    hlo = jax.jit(jax.grad(loss)).lower(params, tokens).compile().as_text()
+    with jax.set_mesh(mesh) if gspmd else contextlib.nullcontext():
+        hlo = jax.jit(jax.grad(loss)).lower(params, tokens).compile().as_text()
     calls = collections.Counter(re.findall(r'custom_call_target="(flux_jax_[a-z_]+)"', hlo))
     assert not re.search(r"\b(all-gather|reduce-scatter)(-start)?\(", hlo), "an XLA TP collective is left"
     layers = config.layers
@@ -369,19 +404,28 @@ def test_fused_gpt_without_sequence_parallelism_all_reduces_through_flux(mesh_na
         assert not re.search(r"\ball-reduce(-start)?\(", hlo), "an XLA all-reduce is left"
 
 
-def test_params_are_sharded_as_annotated():
-    mesh = mesh_of("dp2xtp4")
-    model = GPT(_gpt_config("fused"), mesh=mesh, rngs=nnx.Rngs(0))
+@pytest.mark.parametrize("fsdp", [False, True])
+def test_params_are_sharded_as_annotated(fsdp):
+    """Without FSDP every parameter is replicated over the data axes; with gspmd=True and
+    fsdp_axis="fsdp" the hidden dimension of the kernels, the embedding and the LM head is split
+    over fsdp (norm scales stay replicated)."""
+    if fsdp:
+        mesh = mesh_of("fsdp2xtp4", AxisType.Auto)
+        config = _gpt_config("fused", gspmd=True, fsdp_axis="fsdp")
+    else:
+        mesh, config = mesh_of("dp2xtp4"), _gpt_config("fused")
+    f, d = ("fsdp", 2) if fsdp else (None, 1)
+    model = GPT(config, mesh=mesh, rngs=nnx.Rngs(0))
     block = model.blocks[0]
     tp, q_per_kv = 4, HEADS // KV_HEADS
     expected = [  # (parameter, global spec, local shard shape on every device)
-        (block.attn.qkv.kernel, P(None, "tp", None, None), (HIDDEN, KV_HEADS // tp, q_per_kv + 2, HEAD_DIM)),
-        (block.attn.out.kernel, P("tp", None), (HEADS * HEAD_DIM // tp, HIDDEN)),
-        (block.mlp.gate_up.kernel, P(None, "tp", None), (HIDDEN, FFN // tp, 2)),
-        (block.mlp.down.kernel, P("tp", None), (FFN // tp, HIDDEN)),
+        (block.attn.qkv.kernel, P(f, "tp", None, None), (HIDDEN // d, KV_HEADS // tp, q_per_kv + 2, HEAD_DIM)),
+        (block.attn.out.kernel, P("tp", f), (HEADS * HEAD_DIM // tp, HIDDEN // d)),
+        (block.mlp.gate_up.kernel, P(f, "tp", None), (HIDDEN // d, FFN // tp, 2)),
+        (block.mlp.down.kernel, P("tp", f), (FFN // tp, HIDDEN // d)),
         (block.attn_norm.scale, P(None), (HIDDEN,)),
-        (model.embedding, P(None, None), (VOCAB, HIDDEN)),
-        (model.lm_head, P(None, None), (HIDDEN, VOCAB)),
+        (model.embedding, P(None, f), (VOCAB, HIDDEN // d)),
+        (model.lm_head, P(f, None), (HIDDEN // d, VOCAB)),
     ]
     for var, spec, local_shape in expected:
         value = var[...]
@@ -412,6 +456,27 @@ def test_config_that_cannot_shard_raises(overrides, message):
     config = dict(vocab_size=VOCAB, hidden=HIDDEN, layers=1, heads=HEADS, kv_heads=KV_HEADS, ffn=FFN)
     with pytest.raises(ValueError, match=message):
         GPT(GPTConfig(**(config | overrides)), mesh=mesh_of("dp2xtp4"), rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize(
+    "mesh, overrides, message",
+    [
+        (("fsdp2xtp4", AxisType.Auto), dict(fsdp_axis="fsdp"), "fsdp_axis='fsdp' needs gspmd=True"),
+        (("fsdp2xtp4", AxisType.Explicit), dict(gspmd=True), r"gspmd=True needs a mesh of Auto axes .* \['dp', 'fsdp'"),
+        (("fsdp2xtp4", AxisType.Auto), dict(gspmd=True, fsdp_axis="tp"), "fsdp_axis and tp_axis are both 'tp'"),
+        (("dp2xtp4", AxisType.Auto), dict(gspmd=True, fsdp_axis="fsdp"), "the FSDP axis 'fsdp' is not one of them"),
+        (((1, 3, 2), AxisType.Auto), dict(gspmd=True, fsdp_axis="fsdp"), "hidden=64 is not divisible by fsdp=3"),
+    ],
+)
+def test_gspmd_config_that_cannot_shard_raises(mesh, overrides, message):
+    name, axis_type = mesh
+    if isinstance(name, str):
+        mesh = mesh_of(name, axis_type)
+    else:
+        mesh = cpu_mesh(name, ("dp", "fsdp", "tp"), axis_type)
+    config = dict(vocab_size=VOCAB, hidden=HIDDEN, layers=1, heads=HEADS, kv_heads=KV_HEADS, ffn=FFN)
+    with pytest.raises(ValueError, match=message):
+        GPT(GPTConfig(**(config | overrides)), mesh=mesh, rngs=nnx.Rngs(0))
 
 
 @pytest.mark.parametrize(

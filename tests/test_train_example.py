@@ -85,6 +85,38 @@ def test_fp8_loss_curve_tracks_the_bf16_one(example, tmp_path):
     assert fp8[-1] < fp8[0]
 
 
+@pytest.mark.parametrize("mesh", ["2,1,4", "1,2,4"])
+def test_gspmd_mesh_fused_and_xla_give_the_same_losses(example, tmp_path, mesh):
+    """--mesh dp,fsdp,tp: a GSPMD model whose blocks' TP part is a shard_map over tp only. The
+    compiled fused step holds the flux_jax calls of every projection, forward and backward (dp and
+    fsdp are the partitioner's), the xla step none; both train alike."""
+    layers = 2
+    summary = example.main(
+        [*TINY, "--layers", str(layers), "--mesh", mesh, "--steps", "8", "--compare", "--out", str(tmp_path)]
+    )
+    config = summary["config"]
+    assert (config["dp"], config["fsdp"], config["tp"]) == tuple(map(int, mesh.split(",")))
+    fused, xla = summary["runs"]["fused"], summary["runs"]["xla"]
+    assert fused["flux_calls"] == {"flux_jax_ag_matmul": 4 * layers, "flux_jax_matmul_rs": 4 * layers}
+    assert xla["flux_calls"] == {}
+    assert len(fused["losses"]) == len(xla["losses"]) == 8
+    for step, (a, b) in enumerate(zip(fused["losses"], xla["losses"]), start=1):
+        assert abs(a - b) <= 1e-4 * max(abs(b), 1.0), f"step {step}: fused {a} vs xla {b}"
+    assert fused["losses"][-1] < fused["losses"][0]
+
+
+def test_gspmd_mesh_trains_like_the_fully_manual_model(example, tmp_path):
+    """The same model and batches: --mesh 1,2,4 (batch and parameters split over fsdp by the
+    partitioner) gives the losses of --dp 2 --tp 4 (one shard_map over every axis)."""
+    run = [*TINY, "--steps", "6"]
+    manual = example.main([*run, "--dp", "2", "--tp", "4", "--out", str(tmp_path / "manual")])
+    gspmd = example.main([*run, "--mesh", "1,2,4", "--out", str(tmp_path / "gspmd")])
+    got, want = gspmd["runs"]["fused"]["losses"], manual["runs"]["fused"]["losses"]
+    assert len(got) == 6
+    for step, (a, b) in enumerate(zip(got, want), start=1):
+        assert abs(a - b) <= 1e-4 * max(abs(b), 1.0), f"step {step}: --mesh {a} vs --dp/--tp {b}"
+
+
 def test_cpu_default_command_runs_end_to_end(tmp_path):
     """The README's main command with its CPU defaults (mesh, impl), reduced in size."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the example sets up 8 devices itself
@@ -133,6 +165,14 @@ def test_stopped_run_resumes_with_identical_losses(example, tmp_path):
         (["--seq", "18"], "seq=18 is not divisible by tp=4"),
         (["--batch", "3"], "batch=3 is not divisible by the data-parallel size 2"),
         (["--dp", "4"], "only 8 cpu devices"),
+        (["--mesh", "2,4"], "argument --mesh: expected three sizes >= 1, dp,fsdp,tp (e.g. 2,1,4), got '2,4'"),
+        (["--mesh", "2,x,4"], "argument --mesh: expected three sizes"),
+        (["--mesh", "0,1,4"], "argument --mesh: expected three sizes >= 1"),
+        (["--mesh", "2,2,4"], "--mesh 2,2,4 needs dp x fsdp x tp = 16 devices, but only 8 cpu devices"),
+        (["--mesh", "2,1,4", "--tp", "4"], "--mesh dp,fsdp,tp replaces --dp and --tp"),
+        (["--mesh", "1,3,2"], "hidden=32 is not divisible by fsdp=3 (mesh axis 'fsdp'): FSDP shards"),
+        (["--mesh", "1,2,4", "--batch", "3"], "batch=3 is not divisible by the data-parallel size 2 (dp=1 x fsdp=2)"),
+        (["--mesh", "1,2,4", "--seq", "18"], "seq=18 is not divisible by tp=4"),
         (["--flux-config", "gpu_tile_n=100"], "--flux-config: GpuTuning.tile_n must be"),
         (["--flux-config", "gpu_tile_n"], "--flux-config: expected name=value"),
         (["--flux-config", "no_such_field=1"], "no_such_field"),

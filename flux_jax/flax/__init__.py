@@ -1,13 +1,14 @@
 """Tensor- and sequence-parallel Flax (nnx) layers built on flux_jax's fused ops.
 
 Layers (per shard: call them inside one jax.shard_map over every mesh axis,
-e.g. through `sharded_call`):
+e.g. through `sharded_call`, or over the TP axis only inside a GSPMD model):
   ColumnParallelLinear   AllGather(sequence) -> GEMM          (flux_jax.ag_matmul)
   RowParallelLinear      GEMM -> ReduceScatter(sequence)      (flux_jax.matmul_rs)
   GroupedQueryAttention  fused QKV column layer, rotary, causal attention, out row layer
   SwiGLUMLP              fused gate+up column layer, down row layer
   RMSNorm, DecoderBlock
-Model (global view): GPT(GPTConfig(...), mesh=mesh, rngs=...)(tokens) -> logits.
+Model (global view): GPT(GPTConfig(...), mesh=mesh, rngs=...)(tokens) -> logits; with
+GPTConfig(gspmd=True, fsdp_axis=...) a GSPMD model whose blocks alone are manual over TP.
 Without sequence parallelism (sequence_parallel=False on any of them, or GPTConfig): every TP
 rank holds the whole sequence; column layers run column_matmul, row layers matmul_ar.
 

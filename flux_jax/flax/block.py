@@ -4,7 +4,8 @@ Between blocks the activations are sequence-parallel, x [S/tp, B, D]: norms
 and residual adds run on this rank's tokens only, and every collective sits
 inside one of the four projections (QKV, attention out, gate+up, down). With
 `sequence_parallel=False` every rank holds the whole sequence, x [S, B, D], and
-the projections are column_matmul / matmul_ar.
+the projections are column_matmul / matmul_ar. `seq_axis=1` takes batch-first activations
+[B, S/tp, D] (a GSPMD model's layout); norms and residual adds do not care.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class SwiGLUMLP(nnx.Module):
     Per shard: x [S/tp, ..., hidden] -> [S/tp, ..., hidden]. The fused kernel
     is [hidden, ffn, 2] ([..., 0] gate, [..., 1] up) and TP splits the ffn axis,
     so each rank holds matching gate and up columns and the down projection's
-    matching rows.
+    matching rows. `seq_axis` and `fsdp_axis` go to both projections.
     """
 
     def __init__(
@@ -63,6 +64,8 @@ class SwiGLUMLP(nnx.Module):
         param_dtype=jnp.float32,
         out_init: Callable | None = None,
         sequence_parallel: bool = True,
+        seq_axis: int = 0,
+        fsdp_axis: str | None = None,
         fp8=False,
         rngs: nnx.Rngs,
     ):
@@ -74,6 +77,8 @@ class SwiGLUMLP(nnx.Module):
             dtype=dtype,
             param_dtype=param_dtype,
             sequence_parallel=sequence_parallel,
+            seq_axis=seq_axis,
+            fsdp_axis=fsdp_axis,
             fp8=fp8,
             rngs=rngs,
         )
@@ -92,7 +97,8 @@ class DecoderBlock(nnx.Module):
     Per shard: x [S/tp, B, hidden] -> [S/tp, B, hidden]. Four flux_jax calls
     forward (two ag_matmul, two matmul_rs), and their adjoints backward. With
     `sequence_parallel=False`: x [S, B, hidden] on every rank, two fused matmul_ar
-    forward and two (column_matmul's) backward.
+    forward and two (column_matmul's) backward. `seq_axis=1`: batch-first x [B, S/tp, hidden];
+    `fsdp_axis`: the projections' hidden dimension sharded over it too (GSPMD models only).
     """
 
     def __init__(
@@ -113,6 +119,8 @@ class DecoderBlock(nnx.Module):
         attention_implementation: str | None = None,
         out_init: Callable | None = None,
         sequence_parallel: bool = True,
+        seq_axis: int = 0,
+        fsdp_axis: str | None = None,
         fp8=False,
         rngs: nnx.Rngs,
     ):
@@ -124,6 +132,8 @@ class DecoderBlock(nnx.Module):
             param_dtype=param_dtype,
             out_init=out_init,
             sequence_parallel=sequence_parallel,
+            seq_axis=seq_axis,
+            fsdp_axis=fsdp_axis,
             fp8=fp8,
             rngs=rngs,
         )

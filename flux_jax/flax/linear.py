@@ -13,6 +13,9 @@ mesh as the layer expects.
 The sequence is the leading dimension by default; `seq_axis=1` takes batch-first
 activations [B, S, ...] (the gather / scatter runs over dimension 1).
 
+`fsdp_axis` (inside a GSPMD model only) also shards each kernel's hidden (non-TP) dimension over
+that mesh axis: the partitioner gathers it before the TP region and reduce-scatters its gradient.
+
 A column layer followed by a row layer is one Megatron block: the sequence is
 gathered inside the first GEMM and scattered again inside the second
 (flux_jax.ag_matmul / flux_jax.matmul_rs), with no other communication.
@@ -62,6 +65,17 @@ def check_impl(impl: str) -> None:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
+def check_fsdp_axis(mesh: jax.sharding.Mesh, fsdp_axis: str | None, tp_axis: str, what: str, value: int) -> None:
+    """ValueError for an FSDP axis that is missing, is the TP axis, or cannot split `value`."""
+    if fsdp_axis is None:
+        return
+    if fsdp_axis == tp_axis:
+        raise ValueError(f"fsdp_axis and tp_axis are both {tp_axis!r}: FSDP shards a non-TP dimension")
+    if fsdp_axis not in mesh.axis_names:
+        raise ValueError(f"mesh axes are {tuple(mesh.axis_names)}; the FSDP axis {fsdp_axis!r} is not one of them")
+    check_divisible(what, value, fsdp_axis, int(mesh.shape[fsdp_axis]), "FSDP shards the hidden dimension")
+
+
 def check_fp8(layer: str, fp8, sequence_parallel: bool = True) -> None:
     """fp8 must be what flux_jax.ag_matmul / matmul_rs take: None, a bool or a flux_jax.Fp8; and it
     needs sequence parallelism (matmul_ar and column_matmul have no FP8 form yet)."""
@@ -95,9 +109,10 @@ class ColumnParallelLinear(nnx.Module):
     columns. The output keeps that trailing shape.
 
     Parameters (global shape, annotation):
-      kernel [in_features, *out_features]  (None, tp, None, ...)
+      kernel [in_features, *out_features]  (fsdp_axis, tp, None, ...)  (fsdp_axis None by default)
       bias   [*out_features]               (tp, None, ...)   if use_bias
-    The bias is sharded like the columns it is added to.
+    The bias is sharded like the columns it is added to. With `fsdp_axis` the layer runs in a
+    shard_map that maps only the TP axis (a GSPMD model): the kernel's rows are sharded over it.
 
     With `sequence_parallel=False` x is the whole sequence on every rank, [S, ..., in_features]
     (replicated over tp), and the layer is flux_jax.column_matmul: a local GEMM whose backward
@@ -121,6 +136,7 @@ class ColumnParallelLinear(nnx.Module):
         bias_init: Callable = nnx.initializers.zeros,
         sequence_parallel: bool = True,
         seq_axis: int = 0,
+        fsdp_axis: str | None = None,
         fp8=False,
         rngs: nnx.Rngs,
     ):
@@ -137,13 +153,14 @@ class ColumnParallelLinear(nnx.Module):
             tp,
             "a column-parallel layer splits its output columns over TP",
         )
+        check_fsdp_axis(mesh, fsdp_axis, tp_axis, "in_features", in_features)
         self.in_features, self.out_shape = in_features, out_shape
         self.tp_axis, self.impl, self.dtype = tp_axis, impl, dtype
         self.sequence_parallel = sequence_parallel
         kernel_shape = (in_features, *out_shape)
         kernel_init = kernel_init or _fan_in_init(len(kernel_shape))
         tail = (None,) * (len(out_shape) - 1)
-        init = nnx.with_partitioning(kernel_init, (None, tp_axis, *tail), mesh=mesh)
+        init = nnx.with_partitioning(kernel_init, (fsdp_axis, tp_axis, *tail), mesh=mesh)
         self.kernel = nnx.Param(init(rngs.params(), kernel_shape, param_dtype))
         bias = None
         if use_bias:
@@ -176,10 +193,11 @@ class RowParallelLinear(nnx.Module):
     features) -> y [S/tp, ..., out_features] (this rank's rows, all features).
 
     Parameters (global shape, annotation):
-      kernel [in_features, out_features]  (tp, None)
+      kernel [in_features, out_features]  (tp, fsdp_axis)  (fsdp_axis None by default)
       bias   [out_features]               (None,)   if use_bias
     The bias is replicated and added once, after the reduce-scatter (adding it
-    before would count it tp times).
+    before would count it tp times). `fsdp_axis`: as for ColumnParallelLinear (the kernel's
+    columns are sharded over it).
 
     With `sequence_parallel=False` the partial products are all-reduced instead (flux_jax.matmul_ar):
     x [S, ..., in_features/tp] -> y [S, ..., out_features], the same bits on every rank.
@@ -202,6 +220,7 @@ class RowParallelLinear(nnx.Module):
         bias_init: Callable = nnx.initializers.zeros,
         sequence_parallel: bool = True,
         seq_axis: int = 0,
+        fsdp_axis: str | None = None,
         fp8=False,
         rngs: nnx.Rngs,
     ):
@@ -213,11 +232,12 @@ class RowParallelLinear(nnx.Module):
         check_divisible(
             "in_features", in_features, tp_axis, tp, "a row-parallel layer splits its input features over TP"
         )
+        check_fsdp_axis(mesh, fsdp_axis, tp_axis, "out_features", out_features)
         self.in_features, self.out_features = in_features, out_features
         self.tp_axis, self.impl, self.dtype = tp_axis, impl, dtype
         self.sequence_parallel = sequence_parallel
         kernel_init = kernel_init or _fan_in_init(2)
-        init = nnx.with_partitioning(kernel_init, (tp_axis, None), mesh=mesh)
+        init = nnx.with_partitioning(kernel_init, (tp_axis, fsdp_axis), mesh=mesh)
         self.kernel = nnx.Param(init(rngs.params(), (in_features, out_features), param_dtype))
         bias = None
         if use_bias:

@@ -2,10 +2,15 @@
 
 `GPT.__call__` takes global token ids [B, S] and returns global logits
 [B, S, vocab]. Inside, the whole forward runs in one jax.shard_map over every
-mesh axis (the fused kernels need a fully manual shard_map): the batch is split
-over the data-parallel axes (all axes except `tp_axis`) and the sequence over
-`tp_axis` (Megatron sequence parallelism), or, with `sequence_parallel=False`, every rank of
-`tp_axis` holds the whole sequence (the row projections all-reduce: flux_jax.matmul_ar).
+mesh axis: the batch is split over the data-parallel axes (all axes except
+`tp_axis`) and the sequence over `tp_axis` (Megatron sequence parallelism), or,
+with `sequence_parallel=False`, every rank of `tp_axis` holds the whole sequence
+(the row projections all-reduce: flux_jax.matmul_ar).
+
+With `GPTConfig(gspmd=True)` the model is a GSPMD program instead: global batch-first
+activations [B, S, D], and each block alone runs in a jax.shard_map that maps only `tp_axis`
+(the flux_jax layers); the partitioner splits the batch over the other axes and, with
+`fsdp_axis`, gathers the parameters sharded over that axis.
 
 The LM head is a replicated [hidden, vocab] matmul on each rank's own tokens:
 the vocabularies this model targets are small (characters, bytes), so a
@@ -21,10 +26,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from flux_jax.flax.block import DecoderBlock, RMSNorm
-from flux_jax.flax.linear import axis_size, check_divisible, check_fp8, check_impl
+from flux_jax.flax.linear import axis_size, check_divisible, check_fp8, check_fsdp_axis, check_impl
 from flux_jax.flax.sharding import batch_axis_entry, data_axes, data_parallel_size, sharded_call
 from flux_jax.fp8 import Fp8
 
@@ -47,6 +53,13 @@ class GPTConfig:
         matmul_rs), or keep it whole on every rank (column_matmul / matmul_ar).
       fp8: the four projections' GEMMs on FP8 operands: False, True or a flux_jax.Fp8 recipe
         (flux_jax/fp8.py); the embedding, attention and LM head keep `dtype`.
+      gspmd: False: one shard_map over every mesh axis around the whole forward (per-shard code,
+        activations [S, B, D]). True: a GSPMD model: global code with batch-first activations
+        [B, S, D], each block in a shard_map over `tp_axis` only, the other axes automatic; call
+        it under jax.jit inside `with jax.set_mesh(mesh):`.
+      fsdp_axis: with gspmd, a data-parallel mesh axis that also shards the hidden dimension of the
+        embedding, the LM head and the four projections' kernels (FSDP); None: parameters are
+        replicated over the data-parallel axes.
     """
 
     vocab_size: int
@@ -66,6 +79,8 @@ class GPTConfig:
     tp_axis: str = "tp"
     sequence_parallel: bool = True
     fp8: bool | Fp8 = False
+    gspmd: bool = False
+    fsdp_axis: str | None = None
 
 
 def check_config(config: GPTConfig, mesh: jax.sharding.Mesh) -> None:
@@ -92,6 +107,18 @@ def check_config(config: GPTConfig, mesh: jax.sharding.Mesh) -> None:
                 "(head_dim = hidden / heads); pass head_dim explicitly"
             )
     check_divisible("ffn", config.ffn, name, tp, "the MLP's hidden units are sharded over TP")
+    if config.fsdp_axis is not None and not config.gspmd:
+        raise ValueError(
+            f"fsdp_axis={config.fsdp_axis!r} needs gspmd=True: in one shard_map over every axis each "
+            "rank would see only its FSDP slice of the weights"
+        )
+    check_fsdp_axis(mesh, config.fsdp_axis, name, "hidden", config.hidden)
+    explicit = [a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit]
+    if config.gspmd and explicit:
+        raise ValueError(
+            f"gspmd=True needs a mesh of Auto axes (jax.sharding.AxisType.Auto), but {explicit} "
+            "are Explicit: the partitioner shards the code outside the TP regions"
+        )
     for field in ("dtype", "param_dtype"):
         jnp.dtype(getattr(config, field))  # raises TypeError for an unknown dtype name
 
@@ -116,7 +143,8 @@ class GPT(nnx.Module):
     """Decoder-only transformer whose blocks run tensor- and sequence-parallel with flux_jax.
 
     Build it with the mesh it will run on; parameters are created sharded as
-    annotated (nnx.with_partitioning): the projections over `tp_axis`,
+    annotated (nnx.with_partitioning): the projections over `tp_axis`, their hidden
+    dimension and that of the embedding and LM head over `fsdp_axis` if given,
     everything else replicated.
 
       model = GPT(GPTConfig(vocab_size=96, impl="fused"), mesh=mesh, rngs=nnx.Rngs(0))
@@ -127,10 +155,12 @@ class GPT(nnx.Module):
         check_config(config, mesh)
         self.config, self.mesh = config, mesh
         param_dtype, dtype = jnp.dtype(config.param_dtype), jnp.dtype(config.dtype)
-        replicated = lambda init, ndim: nnx.with_partitioning(init, (None,) * ndim, mesh=mesh)
+        fsdp = config.fsdp_axis
         embed_init = nnx.initializers.normal(1.0 / config.hidden**0.5)
         self.embedding = nnx.Param(
-            replicated(embed_init, 2)(rngs.params(), (config.vocab_size, config.hidden), param_dtype)
+            nnx.with_partitioning(embed_init, (None, fsdp), mesh=mesh)(
+                rngs.params(), (config.vocab_size, config.hidden), param_dtype
+            )
         )
         # GPT-2 style: residual branches start small so the stack starts near identity.
         out_init = nnx.initializers.variance_scaling(1.0 / (2 * config.layers), "fan_in", "truncated_normal")
@@ -152,6 +182,8 @@ class GPT(nnx.Module):
                     attention_implementation=config.attention_implementation,
                     out_init=out_init,
                     sequence_parallel=config.sequence_parallel,
+                    seq_axis=1 if config.gspmd else 0,
+                    fsdp_axis=fsdp,
                     fp8=config.fp8,
                     rngs=rngs,
                 )
@@ -162,7 +194,9 @@ class GPT(nnx.Module):
         # Small logits at init: the first loss is about ln(vocab_size), a uniform guess.
         head_init = nnx.initializers.variance_scaling(0.01, "fan_in", "truncated_normal")
         self.lm_head = nnx.Param(
-            replicated(head_init, 2)(rngs.params(), (config.hidden, config.vocab_size), param_dtype)
+            nnx.with_partitioning(head_init, (fsdp, None), mesh=mesh)(
+                rngs.params(), (config.hidden, config.vocab_size), param_dtype
+            )
         )
 
     def token_spec(self) -> P:
@@ -177,10 +211,7 @@ class GPT(nnx.Module):
         dtype = jnp.dtype(self.config.dtype)
         x = jnp.take(self.embedding[...], tokens.T, axis=0).astype(dtype)  # [S/tp, B/dp, D]
         for block in self.blocks:
-            if self.config.remat:
-                x = nnx.remat(DecoderBlock.__call__)(block, x)
-            else:
-                x = block(x)
+            x = self._block(block, x)
         x = self.final_norm(x)
         # One 2-D GEMM [S*B, D] x [D, V]: XLA:CPU has no bf16 x bf16 -> f32 kernel for the 3-D
         # einsum "sbd,dv->bsv" (DotThunk), but runs the 2-D one.
@@ -190,8 +221,48 @@ class GPT(nnx.Module):
         )
         return logits.reshape(seq, batch, -1).transpose(1, 0, 2)
 
+    def forward_gspmd(self, tokens: jax.Array) -> jax.Array:
+        """Global tokens [B, S] -> float32 logits [B, S, vocab] as a GSPMD program (gspmd=True).
+
+        Outside the blocks the code is global and the partitioner shards it (the batch over the
+        data-parallel axes, the sequence over TP). Each block runs in a shard_map over `tp_axis`
+        only: per TP rank x is [B, S/tp, D] (or [B, S, D] without sequence parallelism), with the
+        batch still split over the automatic axes, where the flux_jax custom calls run on each
+        device's own batch."""
+        config = self.config
+        dtype = jnp.dtype(config.dtype)
+        activations = jax.NamedSharding(self.mesh, P(*self.token_spec(), None))
+        # FSDP: the embedding is gathered for its use (as the blocks' kernels are for their TP
+        # regions) and its gradient reduce-scattered; gathering rows from the hidden-sharded
+        # table instead would leave activations split over hidden, not over the batch.
+        table = jax.lax.with_sharding_constraint(self.embedding[...], jax.NamedSharding(self.mesh, P()))
+        x = jnp.take(table, tokens, axis=0).astype(dtype)  # [B, S, D]
+        x = jax.lax.with_sharding_constraint(x, activations)
+        region = P(None, config.tp_axis if config.sequence_parallel else None)
+        for block in self.blocks:
+            x = sharded_call(
+                block,
+                self._block,
+                x,
+                mesh=self.mesh,
+                in_specs=(region,),
+                out_specs=region,
+                axis_names={config.tp_axis},
+            )
+        # [B, S, D] x [D, V] as it is: a reshape to [B*S, D] would merge the batch (split over the
+        # data axes) with the sequence (split over tp), which the partitioner does by gathering.
+        logits = jnp.dot(self.final_norm(x), self.lm_head[...].astype(dtype), preferred_element_type=jnp.float32)
+        return jax.lax.with_sharding_constraint(logits, activations)
+
+    def _block(self, block: DecoderBlock, x: jax.Array) -> jax.Array:
+        if self.config.remat:
+            return nnx.remat(DecoderBlock.__call__)(block, x)
+        return block(x)
+
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Global tokens [B, S] (int) -> logits [B, S, vocab] (float32), sharded like the tokens."""
         check_tokens_shape(tokens.shape, self.mesh, self.config.tp_axis, self.config.sequence_parallel)
+        if self.config.gspmd:
+            return self.forward_gspmd(tokens)
         spec = self.token_spec()
         return sharded_call(self, GPT.forward_shard, tokens, mesh=self.mesh, in_specs=(spec,), out_specs=P(*spec, None))

@@ -1,10 +1,11 @@
-"""Running per-shard nnx modules on global arrays: one jax.shard_map over every mesh axis.
+"""Running per-shard nnx modules on global arrays: a jax.shard_map over the mesh axes.
 
-The fused kernels need a *fully manual* shard_map (every mesh axis mapped), so
-the layers in this package are written per shard and a whole forward pass runs
-inside one shard_map. `sharded_call` builds it: the module's state goes in with
-the PartitionSpecs of its sharding annotations, so each rank sees exactly its
-shard of every parameter, and gradients flow back to the global parameters.
+The layers in this package are written per shard. `sharded_call` runs one inside a
+shard_map: over every mesh axis (a whole forward pass in one fully manual region), or, with
+`axis_names={tp}`, over the TP axis only, inside a GSPMD model whose other axes stay with the
+partitioner. The module's state goes in with the PartitionSpecs of its sharding annotations,
+so each rank sees exactly its shard of every parameter, and gradients flow back to the global
+parameters.
 """
 
 from __future__ import annotations
@@ -43,10 +44,28 @@ def place(x: jax.Array, mesh: jax.sharding.Mesh, spec: P) -> jax.Array:
     return x
 
 
+def manual_spec(spec: P, axis_names) -> P:
+    """`spec` with only the entries on `axis_names` (the axes a partially manual shard_map maps)."""
+
+    def keep(entry):
+        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        kept = tuple(a for a in names if a in axis_names)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+
+    return P(*(keep(e) for e in spec))
+
+
 def sharded_call(
-    module: nnx.Module, fn: Callable[..., Any], *args, mesh: jax.sharding.Mesh, in_specs: Sequence[P], out_specs
+    module: nnx.Module,
+    fn: Callable[..., Any],
+    *args,
+    mesh: jax.sharding.Mesh,
+    in_specs: Sequence[P],
+    out_specs,
+    axis_names=None,
 ) -> Any:
-    """`fn(module_shard, *arg_shards)` inside one jax.shard_map over every axis of `mesh`.
+    """`fn(module_shard, *arg_shards)` inside one jax.shard_map over every axis of `mesh`
+    (or only over `axis_names`).
 
     Args:
       module: an nnx module whose parameters carry sharding annotations
@@ -55,6 +74,10 @@ def sharded_call(
       *args: global arrays, one per entry of `in_specs`.
       mesh: the device mesh; every axis is mapped (the fused kernels need that).
       in_specs, out_specs: PartitionSpecs of the arguments and results, as for jax.shard_map.
+      axis_names: map only these axes (e.g. {"tp"}); the others stay automatic: the arguments
+        keep their sharding over them, and the parameters' annotations on them (FSDP) are left
+        to the partitioner, which gathers those parameters for the region. Trace under
+        `jax.set_mesh(mesh)` (nested manual regions need the concrete mesh).
 
     Works under jax.jit / nnx.jit and jax.grad / nnx.grad: parameters that are
     replicated over an axis get their gradient summed over it automatically.
@@ -68,5 +91,14 @@ def sharded_call(
     def per_shard(state, *shards):
         return fn(nnx.merge(graphdef, state), *shards)
 
+    if axis_names is not None:
+        axis_names = set(axis_names)
+        state_specs = jax.tree.map(
+            lambda s: manual_spec(s, axis_names), state_specs, is_leaf=lambda s: isinstance(s, P)
+        )
+        mapped = jax.shard_map(
+            per_shard, mesh=mesh, in_specs=(state_specs, *in_specs), out_specs=out_specs, axis_names=axis_names
+        )
+        return mapped(state, *args)
     mapped = jax.shard_map(per_shard, mesh=mesh, in_specs=(state_specs, *in_specs), out_specs=out_specs)
     return mapped(state, *(place(a, mesh, s) for a, s in zip(args, in_specs)))
