@@ -276,6 +276,8 @@ def register(spec) -> None:
         pass_rank = platform == "cpu"
         if plan.path == "latency":
             return _lower_latency(spec, ctx, x, w, rank, call, groups, pass_rank)
+        if call.fp8 is not None:
+            return _lower_fp8_overlap(spec, ctx, x, w, rank, call, groups, pass_rank)
         attrs = _common_attrs(groups, call, _callsite(ctx, spec.name, ctx.avals_in[:2], plan.path))
         attrs.update(_gemm_attrs(call, plan.path))
         operands = (x, w, rank)
@@ -319,6 +321,62 @@ def _lower_latency(spec, ctx, x, w, rank, call, groups, pass_rank):
         return spec.latency(x, w, call, lambda name, operand, shape: collective(name, operand, shape, rank))
 
     return mlir.lower_fun(latency, multiple_results=True)(ctx, x, w, rank)
+
+
+def _hashable_attrs(attrs: dict) -> tuple:
+    return tuple((k, tuple(v.tolist()) if isinstance(v, np.ndarray) else v) for k, v in attrs.items())
+
+
+def _lower_fp8_overlap(spec, ctx, x, w, rank, call, groups, pass_rank):
+    """The FP8 overlap path: quantize (XLA), then the op's custom call on the FP8 operands with
+    their scales (cpp Fp8Operands); anything moved first (ag_matmul: the row scales) goes
+    through our collectives, each with its own call-site id."""
+    callsite = _callsite(ctx, spec.name, ctx.avals_in[:2], "fp8-overlap")
+    common = _common_attrs(groups, call, callsite)
+    gemm_attrs = _hashable_attrs({**common, **_gemm_attrs(dataclasses.replace(call, transpose_w=True), "overlap")})
+    count = [1]  # index 0 is the fused call's own id
+
+    def collective(name, operand, shape, rank_operand):
+        operands = (operand, rank_operand) if pass_rank else (operand,)
+        site = _sub_callsite(callsite, count[0])
+        count[0] += 1
+        site_attrs = tuple((k, site if k == "callsite" else v) for k, v in _hashable_attrs(common))
+        return _collective_p.bind(*operands, name=name, out_shape=tuple(shape), attrs=site_attrs)
+
+    def lowered(x, w, rank):
+        def fused(xq, wq, row_scales, col_scales):
+            shapes = spec.out_shapes(xq.shape, wq.shape, dataclasses.replace(call, transpose_w=True))
+            dtypes = [x.dtype] + [xq.dtype] * (len(shapes) - 1)  # out, then the gathered FP8 rows
+            operands = (xq, wq, rank) if pass_rank else (xq, wq)
+            return _fp8_call_p.bind(
+                *operands,
+                row_scales,
+                col_scales,
+                target=spec.target,
+                outs=tuple((tuple(s), np.dtype(d)) for s, d in zip(shapes, dtypes)),
+                attrs=gemm_attrs,
+            )
+
+        return spec.fp8_overlap(x, w, call, lambda name, a, shape: collective(name, a, shape, rank), fused)
+
+    return mlir.lower_fun(lowered, multiple_results=True)(ctx, x, w, rank)
+
+
+# A fused op's custom call on FP8 operands (x, w[, rank], row scales, column scales), bound inside
+# the FP8 overlap lowering only.
+_fp8_call_p = Primitive("flux_jax_fp8_call")
+_fp8_call_p.multiple_results = True
+_fp8_call_p.def_abstract_eval(
+    lambda x, *operands, target, outs, attrs: [x.update(shape=shape, dtype=dtype) for shape, dtype in outs]
+)
+
+
+def _fp8_call_lowering(ctx, *operands, target, outs, attrs):
+    kw = {k: np.array(v, dtype=np.int64) if isinstance(v, tuple) else v for k, v in attrs}
+    return jax.ffi.ffi_lowering(target)(ctx, *operands, **kw)
+
+
+mlir.register_lowering(_fp8_call_p, _fp8_call_lowering)
 
 
 # One of our collective custom calls (cpp/include/flux_jax/collectives.h), bound inside the

@@ -166,27 +166,46 @@ def _fp8_unavailable_on_hopper(p: Problem) -> str | None:
     return None
 
 
-def _plan_fp8(p: Problem, config: Config, must_fuse: bool) -> Plan:
-    """FP8 calls (available kernels): the latency composition where they must fuse, else the twin."""
-    how = (
-        "FP8 runs the latency composition: quantize, our collective moves the FP8 rows and "
-        "their scales (or the partial), XLA's FP8 GEMM"
+def fp8_overlap_supported(p: Problem) -> bool:
+    """Whether the FP8 overlap kernels serve this call: the forward GEMM of ag_matmul or matmul_rs
+    (e4m3 rows: the backward's e5m2 rows have no instance), a bfloat16 output, per-rank K a
+    multiple of 16 and N of 8 (the CUDA instance's alignment; the CPU backend follows it)."""
+    return (
+        p.op in ("ag_matmul", "matmul_rs")
+        and p.fp8 == "float8_e4m3fn"
+        and np.dtype(p.dtype) == _BF16
+        and p.k % 16 == 0
+        and p.n % 8 == 0
+        and (p.op != "matmul_rs" or p.rows % p.tp == 0)
     )
-    if config.fused_path not in ("auto", "latency"):
-        return Plan(
-            "latency",
-            f'{how} (no FP8 {config.fused_path} kernel for Config.fused_path="{config.fused_path}")',
-            "config",
-        )
+
+
+def _plan_fp8(p: Problem, config: Config, must_fuse: bool) -> Plan:
+    """FP8 calls (available kernels): the FP8 overlap kernel or the latency composition where
+    they must fuse, else the twin."""
+    latency = (
+        "the latency composition: quantize, our collective moves the FP8 rows and their scales "
+        "(or the partial), XLA's FP8 GEMM"
+    )
+    overlap_ok = fp8_overlap_supported(p)
+    if config.fused_path == "decode":
+        return Plan("latency", f'no FP8 decode kernel for Config.fused_path="decode": {latency}', "config")
     if config.fused_path == "latency":
-        return Plan("latency", f'Config.fused_path="latency"; {how}', "config")
+        return Plan("latency", f'Config.fused_path="latency": {latency}', "config")
+    if config.fused_path == "overlap":
+        if overlap_ok:
+            return Plan("overlap", 'Config.fused_path="overlap": the FP8 overlap GEMM', "config")
+        return Plan("latency", f"the FP8 overlap kernel does not serve this call: {latency}", "config")
     if must_fuse:
-        return Plan("latency", how, "platform" if p.platform == "cpu" else "kernels")
+        where = "platform" if p.platform == "cpu" else "kernels"
+        if overlap_ok and (p.platform == "cpu" or _default_fused(p) == "overlap"):
+            return Plan("overlap", "the FP8 overlap GEMM (the row operand in e4m3, bfloat16 out)", where)
+        return Plan("latency", latency, where)
     if p.platform == "cpu":
         return Plan("twin", "the CPU backend is a protocol reference, slower than XLA:CPU's dot", "platform")
     return Plan(
         "twin",
-        'the FP8 fused path (latency composition) is not measured on GPU yet; impl="fused" runs it',
+        'the fused FP8 paths are not measured at tp > 1 on GPUs yet; impl="fused" runs them',
         "FP8 rule (unmeasured: the twin)",
     )
 

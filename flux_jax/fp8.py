@@ -24,11 +24,15 @@ dimension the per-row scales live on, and a GEMM can apply scales after accumula
 along its output's rows and columns; an FP8 dw would need x and dy quantized a second time
 per column (a second rounding, and another pass over the gathered rows).
 
-The GEMM is XLA's: `dot_general` directly on the FP8 operands with float32 accumulation, then
-the scales (XLA's GEMM rewriter emits cuBLASLt's FP8 GEMM for it on Hopper; XLA:CPU computes
-it exactly in float32). The same functions build the XLA twin (lax collectives; flux_jax/twins.py)
-and the fused latency composition (our collective custom calls; flux_jax/ops/), so the two
-differ only in the collective's kernel.
+Two fused forms. The FP8 overlap path (`fused_gathered_matmul`, `fused_matmul`) hands the FP8
+operands and their scales to the op's own kernel: our FP8 GEMM gathers (or scatters) inside the
+GEMM and applies the scales in its epilogue. The latency composition (`gathered_matmul`,
+`matmul`) runs XLA's GEMM: `dot_general` directly on the FP8 operands with float32
+accumulation, then the scales (XLA's GEMM rewriter emits cuBLASLt's FP8 GEMM for it on Hopper;
+XLA:CPU computes it exactly in float32). The same functions build the XLA twin (lax
+collectives; flux_jax/twins.py) and the latency composition (our collective custom calls;
+flux_jax/ops/), so those two differ only in the collective's kernel. docs/design.md says which
+runs where.
 """
 
 from __future__ import annotations
@@ -167,6 +171,14 @@ def quantize_weight(w, recipe: Fp8, transpose_w: bool = False):
     return q, scale.reshape(-1)
 
 
+def kmajor_weight(w, recipe: Fp8, transpose_w: bool = False):
+    """w quantized for the fused FP8 GEMM: (q [n, k], scale [n] float32), both operands of an FP8
+    GEMM being K-major on Hopper (a per-tensor scale is repeated per column)."""
+    q, scale = quantize_weight(w, recipe, transpose_w)
+    q = q if transpose_w else q.T
+    return q, jnp.broadcast_to(scale.astype(jnp.float32), (q.shape[0],))
+
+
 # ---- the FP8 GEMM --------------------------------------------------------------------------
 
 
@@ -222,3 +234,27 @@ def gathered_matmul(
     if not return_gathered:
         return [out]
     return [out, dequantize(xq_full, xs_full, x.dtype)]
+
+
+def fused_gathered_matmul(
+    x, w, recipe: Fp8, gather: Callable, fused: Callable, tp: int, *, transpose_w, grad, return_gathered
+):
+    """AG(x) @ op(w) through FP8 in the fused overlap kernel: the row scales gathered first (one
+    small collective), then `fused(xq, wq [n, k], row_scales [tp * rows], col_scales [n])` gathers
+    the FP8 rows inside the GEMM and applies the scales in its epilogue. Returns [out] or [out,
+    AG(x) dequantized]; `fused` returns [out] or [out, AG(xq)]."""
+    xq, xs = quantize_rows(x, recipe, grad)
+    wq, ws = kmajor_weight(w, recipe, transpose_w)
+    xs_full = gather_scales(gather, xs, tp)
+    outs = fused(xq, wq, xs_full.reshape(-1), ws)
+    if not return_gathered:
+        return [outs[0]]
+    return [outs[0], dequantize(outs[1], xs_full, x.dtype)]
+
+
+def fused_matmul(x, w, recipe: Fp8, fused: Callable, *, transpose_w, grad):
+    """x @ op(w) through FP8 in a fused GEMM-first kernel: `fused(xq, wq [n, k], row_scales
+    [rows], col_scales [n])` -> [out], the scales applied in the GEMM's epilogue."""
+    xq, xs = quantize_rows(x, recipe, grad)
+    wq, ws = kmajor_weight(w, recipe, transpose_w)
+    return fused(xq, wq, xs.reshape(-1), ws)

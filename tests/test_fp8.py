@@ -106,14 +106,15 @@ def test_output_is_fp8_accurate_quantized_and_matches_the_twin(op, dtype_name):
 
 
 @pytest.mark.parametrize("op", ["ag", "rs"])
-def test_fused_program_holds_our_collective_and_an_fp8_gemm(op):
+def test_fused_latency_program_holds_our_collective_and_an_fp8_gemm(op):
     rng = np.random.default_rng()
     mesh = cpu_mesh((4,), ("tp",))
     x, w = _operands(rng, op, 4, 2, 32, 16, jnp.bfloat16)
-    fused, specs = _fn(op, mesh, 2, "fused", True)
-    args = _placed(mesh, specs, x, w)
-    hlo = fused.lower(*args).as_text()
-    compiled = fused.lower(*args).compile().as_text()
+    with flux_jax.config(fused_path="latency"):
+        fused, specs = _fn(op, mesh, 2, "fused", True)
+        args = _placed(mesh, specs, x, w)
+        hlo = fused.lower(*args).as_text()
+        compiled = fused.lower(*args).compile().as_text()
     if op == "ag":  # the FP8 rows and, alongside, their float32 scales
         assert hlo.count("custom_call @flux_jax_all_gather") == 2, hlo
         assert "f8E4M3FN" in hlo and "flux_jax_reduce_scatter" not in hlo
@@ -125,6 +126,34 @@ def test_fused_program_holds_our_collective_and_an_fp8_gemm(op):
     twin, _ = _fn(op, mesh, 2, "xla", True)
     twin_hlo = twin.lower(*args).as_text()
     assert "flux_jax" not in twin_hlo and "f8E4M3FN" in twin_hlo
+
+
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_fused_overlap_program_runs_our_gemm_on_fp8_operands(op):
+    """bfloat16 with e4m3 rows: the op's own custom call takes the FP8 operands (w transposed,
+    K-major) and their float32 scales; ag_matmul gathers the row scales first."""
+    import re
+
+    rng = np.random.default_rng()
+    mesh = cpu_mesh((4,), ("tp",))
+    x, w = _operands(rng, op, 4, 2, 32, 16, jnp.bfloat16)
+    fused, specs = _fn(op, mesh, 2, "fused", True)
+    args = _placed(mesh, specs, x, w)
+    hlo = fused.lower(*args).as_text()
+    target = "flux_jax_ag_matmul" if op == "ag" else "flux_jax_matmul_rs"
+    calls = re.findall(rf"custom_call @{target}\((.*?)\).*?: \((.*?)\) ->", hlo)
+    assert len(calls) == 1, hlo
+    operand_types = calls[0][1]
+    assert operand_types.count("f8E4M3FN") == 2 and operand_types.count("xf32>") == 2, operand_types
+    assert hlo.count("custom_call @flux_jax_all_gather") == (1 if op == "ag" else 0)  # the row scales
+    assert "flux_jax_reduce_scatter" not in hlo
+    # and it is right: same numbers as the latency composition (XLA's FP8 GEMM), up to the rounding
+    with flux_jax.config(fused_path="latency"):
+        latency, _ = _fn(op, mesh, 2, "fused", True)
+        want = to64(latency(*args))
+    got = to64(fused(*args))
+    ab = np.tensordot(np.abs(to64(x)), np.abs(to64(w)), axes=1)
+    assert np.all(np.abs(got - want) <= 2 * 4 * EPS["bfloat16"] * ab + 1e-30)
 
 
 def _block_loss(impl, recipe, mesh):
@@ -157,8 +186,13 @@ def test_gradients_through_ag_tanh_rs_are_close_to_the_unquantized_ones(dtype_na
         if impl == "fused":
             hlo = fn.lower(*args).as_text()
             # backward: dx of matmul_rs gathers the e5m2 rows of dy and their scales; dx of
-            # ag_matmul reduce-scatters an FP8 GEMM's partial
-            assert hlo.count("custom_call @flux_jax_all_gather") >= 4
+            # ag_matmul reduce-scatters an FP8 GEMM's partial. Forward: bfloat16 runs the FP8
+            # overlap kernels (ag_matmul gathers its row scales first), float32 the latency
+            # composition (rows and scales); the loss is linear in matmul_rs's output, so only
+            # its backward runs
+            overlap = dtype_name == "bfloat16"
+            assert hlo.count("custom_call @flux_jax_all_gather") >= (3 if overlap else 4)
+            assert ("custom_call @flux_jax_ag_matmul" in hlo) == overlap
             assert hlo.count("custom_call @flux_jax_reduce_scatter") >= 1
             assert "f8E5M2" in hlo
     e4, e5 = U["float8_e4m3fn"], U["float8_e5m2"]
@@ -351,15 +385,25 @@ def test_quantize_helpers():
 def test_plans_and_explain():
     cfg = flux_jax.Config()
     cpu = _plan.Problem("ag_matmul", 64, 256, 256, np.dtype("bfloat16"), 2, "cpu", fp8="float8_e4m3fn")
-    assert _plan.plan(cpu, "fused", cfg).path == "latency"
+    assert _plan.plan(cpu, "fused", cfg).path == "overlap"  # the CPU backend runs one protocol
     assert _plan.plan(cpu, "auto", cfg).path == "twin"
-    assert _plan.plan(cpu, "auto", cfg, backward=True).path == "latency"
+    e5m2 = dataclasses.replace(cpu, fp8="float8_e5m2")  # a backward GEMM's rows: no FP8 instance
+    assert _plan.plan(e5m2, "auto", cfg, backward=True).path == "latency"
+    f32 = dataclasses.replace(cpu, dtype=np.dtype("float32"))  # the FP8 instance writes bfloat16
+    assert _plan.plan(f32, "fused", cfg).path == "latency"
     gpu = dataclasses.replace(cpu, platform="cuda")
     auto = _plan.plan(gpu, "auto", cfg, on_hopper=True)
     assert auto.path == "twin" and "not measured" in auto.reason
-    assert _plan.plan(gpu, "fused", cfg, on_hopper=True).path == "latency"
+    assert _plan.plan(gpu, "fused", cfg, on_hopper=True).path == "latency"  # 64 rows: nothing to pipeline
+    big = dataclasses.replace(gpu, rows=8192, k=4096, n=8192)
+    assert _plan.plan(big, "fused", cfg, on_hopper=True).path == "overlap"
     forced = _plan.plan(gpu, "fused", flux_jax.Config(fused_path="overlap"), on_hopper=True)
-    assert forced.path == "latency" and "no FP8 overlap kernel" in forced.reason
+    assert forced.path == "overlap" and "FP8 overlap GEMM" in forced.reason
+    pinned = flux_jax.Config(fused_path="overlap")
+    unaligned = _plan.plan(dataclasses.replace(gpu, n=252), "fused", pinned, on_hopper=True)
+    assert unaligned.path == "latency" and "does not serve" in unaligned.reason
+    decode = _plan.plan(gpu, "fused", flux_jax.Config(fused_path="decode"), on_hopper=True)
+    assert decode.path == "latency" and "no FP8 decode kernel" in decode.reason
     odd_k = dataclasses.replace(gpu, k=200)
     assert "multiple of 16" in _plan.unavailable_on_hopper(odd_k)
     rs32 = dataclasses.replace(gpu, op="matmul_rs", dtype=np.dtype("float32"))

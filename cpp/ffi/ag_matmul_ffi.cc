@@ -11,16 +11,12 @@
 namespace flux_jax::ffi_adapter {
 namespace {
 
-Status MakeParams(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out, ffi::RemainingRets& extra,
-                  const GemmAttrs& attrs, const TpGroup& group, AgMatmulParams* p) {
+Status MakeParams(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::RemainingArgs& scales, ffi::Result<ffi::AnyBuffer> out,
+                  ffi::RemainingRets& extra, const GemmAttrs& attrs, const TpGroup& group, AgMatmulParams* p) {
   auto wd = w.dimensions();
   Folded xf;
   FLUX_JAX_RETURN_IF_ERROR(Fold(x, "ag_matmul x", &xf));
   if (wd.size() != 2) return Status::InvalidArgument("ag_matmul: w must be 2-D");
-  FLUX_JAX_RETURN_IF_ERROR(ToDType(x.element_type(), "ag_matmul x", &p->dtype));
-  if (w.element_type() != x.element_type() || out->element_type() != x.element_type()) {
-    return Status::InvalidArgument("ag_matmul: x, w and out must share one dtype");
-  }
   p->w_transposed = attrs.w_transposed;
   p->m_local = xf.rows;
   p->k = xf.cols;
@@ -28,6 +24,8 @@ Status MakeParams(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer
   if ((p->w_transposed ? wd[1] : wd[0]) != p->k) {
     return Status::InvalidArgument("ag_matmul: contraction sizes of x and w differ");
   }
+  FLUX_JAX_RETURN_IF_ERROR(DecodeOperandTypes("ag_matmul", x, w, *out, scales, p->w_transposed, group.size * p->m_local,
+                                              p->n, &p->dtype, &p->fp8));
   p->x = x.untyped_data();
   p->w = w.untyped_data();
   p->out = out->untyped_data();
@@ -47,27 +45,29 @@ Status MakeParams(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer
 // the mesh table: on CPU only. On GPU the rank would live in device memory, so the
 // GPU lowering does not pass it (computing it cost a ~1 us convert kernel per call).
 ffi::Error AgMatmul(void* stream, int32_t device_ordinal, std::optional<int32_t> host_rank, ffi::AnyBuffer x,
-                    ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out, ffi::RemainingRets extra,
-                    const GemmAttrs& attrs) {
+                    ffi::AnyBuffer w, ffi::RemainingArgs scales, ffi::Result<ffi::AnyBuffer> out,
+                    ffi::RemainingRets extra, const GemmAttrs& attrs) {
   ScopedHandlerTimer timer(HandlerOp::kAgMatmul);
   TpGroup group;
   CommConfig cfg;
   AgMatmulParams p;
   const Platform platform = stream ? Platform::kCuda : Platform::kCpu;
   Status s = DecodeGemm(attrs, platform, device_ordinal, host_rank, &group, &cfg);
-  if (s.ok()) s = MakeParams(x, w, out, extra, attrs, group, &p);
+  if (s.ok()) s = MakeParams(x, w, scales, out, extra, attrs, group, &p);
   if (s.ok()) s = stream ? RunAgMatmulCuda(p, group, cfg, stream) : RunAgMatmulCpu(p, group, cfg);
   return ToFfiError(s);
 }
 
 ffi::Error AgMatmulCpu(int32_t device_ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> rank,
-                       ffi::Result<ffi::AnyBuffer> out, ffi::RemainingRets extra, GemmAttrs attrs) {
-  return AgMatmul(nullptr, device_ordinal, rank.typed_data()[0], x, w, out, extra, attrs);
+                       ffi::RemainingArgs scales, ffi::Result<ffi::AnyBuffer> out, ffi::RemainingRets extra,
+                       GemmAttrs attrs) {
+  return AgMatmul(nullptr, device_ordinal, rank.typed_data()[0], x, w, scales, out, extra, attrs);
 }
 
 ffi::Error AgMatmulCuda(void* stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                        ffi::Result<ffi::AnyBuffer> out, ffi::RemainingRets extra, GemmAttrs attrs) {
-  return AgMatmul(stream, device_ordinal, std::nullopt, x, w, out, extra, attrs);
+                        ffi::RemainingArgs scales, ffi::Result<ffi::AnyBuffer> out, ffi::RemainingRets extra,
+                        GemmAttrs attrs) {
+  return AgMatmul(stream, device_ordinal, std::nullopt, x, w, scales, out, extra, attrs);
 }
 
 }  // namespace
@@ -81,6 +81,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FluxJaxAgMatmulCpu, flux_jax::ffi_adapter::AgMatmu
                                   .Arg<ffi::AnyBuffer>()         // x [m_local, k]
                                   .Arg<ffi::AnyBuffer>()         // w [k, n] or [n, k]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // rank = lax.axis_index
+                                  .RemainingArgs()               // FP8: row scales, column scales
                                   .Ret<ffi::AnyBuffer>()         // out [tp*m_local, n]
                                   .RemainingRets()               // gathered x, optional
                                   .Attrs<flux_jax::ffi_adapter::GemmAttrs>());
@@ -92,6 +93,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FluxJaxAgMatmulCuda, flux_jax::ffi_adapter::AgMatm
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()  // x [m_local, k]
                                   .Arg<ffi::AnyBuffer>()  // w [k, n] or [n, k]
+                                  .RemainingArgs()        // FP8: row scales, column scales
                                   .Ret<ffi::AnyBuffer>()  // out [tp*m_local, n]
                                   .RemainingRets()        // gathered x, optional
                                   .Attrs<flux_jax::ffi_adapter::GemmAttrs>());

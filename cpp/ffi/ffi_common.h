@@ -69,4 +69,43 @@ inline Status CheckElements(const char* what, size_t have, int64_t want) {
                                  std::to_string(want));
 }
 
+// The element types of a fused GEMM op's x, w and out, and its FP8 scales. Either x, w and
+// out share one of ToDType's types and `scales` is empty, or x and w are float8_e4m3fn (w
+// transposed), out is bfloat16 and `scales` holds the row and column scales (float32, counts
+// checked here: `rows` and `n`); see Fp8Operands.
+inline Status DecodeOperandTypes(const char* op, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer out,
+                                 ffi::RemainingArgs& scales, bool w_transposed, int64_t rows, int64_t n, DType* dtype,
+                                 Fp8Operands* fp8) {
+  const std::string name(op);
+  if (x.element_type() != ffi::DataType::F8E4M3FN) {
+    if (scales.size() != 0) return Status::InvalidArgument(name + ": scales are passed only with FP8 operands");
+    FLUX_JAX_RETURN_IF_ERROR(ToDType(x.element_type(), op, dtype));
+    if (w.element_type() != x.element_type() || out.element_type() != x.element_type()) {
+      return Status::InvalidArgument(name + ": x, w and out must share one dtype");
+    }
+    *fp8 = Fp8Operands{};
+    return Status::Ok();
+  }
+  if (w.element_type() != ffi::DataType::F8E4M3FN || !w_transposed) {
+    return Status::InvalidArgument(name + ": with float8_e4m3fn x, w must be float8_e4m3fn and transposed ([n, k])");
+  }
+  if (out.element_type() != ffi::DataType::BF16) {
+    return Status::InvalidArgument(name + ": FP8 operands give a bfloat16 output here");
+  }
+  *dtype = DType::kBF16;
+  if (scales.size() != 2) return Status::InvalidArgument(name + ": FP8 operands need a row and a column scale");
+  auto row = scales.get<ffi::AnyBuffer>(0);
+  auto col = scales.get<ffi::AnyBuffer>(1);
+  if (!row.has_value() || !col.has_value()) return Status::Internal(name + ": cannot decode the FP8 scales");
+  if (row->element_type() != ffi::DataType::F32 || col->element_type() != ffi::DataType::F32) {
+    return Status::InvalidArgument(name + ": FP8 scales must be float32");
+  }
+  FLUX_JAX_RETURN_IF_ERROR(CheckElements((name + " row scales").c_str(), row->element_count(), rows));
+  FLUX_JAX_RETURN_IF_ERROR(CheckElements((name + " column scales").c_str(), col->element_count(), n));
+  fp8->on = true;
+  fp8->row_scale = static_cast<const float*>(row->untyped_data());
+  fp8->col_scale = static_cast<const float*>(col->untyped_data());
+  return Status::Ok();
+}
+
 }  // namespace flux_jax::ffi_adapter

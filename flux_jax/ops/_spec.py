@@ -76,6 +76,9 @@ class OpSpec:
         bwd(call, residuals, cotangents) -> (dx, dw).
       replicated: the outputs are the same on every rank of the axis (an all-reduce), so they
         are typed invariant over it, as lax.psum's are.
+      fp8_overlap: (x, w, call, collective, fused) -> outputs, the FP8 overlap path (None: the op
+        has none): quantize, then `fused(xq, wq, row_scales, col_scales)`, our kernel on the FP8
+        operands (flux_jax/fp8.py), with `collective` for anything moved before it.
     """
 
     name: str
@@ -86,6 +89,7 @@ class OpSpec:
     fwd: Callable
     bwd: Callable
     replicated: bool = False
+    fp8_overlap: Callable | None = None
     primitive: Primitive = dataclasses.field(init=False)
     core: Callable = dataclasses.field(init=False)
 

@@ -40,6 +40,23 @@ def _latency(x, w, call: Call, collective):
     return gathered_gemm(x, w, call, lambda a: collective("all_gather", a, (call.tp * a.shape[0], *a.shape[1:])))
 
 
+def _fp8_overlap(x, w, call: Call, collective, fused):
+    def gather(a):
+        return collective("all_gather", a, (call.tp * a.shape[0], *a.shape[1:]))
+
+    return _fp8.fused_gathered_matmul(
+        x,
+        w,
+        call.fp8,
+        gather,
+        fused,
+        call.tp,
+        transpose_w=call.transpose_w,
+        grad=call.backward,
+        return_gathered=call.return_gathered,
+    )
+
+
 def _fwd(x, w, call: Call):
     out, x_full = bind(SPEC, x, w, dataclasses.replace(call, return_gathered=True))
     return ([out, x_full] if call.return_gathered else [out]), (x_full, w)
@@ -56,7 +73,7 @@ def _bwd(call: Call, residuals, cotangents):
     return dx, _autodiff.weight_grad(x_full, dy, w, call.transpose_w)
 
 
-SPEC = define(OpSpec(NAME, _out_shapes, _gemm, _twin, _latency, _fwd, _bwd))
+SPEC = define(OpSpec(NAME, _out_shapes, _gemm, _twin, _latency, _fwd, _bwd, fp8_overlap=_fp8_overlap))
 
 
 def ag_matmul(x, w, *, axis_name: str, axis: int = 0, impl: str = "auto", return_gathered: bool = False, fp8=None):
@@ -85,10 +102,12 @@ def ag_matmul(x, w, *, axis_name: str, axis: int = 0, impl: str = "auto", return
         `Fp8` recipe: x is quantized to float8_e4m3fn with one scale per row (each rank's rows
         travel with their own scales), w per tensor (or per output column); the gather moves
         the FP8 rows and their float32 scales, the GEMM runs on FP8 operands with float32
-        accumulation and the scales after, and the result has x's dtype. impl="fused" runs it
-        as our all_gather custom call next to XLA's FP8 GEMM (the latency path; CPU and GPU);
-        impl="xla" is the same quantization with lax.all_gather; impl="auto" takes the latter
-        on GPU (the fused FP8 path is not measured yet). See flux_jax/fp8.py.
+        accumulation and the scales after, and the result has x's dtype. impl="fused" runs our
+        FP8 overlap kernel (the rows gathered inside our FP8 GEMM, the scales in its epilogue;
+        bfloat16 x, K % 16 == 0, N % 8 == 0) or, for other calls and
+        Config.fused_path="latency", our all_gather next to XLA's FP8 GEMM; impl="xla" is the
+        same quantization with lax.all_gather; impl="auto" takes the latter on GPU (the fused
+        FP8 paths are not measured at tp > 1 yet). See flux_jax/fp8.py and docs/design.md.
 
     Differentiable (custom_vjp): the input gradient is a fused matmul_rs(dy, w^T) and the
     weight gradient reuses the gathered x. With `fp8` the quantization is straight-through:

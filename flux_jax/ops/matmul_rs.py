@@ -34,6 +34,11 @@ def _latency(x, w, call: Call, collective):
     return [collective("reduce_scatter", partial, (x.shape[0] // call.tp, *partial.shape[1:]))]
 
 
+def _fp8_overlap(x, w, call: Call, collective, fused):
+    del collective  # the scales stay local: each rank's GEMM scales its own rows
+    return _fp8.fused_matmul(x, w, call.fp8, fused, transpose_w=call.transpose_w, grad=call.backward)
+
+
 def _fwd(x, w, call: Call):
     return bind(SPEC, x, w, call), (x, w)
 
@@ -46,7 +51,7 @@ def _bwd(call: Call, residuals, cotangents):
     return dx, _autodiff.weight_grad(x, dy_full, w, call.transpose_w)
 
 
-SPEC = define(OpSpec(NAME, _out_shapes, _gemm, _twin, _latency, _fwd, _bwd))
+SPEC = define(OpSpec(NAME, _out_shapes, _gemm, _twin, _latency, _fwd, _bwd, fp8_overlap=_fp8_overlap))
 
 
 def matmul_rs(x, w, *, axis_name: str, scatter_dimension: int = 0, impl: str = "auto", fp8=None):
@@ -70,7 +75,9 @@ def matmul_rs(x, w, *, axis_name: str, scatter_dimension: int = 0, impl: str = "
       fp8: None / False, True or an `Fp8` recipe (see `ag_matmul`): x is quantized per row and
         w per tensor (or per output column), each rank runs the FP8 GEMM (float32 accumulation,
         the scales after) and the partial, in x's dtype, is reduce-scattered (impl="fused": our
-        reduce_scatter custom call; impl="xla": lax.psum_scatter).
+        FP8 overlap kernel, the scales in its GEMM's epilogue, for bfloat16 x with K % 16 == 0
+        and N % 8 == 0, else XLA's FP8 GEMM and our reduce_scatter; impl="xla":
+        lax.psum_scatter).
 
     The fused CPU and GPU kernels sum the partials in a fixed rank order, so results are
     bitwise reproducible. Differentiable (custom_vjp): the input gradient is a fused

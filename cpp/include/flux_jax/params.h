@@ -86,15 +86,26 @@ struct CommConfig {
   GpuTuning tuning;
 };
 
+// FP8 operands of a fused GEMM op: x and w in float8_e4m3fn (w transposed, [n, k]: FP8 GEMMs
+// read both operands K-major), the output in `dtype`,
+//   out[i, j] = row_scale[i] * col_scale[j] * sum_k x[i, k] * w[j, k]   (float32 accumulation).
+// row_scale covers the GEMM's rows (ag_matmul: all tp*m_local gathered rows, rank order).
+struct Fp8Operands {
+  bool on = false;
+  const float* row_scale = nullptr;
+  const float* col_scale = nullptr;  // [n]
+};
+
 // out[tp*m_local, n] = all_gather(x[m_local, k]) @ op(w), op(w) = w or w^T.
 struct AgMatmulParams {
   const void* x = nullptr;   // [m_local, k]
   const void* w = nullptr;   // [k, n], or [n, k] when w_transposed
   void* out = nullptr;       // [tp*m_local, n]
-  void* gathered = nullptr;  // optional [tp*m_local, k]
+  void* gathered = nullptr;  // optional [tp*m_local, k], x's element type
   int64_t m_local = 0, k = 0, n = 0;
-  DType dtype = DType::kBF16;
+  DType dtype = DType::kBF16;  // out (and x, w unless fp8)
   bool w_transposed = false;
+  Fp8Operands fp8;
 };
 
 // out[m/tp, n] = reduce_scatter(x[m, k_local] @ op(w)) over the leading axis.
@@ -103,8 +114,12 @@ struct MatmulRsParams {
   const void* w = nullptr;  // [k, n], or [n, k] when w_transposed
   void* out = nullptr;      // [m/tp, n]
   int64_t m = 0, k = 0, n = 0;
-  DType dtype = DType::kBF16;
+  DType dtype = DType::kBF16;  // out (and x, w unless fp8)
   bool w_transposed = false;
+  Fp8Operands fp8;
 };
+
+// Bytes per element of x and w.
+inline size_t OperandBytes(DType dtype, const Fp8Operands& fp8) { return fp8.on ? 1 : DTypeBytes(dtype); }
 
 }  // namespace flux_jax

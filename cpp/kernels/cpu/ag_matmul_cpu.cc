@@ -22,11 +22,12 @@ namespace flux_jax {
 Status RunAgMatmulCpu(const AgMatmulParams& p, const TpGroup& group, const CommConfig& cfg) {
   FLUX_JAX_RETURN_IF_ERROR(AgMatmulCanImplement(p, group));
   const int tp = group.size, rank = group.rank;
-  const size_t elt = DTypeBytes(p.dtype);
-  const size_t chunk_bytes = static_cast<size_t>(p.m_local * p.k) * elt;
+  const size_t elt = DTypeBytes(p.dtype);  // out
+  const size_t chunk_bytes = static_cast<size_t>(p.m_local * p.k) * OperandBytes(p.dtype, p.fp8);
   const int64_t chunk_out = p.m_local * p.n;  // output elements per chunk
 
-  const uint64_t signature = cpu::HashInts({1, p.m_local, p.k, p.n, static_cast<int64_t>(p.dtype), p.w_transposed});
+  const uint64_t signature =
+      cpu::HashInts({1, p.m_local, p.k, p.n, static_cast<int64_t>(p.dtype), p.w_transposed, p.fp8.on});
   cpu::ChannelCall call;
   FLUX_JAX_RETURN_IF_ERROR(call.Open(group, cfg, chunk_bytes, signature));
   cpu::Channel& channel = call.channel();
@@ -49,7 +50,8 @@ Status RunAgMatmulCpu(const AgMatmulParams& p, const TpGroup& group, const CommC
   }
 
   // 2. GEMM chunk by chunk, local first, each remote chunk once it arrived.
-  const std::vector<float> w = cpu::WeightAsFloat(p.w, p.dtype, p.k, p.n, p.w_transposed);
+  const std::vector<float> w = p.fp8.on ? cpu::Fp8WeightAsFloat(p.w, p.k, p.n, p.fp8.col_scale)
+                                        : cpu::WeightAsFloat(p.w, p.dtype, p.k, p.n, p.w_transposed);
   std::vector<float> acc(static_cast<size_t>(chunk_out));
   for (int i = 0; i < tp; ++i) {
     const int src = (rank + i) % tp;
@@ -59,7 +61,11 @@ Status RunAgMatmulCpu(const AgMatmulParams& p, const TpGroup& group, const CommC
           channel.Wait(rank, cpu::FlagKind::kArrived, parity, src, epoch, epoch, cfg, {"ag_matmul", src, src}));
       rows = channel.Slot(rank, parity, src);
     }
-    cpu::GemmRows(rows, p.dtype, p.m_local, p.k, w.data(), p.n, acc.data());
+    if (p.fp8.on) {
+      cpu::GemmRowsFp8(rows, p.m_local, p.k, w.data(), p.n, p.fp8.row_scale + src * p.m_local, acc.data());
+    } else {
+      cpu::GemmRows(rows, p.dtype, p.m_local, p.k, w.data(), p.n, acc.data());
+    }
     cpu::FromFloat(acc.data(), chunk_out, p.dtype, static_cast<char*>(p.out) + src * chunk_out * elt);
     if (p.gathered && chunk_bytes) {
       std::memcpy(static_cast<char*>(p.gathered) + src * chunk_bytes, rows, chunk_bytes);

@@ -1,6 +1,7 @@
 #include "host_gemm.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 
@@ -76,6 +77,15 @@ uint16_t FloatToF16(float f) {
   return static_cast<uint16_t>(sign | h);
 }
 
+// float8_e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities, S.1111.111 is NaN.
+float E4m3ToFloat(uint8_t v) {
+  const float sign = (v & 0x80u) ? -1.0f : 1.0f;
+  const int exp = (v >> 3) & 0xf, man = v & 0x7;
+  if (exp == 0xf && man == 0x7) return std::numeric_limits<float>::quiet_NaN();
+  if (exp == 0) return sign * std::ldexp(static_cast<float>(man), -9);  // subnormal: man/8 * 2^-6
+  return sign * std::ldexp(1.0f + static_cast<float>(man) / 8.0f, exp - 7);
+}
+
 }  // namespace
 
 void ToFloat(const void* src, DType dtype, int64_t count, float* dst) {
@@ -129,6 +139,25 @@ std::vector<float> WeightAsFloat(const void* w, DType dtype, int64_t k, int64_t 
     for (int64_t kk = 0; kk < k; ++kk) out[kk * n + j] = row[kk];
   }
   return out;
+}
+
+std::vector<float> Fp8WeightAsFloat(const void* w, int64_t k, int64_t n, const float* col_scale) {
+  std::vector<float> out(static_cast<size_t>(k * n));
+  auto* q = static_cast<const uint8_t*>(w);
+  for (int64_t j = 0; j < n; ++j) {  // w is [n, k]: row j of w is column j of op(w)
+    for (int64_t kk = 0; kk < k; ++kk) out[kk * n + j] = E4m3ToFloat(q[j * k + kk]) * col_scale[j];
+  }
+  return out;
+}
+
+void GemmRowsFp8(const void* a, int64_t m, int64_t k, const float* b, int64_t n, const float* row_scale, float* c) {
+  std::vector<float> rows(static_cast<size_t>(m * k));
+  auto* q = static_cast<const uint8_t*>(a);
+  for (int64_t i = 0; i < m * k; ++i) rows[i] = E4m3ToFloat(q[i]);
+  GemmRows(rows.data(), DType::kF32, m, k, b, n, c);
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) c[i * n + j] *= row_scale[i];
+  }
 }
 
 void GemmRows(const void* a, DType dtype, int64_t m, int64_t k, const float* b, int64_t n, float* c) {

@@ -28,7 +28,7 @@ Status RunMatmulRsCpu(const MatmulRsParams& p, const TpGroup& group, const CommC
   const int64_t chunk_out = m_out * p.n;
   const size_t partial_bytes = static_cast<size_t>(chunk_out) * sizeof(float);
 
-  const uint64_t signature = cpu::HashInts({2, p.m, p.k, p.n, static_cast<int64_t>(p.dtype), p.w_transposed});
+  const uint64_t signature = cpu::HashInts({2, p.m, p.k, p.n, static_cast<int64_t>(p.dtype), p.w_transposed, p.fp8.on});
   cpu::ChannelCall call;
   FLUX_JAX_RETURN_IF_ERROR(call.Open(group, cfg, partial_bytes, signature));
   cpu::Channel& channel = call.channel();
@@ -36,8 +36,17 @@ Status RunMatmulRsCpu(const MatmulRsParams& p, const TpGroup& group, const CommC
   const int parity = call.parity();
   if (cfg.poison_outputs) std::memset(p.out, 0xFF, static_cast<size_t>(chunk_out) * elt);
 
-  const std::vector<float> w = cpu::WeightAsFloat(p.w, p.dtype, p.k, p.n, p.w_transposed);
-  auto x_chunk = [&](int c) { return static_cast<const char*>(p.x) + c * m_out * p.k * elt; };
+  const std::vector<float> w = p.fp8.on ? cpu::Fp8WeightAsFloat(p.w, p.k, p.n, p.fp8.col_scale)
+                                        : cpu::WeightAsFloat(p.w, p.dtype, p.k, p.n, p.w_transposed);
+  const size_t x_elt = OperandBytes(p.dtype, p.fp8);
+  auto x_chunk = [&](int c) { return static_cast<const char*>(p.x) + c * m_out * p.k * x_elt; };
+  auto gemm = [&](int c, float* out) {
+    if (p.fp8.on) {
+      cpu::GemmRowsFp8(x_chunk(c), m_out, p.k, w.data(), p.n, p.fp8.row_scale + c * m_out, out);
+    } else {
+      cpu::GemmRows(x_chunk(c), p.dtype, m_out, p.k, w.data(), p.n, out);
+    }
+  };
 
   // 1. Partials of the peers' rows: compute straight into the peer's slot.
   for (int i = 1; i < tp; ++i) {
@@ -45,7 +54,7 @@ Status RunMatmulRsCpu(const MatmulRsParams& p, const TpGroup& group, const CommC
     FLUX_JAX_RETURN_IF_ERROR(channel.Wait(rank, cpu::FlagKind::kFreed, parity, dst, epoch >= 2 ? epoch - 2 : 0, epoch,
                                           cfg, {"matmul_rs", dst, dst}));
     auto* slot = reinterpret_cast<float*>(channel.Slot(dst, parity, rank));
-    cpu::GemmRows(x_chunk(dst), p.dtype, m_out, p.k, w.data(), p.n, slot);
+    gemm(dst, slot);
     if (rank != cfg.drop_rank) {
       channel.Signal(dst, cpu::FlagKind::kArrived, parity, rank, epoch, cfg);
     }
@@ -53,7 +62,7 @@ Status RunMatmulRsCpu(const MatmulRsParams& p, const TpGroup& group, const CommC
 
   // 2. Own partial, then the reduction in rank order.
   std::vector<float> own(static_cast<size_t>(chunk_out));
-  cpu::GemmRows(x_chunk(rank), p.dtype, m_out, p.k, w.data(), p.n, own.data());
+  gemm(rank, own.data());
   std::vector<float> acc(static_cast<size_t>(chunk_out), 0.0f);
   for (int src = 0; src < tp; ++src) {
     const float* part = own.data();

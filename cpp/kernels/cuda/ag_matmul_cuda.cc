@@ -28,13 +28,18 @@ Status RunAgMatmulCuda(const AgMatmulParams& p, const TpGroup& group, const Comm
   const int tp = group.size, r = group.rank;
   const int device = group.ordinals[r];
   DeviceGuard guard(device);
+  if (p.fp8.on) FLUX_JAX_RETURN_IF_ERROR(CheckFp8Call("ag_matmul", cfg, p.w_transposed, p.k));
   if (cfg.path == FusedPath::kDecode && tp > 1) return RunAgMatmulDecode(p, group, cfg, S);
-  const size_t elt = DTypeBytes(p.dtype);
   const int64_t rows = tp * p.m_local;
-  const size_t row_bytes = static_cast<size_t>(p.k) * elt;
+  const size_t row_bytes = static_cast<size_t>(p.k) * OperandBytes(p.dtype, p.fp8);
   const size_t chunk_bytes = static_cast<size_t>(p.m_local) * row_bytes;
+  // The GEMM instance: by shape, forced by the tuning, or the FP8 one.
+  auto choose = [&](int sm_count, GemmPlan* plan) {
+    return p.fp8.on ? ChooseFp8GemmInstance(cfg, p.fp8, plan)
+                    : ChooseGemmInstance(cfg, p.dtype, p.w_transposed, rows, p.n, sm_count, plan);
+  };
   if (cfg.poison_outputs) {
-    FLUX_CUDA_TRY(cudaMemsetAsync(p.out, 0xFF, rows * p.n * elt, S));
+    FLUX_CUDA_TRY(cudaMemsetAsync(p.out, 0xFF, rows * p.n * DTypeBytes(p.dtype), S));
     if (p.gathered) FLUX_CUDA_TRY(cudaMemsetAsync(p.gathered, 0xFF, rows * row_bytes, S));
   }
 
@@ -42,11 +47,11 @@ Status RunAgMatmulCuda(const AgMatmulParams& p, const TpGroup& group, const Comm
   plan.d = p.out;
 
   if (tp == 1) {
-    if (cfg.tuning.gemm_kernel == static_cast<int64_t>(GemmKernel::kDecode))
+    if (cfg.tuning.gemm_kernel == static_cast<int64_t>(GemmKernel::kDecode) && !p.fp8.on)
       return RunDecodeGemmAlone(p, group, cfg, S);
     GroupWorkspace* ws = nullptr;  // no communication; the workspace only holds alpha
     FLUX_JAX_RETURN_IF_ERROR(AcquireWorkspace(group, 0, cfg, S, &ws));
-    FLUX_JAX_RETURN_IF_ERROR(ChooseGemmInstance(cfg, p.dtype, p.w_transposed, rows, p.n, ws->sm_count, &plan));
+    FLUX_JAX_RETURN_IF_ERROR(choose(ws->sm_count, &plan));
     plan.a = p.x;
     plan.alpha_ptr = ws->alpha;
     // No gate runs here (gate_a is empty: its wait returns before the first flag). The probe
@@ -66,7 +71,7 @@ Status RunAgMatmulCuda(const AgMatmulParams& p, const TpGroup& group, const Comm
 
   GroupWorkspace* ws = nullptr;
   FLUX_JAX_RETURN_IF_ERROR(AcquireWorkspace(group, rows * row_bytes, cfg, S, &ws));
-  FLUX_JAX_RETURN_IF_ERROR(ChooseGemmInstance(cfg, p.dtype, p.w_transposed, rows, p.n, ws->sm_count, &plan));
+  FLUX_JAX_RETURN_IF_ERROR(choose(ws->sm_count, &plan));
   ws->epoch += 1;
   const uint64_t epoch = ws->epoch;
   const int32_t piece_rows = PieceRows(p.m_local, row_bytes, cfg.tuning.piece_bytes, kGemmBlockM * plan.cluster_m);

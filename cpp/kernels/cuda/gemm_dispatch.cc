@@ -13,6 +13,7 @@ Status RunGemm_bf16_nmajor_n192(const GemmPlan&, cudaStream_t, int, int);
 Status RunGemm_bf16_nmajor_c2x1(const GemmPlan&, cudaStream_t, int, int);
 Status RunGemm_bf16_nmajor_n160_c2x1(const GemmPlan&, cudaStream_t, int, int);
 Status RunGemm_bf16_kmajor_n160_c2x1(const GemmPlan&, cudaStream_t, int, int);
+Status RunGemm_e4m3_bf16(const GemmPlan&, cudaStream_t, int, int);
 Status Preload_RunGemm_bf16_nmajor();
 Status Preload_RunGemm_bf16_kmajor();
 Status Preload_RunGemm_f16_nmajor();
@@ -21,6 +22,7 @@ Status Preload_RunGemm_bf16_nmajor_n192();
 Status Preload_RunGemm_bf16_nmajor_c2x1();
 Status Preload_RunGemm_bf16_nmajor_n160_c2x1();
 Status Preload_RunGemm_bf16_kmajor_n160_c2x1();
+Status Preload_RunGemm_e4m3_bf16();
 
 Status PreloadGemmKernels() {
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_bf16_nmajor());
@@ -30,6 +32,7 @@ Status PreloadGemmKernels() {
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_bf16_nmajor_c2x1());
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_bf16_nmajor_n160_c2x1());
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_bf16_kmajor_n160_c2x1());
+  FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_e4m3_bf16());
   return Preload_RunGemm_f16_kmajor();
 }
 
@@ -46,6 +49,13 @@ static Status RunForcedGemm(const GemmPlan& plan, DType dtype, cudaStream_t stre
 }
 
 Status RunGemm(const GemmPlan& plan, DType dtype, cudaStream_t stream, int device, int sm_count) {
+  if (plan.fp8) {
+    if (dtype != DType::kBF16 || !plan.b_kmajor || plan.block_n != kGemmBlockN || plan.cluster_m != 1) {
+      return Status::InvalidArgument(
+          "flux_jax: the FP8 GEMM instance is 128x256 in 1x1 clusters, transposed weight, bfloat16 out");
+    }
+    return RunGemm_e4m3_bf16(plan, stream, device, sm_count);
+  }
   if (plan.cluster_m != 1 || plan.block_n == kGemmBlockN160)
     return RunForcedGemm(plan, dtype, stream, device, sm_count);
   switch (dtype) {

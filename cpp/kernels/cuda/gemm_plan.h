@@ -43,6 +43,11 @@ struct GemmPlan {
   int32_t group_m_tiles = 1;      // M tiles swept together across N (L2 reuse; gated_gemm.cuh)
   int32_t block_n = kGemmBlockN;  // tile columns: kGemmBlockN, or kGemmBlockNNarrow where built
   int32_t cluster_m = 1;          // CTAs per cluster along M (2: B shared by TMA multicast)
+  // FP8 (gemm_fp8_instance.cuh): A and B float8_e4m3fn, B K-major, D = alpha * row_scale[m] *
+  // col_scale[n] * A @ op(B) + beta * C in bfloat16.
+  bool fp8 = false;
+  const float* row_scale = nullptr;  // [m] of this launch's rows
+  const float* col_scale = nullptr;  // [n]
 };
 
 // Whether the narrow-tile instance exists for this input (RunGemm falls back to kGemmBlockN).
@@ -60,7 +65,8 @@ inline bool HasGemmInstance(DType dtype, bool b_kmajor, int32_t block_n, int32_t
   return block_n == kGemmBlockN160 && cluster_m == 2;
 }
 
-// Launches on `stream`; `sm_count` sizes the persistent grid.
+// Launches on `stream`; `sm_count` sizes the persistent grid. `dtype` is D's (and A's and B's
+// unless plan.fp8).
 Status RunGemm(const GemmPlan& plan, DType dtype, cudaStream_t stream, int device, int sm_count);
 
 // Loads every GEMM instance into the current device's context (see gemm_instance.cuh).

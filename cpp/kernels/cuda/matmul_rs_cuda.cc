@@ -38,12 +38,14 @@ Status RunMatmulRsCuda(const MatmulRsParams& p, const TpGroup& group, const Comm
   const int tp = group.size, r = group.rank;
   const int device = group.ordinals[r];
   DeviceGuard guard(device);
+  if (p.fp8.on) FLUX_JAX_RETURN_IF_ERROR(CheckFp8Call("matmul_rs", cfg, p.w_transposed, p.k));
   if (cfg.path == FusedPath::kDecode && tp > 1) return RunMatmulRsDecode(p, group, cfg, S);
-  const size_t elt = DTypeBytes(p.dtype);
+  const size_t elt = DTypeBytes(p.dtype);  // out and the partial sums
+  const size_t x_row_bytes = static_cast<size_t>(p.k) * OperandBytes(p.dtype, p.fp8);
   const int64_t m_out = p.m / tp;
   const size_t out_row_bytes = static_cast<size_t>(p.n) * elt;
   const size_t slot_bytes = static_cast<size_t>(m_out) * out_row_bytes;
-  const size_t x_chunk_bytes = static_cast<size_t>(m_out) * p.k * elt;
+  const size_t x_chunk_bytes = static_cast<size_t>(m_out) * x_row_bytes;
   if (cfg.poison_outputs) FLUX_CUDA_TRY(cudaMemsetAsync(p.out, 0xFF, slot_bytes, S));
 
   GemmPlan plan = BasePlan(m_out, p.n, p.k, p.w, p.w_transposed, cfg);
@@ -53,8 +55,14 @@ Status RunMatmulRsCuda(const MatmulRsParams& p, const TpGroup& group, const Comm
   // recv[0 .. tp-2] then stage[0 .. tp-2]
   FLUX_JAX_RETURN_IF_ERROR(AcquireWorkspace(group, 2 * (tp - 1) * slot_bytes, cfg, S, &ws));
   plan.alpha_ptr = ws->alpha;
-  FLUX_JAX_RETURN_IF_ERROR(
-      ChooseGemmInstance(cfg, p.dtype, p.w_transposed, tp == 1 ? p.m : m_out, p.n, ws->sm_count, &plan));
+  if (p.fp8.on) {
+    FLUX_JAX_RETURN_IF_ERROR(ChooseFp8GemmInstance(cfg, p.fp8, &plan));
+  } else {
+    FLUX_JAX_RETURN_IF_ERROR(
+        ChooseGemmInstance(cfg, p.dtype, p.w_transposed, tp == 1 ? p.m : m_out, p.n, ws->sm_count, &plan));
+  }
+  // FP8: the row scales of the launch's first row of x (row_scale covers all p.m rows).
+  auto row_scales_at = [&](int64_t x_row) { return p.fp8.on ? p.fp8.row_scale + x_row : nullptr; };
   auto x = static_cast<const char*>(p.x);
   if (tp == 1) {
     plan.a = x;
@@ -82,6 +90,7 @@ Status RunMatmulRsCuda(const MatmulRsParams& p, const TpGroup& group, const Comm
   for (int j = 0; j < tp; ++j) {
     const int chunk = (r - j - 1 + 2 * tp) % tp;
     const char* a_chunk = x + chunk * x_chunk_bytes;
+    plan.row_scale = row_scales_at(chunk * m_out);
     char* d_slot = j == tp - 1 ? static_cast<char*>(p.out) : stage + j * slot_bytes;
     plan.group_m_tiles = j == 0 ? TileGroupM(cfg) : gated_group_m;
     if (j == 0) {
@@ -111,7 +120,8 @@ Status RunMatmulRsCuda(const MatmulRsParams& p, const TpGroup& group, const Comm
       const int64_t row1 = std::min<int64_t>(m_out, static_cast<int64_t>(q1) * piece_rows);
       GemmPlan part = plan;
       part.m = row1 - row0;
-      part.a = a_chunk + row0 * p.k * elt;
+      part.a = a_chunk + row0 * x_row_bytes;
+      part.row_scale = row_scales_at(chunk * m_out + row0);
       part.d = d_slot + row0 * out_row_bytes;
       const bool tile_signal = j == 0 && signal_mode != 0;
       if (tile_signal) {

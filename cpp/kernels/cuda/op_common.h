@@ -104,6 +104,39 @@ inline Status ChooseGemmInstance(const CommConfig& cfg, DType dtype, bool b_kmaj
   return Status::Ok();
 }
 
+// The FP8 GEMM instance (gemm_fp8_instance.cuh): 128x256 tiles in 1x1 clusters, the only one
+// built; GpuTuning.gemm_kernel may name it (auto or 128x256), nothing else. Its row scales come
+// from `fp8` (the caller offsets them for launches that start below row 0 of x).
+inline Status ChooseFp8GemmInstance(const CommConfig& cfg, const Fp8Operands& fp8, GemmPlan* plan) {
+  const auto kernel = static_cast<GemmKernel>(cfg.tuning.gemm_kernel);
+  if (kernel != GemmKernel::kAuto && kernel != GemmKernel::k128x256) {
+    return Status::InvalidArgument(
+        "flux_jax: FP8 operands run the 128x256 FP8 GEMM instance only (GpuTuning.gemm_kernel must be auto or "
+        "128x256)");
+  }
+  plan->block_n = kGemmBlockN;
+  plan->cluster_m = 1;
+  plan->fp8 = true;
+  plan->row_scale = fp8.row_scale;
+  plan->col_scale = fp8.col_scale;
+  return Status::Ok();
+}
+
+// Checks the FP8 form of a call can run on the GPU kernels: the overlap path, the transposed
+// weight, K a multiple of 16 (16-byte rows for TMA).
+inline Status CheckFp8Call(const char* op, const CommConfig& cfg, bool w_transposed, int64_t k) {
+  if (cfg.path != FusedPath::kOverlap) {
+    return Status::InvalidArgument(std::string("flux_jax: ") + op + " with FP8 operands runs the overlap path only");
+  }
+  if (!w_transposed || k % 16 != 0) {
+    return Status::InvalidArgument(std::string("flux_jax: ") + op +
+                                   " with FP8 operands needs the transposed weight and per-rank K a multiple of 16 "
+                                   "(got K=" +
+                                   std::to_string(k) + ")");
+  }
+  return Status::Ok();
+}
+
 // When the pieces of the pushed ReduceScatter stage go (GpuTuning.rs_tile_signal;
 // -1 = by shape). Tile counters raised right after each tile's stores (2) start
 // the pushes while the launch still runs, which pays where the GEMM does little

@@ -1,0 +1,177 @@
+"""Our FP8 GEMM against XLA's on one GPU: the fused ops' FP8 overlap kernel at tp = 1.
+
+    python -m benchmarks.fp8_gemm [--out FILE] [--rounds 10] [--shapes MxKxN,...]
+
+Per shape (bfloat16 x [M, K] and w [K, N], the recipe `flux_jax.Fp8()`: e4m3, x per row, w per
+tensor), two programs over a mesh axis of size 1:
+
+  xla   the FP8 twin: quantize (XLA), XLA's FP8 GEMM (cuBLASLt) with the scales
+  flux  ag_matmul(impl="fused", fp8=True) pinned to the overlap path: the same quantization,
+        then our CUTLASS FP8 GEMM (e4m3 x e4m3, the scales in its epilogue) with no peer
+
+Both are checked first against a float32 GEMM of the dequantized operands (outputs poisoned for
+ours; bound: 4x the twin's own error, at least 1e-2). Times are device times from CUPTI, one
+profiled call per round, variants interleaved in shuffled order: `gemm_us` is the GEMM kernel
+alone (the costliest kernel of the call), `total_us` every kernel of the call (the quantize
+fusions are the same XLA code in both). Medians over the rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import flux_jax
+from flux_jax import fp8
+
+AXIS = "tp"
+# The forward GEMMs of the GEMM-parity preset at M >= 2048 (benchmarks/gemm_parity.py QUICK),
+# and 4096 x 8192 x 8192 (the FP8 target shape at TP = 2).
+SHAPES = (
+    (2048, 2560, 5120),
+    (2048, 8192, 5120),
+    (2048, 6912, 5120),
+    (8192, 2048, 4096),
+    (8192, 8192, 8192),
+    (8192, 8192, 28672),
+    (2048, 4096, 3072),
+    (4096, 3072, 4608),
+    (4096, 8192, 8192),
+)
+ERROR_FACTOR, ERROR_FLOOR = 4.0, 1e-2
+
+
+def _mesh():
+    return jax.make_mesh((1,), (AXIS,), axis_types=(AxisType.Explicit,), devices=jax.devices()[:1])
+
+
+def _program(impl: str, mesh):
+    body = lambda x, w: flux_jax.ag_matmul(x, w, axis_name=AXIS, impl=impl, fp8=True)  # noqa: E731
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS, None), P()), out_specs=P(AXIS, None)))
+
+
+def _operands(m, k, n, seed, mesh):
+    kx, kw = jax.random.split(jax.random.PRNGKey(seed))
+
+    @jax.jit
+    def make():
+        x = (jax.random.normal(kx, (m, k), jnp.float32) + 0.25).astype(jnp.bfloat16)
+        w = ((jax.random.normal(kw, (k, n), jnp.float32) + 0.25) / math.sqrt(k)).astype(jnp.bfloat16)
+        recipe = fp8.Fp8()
+        xq, xs = fp8.quantize_rows(x, recipe)
+        wq, ws = fp8.quantize_weight(w, recipe)
+        deq = lambda q, s: q.astype(jnp.float32) * s  # noqa: E731
+        ref = jnp.dot(deq(xq, xs), deq(wq, ws), precision=lax.Precision.HIGHEST)
+        return x, w, ref
+
+    x, w, ref = make()
+    return jax.device_put(x, NamedSharding(mesh, P(AXIS, None))), jax.device_put(w, NamedSharding(mesh, P())), ref
+
+
+@jax.jit
+def _rel_err(out, ref):
+    o = out.astype(jnp.float32)
+    err = jnp.max(jnp.abs(o - ref)) / jnp.maximum(jnp.max(jnp.abs(ref)), 1e-30)
+    return jnp.where(jnp.all(jnp.isfinite(o)), err, jnp.inf)
+
+
+def _kernels(fn, args) -> list[tuple[str, float]]:
+    from jax.experimental.mosaic.gpu import profiler
+
+    _, kernels = profiler.measure(fn, aggregate=False)(*args)
+    return [(name, ms * 1e3) for name, ms in kernels]
+
+
+def run_shape(m, k, n, rounds: int, seed: int, mesh) -> list[dict]:
+    x, w, ref = _operands(m, k, n, seed, mesh)
+    rows, programs = {}, {}
+    with flux_jax.config(fused_path="overlap"):
+        for name, impl in (("xla", "xla"), ("flux", "fused")):
+            row = rows[name] = dict(M=m, K=k, N=n, variant=name, status="ok", gemm_us=None, total_us=None)
+            try:
+                if name == "flux":
+                    with flux_jax.config(debug_poison_outputs=True):
+                        checked = _program(impl, mesh)
+                        err = float(_rel_err(checked(x, w), ref))
+                else:
+                    err = float(_rel_err(_program(impl, mesh)(x, w), ref))
+                row["max_rel_err"] = err
+                bound = max(ERROR_FACTOR * rows["xla"].get("max_rel_err", 0.0), ERROR_FLOOR)
+                if not err <= bound:
+                    row["status"] = f"WRONG: relative error {err:.3e} > {bound:.3e}"
+                    continue
+                programs[name] = _program(impl, mesh)
+                _kernels(programs[name], (x, w))  # warm: compiled, workspace allocated
+            except Exception as e:  # noqa: BLE001 -- any failure is this variant's status
+                row["status"] = f"unavailable: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        samples = {name: [] for name in programs}
+        for r in range(rounds):
+            order = list(programs)
+            random.Random(seed * 1000 + r).shuffle(order)
+            for name in order:
+                samples[name].append(_kernels(programs[name], (x, w)))
+    for name, runs in samples.items():
+        row = rows[name]
+        gemm = [max(us for _, us in kernels) for kernels in runs]
+        total = [sum(us for _, us in kernels) for kernels in runs]
+        row.update(
+            gemm_us=statistics.median(gemm),
+            gemm_us_min=min(gemm),
+            gemm_us_max=max(gemm),
+            total_us=statistics.median(total),
+            gemm_kernel=max(runs[-1], key=lambda kv: kv[1])[0][:160],
+            kernels=[(name[:100], round(us, 2)) for name, us in runs[-1]],
+            tflops=2.0 * m * k * n / (statistics.median(gemm) * 1e-6) / 1e12,
+        )
+    if rows["xla"]["gemm_us"] and rows["flux"]["gemm_us"]:
+        rows["flux"]["gemm_ratio_vs_xla"] = rows["flux"]["gemm_us"] / rows["xla"]["gemm_us"]
+        rows["flux"]["total_ratio_vs_xla"] = rows["flux"]["total_us"] / rows["xla"]["total_us"]
+    return list(rows.values())
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, help="write the rows as JSON here")
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--shapes", help="MxKxN,... (default: the preset's forward GEMMs at M >= 2048)")
+    args = ap.parse_args(argv)
+    shapes = SHAPES
+    if args.shapes:
+        shapes = tuple(tuple(int(v) for v in s.split("x")) for s in args.shapes.split(","))
+    mesh = _mesh()
+    rows = []
+    print(f"{'shape':>20} {'xla us':>9} {'flux us':>9} {'ratio':>6}  {'total ratio':>11}  status")
+    for i, (m, k, n) in enumerate(shapes):
+        got = run_shape(m, k, n, args.rounds, args.seed + i, mesh)
+        rows += got
+        xla, ours = got
+        ratio = ours.get("gemm_ratio_vs_xla")
+        total = ours.get("total_ratio_vs_xla")
+        print(
+            f"{m}x{k}x{n:>8} {xla['gemm_us'] or float('nan'):9.1f} {ours['gemm_us'] or float('nan'):9.1f} "
+            f"{ratio or float('nan'):6.3f}  {total or float('nan'):11.3f}  {xla['status']} / {ours['status']}",
+            flush=True,
+        )
+    ratios = [r["gemm_ratio_vs_xla"] for r in rows if r.get("gemm_ratio_vs_xla")]
+    if ratios:
+        median, low, high = statistics.median(ratios), min(ratios), max(ratios)
+        print(f"FP8 GEMM alone, ours / XLA's: median {median:.3f}, range {low:.3f}-{high:.3f}")
+    if args.out:
+        meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, flux_jax=flux_jax.build_info())
+        args.out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1, default=str))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+// The FP8 GEMM of the fused ops: float8_e4m3fn x float8_e4m3fn (both K-major, as FP8 wgmma
+// reads them), float32 accumulation, and the scales in a visitor epilogue:
+//
+//   D[m, n] = alpha * (row_scale[m] * (col_scale[n] * acc[m, n])) + beta * C[m, n]   (bfloat16 D, C)
+//
+// alpha is the poison scalar every fused GEMM reads per tile (1.0f, NaN once a wait gave up);
+// row_scale is x's per-row scale (ag_matmul: every gathered row's, gathered before the call),
+// col_scale w's per-column (or broadcast per-tensor) scale. Otherwise the same kernel as
+// gemm_instance.cuh: persistent, warp-specialized cooperative, the gated mainloop, gated
+// epilogue and rotated scheduler of gated_gemm.cuh; 128x256x128 tiles (128 bytes of K per row),
+// 1x1 clusters, CUTLASS's FP8 fast accumulation (the wgmma accumulator is not promoted every
+// few k-blocks: the forward GEMM, as cuBLASLt's FP8 GEMM under XLA).
+#pragma once
+
+#include "cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp"
+#include "gemm_instance.cuh"
+
+namespace flux_jax::cuda {
+
+template <class ElementD>
+struct GemmInstanceFp8 {
+  using Element = cutlass::float_e4m3_t;
+  using TileShape = cute::Shape<cute::_128, cute::Int<kGemmBlockN>, cute::_128>;
+  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
+  static constexpr int kAlignmentAB = 16;  // 16 bytes: K a multiple of 16
+  static constexpr int kAlignmentCD = 8;   // N a multiple of 8
+
+  using Multiply = cutlass::epilogue::fusion::Sm90Compute<cutlass::multiplies, float, float,
+                                                          cutlass::FloatRoundStyle::round_to_nearest>;
+  template <class... Ts>
+  using EVT = cutlass::epilogue::fusion::Sm90EVT<Ts...>;
+  using RowScale = cutlass::epilogue::fusion::Sm90ColBroadcast<0, TileShape, float, float,
+                                                               cute::Stride<cute::_1, cute::_0, int64_t>, 1>;
+  using ColScale = cutlass::epilogue::fusion::Sm90RowBroadcast<0, TileShape, float, float,
+                                                               cute::Stride<cute::_0, cute::_1, int64_t>, 4>;
+  using Alpha = cutlass::epilogue::fusion::Sm90ScalarBroadcast<float, cute::Stride<cute::_0, cute::_0, int64_t>>;
+  using Beta = cutlass::epilogue::fusion::Sm90ScalarBroadcast<float>;
+  using Scaled =
+      EVT<Multiply, Alpha, EVT<Multiply, RowScale, EVT<Multiply, ColScale, cutlass::epilogue::fusion::Sm90AccFetch>>>;
+  using Fusion = EVT<cutlass::epilogue::fusion::Sm90Compute<cutlass::homogeneous_multiply_add, ElementD, float,
+                                                            cutlass::FloatRoundStyle::round_to_nearest>,
+                     Beta, cutlass::epilogue::fusion::Sm90SrcFetch<ElementD>, Scaled>;
+
+  using BaseEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementD, cutlass::layout::RowMajor, kAlignmentCD,
+      ElementD, cutlass::layout::RowMajor, kAlignmentCD, cutlass::epilogue::TmaWarpSpecializedCooperative,
+      Fusion>::CollectiveOp;
+
+  using BaseMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::RowMajor, kAlignmentAB, Element,
+      cutlass::layout::ColumnMajor, kAlignmentAB, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename BaseEpilogue::SharedStorage))>,
+      cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8FastAccum>::CollectiveOp;
+
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, GatedMainloop<BaseMainloop>,
+                                                      GatedEpilogue<BaseEpilogue>, RotatedSchedulerTag>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+};
+
+template <class Instance>
+Status RunFp8GemmInstance(const GemmPlan& p, cudaStream_t stream, int device, int sm_count) {
+  using Kernel = typename Instance::Kernel;
+  using Element = typename Kernel::ElementA;
+  using ElementD = typename Kernel::ElementD;
+  const int m = static_cast<int>(p.m), n = static_cast<int>(p.n), k = static_cast<int>(p.k);
+
+  typename Kernel::Arguments args{};
+  args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
+  args.problem_shape = {m, n, k, 1};
+
+  auto& ml = args.mainloop;
+  ml.ptr_A = static_cast<Element const*>(p.a);
+  ml.dA = cutlass::make_cute_packed_stride(typename Kernel::StrideA{}, cute::make_shape(m, k, 1));
+  ml.ptr_B = static_cast<Element const*>(p.b);
+  ml.dB = cutlass::make_cute_packed_stride(typename Kernel::StrideB{}, cute::make_shape(n, k, 1));
+  ml.ptr_A_local = static_cast<Element const*>(p.a_local);
+  ml.local_rows = p.local_rows;
+  ml.local_first_tile = p.local_first_tile;
+  ml.gate = p.gate_a;
+
+  auto& ep = args.epilogue;
+  // The visitor tree's arguments, children first (Sm90EVT<Node, Children...>: op_0.. the children,
+  // the node last):
+  // {beta, C, {alpha, {row_scale, {col_scale, acc, *}, *}, *}, multiply_add}. alpha's nonzero
+  // batch stride makes every tile read it (as in gemm_instance.cuh).
+  auto& fusion = ep.thread;
+  auto& beta = fusion.op_0;
+  beta.scalars[0] = p.beta;
+  auto& scaled = fusion.op_2;
+  auto& alpha = scaled.op_0;
+  alpha.scalars[0] = 1.0f;
+  alpha.scalar_ptrs[0] = p.alpha_ptr;
+  alpha.dScalar[0] = {cute::_0{}, cute::_0{}, 1};
+  auto& row_scaled = scaled.op_1;
+  auto& row = row_scaled.op_0;
+  row.ptr_col = p.row_scale;
+  row.dCol = {cute::_1{}, cute::_0{}, 0};
+  auto& col_scaled = row_scaled.op_1;
+  auto& col = col_scaled.op_0;
+  col.ptr_row = p.col_scale;
+  col.dRow = {cute::_0{}, cute::_1{}, 0};
+
+  ep.ptr_C = static_cast<ElementD const*>(p.c != nullptr ? p.c : p.d);
+  ep.dC = cutlass::make_cute_packed_stride(typename Kernel::StrideC{}, cute::make_shape(m, n, 1));
+  ep.ptr_D = static_cast<ElementD*>(p.d);
+  ep.dD = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, cute::make_shape(m, n, 1));
+  ep.gate = p.gate_c;
+  ep.signal = p.signal_d;
+
+  args.hw_info.device_id = device;
+  args.hw_info.sm_count = sm_count;
+  args.scheduler.group_m_tiles = p.group_m_tiles;
+  args.scheduler.rotate_m_tiles = p.rotate_m_tiles;
+
+  typename Instance::Gemm gemm;
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
+    return Status::InvalidArgument("flux_jax: CUTLASS cannot implement FP8 GEMM m=" + std::to_string(m) +
+                                   " n=" + std::to_string(n) + " k=" + std::to_string(k) +
+                                   " (K must be a multiple of 16 and N of 8)");
+  }
+  cutlass::Status st = gemm.initialize(args, nullptr, stream);
+  if (st == cutlass::Status::kSuccess) st = gemm.run(stream);
+  if (st != cutlass::Status::kSuccess) {
+    return Status::Internal(std::string("flux_jax: CUTLASS FP8 GEMM launch failed: ") +
+                            cutlass::cutlassGetStatusString(st) + " / " + cudaGetErrorString(cudaGetLastError()));
+  }
+  return Status::Ok();
+}
+
+}  // namespace flux_jax::cuda
