@@ -20,7 +20,8 @@
 // (eps = 2^-7 bf16 / 2^-10 f16: the output's rounding and, for matmul_rs, the partials'); the
 // collectives bit for bit (reduce_scatter, all_reduce: float32 sums in rank order, rounded once).
 // matmul_ar: rank 0 against the reference, every other rank bit for bit against rank 0 (its
-// output must be the same bits on every rank).
+// output must be the same bits on every rank). FP8 cases (ag_matmul, matmul_rs overlap): e4m3 x and
+// w^T with row and column scales, bf16 out, against the same reference with the scales applied.
 //
 // Build and run: README.md in this directory (CMake target `ops_loopback`).
 // `--cpu` runs the same calls on the CPU backend (no GPU needed: checks this program);
@@ -69,6 +70,7 @@ struct Case {
   DType dtype = DType::kBF16;
   bool w_transposed = false;
   bool gathered = false;  // ag_matmul's return_gathered
+  bool fp8 = false;       // x, w in float8_e4m3fn with row / column scales (Fp8Operands), out in dtype
 };
 
 constexpr int kInputSets = 3;  // calls e and e+2 share a parity half, never inputs
@@ -112,8 +114,8 @@ std::string Describe(const Case& c, int tp) {
   char buf[200];
   std::snprintf(buf, sizeof(buf), "tp %d %-14s %-10s %5lld x %5lld x %5lld %s%s%s", tp, op[static_cast<int>(c.op)],
                 path[static_cast<int>(c.path)], static_cast<long long>(c.m), static_cast<long long>(c.k),
-                static_cast<long long>(c.n), DTypeName(c.dtype), c.w_transposed ? " w^T" : "",
-                c.gathered ? " +gathered" : "");
+                static_cast<long long>(c.n), c.fp8 ? "e4m3->bfloat16" : DTypeName(c.dtype),
+                c.w_transposed ? " w^T" : "", c.gathered ? " +gathered" : "");
   return buf;
 }
 
@@ -122,6 +124,34 @@ float ToFloat(uint16_t v, DType t) { return t == DType::kF16 ? loopback::F16ToFl
 uint16_t FromFloat(float f, DType t) {  // round to nearest even
   return t == DType::kF16 ? loopback::FloatToF16(f) : loopback::FloatToBf16(f);
 }
+
+// float8_e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities, S.1111.111 is NaN.
+float E4m3ToFloat(uint16_t v) {
+  const int exp = (v >> 3) & 0xf, man = v & 0x7;
+  if (exp == 0xf && man == 0x7) return std::nanf("");
+  const float mag = exp == 0 ? std::ldexp(static_cast<float>(man), -9) : std::ldexp(8.f + man, exp - 10);
+  return (v & 0x80) ? -mag : mag;
+}
+
+// Round to nearest even, saturating at +-448 (never NaN). a = q * 2^(exp - 3), q in 8..16 (a carry to
+// 16 is the next binade's first value); below 2^-6 (exp = -6) q in 0..8 is the subnormal's bits.
+uint16_t FloatToE4m3(float f) {
+  const uint16_t sign = std::signbit(f) ? 0x80 : 0;
+  const float a = std::fabs(f);
+  int e = 0;
+  std::frexp(a, &e);  // a = 1.m * 2^(e - 1)
+  const int exp = a < std::ldexp(1.f, -6) ? -6 : e - 1;
+  const int q = static_cast<int>(std::nearbyint(std::ldexp(a, 3 - exp)));
+  const int bits = exp == -6 && q < 8 ? q : ((exp + 7) << 3) + q - 8;
+  return static_cast<uint16_t>(sign | std::min(bits, 0x7E));
+}
+
+bool IsFp8Nan(uint16_t v) { return (v & 0x7F) == 0x7F; }
+
+// x's and w's elements on the host: uint16_t words, FP8 cases one e4m3 byte each.
+size_t OperandSize(const Case& c) { return c.fp8 ? 1 : 2; }
+float OperandToFloat(uint16_t v, const Case& c) { return c.fp8 ? E4m3ToFloat(v) : ToFloat(v, c.dtype); }
+bool OperandIsNan(uint16_t v, const Case& c) { return c.fp8 ? IsFp8Nan(v) : std::isnan(ToFloat(v, c.dtype)); }
 
 void* Alloc(size_t bytes) {
   void* p = nullptr;
@@ -142,6 +172,25 @@ void Download(void* dst, const void* src, size_t bytes) {
     std::memcpy(dst, src, bytes);
   else
     CHECK_CUDA(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
+}
+// Host operands in the buffers' layout (FP8: one byte per element); `staging` keeps the bytes until
+// the rank's stream has been synchronized.
+void UploadOperands(void* dst, const std::vector<uint16_t>& v, const Case& c, cudaStream_t stream,
+                    std::vector<std::vector<uint8_t>>* staging) {
+  if (!c.fp8) return Upload(dst, v.data(), v.size() * 2, stream);
+  staging->emplace_back(v.begin(), v.end());
+  Upload(dst, staging->back().data(), v.size(), stream);
+}
+std::vector<uint16_t> DownloadOperands(const void* src, size_t elems, const Case& c) {
+  std::vector<uint16_t> v(elems);
+  if (!c.fp8) {
+    Download(v.data(), src, elems * 2);
+    return v;
+  }
+  std::vector<uint8_t> bytes(elems);
+  Download(bytes.data(), src, elems);
+  std::copy(bytes.begin(), bytes.end(), v.begin());
+  return v;
 }
 void Release(void* p) {
   if (g_cpu)
@@ -178,11 +227,15 @@ class Rendezvous {
 
 // The host inputs of every rank of one case (read by every thread for the references), and the
 // same as float: x row-major, op(w) transposed to [n][k], so a reference dot runs over memory in order.
+// FP8 cases: the scales of each rank's x rows change with the set (they travel with the rows; the
+// ag_matmul call takes every rank's, in rank order), the column scales are per rank as w is.
 struct Inputs {
-  std::vector<std::vector<uint16_t>> x[kInputSets];  // [set][rank]
-  std::vector<std::vector<uint16_t>> w;              // [rank]
-  std::vector<std::vector<float>> xf[kInputSets];    // [set][rank]
-  std::vector<std::vector<float>> wt;                // [rank], [n][k]
+  std::vector<std::vector<uint16_t>> x[kInputSets];       // [set][rank]
+  std::vector<std::vector<uint16_t>> w;                   // [rank]
+  std::vector<std::vector<float>> xf[kInputSets];         // [set][rank]
+  std::vector<std::vector<float>> wt;                     // [rank], [n][k]
+  std::vector<std::vector<float>> row_scale[kInputSets];  // FP8: [set][rank], one per row of x
+  std::vector<std::vector<float>> col_scale;              // FP8: [rank], [n]
 };
 
 Inputs MakeInputs(const Case& c, int tp, unsigned seed) {
@@ -195,7 +248,7 @@ Inputs MakeInputs(const Case& c, int tp, unsigned seed) {
     set.resize(tp);
     for (auto& x : set) {
       x.resize(static_cast<size_t>(c.m * (matmul ? c.k : c.n)));
-      for (auto& v : x) v = FromFloat(normal(gen), c.dtype);
+      for (auto& v : x) v = c.fp8 ? FloatToE4m3(normal(gen)) : FromFloat(normal(gen), c.dtype);
     }
   }
   if (!matmul) return in;
@@ -204,21 +257,33 @@ Inputs MakeInputs(const Case& c, int tp, unsigned seed) {
   for (int q = 0; q < tp; ++q) {
     auto& w = in.w[q];
     w.resize(static_cast<size_t>(c.k * c.n));
-    for (auto& v : w) v = FromFloat(normal(gen) * w_scale, c.dtype);
+    for (auto& v : w) v = c.fp8 ? FloatToE4m3(normal(gen)) : FromFloat(normal(gen) * w_scale, c.dtype);
     auto& wt = in.wt[q];
     wt.resize(w.size());
     for (int64_t kk = 0; kk < c.k; ++kk) {
       for (int64_t col = 0; col < c.n; ++col) {  // w [k, n], or [n, k] when transposed
-        wt[col * c.k + kk] = ToFloat(c.w_transposed ? w[col * c.k + kk] : w[kk * c.n + col], c.dtype);
+        wt[col * c.k + kk] = OperandToFloat(c.w_transposed ? w[col * c.k + kk] : w[kk * c.n + col], c);
       }
     }
   }
   for (int s = 0; s < kInputSets; ++s) {
     for (const auto& x : in.x[s]) {
       std::vector<float> f(x.size());
-      for (size_t i = 0; i < x.size(); ++i) f[i] = ToFloat(x[i], c.dtype);
+      for (size_t i = 0; i < x.size(); ++i) f[i] = OperandToFloat(x[i], c);
       in.xf[s].push_back(std::move(f));
     }
+  }
+  if (!c.fp8) return in;
+  std::uniform_real_distribution<float> exponent(-4.f, 4.f);  // scales 2^-4 .. 2^4
+  for (auto& set : in.row_scale) {
+    set.assign(tp, std::vector<float>(static_cast<size_t>(c.m)));
+    for (auto& scales : set) {
+      for (auto& v : scales) v = std::exp2(exponent(gen));
+    }
+  }
+  in.col_scale.assign(tp, std::vector<float>(static_cast<size_t>(c.n)));
+  for (auto& scales : in.col_scale) {
+    for (auto& v : scales) v = std::exp2(exponent(gen)) * w_scale;
   }
   return in;
 }
@@ -239,6 +304,16 @@ Ref Dot(const Case& c, const std::vector<float>& x, int64_t row, const std::vect
     r.magnitude += std::fabs(p);
   }
   r.partials = std::fabs(r.value);
+  return r;
+}
+
+// Dot for output row `row` of rank q_x's x (input set `set`) and column `col` of rank q_w's w, times
+// the row's and the column's scale in FP8 cases.
+Ref ScaledDot(const Case& c, const Inputs& in, int set, int q_x, int64_t row, int q_w, int64_t col) {
+  Ref r = Dot(c, in.xf[set][q_x], row, in.wt[q_w], col);
+  if (!c.fp8) return r;
+  const double scale = static_cast<double>(in.row_scale[set][q_x][row]) * in.col_scale[q_w][col];
+  r.value *= scale, r.partials *= scale, r.magnitude *= scale;
   return r;
 }
 
@@ -311,6 +386,8 @@ class RankThread {
     void* w = nullptr;
     void* out = nullptr;
     void* gathered = nullptr;
+    void* row_scale[kInputSets] = {};  // FP8: set s's scales of the call's rows
+    void* col_scale = nullptr;
     size_t out_elems = 0, gathered_elems = 0;
   };
 
@@ -331,9 +408,9 @@ class RankThread {
     if (!g_cpu) {
       // Never a silent wrong answer: every output element of the failed call is NaN or right.
       CHECK_CUDA(cudaStreamSynchronize(stream_));
-      std::vector<uint16_t> out(b.out_elems), gathered(b.gathered_elems);
+      std::vector<uint16_t> out(b.out_elems), gathered;
       Download(out.data(), b.out, out.size() * 2);
-      if (b.gathered) Download(gathered.data(), b.gathered, gathered.size() * 2);
+      if (b.gathered) gathered = DownloadOperands(b.gathered, b.gathered_elems, c);
       if (Compare(c, in, 0, out, gathered, *call - 1, /*nan_ok=*/true) != 0) {
         std::printf("  FAIL rank %d, %s, rank %d silent: finite wrong outputs\n", rank_, Describe(c, tp_).c_str(),
                     dropped);
@@ -438,14 +515,28 @@ class RankThread {
 
   Buffers Allocate(const Case& c, const Inputs& in) {
     Buffers b;
+    std::vector<std::vector<uint8_t>> staging;  // FP8 operands' bytes, until the sync below
     for (int s = 0; s < kInputSets; ++s) {
       const auto& x = in.x[s][rank_];
-      b.x[s] = Alloc(x.size() * 2);
-      Upload(b.x[s], x.data(), x.size() * 2, stream_);
+      b.x[s] = Alloc(x.size() * OperandSize(c));
+      UploadOperands(b.x[s], x, c, stream_, &staging);
     }
     if (!in.w.empty()) {
-      b.w = Alloc(in.w[rank_].size() * 2);
-      Upload(b.w, in.w[rank_].data(), in.w[rank_].size() * 2, stream_);
+      b.w = Alloc(in.w[rank_].size() * OperandSize(c));
+      UploadOperands(b.w, in.w[rank_], c, stream_, &staging);
+    }
+    std::vector<float> row_scale[kInputSets];
+    if (c.fp8) {  // ag_matmul: every rank's rows' scales; matmul_rs: this rank's
+      for (int s = 0; s < kInputSets; ++s) {
+        for (int q = 0; q < tp_; ++q) {
+          if (c.op == Op::kAgMatmul || q == rank_)
+            row_scale[s].insert(row_scale[s].end(), in.row_scale[s][q].begin(), in.row_scale[s][q].end());
+        }
+        b.row_scale[s] = Alloc(row_scale[s].size() * 4);
+        Upload(b.row_scale[s], row_scale[s].data(), row_scale[s].size() * 4, stream_);
+      }
+      b.col_scale = Alloc(in.col_scale[rank_].size() * 4);
+      Upload(b.col_scale, in.col_scale[rank_].data(), in.col_scale[rank_].size() * 4, stream_);
     }
     switch (c.op) {
       case Op::kAgMatmul:
@@ -459,7 +550,7 @@ class RankThread {
       case Op::kAllReduce: b.out_elems = c.m * c.n; break;
     }
     b.out = Alloc(b.out_elems * 2);
-    if (b.gathered_elems) b.gathered = Alloc(b.gathered_elems * 2);
+    if (b.gathered_elems) b.gathered = Alloc(b.gathered_elems * OperandSize(c));
     if (!g_cpu) CHECK_CUDA(cudaStreamSynchronize(stream_));  // never the device: peers may be spinning
     // No rank launches before every rank has allocated: a cudaMalloc may wait for the work already
     // on the device, which includes a faster rank's kernel spinning for this rank (on one GPU only).
@@ -469,7 +560,8 @@ class RankThread {
 
   static void Free(Buffers& b) {
     for (void* p : b.x) Release(p);
-    Release(b.w), Release(b.out), Release(b.gathered);
+    for (void* p : b.row_scale) Release(p);
+    Release(b.w), Release(b.out), Release(b.gathered), Release(b.col_scale);
   }
 
   Status Launch(const Case& c, Buffers& b, int set, const CallOptions& o) {
@@ -478,12 +570,18 @@ class RankThread {
       AgMatmulParams p;
       p.x = b.x[set], p.w = b.w, p.out = b.out, p.gathered = b.gathered;
       p.m_local = c.m, p.k = c.k, p.n = c.n, p.dtype = c.dtype, p.w_transposed = c.w_transposed;
+      p.fp8.on = c.fp8;
+      p.fp8.row_scale = static_cast<const float*>(b.row_scale[set]);
+      p.fp8.col_scale = static_cast<const float*>(b.col_scale);
       return g_cpu ? RunAgMatmulCpu(p, group_, cfg) : RunAgMatmulCuda(p, group_, cfg, stream_);
     }
     if (c.op == Op::kMatmulRs) {
       MatmulRsParams p;
       p.x = b.x[set], p.w = b.w, p.out = b.out;
       p.m = c.m, p.k = c.k, p.n = c.n, p.dtype = c.dtype, p.w_transposed = c.w_transposed;
+      p.fp8.on = c.fp8;
+      p.fp8.row_scale = static_cast<const float*>(b.row_scale[set]);
+      p.fp8.col_scale = static_cast<const float*>(b.col_scale);
       return g_cpu ? RunMatmulRsCpu(p, group_, cfg) : RunMatmulRsCuda(p, group_, cfg, stream_);
     }
     if (c.op == Op::kMatmulAr) {
@@ -515,9 +613,9 @@ class RankThread {
     }
     if (!check) return 0;
     if (!g_cpu) CHECK_CUDA(cudaStreamSynchronize(stream_));
-    std::vector<uint16_t> out(b.out_elems), gathered(b.gathered_elems);
+    std::vector<uint16_t> out(b.out_elems), gathered;
     Download(out.data(), b.out, out.size() * 2);
-    if (b.gathered) Download(gathered.data(), b.gathered, gathered.size() * 2);
+    if (b.gathered) gathered = DownloadOperands(b.gathered, b.gathered_elems, c);
     if (c.op != Op::kMatmulAr) return Compare(c, in, set, out, gathered, call);
     // matmul_ar: rank 0 against the reference, the others bit for bit against rank 0.
     g_outputs[rank_] = out;
@@ -554,16 +652,15 @@ class RankThread {
     switch (c.op) {
       case Op::kAgMatmul:
         for (int64_t row = 0; row < tp_ * c.m; ++row) {
-          const auto& x = xf[row / c.m];
           for (int64_t col = 0; col < c.n; ++col) {
-            const Ref r = Dot(c, x, row % c.m, in.wt[rank_], col);
+            const Ref r = ScaledDot(c, in, set, static_cast<int>(row / c.m), row % c.m, rank_, col);
             expect(row * c.n + col, ToFloat(out[row * c.n + col], c.dtype), r.value,
                    eps * (std::fabs(r.value) + r.partials) + std::ldexp(r.magnitude, -14));
           }
         }
         for (size_t i = 0; i < gathered.size(); ++i) {  // the gathered rows: bit for bit
           const int64_t row = static_cast<int64_t>(i) / c.k;
-          if (nan_ok && std::isnan(ToFloat(gathered[i], c.dtype))) continue;
+          if (nan_ok && OperandIsNan(gathered[i], c)) continue;
           if (gathered[i] != xs[row / c.m][(row % c.m) * c.k + static_cast<int64_t>(i) % c.k]) {
             if (first < 0) first = static_cast<int64_t>(out.size() + i);
             ++bad;
@@ -575,7 +672,7 @@ class RankThread {
           for (int64_t col = 0; col < c.n; ++col) {
             Ref sum;
             for (int q = 0; q < tp_; ++q) {
-              const Ref r = Dot(c, xf[q], rank_ * rpr + row, in.wt[q], col);
+              const Ref r = ScaledDot(c, in, set, q, rank_ * rpr + row, q, col);
               sum.value += r.value, sum.partials += r.partials, sum.magnitude += r.magnitude;
             }
             expect(row * c.n + col, ToFloat(out[row * c.n + col], c.dtype), sum.value,
@@ -638,8 +735,8 @@ class RankThread {
 };
 
 // Cases (indices into CasesFor) rerun with a silent rank: each path's bounded waits, and the
-// gathered output of both ag_matmul paths (4, 7: NaN or right, never an earlier call's rows).
-const std::vector<size_t> kDropCases = {0, 4, 5, 7, 8, 13, 14, 16, 18, 20, 23};
+// gathered output of both ag_matmul paths (4, 7, and FP8 28: NaN or right, never an earlier call's rows).
+const std::vector<size_t> kDropCases = {0, 4, 5, 7, 8, 13, 14, 16, 18, 20, 23, 28};
 // The case whose first call on a fresh group meets a failing workspace growth.
 constexpr size_t kGrowthCase = 8;
 
@@ -674,6 +771,11 @@ std::vector<Case> CasesFor(int tp) {
       {Op::kMatmulAr, Path::kOverlap, 64, 512, 1024, DType::kF16},
       {Op::kMatmulAr, Path::kOverlap, 96, 520, 1032},  // a partial row tile, K and N tails
       {Op::kMatmulAr, Path::kOverlap, 128, 768, 512, DType::kBF16, /*w_transposed=*/true},
+      // FP8 (e4m3 x and w^T, row and column scales, bf16 out): overlap only.
+      {Op::kAgMatmul, Path::kOverlap, ag_m, 1024, 768, DType::kBF16, true, false, /*fp8=*/true},
+      {Op::kAgMatmul, Path::kOverlap, ag_m, 768, 512, DType::kBF16, true, /*gathered=*/true, /*fp8=*/true},
+      {Op::kAgMatmul, Path::kOverlap, 200, 512, 520, DType::kBF16, true, false, /*fp8=*/true},  // 200: no 128-row tiles
+      {Op::kMatmulRs, Path::kOverlap, 1024, 1024, 1024, DType::kBF16, true, false, /*fp8=*/true},
   };
   return cases;
 }
@@ -763,7 +865,7 @@ int main(int argc, char** argv) {
   size_t ran = 0;
   for (int tp : tps) {
     const std::vector<Case> all = CasesFor(tp);
-    std::vector<size_t> picked = {0, 5, 8, 13, 16, 18};  // --self-test: one case per op and path
+    std::vector<size_t> picked = {0, 5, 8, 13, 16, 18, 28, 30};  // --self-test: one case per op and path, FP8
     if (!g_self_test) {
       picked.clear();
       for (size_t i = 0; i < all.size(); ++i) picked.push_back(i);
