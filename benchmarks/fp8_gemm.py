@@ -8,6 +8,8 @@ tensor), two programs over a mesh axis of size 1:
   xla   the FP8 twin: quantize (XLA), XLA's FP8 GEMM (cuBLASLt) with the scales
   flux  ag_matmul(impl="fused", fp8=True) pinned to the overlap path: the same quantization,
         then our CUTLASS FP8 GEMM (e4m3 x e4m3, the scales in its epilogue) with no peer
+  flux:128x128_c2x1  the same with the FP8 instance of 128x128 tiles in 2x1 clusters (forced
+        through the private GpuTuning.gemm_kernel; `--no-forced` leaves it out)
 
 Both are checked first against a float32 GEMM of the unquantized operands, so the error is mostly
 FP8's rounding (outputs poisoned for ours; bound: 4x the twin's own error, at least 1e-2; the
@@ -33,6 +35,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flux_jax
+from flux_jax import _config
 
 AXIS = "tp"
 # The forward GEMMs of the GEMM-parity preset at M >= 2048 (benchmarks/gemm_parity.py QUICK),
@@ -55,9 +58,20 @@ def _mesh():
     return jax.make_mesh((1,), (AXIS,), axis_types=(AxisType.Explicit,), devices=jax.devices()[:1])
 
 
-def _program(impl: str, mesh):
+# (name, impl, GpuTuning.gemm_kernel): the twin first (its error bounds the others').
+VARIANTS = (("xla", "xla", "auto"), ("flux", "fused", "auto"), ("flux:128x128_c2x1", "fused", "128x128_c2x1"))
+
+
+def _program(impl: str, mesh, kernel: str = "auto"):
+    """The jitted variant; the GPU tuning is part of the jit key, so every call sets it."""
     body = lambda x, w: flux_jax.ag_matmul(x, w, axis_name=AXIS, impl=impl, fp8=True)  # noqa: E731
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS, None), P()), out_specs=P(AXIS, None)))
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS, None), P()), out_specs=P(AXIS, None)))
+
+    def call(*args):
+        with _config.gpu_tuning(gemm_kernel=kernel):
+            return fn(*args)
+
+    return call
 
 
 def _operands(m, k, n, seed, mesh):
@@ -88,17 +102,16 @@ def _kernels(fn, args) -> list[tuple[str, float]]:
     return [(name, ms * 1e3) for name, ms in kernels]
 
 
-def run_shape(m, k, n, rounds: int, seed: int, mesh) -> list[dict]:
+def run_shape(m, k, n, rounds: int, seed: int, mesh, variants=VARIANTS) -> list[dict]:
     x, w, ref = _operands(m, k, n, seed, mesh)
     rows, programs = {}, {}
     with flux_jax.config(fused_path="overlap"):
-        for name, impl in (("xla", "xla"), ("flux", "fused")):
+        for name, impl, kernel in variants:
             row = rows[name] = dict(M=m, K=k, N=n, variant=name, status="ok", gemm_us=None, total_us=None)
             try:
-                if name == "flux":
+                if impl == "fused":
                     with flux_jax.config(debug_poison_outputs=True):
-                        checked = _program(impl, mesh)
-                        err = float(_rel_err(checked(x, w), ref))
+                        err = float(_rel_err(_program(impl, mesh, kernel)(x, w), ref))
                 else:
                     err = float(_rel_err(_program(impl, mesh)(x, w), ref))
                 row["max_rel_err"] = err
@@ -106,7 +119,7 @@ def run_shape(m, k, n, rounds: int, seed: int, mesh) -> list[dict]:
                 if not err <= bound:
                     row["status"] = f"WRONG: relative error {err:.3e} > {bound:.3e}"
                     continue
-                programs[name] = _program(impl, mesh)
+                programs[name] = _program(impl, mesh, kernel)
                 _kernels(programs[name], (x, w))  # warm: compiled, workspace allocated
             except Exception as e:  # noqa: BLE001 -- any failure is this variant's status
                 row["status"] = f"unavailable: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
@@ -129,9 +142,10 @@ def run_shape(m, k, n, rounds: int, seed: int, mesh) -> list[dict]:
             kernels=[(name[:100], round(us, 2)) for name, us in runs[-1]],
             tflops=2.0 * m * k * n / (statistics.median(gemm) * 1e-6) / 1e12,
         )
-    if rows["xla"]["gemm_us"] and rows["flux"]["gemm_us"]:
-        rows["flux"]["gemm_ratio_vs_xla"] = rows["flux"]["gemm_us"] / rows["xla"]["gemm_us"]
-        rows["flux"]["total_ratio_vs_xla"] = rows["flux"]["total_us"] / rows["xla"]["total_us"]
+    for row in rows.values():
+        if row["variant"] != "xla" and rows["xla"]["gemm_us"] and row["gemm_us"]:
+            row["gemm_ratio_vs_xla"] = row["gemm_us"] / rows["xla"]["gemm_us"]
+            row["total_ratio_vs_xla"] = row["total_us"] / rows["xla"]["total_us"]
     return list(rows.values())
 
 
@@ -141,32 +155,36 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shapes", help="MxKxN,... (default: the preset's forward GEMMs at M >= 2048)")
+    ap.add_argument("--no-forced", action="store_true", help="only the default instance (no flux:128x128_c2x1)")
     args = ap.parse_args(argv)
     shapes = SHAPES
     if args.shapes:
         shapes = tuple(tuple(int(v) for v in s.split("x")) for s in args.shapes.split(","))
+    variants = VARIANTS[:2] if args.no_forced else VARIANTS
     mesh = _mesh()
     rows = []
     meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, flux_jax=flux_jax.build_info())
-    print(f"{'shape':>20} {'xla us':>9} {'flux us':>9} {'ratio':>6}  {'total ratio':>11}  status")
+    print("shape, then per variant: GEMM us (ours / XLA's), whole call ours / twin, status")
     for i, (m, k, n) in enumerate(shapes):
-        got = run_shape(m, k, n, args.rounds, args.seed + i, mesh)
+        got = run_shape(m, k, n, args.rounds, args.seed + i, mesh, variants)
         rows += got
         if args.out:  # after every shape: a stopped run keeps what it measured
             args.out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1, default=str))
-        xla, ours = got
-        ratio = ours.get("gemm_ratio_vs_xla")
-        total = ours.get("total_ratio_vs_xla")
-        print(
-            f"{m}x{k}x{n:>8} {xla['gemm_us'] or float('nan'):9.1f} {ours['gemm_us'] or float('nan'):9.1f} "
-            f"{ratio or float('nan'):6.3f}  {total or float('nan'):11.3f}  {xla['status']} / {ours['status']}",
-            flush=True,
-        )
-        print(f"    GEMM kernels: xla {xla.get('gemm_kernel', '-')[:90]}; ours {ours.get('gemm_kernel', '-')[:60]}")
-    ratios = [r["gemm_ratio_vs_xla"] for r in rows if r.get("gemm_ratio_vs_xla")]
-    if ratios:
-        median, low, high = statistics.median(ratios), min(ratios), max(ratios)
-        print(f"FP8 GEMM alone, ours / XLA's: median {median:.3f}, range {low:.3f}-{high:.3f}")
+        cells = []
+        for r in got:
+            us = f"{r['gemm_us']:.1f}" if r["gemm_us"] else "-"
+            ratio = (
+                f" ({r['gemm_ratio_vs_xla']:.3f}, whole {r['total_ratio_vs_xla']:.3f})"
+                if "gemm_ratio_vs_xla" in r
+                else ""
+            )
+            cells.append(f"{r['variant']} {us}{ratio} {r['status']} [{r.get('gemm_kernel', '-')[:40]}]")
+        print(f"{m}x{k}x{n}: " + "; ".join(cells), flush=True)
+    for name, _, _ in variants[1:]:
+        ratios = [r["gemm_ratio_vs_xla"] for r in rows if r["variant"] == name and r.get("gemm_ratio_vs_xla")]
+        if ratios:
+            median, low, high = statistics.median(ratios), min(ratios), max(ratios)
+            print(f"{name}: FP8 GEMM alone / XLA's: median {median:.3f}, range {low:.3f}-{high:.3f}")
     return rows
 
 

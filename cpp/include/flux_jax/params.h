@@ -54,6 +54,7 @@ enum class GemmKernel : int64_t {
   k128x256Cluster2x1 = 3,
   k128x160Cluster2x1 = 4,
   kDecode = 5,
+  k128x128Cluster2x1 = 6,  // FP8 only
 };
 
 // GPU tuning of the overlap and decode kernels. Every default is the product

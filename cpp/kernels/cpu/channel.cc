@@ -522,23 +522,27 @@ std::string Channel::NeverMapped() const {
 }
 
 void Channel::Fail(const std::string& message) {
+  // First the name: a process that never mapped the segment must not find it, and a job that
+  // ends now leaves nothing in /dev/shm. Before the failure is visible: another thread of this
+  // process may return the error at once and the process exit (os._exit) while this one is
+  // still descheduled (a segment was left behind that way on a loaded 2-core host).
+  if (shared_) UnlinkSegment(shm_name_);
   int32_t expected = 0;
   if (layout_->failed.compare_exchange_strong(expected, 1)) {
     std::snprintf(layout_->failure, kFailureBytes, "%s", message.c_str());
     layout_->failed.store(2, std::memory_order_release);
   }
   WakeAll();
-  // A process that never mapped the segment must not find it (and a job that
-  // dies now leaves nothing in /dev/shm).
-  if (shared_) UnlinkSegment(shm_name_);
 }
 
 Status Channel::Health() const {
   int32_t state = layout_->failed.load(std::memory_order_acquire);
   if (state == 0) return Status::Ok();
-  // The failing rank is writing its message; it takes microseconds (unless that
-  // process was stopped right then: never wait long for it).
-  for (int i = 0; i < 1000 && state == 1; ++i) {
+  // The failing rank is writing its message; that takes microseconds once its thread runs, but
+  // on a loaded host the thread can be descheduled for 100+ ms right between the two stores
+  // (seen on 2 cores during a build). Wait up to 2 s; only a process stopped right then costs
+  // that much, and it then reads as "not available".
+  for (int i = 0; i < 20000 && state == 1; ++i) {
     std::this_thread::sleep_for(std::chrono::microseconds(100));
     state = layout_->failed.load(std::memory_order_acquire);
   }

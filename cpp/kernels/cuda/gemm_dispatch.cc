@@ -14,6 +14,7 @@ Status RunGemm_bf16_nmajor_c2x1(const GemmPlan&, cudaStream_t, int, int);
 Status RunGemm_bf16_nmajor_n160_c2x1(const GemmPlan&, cudaStream_t, int, int);
 Status RunGemm_bf16_kmajor_n160_c2x1(const GemmPlan&, cudaStream_t, int, int);
 Status RunGemm_e4m3_bf16(const GemmPlan&, cudaStream_t, int, int);
+Status RunGemm_e4m3_bf16_n128_c2x1(const GemmPlan&, cudaStream_t, int, int);
 Status Preload_RunGemm_bf16_nmajor();
 Status Preload_RunGemm_bf16_kmajor();
 Status Preload_RunGemm_f16_nmajor();
@@ -23,6 +24,7 @@ Status Preload_RunGemm_bf16_nmajor_c2x1();
 Status Preload_RunGemm_bf16_nmajor_n160_c2x1();
 Status Preload_RunGemm_bf16_kmajor_n160_c2x1();
 Status Preload_RunGemm_e4m3_bf16();
+Status Preload_RunGemm_e4m3_bf16_n128_c2x1();
 
 Status PreloadGemmKernels() {
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_bf16_nmajor());
@@ -33,6 +35,7 @@ Status PreloadGemmKernels() {
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_bf16_nmajor_n160_c2x1());
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_bf16_kmajor_n160_c2x1());
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_e4m3_bf16());
+  FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_e4m3_bf16_n128_c2x1());
   return Preload_RunGemm_f16_kmajor();
 }
 
@@ -50,11 +53,15 @@ static Status RunForcedGemm(const GemmPlan& plan, DType dtype, cudaStream_t stre
 
 Status RunGemm(const GemmPlan& plan, DType dtype, cudaStream_t stream, int device, int sm_count) {
   if (plan.fp8) {
-    if (dtype != DType::kBF16 || !plan.b_kmajor || plan.block_n != kGemmBlockN || plan.cluster_m != 1) {
+    const bool wide = plan.block_n == kGemmBlockN && plan.cluster_m == 1;
+    const bool clustered = plan.block_n == kGemmBlockN128 && plan.cluster_m == 2;
+    if (dtype != DType::kBF16 || !plan.b_kmajor || !(wide || clustered)) {
       return Status::InvalidArgument(
-          "flux_jax: the FP8 GEMM instance is 128x256 in 1x1 clusters, transposed weight, bfloat16 out");
+          "flux_jax: the FP8 GEMM instances are 128x256 (1x1 clusters) and 128x128 (2x1), transposed weight, "
+          "bfloat16 out");
     }
-    return RunGemm_e4m3_bf16(plan, stream, device, sm_count);
+    return wide ? RunGemm_e4m3_bf16(plan, stream, device, sm_count)
+                : RunGemm_e4m3_bf16_n128_c2x1(plan, stream, device, sm_count);
   }
   if (plan.cluster_m != 1 || plan.block_n == kGemmBlockN160)
     return RunForcedGemm(plan, dtype, stream, device, sm_count);

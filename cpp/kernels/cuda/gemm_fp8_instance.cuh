@@ -7,9 +7,9 @@
 // row_scale is x's per-row scale (ag_matmul: every gathered row's, gathered before the call),
 // col_scale w's per-column (or broadcast per-tensor) scale. Otherwise the same kernel as
 // gemm_instance.cuh: persistent, warp-specialized cooperative, the gated mainloop, gated
-// epilogue and rotated scheduler of gated_gemm.cuh; 128x256x128 tiles (128 bytes of K per row),
-// 1x1 clusters, CUTLASS's FP8 fast accumulation (the wgmma accumulator is not promoted every
-// few k-blocks: the forward GEMM, as cuBLASLt's FP8 GEMM under XLA).
+// epilogue and rotated scheduler of gated_gemm.cuh; 128x256x128 tiles (128 bytes of K per row) in
+// 1x1 clusters, or (forced, A/B) 128x128 in 2x1 clusters sharing B; CUTLASS's FP8 fast accumulation (the wgmma
+// accumulator is not promoted every few k-blocks: the forward GEMM, as cuBLASLt's FP8 GEMM under XLA).
 #pragma once
 
 #include "cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp"
@@ -17,11 +17,11 @@
 
 namespace flux_jax::cuda {
 
-template <class ElementD>
+template <class ElementD, int kBlockN = kGemmBlockN, int kClusterM = 1>
 struct GemmInstanceFp8 {
   using Element = cutlass::float_e4m3_t;
-  using TileShape = cute::Shape<cute::_128, cute::Int<kGemmBlockN>, cute::_128>;
-  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
+  using TileShape = cute::Shape<cute::_128, cute::Int<kBlockN>, cute::_128>;
+  using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::_1, cute::_1>;
   static constexpr int kAlignmentAB = 16;  // 16 bytes: K a multiple of 16
   static constexpr int kAlignmentCD = 8;   // N a multiple of 8
 
@@ -60,72 +60,23 @@ struct GemmInstanceFp8 {
 
 template <class Instance>
 Status RunFp8GemmInstance(const GemmPlan& p, cudaStream_t stream, int device, int sm_count) {
-  using Kernel = typename Instance::Kernel;
-  using Element = typename Kernel::ElementA;
-  using ElementD = typename Kernel::ElementD;
-  const int m = static_cast<int>(p.m), n = static_cast<int>(p.n), k = static_cast<int>(p.k);
-
-  typename Kernel::Arguments args{};
-  args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
-  args.problem_shape = {m, n, k, 1};
-
-  auto& ml = args.mainloop;
-  ml.ptr_A = static_cast<Element const*>(p.a);
-  ml.dA = cutlass::make_cute_packed_stride(typename Kernel::StrideA{}, cute::make_shape(m, k, 1));
-  ml.ptr_B = static_cast<Element const*>(p.b);
-  ml.dB = cutlass::make_cute_packed_stride(typename Kernel::StrideB{}, cute::make_shape(n, k, 1));
-  ml.ptr_A_local = static_cast<Element const*>(p.a_local);
-  ml.local_rows = p.local_rows;
-  ml.local_first_tile = p.local_first_tile;
-  ml.gate = p.gate_a;
-
-  auto& ep = args.epilogue;
+  auto args = GemmArguments<typename Instance::Kernel>(p, device, sm_count);
   // The visitor tree's arguments, children first (Sm90EVT<Node, Children...>: op_0.. the children,
-  // the node last):
-  // {beta, C, {alpha, {row_scale, {col_scale, acc, *}, *}, *}, multiply_add}. alpha's nonzero
-  // batch stride makes every tile read it (as in gemm_instance.cuh).
-  auto& fusion = ep.thread;
-  auto& beta = fusion.op_0;
-  beta.scalars[0] = p.beta;
+  // the node last): {beta, C, {alpha, {row_scale, {col_scale, acc, *}, *}, *}, multiply_add}.
+  // alpha's nonzero batch stride makes every tile read it (as in gemm_instance.cuh).
+  auto& fusion = args.epilogue.thread;
+  fusion.op_0.scalars[0] = p.beta;
   auto& scaled = fusion.op_2;
-  auto& alpha = scaled.op_0;
-  alpha.scalars[0] = 1.0f;
-  alpha.scalar_ptrs[0] = p.alpha_ptr;
-  alpha.dScalar[0] = {cute::_0{}, cute::_0{}, 1};
+  scaled.op_0.scalars[0] = 1.0f;
+  scaled.op_0.scalar_ptrs[0] = p.alpha_ptr;
+  scaled.op_0.dScalar[0] = {cute::_0{}, cute::_0{}, 1};
   auto& row_scaled = scaled.op_1;
-  auto& row = row_scaled.op_0;
-  row.ptr_col = p.row_scale;
-  row.dCol = {cute::_1{}, cute::_0{}, 0};
+  row_scaled.op_0.ptr_col = p.row_scale;
+  row_scaled.op_0.dCol = {cute::_1{}, cute::_0{}, 0};
   auto& col_scaled = row_scaled.op_1;
-  auto& col = col_scaled.op_0;
-  col.ptr_row = p.col_scale;
-  col.dRow = {cute::_0{}, cute::_1{}, 0};
-
-  ep.ptr_C = static_cast<ElementD const*>(p.c != nullptr ? p.c : p.d);
-  ep.dC = cutlass::make_cute_packed_stride(typename Kernel::StrideC{}, cute::make_shape(m, n, 1));
-  ep.ptr_D = static_cast<ElementD*>(p.d);
-  ep.dD = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, cute::make_shape(m, n, 1));
-  ep.gate = p.gate_c;
-  ep.signal = p.signal_d;
-
-  args.hw_info.device_id = device;
-  args.hw_info.sm_count = sm_count;
-  args.scheduler.group_m_tiles = p.group_m_tiles;
-  args.scheduler.rotate_m_tiles = p.rotate_m_tiles;
-
-  typename Instance::Gemm gemm;
-  if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
-    return Status::InvalidArgument("flux_jax: CUTLASS cannot implement FP8 GEMM m=" + std::to_string(m) +
-                                   " n=" + std::to_string(n) + " k=" + std::to_string(k) +
-                                   " (K must be a multiple of 16 and N of 8)");
-  }
-  cutlass::Status st = gemm.initialize(args, nullptr, stream);
-  if (st == cutlass::Status::kSuccess) st = gemm.run(stream);
-  if (st != cutlass::Status::kSuccess) {
-    return Status::Internal(std::string("flux_jax: CUTLASS FP8 GEMM launch failed: ") +
-                            cutlass::cutlassGetStatusString(st) + " / " + cudaGetErrorString(cudaGetLastError()));
-  }
-  return Status::Ok();
+  col_scaled.op_0.ptr_row = p.col_scale;
+  col_scaled.op_0.dRow = {cute::_0{}, cute::_1{}, 0};
+  return LaunchGemm<typename Instance::Gemm>(args, p, stream, "FP8 GEMM", "K must be a multiple of 16 and N of 8");
 }
 
 }  // namespace flux_jax::cuda

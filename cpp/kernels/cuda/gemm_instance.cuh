@@ -46,10 +46,15 @@ struct GemmInstance {
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 
-template <class Instance>
-Status RunGemmInstance(const GemmPlan& p, cudaStream_t stream, int device, int sm_count) {
-  using Kernel = typename Instance::Kernel;
-  using Element = typename Kernel::ElementA;
+// The arguments every instance shares: the problem, A (and its local rows), B, C, D, their gates
+// and tile signal, the persistent grid and the tile order. The caller fills the epilogue's
+// fusion arguments (`epilogue.thread`).
+template <class Kernel>
+typename Kernel::Arguments GemmArguments(const GemmPlan& p, int device, int sm_count) {
+  using ElementA = typename Kernel::ElementA;
+  using ElementB = typename Kernel::ElementB;
+  using ElementC = typename Kernel::ElementC;
+  using ElementD = typename Kernel::ElementD;
   const int m = static_cast<int>(p.m), n = static_cast<int>(p.n), k = static_cast<int>(p.k);
 
   typename Kernel::Arguments args{};
@@ -57,15 +62,52 @@ Status RunGemmInstance(const GemmPlan& p, cudaStream_t stream, int device, int s
   args.problem_shape = {m, n, k, 1};
 
   auto& ml = args.mainloop;
-  ml.ptr_A = static_cast<Element const*>(p.a);
+  ml.ptr_A = static_cast<ElementA const*>(p.a);
   ml.dA = cutlass::make_cute_packed_stride(typename Kernel::StrideA{}, cute::make_shape(m, k, 1));
-  ml.ptr_B = static_cast<Element const*>(p.b);
+  ml.ptr_B = static_cast<ElementB const*>(p.b);
   ml.dB = cutlass::make_cute_packed_stride(typename Kernel::StrideB{}, cute::make_shape(n, k, 1));
-  ml.ptr_A_local = static_cast<Element const*>(p.a_local);
+  ml.ptr_A_local = static_cast<ElementA const*>(p.a_local);
   ml.local_rows = p.local_rows;
   ml.local_first_tile = p.local_first_tile;
   ml.gate = p.gate_a;
 
+  auto& ep = args.epilogue;
+  ep.ptr_C = static_cast<ElementC const*>(p.c != nullptr ? p.c : p.d);
+  ep.dC = cutlass::make_cute_packed_stride(typename Kernel::StrideC{}, cute::make_shape(m, n, 1));
+  ep.ptr_D = static_cast<ElementD*>(p.d);
+  ep.dD = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, cute::make_shape(m, n, 1));
+  ep.gate = p.gate_c;
+  ep.signal = p.signal_d;
+
+  args.hw_info.device_id = device;
+  args.hw_info.sm_count = sm_count;
+  args.scheduler.group_m_tiles = p.group_m_tiles;
+  args.scheduler.rotate_m_tiles = p.rotate_m_tiles;
+  return args;
+}
+
+// Checks, initializes and launches one GEMM; `what` names it in errors ("GEMM", "FP8 GEMM").
+template <class Gemm>
+Status LaunchGemm(const typename Gemm::Arguments& args, const GemmPlan& p, cudaStream_t stream, const char* what,
+                  const char* requirement) {
+  Gemm gemm;
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
+    return Status::InvalidArgument(std::string("flux_jax: CUTLASS cannot implement ") + what +
+                                   " m=" + std::to_string(p.m) + " n=" + std::to_string(p.n) +
+                                   " k=" + std::to_string(p.k) + " (" + requirement + ")");
+  }
+  cutlass::Status st = gemm.initialize(args, nullptr, stream);
+  if (st == cutlass::Status::kSuccess) st = gemm.run(stream);
+  if (st != cutlass::Status::kSuccess) {
+    return Status::Internal(std::string("flux_jax: CUTLASS ") + what + " launch failed: " +
+                            cutlass::cutlassGetStatusString(st) + " / " + cudaGetErrorString(cudaGetLastError()));
+  }
+  return Status::Ok();
+}
+
+template <class Instance>
+Status RunGemmInstance(const GemmPlan& p, cudaStream_t stream, int device, int sm_count) {
+  auto args = GemmArguments<typename Instance::Kernel>(p, device, sm_count);
   auto& ep = args.epilogue;
   ep.thread.alpha = 1.0f;
   ep.thread.alpha_ptr = p.alpha_ptr;
@@ -76,30 +118,7 @@ Status RunGemmInstance(const GemmPlan& p, cudaStream_t stream, int device, int s
   // it makes the tile's C NaN instead (GatedEpilogue::load).
   ep.thread.dAlpha = {cute::_0{}, cute::_0{}, 1};
   ep.thread.beta = p.beta;
-  ep.ptr_C = static_cast<Element const*>(p.c != nullptr ? p.c : p.d);
-  ep.dC = cutlass::make_cute_packed_stride(typename Kernel::StrideC{}, cute::make_shape(m, n, 1));
-  ep.ptr_D = static_cast<Element*>(p.d);
-  ep.dD = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, cute::make_shape(m, n, 1));
-  ep.gate = p.gate_c;
-  ep.signal = p.signal_d;
-
-  args.hw_info.device_id = device;
-  args.hw_info.sm_count = sm_count;
-  args.scheduler.group_m_tiles = p.group_m_tiles;
-  args.scheduler.rotate_m_tiles = p.rotate_m_tiles;
-
-  typename Instance::Gemm gemm;
-  if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
-    return Status::InvalidArgument("flux_jax: CUTLASS cannot implement GEMM m=" + std::to_string(m) + " n=" +
-                                   std::to_string(n) + " k=" + std::to_string(k) + " (K and N must be multiples of 8)");
-  }
-  cutlass::Status st = gemm.initialize(args, nullptr, stream);
-  if (st == cutlass::Status::kSuccess) st = gemm.run(stream);
-  if (st != cutlass::Status::kSuccess) {
-    return Status::Internal(std::string("flux_jax: CUTLASS GEMM launch failed: ") +
-                            cutlass::cutlassGetStatusString(st) + " / " + cudaGetErrorString(cudaGetLastError()));
-  }
-  return Status::Ok();
+  return LaunchGemm<typename Instance::Gemm>(args, p, stream, "GEMM", "K and N must be multiples of 8");
 }
 
 // Loads the kernel into the current device's context now. With CUDA's lazy

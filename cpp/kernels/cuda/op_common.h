@@ -104,18 +104,22 @@ inline Status ChooseGemmInstance(const CommConfig& cfg, DType dtype, bool b_kmaj
   return Status::Ok();
 }
 
-// The FP8 GEMM instance (gemm_fp8_instance.cuh): 128x256 tiles in 1x1 clusters, the only one
-// built; GpuTuning.gemm_kernel may name it (auto or 128x256), nothing else. Its row scales come
-// from `fp8` (the caller offsets them for launches that start below row 0 of x).
+// The FP8 GEMM instance (gemm_fp8_instance.cuh): 128x256 tiles in 1x1 clusters by default;
+// GpuTuning.gemm_kernel may force 128x128 tiles in 2x1 clusters (B multicast; A/B only). Its row
+// scales come from `fp8` (the caller offsets them for launches that start below row 0 of x).
 inline Status ChooseFp8GemmInstance(const CommConfig& cfg, const Fp8Operands& fp8, GemmPlan* plan) {
   const auto kernel = static_cast<GemmKernel>(cfg.tuning.gemm_kernel);
-  if (kernel != GemmKernel::kAuto && kernel != GemmKernel::k128x256) {
+  if (kernel == GemmKernel::k128x128Cluster2x1) {
+    plan->block_n = kGemmBlockN128;
+    plan->cluster_m = 2;
+  } else if (kernel == GemmKernel::kAuto || kernel == GemmKernel::k128x256) {
+    plan->block_n = kGemmBlockN;
+    plan->cluster_m = 1;
+  } else {
     return Status::InvalidArgument(
-        "flux_jax: FP8 operands run the 128x256 FP8 GEMM instance only (GpuTuning.gemm_kernel must be auto or "
-        "128x256)");
+        "flux_jax: FP8 operands run the FP8 GEMM instances only (GpuTuning.gemm_kernel: auto, 128x256 or "
+        "128x128_c2x1)");
   }
-  plan->block_n = kGemmBlockN;
-  plan->cluster_m = 1;
   plan->fp8 = true;
   plan->row_scale = fp8.row_scale;
   plan->col_scale = fp8.col_scale;
