@@ -62,6 +62,12 @@ def test_one_gpu_matches_oracle(one_gpu, op, dtype, shape, path):
     assert not flux_jax.device_errors()
 
 
+def _grads(f, xs, ws, ct):
+    """(dx, dw) of sum(f(x, w) * ct)."""
+    loss = lambda a, b: jnp.sum(f(a, b).astype(jnp.float32) * ct)  # noqa: E731
+    return jax.jit(jax.grad(loss, argnums=(0, 1)))(xs, ws)
+
+
 @pytest.mark.parametrize("op", ["ag", "rs"])
 def test_one_gpu_middle_dimensions_and_gradients(one_gpu, op):
     mesh = _mesh(one_gpu)
@@ -74,12 +80,7 @@ def test_one_gpu_middle_dimensions_and_gradients(one_gpu, op):
     ref = np.einsum("bsk,kn->bsn", to64(x), to64(w))
     assert_matches(fused(xs, ws), ref, twin(xs, ws), "bfloat16", f"{op} 3-D")
     ct = jnp.asarray(rng.standard_normal(ref.shape), jnp.float32)
-
-    def grads(f):
-        loss = lambda a, b: jnp.sum(f(a, b).astype(jnp.float32) * ct)  # noqa: E731
-        return jax.jit(jax.grad(loss, argnums=(0, 1)))(xs, ws)
-
-    (dx, dw), (tdx, tdw) = grads(fused), grads(twin)
+    (dx, dw), (tdx, tdw) = _grads(fused, xs, ws, ct), _grads(twin, xs, ws, ct)
     ct64 = np.asarray(ct, np.float64)
     assert_matches(dx, np.einsum("bsn,kn->bsk", ct64, to64(w)), tdx, "bfloat16", f"{op} dx")
     assert_matches(dw, np.einsum("bsk,bsn->kn", to64(x), ct64), tdw, "bfloat16", f"{op} dw")
@@ -137,12 +138,7 @@ def test_one_gpu_fp8_middle_dimensions_and_gradients(one_gpu, op):
     with flux_jax.config(fused_path="overlap"):
         assert_matches(fused(xs, ws), ref, twin(xs, ws), "bfloat16", f"fp8 {op} 3-D")
         ct = jnp.asarray(rng.standard_normal(ref.shape), jnp.float32)
-
-        def grads(f):
-            loss = lambda a, b: jnp.sum(f(a, b).astype(jnp.float32) * ct)  # noqa: E731
-            return jax.jit(jax.grad(loss, argnums=(0, 1)))(xs, ws)
-
-        (dx, dw), (tdx, _) = grads(fused), grads(twin)
+        (dx, dw), (tdx, _) = _grads(fused, xs, ws, ct), _grads(twin, xs, ws, ct)
     got, want = to64(dx), to64(tdx)
     assert np.all(np.isfinite(got)) and np.linalg.norm(got - want) <= 2.0**-8 * np.linalg.norm(want), "dx"
     ct_b = to64(ct.astype(jnp.bfloat16)).reshape(-1, 768)  # the cotangent reaches the op in bf16
