@@ -28,7 +28,9 @@
 // Build and run: README.md in this directory (CMake target `ops_loopback`).
 // `--cpu` runs the same calls on the CPU backend (no GPU needed: checks this program);
 // `--self-test` feeds the last rank a wrong input set and passes only if every check fails;
-// `--tp=N`, `--op=matmul_rs`, `--path=decode` pick cases.
+// `--tp=N`, `--op=matmul_rs`, `--path=decode` pick cases; `--gemm-kernel=128x160_c2x1` (any forced
+// GpuTuning.gemm_kernel name) runs the overlap cases whose dtype and weight layout have that instance
+// with it (the A/B instances have to pass here before a rule may pick them).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -86,6 +88,8 @@ bool g_cpu = false;
 // --self-test: the last rank computes on the wrong input set (as a stale chunk or receive area
 // would), so every checked call must fail on every rank: shows that the checks can fail.
 bool g_self_test = false;
+// --gemm-kernel: the overlap GEMM instance every picked case forces (GemmKernel; kAuto: none).
+GemmKernel g_gemm_kernel = GemmKernel::kAuto;
 
 // Streams each rank issues work on: its own (XLA's) and its workspace member's comm stream.
 constexpr int kStreamsPerRank = 2;
@@ -105,7 +109,29 @@ CommConfig MakeCommConfig(const Case& c, const CallOptions& o) {
   cfg.drop_rank = o.drop_rank;
   cfg.poison_outputs = o.poison_outputs;
   cfg.path = c.path == Path::kDecode ? FusedPath::kDecode : FusedPath::kOverlap;
+  cfg.tuning.gemm_kernel = static_cast<int64_t>(g_gemm_kernel);
   return cfg;
+}
+
+// The forced instances by name (flux_jax/_config.py GEMM_KERNELS), kAuto for an unknown name.
+GemmKernel ForcedKernel(const std::string& name) {
+  if (name == "128x256") return GemmKernel::k128x256;
+  if (name == "128x192") return GemmKernel::k128x192;
+  if (name == "128x256_c2x1") return GemmKernel::k128x256Cluster2x1;
+  if (name == "128x160_c2x1") return GemmKernel::k128x160Cluster2x1;
+  if (name == "128x128_c2x1") return GemmKernel::k128x128Cluster2x1;
+  return GemmKernel::kAuto;
+}
+
+// Whether the build has the forced instance for this case (cpp/kernels/cuda/gemm_plan.h,
+// HasGemmInstance; FP8: ChooseFp8GemmInstance): only overlap cases of the GEMM ops run it.
+bool HasForcedInstance(const Case& c, GemmKernel k) {
+  if (k == GemmKernel::kAuto) return true;
+  if (c.path != Path::kOverlap || (c.op != Op::kAgMatmul && c.op != Op::kMatmulRs)) return false;
+  if (c.fp8) return k == GemmKernel::k128x256 || k == GemmKernel::k128x128Cluster2x1;
+  if (k == GemmKernel::k128x256) return true;
+  if (c.dtype != DType::kBF16 || k == GemmKernel::k128x128Cluster2x1) return false;
+  return k == GemmKernel::k128x160Cluster2x1 || !c.w_transposed;
 }
 // The last checked output of each rank (matmul_ar: compared across ranks bit for bit).
 std::vector<std::vector<uint16_t>> g_outputs;
@@ -848,6 +874,12 @@ int main(int argc, char** argv) {
       only_op = argv[i] + 5;
     } else if (std::strncmp(argv[i], "--path=", 7) == 0) {
       only_path = argv[i] + 7;
+    } else if (std::strncmp(argv[i], "--gemm-kernel=", 14) == 0) {
+      g_gemm_kernel = ForcedKernel(argv[i] + 14);
+      if (g_gemm_kernel == GemmKernel::kAuto) {
+        std::fprintf(stderr, "--gemm-kernel: 128x256, 128x192, 128x256_c2x1, 128x160_c2x1 or 128x128_c2x1\n");
+        return 2;
+      }
     } else if (std::strncmp(argv[i], "--tp=", 5) == 0) {
       tps = {std::atoi(argv[i] + 5)};
       if (tps[0] < 2 || tps[0] > 8) {
@@ -857,7 +889,7 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: %s [--cpu] [--self-test] [--tp=N] [--op=ag_matmul|matmul_rs|all_gather|reduce_scatter] "
-                   "[--path=overlap|decode|collective]\n",
+                   "[--path=overlap|decode|collective] [--gemm-kernel=NAME]\n",
                    argv[0]);
       return 2;
     }
@@ -886,6 +918,7 @@ int main(int argc, char** argv) {
       const std::string what = Describe(all[i], tp);
       if (what.find(" " + only_op + " ") == std::string::npos && !only_op.empty()) continue;
       if (what.find(" " + only_path + " ") == std::string::npos && !only_path.empty()) continue;
+      if (!HasForcedInstance(all[i], g_gemm_kernel)) continue;
       for (size_t d : kDropCases) {
         if (d == i && !g_self_test) drops.push_back(cases.size());
       }
@@ -907,7 +940,8 @@ int main(int argc, char** argv) {
     ran += cases.size();
   }
   if (ran == 0) {
-    std::printf("no case matches --op=%s --path=%s\n", only_op.c_str(), only_path.c_str());
+    std::printf("no case matches --op=%s --path=%s (and the forced GEMM instance)\n", only_op.c_str(),
+                only_path.c_str());
     return 2;
   }
   if (g_self_test) {
