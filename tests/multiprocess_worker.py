@@ -48,6 +48,12 @@ def sync(client, step):
     client.blocking_key_value_get(f"test/{step}/{1 - process_id}", 60_000)
 
 
+def ag_matmul_fn(mesh, impl):
+    """jit(shard_map(ag_matmul)) over the mesh's tp axis: x rows and w columns sharded."""
+    body = functools.partial(flux_jax.ag_matmul, axis_name="tp", impl=impl)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp")))
+
+
 def global_array(mesh, spec, host):
     return jax.make_array_from_callback(host.shape, NamedSharding(mesh, spec), lambda idx: host[idx])
 
@@ -118,17 +124,10 @@ elif scenario == "cross_host":  # host ids differ: fused primitive -> twin with 
 
     specs = dict(mesh=mesh, in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp"))
     auto = jax.jit(jax.shard_map(not_forced, **specs))
-    twin = jax.jit(jax.shard_map(functools.partial(flux_jax.ag_matmul, axis_name="tp", impl="xla"), **specs))
+    twin = ag_matmul_fn(mesh, "xla")
     result["auto_hlo_has_custom_call"] = "flux_jax_ag_matmul" in auto.lower(x, w).as_text()
     result["auto_rel_err"] = max_rel_diff(auto(x, w), twin(x, w))[0]
-    fused = jax.jit(
-        jax.shard_map(
-            functools.partial(flux_jax.ag_matmul, axis_name="tp", impl="fused"),
-            mesh=mesh,
-            in_specs=(P("tp", None), P(None, "tp")),
-            out_specs=P(None, "tp"),
-        )
-    )
+    fused = ag_matmul_fn(mesh, "fused")
     try:
         fused.lower(x, w)
         result["fused_error"] = None
@@ -139,14 +138,7 @@ elif scenario in ("peer_dies", "peer_killed"):
     # Either way process 0 must fail (not hang) and no segment of the job may stay in /dev/shm.
     mesh = jax.make_mesh((8,), ("tp",), axis_types=(AxisType.Explicit,))
     x, w = global_array(mesh, P("tp", None), x_host), global_array(mesh, P(None, "tp"), w_host)
-    f = jax.jit(
-        jax.shard_map(
-            functools.partial(flux_jax.ag_matmul, axis_name="tp", impl="fused"),
-            mesh=mesh,
-            in_specs=(P("tp", None), P(None, "tp")),
-            out_specs=P(None, "tp"),
-        )
-    )
+    f = ag_matmul_fn(mesh, "fused")
     compiled = f.lower(x, w).compile()
     result["session"] = flux_jax._distributed.process_info().session
     if scenario == "peer_killed":
@@ -239,22 +231,8 @@ elif scenario == "small_shm":
     big_x = rng.standard_normal((1024, 512)).astype(np.float32)
     big_w = (rng.standard_normal((512, 128)) / 16).astype(np.float32)
     x, w = global_array(mesh, P("tp", None), big_x), global_array(mesh, P(None, "tp"), big_w)
-    f = jax.jit(
-        jax.shard_map(
-            functools.partial(flux_jax.ag_matmul, axis_name="tp", impl="fused"),
-            mesh=mesh,
-            in_specs=(P("tp", None), P(None, "tp")),
-            out_specs=P(None, "tp"),
-        )
-    )
-    twin = jax.jit(
-        jax.shard_map(
-            functools.partial(flux_jax.ag_matmul, axis_name="tp", impl="xla"),
-            mesh=mesh,
-            in_specs=(P("tp", None), P(None, "tp")),
-            out_specs=P(None, "tp"),
-        )
-    )
+    f = ag_matmul_fn(mesh, "fused")
+    twin = ag_matmul_fn(mesh, "xla")
     compiled = f.lower(x, w).compile()
     t0 = time.time()
     try:
@@ -270,13 +248,8 @@ elif scenario == "reset":
     # then in one process only; then a process on another reset generation.
     mesh = jax.make_mesh((8,), ("tp",), axis_types=(AxisType.Explicit,))
     x, w = global_array(mesh, P("tp", None), x_host), global_array(mesh, P(None, "tp"), w_host)
-    specs = {"mesh": mesh, "in_specs": (P("tp", None), P(None, "tp")), "out_specs": P(None, "tp")}
-    compiled = (
-        jax.jit(jax.shard_map(functools.partial(flux_jax.ag_matmul, axis_name="tp", impl="fused"), **specs))
-        .lower(x, w)
-        .compile()
-    )
-    expected = jax.jit(jax.shard_map(functools.partial(flux_jax.ag_matmul, axis_name="tp", impl="xla"), **specs))(x, w)
+    compiled = ag_matmul_fn(mesh, "fused").lower(x, w).compile()
+    expected = ag_matmul_fn(mesh, "xla")(x, w)
     client = flux_jax._distributed._client()
     result["session"] = flux_jax._distributed.process_info().session
 
