@@ -472,15 +472,7 @@ class RankThread {
       g_cpu ? ResetCpuChannels() : ResetCudaWorkspaces();
     }
     rendezvous_->Arrive();
-    b = Allocate(c, in);
-    bad += Call(c, b, (*call)++, in, /*check=*/true);  // after the reset: right again
-    Free(b);
-    if (bad) failures_->fetch_add(bad);
-    rendezvous_->Arrive();
-    if (rank_ == 0)
-      std::printf(failures_->load() ? "  -> failures so far: %d\n" : "  -> ok (and right after the reset)\n",
-                  failures_->load());
-    std::fflush(stdout);
+    RightAfterReset(c, in, call, bad);
   }
 
   // A workspace growth that fails on the last rank (CudaFailNextWorkspaceGrowthForTesting: its
@@ -522,8 +514,13 @@ class RankThread {
     rendezvous_->Arrive();
     if (rank_ == 0) ResetCudaWorkspaces();
     rendezvous_->Arrive();
-    b = Allocate(c, in);
-    bad += Call(c, b, (*call)++, in, /*check=*/true);  // after the reset: right again
+    RightAfterReset(c, in, call, bad);
+  }
+
+  // After a reset the case runs right again; adds this rank's failed checks (`bad` and that call's).
+  void RightAfterReset(const Case& c, const Inputs& in, uint64_t* call, int bad) {
+    Buffers b = Allocate(c, in);
+    bad += Call(c, b, (*call)++, in, /*check=*/true);
     Free(b);
     if (bad) failures_->fetch_add(bad);
     rendezvous_->Arrive();
