@@ -34,6 +34,28 @@ Status PushToPeers(cpu::Channel& channel, int rank, int tp, int parity, uint64_t
   return Status::Ok();
 }
 
+// out (elems values of `dtype`) = the sum over ranks in rank order, in float32, of this rank's
+// `own` values and each peer's from its receive slot (freed after use): the same bits wherever
+// the same values meet. `chunk_of(src)`: the chunk a timed-out wait names.
+template <typename ChunkOf>
+Status SumInRankOrder(cpu::Channel& channel, int rank, int tp, int parity, uint64_t epoch, const void* own,
+                      int64_t elems, DType dtype, const CommConfig& cfg, const char* op, ChunkOf chunk_of, void* out) {
+  std::vector<float> acc(static_cast<size_t>(elems), 0.0f), part(acc.size());
+  for (int src = 0; src < tp; ++src) {
+    const void* rows = own;
+    if (src != rank) {
+      FLUX_JAX_RETURN_IF_ERROR(
+          channel.Wait(rank, cpu::FlagKind::kArrived, parity, src, epoch, epoch, cfg, {op, src, chunk_of(src)}));
+      rows = channel.Slot(rank, parity, src);
+    }
+    cpu::ToFloat(rows, dtype, elems, part.data());
+    for (int64_t i = 0; i < elems; ++i) acc[i] += part[i];
+    if (src != rank) channel.Signal(src, cpu::FlagKind::kFreed, parity, rank, epoch, cfg);
+  }
+  cpu::FromFloat(acc.data(), elems, dtype, out);
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status RunAllGatherCpu(const CollectiveParams& p, const TpGroup& group, const CommConfig& cfg) {
@@ -78,20 +100,9 @@ Status RunReduceScatterCpu(const CollectiveParams& p, const TpGroup& group, cons
   auto chunk = [&](int q) { return static_cast<const char*>(p.x) + q * chunk_bytes; };
 
   FLUX_JAX_RETURN_IF_ERROR(PushToPeers(channel, rank, tp, parity, epoch, chunk_bytes, cfg, "reduce_scatter", chunk));
-  std::vector<float> acc(static_cast<size_t>(chunk_elems), 0.0f), part(acc.size());
-  for (int src = 0; src < tp; ++src) {
-    const void* rows = chunk(rank);
-    if (src != rank) {
-      FLUX_JAX_RETURN_IF_ERROR(
-          channel.Wait(rank, cpu::FlagKind::kArrived, parity, src, epoch, epoch, cfg, {"reduce_scatter", src, rank}));
-      rows = channel.Slot(rank, parity, src);
-    }
-    cpu::ToFloat(rows, p.dtype, chunk_elems, part.data());
-    for (int64_t i = 0; i < chunk_elems; ++i) acc[i] += part[i];
-    if (src != rank) channel.Signal(src, cpu::FlagKind::kFreed, parity, rank, epoch, cfg);
-  }
-  cpu::FromFloat(acc.data(), chunk_elems, p.dtype, p.out);
-  return Status::Ok();
+  return SumInRankOrder(
+      channel, rank, tp, parity, epoch, chunk(rank), chunk_elems, p.dtype, cfg, "reduce_scatter",
+      [&](int) { return rank; }, p.out);
 }
 
 Status RunAllReduceCpu(const CollectiveParams& p, const TpGroup& group, const CommConfig& cfg) {
@@ -109,20 +120,9 @@ Status RunAllReduceCpu(const CollectiveParams& p, const TpGroup& group, const Co
 
   FLUX_JAX_RETURN_IF_ERROR(
       PushToPeers(channel, rank, tp, parity, epoch, bytes, cfg, "all_reduce", [&](int) { return p.x; }));
-  std::vector<float> acc(static_cast<size_t>(elems), 0.0f), part(acc.size());
-  for (int src = 0; src < tp; ++src) {  // rank order on every rank: the same sum everywhere
-    const void* rows = p.x;
-    if (src != rank) {
-      FLUX_JAX_RETURN_IF_ERROR(
-          channel.Wait(rank, cpu::FlagKind::kArrived, parity, src, epoch, epoch, cfg, {"all_reduce", src, src}));
-      rows = channel.Slot(rank, parity, src);
-    }
-    cpu::ToFloat(rows, p.dtype, elems, part.data());
-    for (int64_t i = 0; i < elems; ++i) acc[i] += part[i];
-    if (src != rank) channel.Signal(src, cpu::FlagKind::kFreed, parity, rank, epoch, cfg);
-  }
-  cpu::FromFloat(acc.data(), elems, p.dtype, p.out);
-  return Status::Ok();
+  // Rank order on every rank: the same sum everywhere.
+  return SumInRankOrder(
+      channel, rank, tp, parity, epoch, p.x, elems, p.dtype, cfg, "all_reduce", [](int src) { return src; }, p.out);
 }
 
 }  // namespace flux_jax
