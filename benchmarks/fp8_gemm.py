@@ -8,8 +8,9 @@ tensor), two programs over a mesh axis of size 1:
   xla   the FP8 twin: quantize (XLA), XLA's FP8 GEMM (cuBLASLt) with the scales
   flux  ag_matmul(impl="fused", fp8=True) pinned to the overlap path: the same quantization,
         then our CUTLASS FP8 GEMM (e4m3 x e4m3, the scales in its epilogue) with no peer
-  flux:128x128_c2x1  the same with the FP8 instance of 128x128 tiles in 2x1 clusters (forced
-        through the private GpuTuning.gemm_kernel; `--no-forced` leaves it out)
+        (its rule: 128x128 tiles in 2x1 clusters at M <= 2048, else 128x256 tiles)
+  flux:128x256, flux:128x128_c2x1  the same with one FP8 instance forced through the private
+        GpuTuning.gemm_kernel (`--no-forced` leaves them out)
 
 Both are checked first against a float32 GEMM of the unquantized operands, so the error is mostly
 FP8's rounding (outputs poisoned for ours; bound: 4x the twin's own error, at least 1e-2; the
@@ -59,7 +60,12 @@ def _mesh():
 
 
 # (name, impl, GpuTuning.gemm_kernel): the twin first (its error bounds the others').
-VARIANTS = (("xla", "xla", "auto"), ("flux", "fused", "auto"), ("flux:128x128_c2x1", "fused", "128x128_c2x1"))
+VARIANTS = (
+    ("xla", "xla", "auto"),
+    ("flux", "fused", "auto"),
+    ("flux:128x256", "fused", "128x256"),
+    ("flux:128x128_c2x1", "fused", "128x128_c2x1"),
+)
 
 
 def _program(impl: str, mesh, kernel: str = "auto"):
@@ -155,7 +161,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shapes", help="MxKxN,... (default: the preset's forward GEMMs at M >= 2048)")
-    ap.add_argument("--no-forced", action="store_true", help="only the default instance (no flux:128x128_c2x1)")
+    ap.add_argument("--no-forced", action="store_true", help="only the rule's instance (no forced flux:<instance>)")
     args = ap.parse_args(argv)
     shapes = SHAPES
     if args.shapes:

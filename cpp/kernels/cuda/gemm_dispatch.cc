@@ -39,7 +39,7 @@ Status PreloadGemmKernels() {
   return Preload_RunGemm_f16_kmajor();
 }
 
-// The instances only GpuTuning.gemm_kernel selects (ChooseGemmInstance): 2x1 clusters, 128x160 tiles.
+// The 2x1-cluster instances (ChooseGemmInstance): 128x160 by rule or forced, 128x256 forced only.
 static Status RunForcedGemm(const GemmPlan& plan, DType dtype, cudaStream_t stream, int device, int sm_count) {
   if (!HasGemmInstance(dtype, plan.b_kmajor, plan.block_n, plan.cluster_m)) {
     return Status::InvalidArgument("flux_jax: no overlap GEMM instance with 128x" + std::to_string(plan.block_n) +

@@ -1,5 +1,5 @@
 // GEMM instance: float8_e4m3fn x float8_e4m3fn -> bfloat16 with row and column scales, 128x128
-// tiles in 2x1 clusters sharing B by TMA multicast (see gemm_fp8_instance.cuh; forced only).
+// tiles in 2x1 clusters sharing B by TMA multicast (see gemm_fp8_instance.cuh; ChooseFp8GemmInstance).
 #include "gemm_fp8_instance.cuh"
 
 namespace flux_jax::cuda {

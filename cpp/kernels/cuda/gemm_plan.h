@@ -18,8 +18,8 @@ namespace flux_jax::cuda {
 inline constexpr int kGemmBlockM = 128;        // tile rows of every shipped instance
 inline constexpr int kGemmBlockN = 256;        // tile columns of the default instances
 inline constexpr int kGemmBlockNNarrow = 192;  // the narrow instance (bf16, N-major weight)
-inline constexpr int kGemmBlockN160 = 160;     // the 2x1-cluster 128x160 instances (bf16, forced only)
-inline constexpr int kGemmBlockN128 = 128;     // the 2x1-cluster 128x128 FP8 instance (forced only)
+inline constexpr int kGemmBlockN160 = 160;     // the 2x1-cluster 128x160 instances (bf16)
+inline constexpr int kGemmBlockN128 = 128;     // the 2x1-cluster 128x128 FP8 instance
 // M tiles swept together across N when the config says 0 (automatic); see the
 // tile order in gated_gemm.cuh and docs/decisions/2026-11-30-grouped-tile-order.md.
 inline constexpr int kDefaultTileGroupM = 8;

@@ -55,11 +55,11 @@ Status RunMatmulRsCuda(const MatmulRsParams& p, const TpGroup& group, const Comm
   // recv[0 .. tp-2] then stage[0 .. tp-2]
   FLUX_JAX_RETURN_IF_ERROR(AcquireWorkspace(group, 2 * (tp - 1) * slot_bytes, cfg, S, &ws));
   plan.alpha_ptr = ws->alpha;
+  const int64_t gemm_rows = tp == 1 ? p.m : m_out;  // the rows each instance rule weighs
   if (p.fp8.on) {
-    FLUX_JAX_RETURN_IF_ERROR(ChooseFp8GemmInstance(cfg, p.fp8, &plan));
+    FLUX_JAX_RETURN_IF_ERROR(ChooseFp8GemmInstance(cfg, p.fp8, gemm_rows, &plan));
   } else {
-    FLUX_JAX_RETURN_IF_ERROR(
-        ChooseGemmInstance(cfg, p.dtype, p.w_transposed, tp == 1 ? p.m : m_out, p.n, ws->sm_count, &plan));
+    FLUX_JAX_RETURN_IF_ERROR(ChooseGemmInstance(cfg, p.dtype, p.w_transposed, gemm_rows, p.n, ws->sm_count, &plan));
   }
   // FP8: the row scales of the launch's first row of x (row_scale covers all p.m rows).
   auto row_scales_at = [&](int64_t x_row) { return p.fp8.on ? p.fp8.row_scale + x_row : nullptr; };

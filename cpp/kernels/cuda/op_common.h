@@ -67,6 +67,16 @@ inline int32_t ChooseBlockN(const CommConfig& cfg, DType dtype, bool b_kmajor, i
   return span(kGemmBlockNNarrow) * 11 < span(kGemmBlockN) * 10 ? kGemmBlockNNarrow : kGemmBlockN;
 }
 
+// 128x160 tiles in 2x1 clusters (B multicast) where N is a multiple of 160 and 1024 < M <= 2048:
+// on one H200 they won on every such shape measured, all at M = 2048 (Qwen out-proj 1.21 -> 1.13x
+// XLA's time, 70B qkv 1.24 -> 1.16, Qwen down 1.21 -> 1.14, Qwen out-proj dx 1.54 -> 1.10), and
+// lost everywhere else: partial column tiles, and at M = 8192 the narrow tile's cost per column
+// (docs/decisions/2026-12-01-gemm-instances.md). Fewer rows are not measured (one row tile
+// leaves half of each cluster idle). GpuTuning.tile_n pins the 1x1 instances.
+inline bool PreferClustered160(DType dtype, bool b_kmajor, int64_t m, int64_t n) {
+  return m > 1024 && m <= 2048 && n % kGemmBlockN160 == 0 && HasGemmInstance(dtype, b_kmajor, kGemmBlockN160, 2);
+}
+
 // The overlap GEMM instance of a call (GemmPlan.block_n and cluster_m). GpuTuning.gemm_kernel
 // forces one, for A/B measurements: an instance this build lacks for the dtype and weight layout
 // is an error, never a silent fallback. kAuto keeps ChooseBlockN's choice (cluster 1x1).
@@ -76,7 +86,14 @@ inline Status ChooseGemmInstance(const CommConfig& cfg, DType dtype, bool b_kmaj
                                  GemmPlan* plan) {
   plan->cluster_m = 1;
   switch (static_cast<GemmKernel>(cfg.tuning.gemm_kernel)) {
-    case GemmKernel::kAuto: plan->block_n = ChooseBlockN(cfg, dtype, b_kmajor, m, n, sm_count); return Status::Ok();
+    case GemmKernel::kAuto:
+      if (cfg.tuning.tile_n == 0 && PreferClustered160(dtype, b_kmajor, m, n)) {
+        plan->block_n = kGemmBlockN160;
+        plan->cluster_m = 2;
+      } else {
+        plan->block_n = ChooseBlockN(cfg, dtype, b_kmajor, m, n, sm_count);
+      }
+      return Status::Ok();
     case GemmKernel::k128x256: plan->block_n = kGemmBlockN; break;
     case GemmKernel::k128x192: plan->block_n = kGemmBlockNNarrow; break;
     case GemmKernel::k128x256Cluster2x1:
@@ -104,12 +121,15 @@ inline Status ChooseGemmInstance(const CommConfig& cfg, DType dtype, bool b_kmaj
   return Status::Ok();
 }
 
-// The FP8 GEMM instance (gemm_fp8_instance.cuh): 128x256 tiles in 1x1 clusters by default;
-// GpuTuning.gemm_kernel may force 128x128 tiles in 2x1 clusters (B multicast; A/B only). Its row
-// scales come from `fp8` (the caller offsets them for launches that start below row 0 of x).
-inline Status ChooseFp8GemmInstance(const CommConfig& cfg, const Fp8Operands& fp8, GemmPlan* plan) {
+// The FP8 GEMM instance (gemm_fp8_instance.cuh) for a GEMM of m rows: 128x128 tiles in 2x1
+// clusters (B multicast) at m <= 2048, else 128x256 tiles in 1x1 clusters; GpuTuning.gemm_kernel
+// forces either. Measured on one H200 against cuBLASLt's FP8 GEMM (ours / theirs): the clusters
+// won all three shapes at m = 2048 (1.39 -> 1.21, 1.24 -> 1.13, 1.36 -> 1.34) and lost all three
+// at m >= 4096 (docs/decisions/2026-12-01-gemm-instances.md). Its row scales come from `fp8`
+// (the caller offsets them for launches that start below row 0 of x).
+inline Status ChooseFp8GemmInstance(const CommConfig& cfg, const Fp8Operands& fp8, int64_t m, GemmPlan* plan) {
   const auto kernel = static_cast<GemmKernel>(cfg.tuning.gemm_kernel);
-  if (kernel == GemmKernel::k128x128Cluster2x1) {
+  if (kernel == GemmKernel::k128x128Cluster2x1 || (kernel == GemmKernel::kAuto && m <= 2048)) {
     plan->block_n = kGemmBlockN128;
     plan->cluster_m = 2;
   } else if (kernel == GemmKernel::kAuto || kernel == GemmKernel::k128x256) {
