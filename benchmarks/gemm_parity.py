@@ -19,6 +19,8 @@ and a float32 reference (XLA, precision HIGHEST); then one row per variant:
   flux:auto+gate_probe  the same as flux:auto with every tile's A loads gated on flags already set
                         (GpuTuning.gate_probe): the gate's cost (at tp=1 no gate runs otherwise)
   flux:decode           the decode path's GEMM alone (bf16, [K, N] weight, M <= 256)
+  flux:ar_decode        matmul_ar's decode path at tp=1 (bf16, [K, N] weight, M <= 128): the
+                        decode GEMM with its all-reducing epilogue and no peer, the whole call
 
 Every flux variant first runs once with Config(debug_poison_outputs=True) (the kernel fills its
 output with NaN first) and XLA once; each output is checked on the GPU against the reference:
@@ -56,7 +58,7 @@ from benchmarks import gpu_state, report
 from benchmarks.harness import round_order
 from benchmarks.presets import OPS, PRESETS, select_cases
 from benchmarks.timing import Built, LoopTimer, TimingParams, summarize
-from benchmarks.variants import error_summary, flux_gemm_fn, xla_gemm_fn
+from benchmarks.variants import error_summary, flux_ar_decode_fn, flux_gemm_fn, xla_gemm_fn
 
 PRESET = "gemm-parity-1gpu"
 AXIS = "tp"
@@ -106,11 +108,16 @@ def kernel_available(kernel: str, dtype: str, dx: bool, rows: int) -> bool:
         return True
     if kernel == "decode":
         return not dx and 1 <= rows <= 256
+    if kernel == "ar_decode":
+        return not dx and 1 <= rows <= 128
     raise ValueError(f"unknown kernel {kernel!r}")
 
 
 def auto_kernel(dtype: str, dx: bool, m: int, n: int, sms: int) -> str:
-    """The instance GpuTuning.gemm_kernel="auto" runs (op_common.h ChooseBlockN, tile_n = 0)."""
+    """The instance GpuTuning.gemm_kernel="auto" runs (op_common.h PreferClustered160 and
+    ChooseBlockN, tile_n = 0)."""
+    if dtype == "bfloat16" and 1024 < m <= 2048 and n % 160 == 0:
+        return "128x160_c2x1"
     if dtype != "bfloat16" or dx:
         return "128x256"
     tiles_m = -(-m // 128)
@@ -168,6 +175,8 @@ def variants_for(
         out.append(Variant("flux:auto+gate_probe", "auto", True))
     if decode and small and kernel_available("decode", shape.dtype, shape.dx, shape.M):
         out.append(Variant("flux:decode", "decode"))
+    if decode and small and kernel_available("ar_decode", shape.dtype, shape.dx, shape.M):
+        out.append(Variant("flux:ar_decode", "ar_decode"))
     return out
 
 
@@ -236,6 +245,8 @@ def rel_err(out, ref) -> float:
 def build(variant: Variant, shape: Shape, mesh, x, w, poison: bool = False) -> Built:
     if variant.kernel is None:
         fn = xla_gemm_fn(shape.dx)
+    elif variant.kernel == "ar_decode":
+        fn = flux_ar_decode_fn(AXIS, poison=poison)
     else:
         fn = flux_gemm_fn(AXIS, transpose_w=shape.dx, tuning=variant.tuning, poison=poison)
     step = jax.shard_map(fn, mesh=mesh, in_specs=(P(AXIS, None), P()), out_specs=P(AXIS, None))
@@ -386,7 +397,7 @@ PREFLIGHT_SHAPES = ((1152, 520, 800, False), (1152, 800, 520, True), (40, 520, 6
 def preflight_variants(kernels: tuple[str, ...], gate_probe: bool, decode: bool) -> list[str]:
     names = [f"flux:{k}" for k in kernels if k != "auto"]
     names += ["flux:auto+gate_probe"] if gate_probe else []
-    return names + (["flux:decode"] if decode else [])
+    return names + (["flux:decode", "flux:ar_decode"] if decode else [])
 
 
 def _variant_from_name(name: str) -> Variant:
@@ -406,7 +417,7 @@ def run_preflight_child(names: list[str]) -> None:
             for i, (m, k, n, dx) in enumerate(PREFLIGHT_SHAPES):
                 shape = Shape(m, k, n, dx, "bfloat16", "preflight")
                 small = m <= 256
-                if (v.kernel == "decode") != small or not kernel_available(v.kernel, shape.dtype, dx, m):
+                if (v.kernel in ("decode", "ar_decode")) != small or not kernel_available(v.kernel, shape.dtype, dx, m):
                     continue
                 x, w, ref = make_operands(shape, 1, i, mesh)
                 xla_err = rel_err(jax.jit(build(Variant("xla"), shape, mesh, x, w).step)(x, w), ref)

@@ -538,6 +538,19 @@ def flux_gemm_fn(axis_name: str, *, transpose_w: bool = False, tuning: dict | No
     return fn
 
 
+def flux_ar_decode_fn(axis_name: str, *, poison: bool = False):
+    """Per-shard fn(x, w) -> matmul_ar(impl="fused") pinned to its decode path over `axis_name`
+    (size 1 where it measures the cost: the decode GEMM, its all-reducing epilogue with no peer,
+    the row staging, the workspace's epoch)."""
+    public = {"fused_path": "decode", **({"debug_poison_outputs": True} if poison else {})}
+
+    def fn(x, w):
+        with flux_jax.config(**public):
+            return flux_jax.matmul_ar(x, w, axis_name=axis_name, impl="fused")
+
+    return fn
+
+
 def xla_gemm_fn(transpose_w: bool = False):
     """fn(x, w) -> XLA's GEMM x @ w, or x @ w^T for a weight stored [n, k] (one dot_general: cuBLAS
     reads it transposed, as XLA's backward does for dx = dy w^T)."""

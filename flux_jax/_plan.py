@@ -34,8 +34,8 @@ _ALL_REDUCE_OPS = ("matmul_ar",)
 # Ops the built-in rule has no measurements of: impl="auto" takes the twin on GPUs and a call
 # that must be fused the latency path (XLA's GEMM next to our collective).
 _UNMEASURED_ON_GPUS = {
-    "matmul_ar": 'matmul_ar has never been measured on GPUs, so impl="auto" takes the twin there '
-    '(impl="fused" takes the latency path: XLA\'s GEMM + our all_reduce)',
+    "matmul_ar": 'matmul_ar has not been measured at tp > 1 on GPUs, so impl="auto" takes the twin there '
+    '(impl="fused" takes the decode kernel up to 128 rows, else XLA\'s GEMM + our all_reduce)',
 }
 _GPU_DTYPES = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
 _BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -213,7 +213,11 @@ def _plan_fp8(p: Problem, config: Config, must_fuse: bool) -> Plan:
 def decode_supported(p: Problem) -> bool:
     """Whether the decode kernels exist for this call (bfloat16, the untransposed weight, ...)."""
     lim = limits()
-    if not (2 <= p.tp <= lim["decode_max_tp"] and not p.transpose_w and np.dtype(p.dtype) == _BF16):
+    if not (1 <= p.tp <= lim["decode_max_tp"] and not p.transpose_w and np.dtype(p.dtype) == _BF16):
+        return False
+    if p.op == "matmul_ar":  # tp = 1 too: the GEMM and its epilogue with no peer (a cost measurement)
+        return 1 <= p.rows <= lim["decode_ar_max_rows"] and p.tp * p.rows * p.n <= lim["decode_ar_max_elements"]
+    if p.tp < 2:
         return False
     if p.op == "ag_matmul":
         return 1 <= p.rows <= lim["decode_ag_max_rows"]
@@ -238,9 +242,10 @@ def _feasible(p: Problem, path: str) -> tuple[str, str]:
 def _default_fused(p: Problem) -> str:
     """The fused path for a call that must be fused where no tuning table names one: the overlap
     kernel once it has rows to pipeline (AG: 2048 rows and ~1.5 waves of 128 x 256 output tiles;
-    RS: 1024 rows), else the latency path. matmul_ar, unmeasured on GPUs, takes the latency path."""
+    RS: 1024 rows), else the latency path. matmul_ar, unmeasured at tp > 1 on GPUs: its decode
+    kernel where it serves the call (one launch, no all_reduce after it), else the latency path."""
     if p.op in _UNMEASURED_ON_GPUS:
-        return "latency"
+        return "decode" if decode_supported(p) else "latency"
     if p.op == "ag_matmul":
         device = _tuning.local_device("gpu")
         sms = device.sms if device is not None and device.sms else 132

@@ -154,9 +154,19 @@ def test_decode_supported_matches_the_kernels():
     assert not _supported(rs, 2, 64, 4096, 32776)
     assert not _supported(rs, 2, 64, 4096, 8192, transpose_w=True)
     assert not _supported(rs, 2, 64, 4096, 8192, dtype=jnp.float16)
+    # matmul_ar: any rows up to 128 (no divisibility), tp = 1 too; tp x rows x N <= 2^22
+    ar = "matmul_ar"
+    assert _supported(ar, 1, 64, 4096, 8192)
+    assert _supported(ar, 2, 1, 4096, 8192)
+    assert _supported(ar, 3, 127, 4096, 8192)
+    assert _supported(ar, 8, 64, 4096, 8192)
+    assert not _supported(ar, 8, 128, 4096, 8192)
+    assert not _supported(ar, 2, 129, 4096, 8192)
+    assert not _supported(ar, 2, 64, 4096, 8192, transpose_w=True)
+    assert not _supported(ar, 2, 64, 4096, 8192, dtype=jnp.float16)
 
 
-@pytest.mark.parametrize("op", ["ag", "rs"])
+@pytest.mark.parametrize("op", ["ag", "rs", "ar"])
 @pytest.mark.parametrize("m_local", [1, 5, 16])
 def test_cpu_results_and_gradients_with_decode_config(op, m_local):
     """The configuration reaches the CPU handler (which ignores it): the op and its VJP unchanged."""
@@ -166,10 +176,14 @@ def test_cpu_results_and_gradients_with_decode_config(op, m_local):
         x = random_array(rng, (8 * m_local, 24), jnp.bfloat16)
         w = random_array(rng, (24, 64), jnp.bfloat16)
         fn_, specs, out_spec = flux_jax.ag_matmul, (P("tp", None), P(None, "tp")), P(None, "tp")
-    else:
+    elif op == "rs":
         x = random_array(rng, (8 * m_local, 64), jnp.bfloat16)
         w = random_array(rng, (64, 24), jnp.bfloat16)
         fn_, specs, out_spec = flux_jax.matmul_rs, (P(None, "tp"), P("tp", None)), P("tp", None)
+    else:  # matmul_ar: any row count, the output replicated
+        x = random_array(rng, (m_local, 64), jnp.bfloat16)
+        w = random_array(rng, (64, 24), jnp.bfloat16)
+        fn_, specs, out_spec = flux_jax.matmul_ar, (P(None, "tp"), P("tp", None)), P()
 
     def fn(impl):
         body = functools.partial(fn_, axis_name="tp", impl=impl)

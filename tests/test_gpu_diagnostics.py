@@ -21,6 +21,8 @@ SITES = {  # WaitSite -> the words its diagnostic uses
     5: "waited in reduce_scatter for block 2 of the partial sums of rank 7",
     6: "waited in ag_matmul's decode GEMM for push block 2 of the rows of rank 7",
     7: "waited in matmul_rs's decode GEMM for the partial sums of output tile 2 from rank 7",
+    8: "waited in all_reduce for block 2 of the partial sums of rank 7",
+    9: "waited in matmul_ar's decode GEMM for the partial sums of output tile 2 from rank 7",
 }
 TIMED_OUT, GAVE_UP = 1, 3
 GROUP = "TP group 0 [devices 0,1,2,3,4,5,6,7]"

@@ -1,5 +1,6 @@
 """matmul_ar's CUDA paths on real GPUs (Hopper, 2 GPUs for TP=2): the latency path (XLA's GEMM
-next to the one-kernel all_reduce) and the one-custom-call path (our GEMM, then that kernel).
+next to the one-kernel all_reduce), the one-custom-call path (our GEMM, then that kernel) and the
+decode path (one decode GEMM whose epilogue all-reduces).
 
 Skipped where there are fewer than 2 GPUs (FLUX_JAX_REQUIRE_GPU=1 turns the skip into a failure).
 Every check compares with a float64 oracle on fresh random data, outputs poisoned with NaN first,
@@ -19,7 +20,7 @@ import flux_jax
 
 from helpers import assert_matches, assert_nan_or_right, gpu_mesh, place, random_array, to64
 
-PATHS = ["latency", "overlap"]
+PATHS = ["latency", "overlap", "decode"]  # decode: bf16 up to 128 rows, else the latency path
 
 
 def _fn(mesh, impl):
@@ -100,7 +101,8 @@ def test_missing_peer_times_out_then_reset(gpus, path):
         out = f(xs, ws)
     assert_nan_or_right(out, ref, twin(xs, ws), "bfloat16", f"matmul_ar {path}, rank 1 silent")
     errors = flux_jax.device_errors()
-    assert errors and any("waited in all_reduce" in e for e in errors.values()), errors
+    site = "waited in matmul_ar's decode GEMM" if path == "decode" else "waited in all_reduce"
+    assert errors and any(site in e for e in errors.values()), errors
     flux_jax.reset()
     assert not flux_jax.device_errors()
     with flux_jax.config(fused_path=path):

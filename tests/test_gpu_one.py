@@ -158,6 +158,31 @@ def test_one_gpu_fp8_middle_dimensions_and_gradients(one_gpu, op):
     assert not flux_jax.device_errors()
 
 
+@pytest.mark.parametrize("path", ["decode", "overlap", "latency"])
+@pytest.mark.parametrize("shape", [(1, 1024, 2048), (64, 4096, 3072), (100, 776, 1544), (128, 2048, 4096)])
+def test_one_gpu_matmul_ar_matches_oracle(one_gpu, shape, path):
+    """matmul_ar's paths at tp = 1, bf16; decode: one decode GEMM whose epilogue all-reduces
+    (here with no peer), x staged where its rows are not whole tiles, two blocks of rows above 64."""
+    M, K, N = shape
+    mesh = _mesh(one_gpu)
+    rng = np.random.default_rng()
+    x, w = random_array(rng, (M, K), "bfloat16"), random_array(rng, (K, N), "bfloat16", scale=1 / np.sqrt(K))
+
+    def fn(impl):
+        body = functools.partial(flux_jax.matmul_ar, axis_name="tp", impl=impl)
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)), out_specs=P()))
+
+    xs, ws = place(mesh, x, P(None, "tp")), place(mesh, w, P("tp", None))
+    with flux_jax.config(fused_path=path):
+        fused = fn("fused")
+        sites = flux_jax.explain(fused, xs, ws)
+        outs = [fused(xs, ws) for _ in range(3)]  # both parities of the workspace
+    assert [s.plan.path for s in sites] == [path]
+    for out in outs:
+        assert_matches(out, to64(x) @ to64(w), fn("xla")(xs, ws), "bfloat16", f"matmul_ar {shape} {path}")
+    assert not flux_jax.device_errors()
+
+
 def test_one_gpu_explain_names_the_paths(one_gpu):
     mesh = _mesh(one_gpu)
     x = jnp.ones((256, 512), jnp.bfloat16)

@@ -359,26 +359,34 @@ def _gpu_problem(rows=16, k=2048, n=4096, tp=2, dtype=jnp.bfloat16, transpose_w=
 
 
 def test_planner_on_gpus():
-    """Never measured on GPUs: auto takes the twin and says so; fused takes the latency path;
-    decode is not built for it; every CUDA path runs the all_reduce kernel (TP <= 8)."""
+    """Not measured at tp > 1 on GPUs: auto takes the twin and says so; fused takes the decode
+    kernel where it serves the call, else the latency path; every other CUDA path runs the
+    all_reduce kernel (TP <= 8)."""
     cfg = flux_jax.Config()
     auto = _plan.plan(_gpu_problem(), "auto", cfg, on_hopper=True)
-    assert auto.path == "twin" and "never been measured on GPUs" in auto.reason
+    assert auto.path == "twin" and "not been measured at tp > 1 on GPUs" in auto.reason
     assert _plan.plan(_gpu_problem(rows=8192, k=8192, n=8192), "auto", cfg, on_hopper=True).path == "twin"
-    assert _plan.plan(_gpu_problem(), "fused", cfg, on_hopper=True).path == "latency"
+    assert _plan.plan(_gpu_problem(), "fused", cfg, on_hopper=True).path == "decode"
+    assert _plan.plan(_gpu_problem(rows=128), "fused", cfg, on_hopper=True).path == "decode"
+    assert _plan.plan(_gpu_problem(rows=129), "fused", cfg, on_hopper=True).path == "latency"
+    assert _plan.plan(_gpu_problem(dtype=jnp.float16), "fused", cfg, on_hopper=True).path == "latency"
     assert _plan.plan(_gpu_problem(rows=8192), "fused", cfg, on_hopper=True).path == "latency"
     assert _plan.plan(_gpu_problem(transpose_w=True), "auto", cfg, backward=True, on_hopper=True).path == "latency"
-    assert _plan.plan(_gpu_problem(tp=8), "fused", cfg, on_hopper=True).path == "latency"
+    assert _plan.plan(_gpu_problem(tp=8), "fused", cfg, on_hopper=True).path == "decode"
+    # the receive area bounds tp x rows x N: 8 x 128 x 8192 is past it
+    assert _plan.plan(_gpu_problem(tp=8, rows=128, n=8192), "fused", cfg, on_hopper=True).path == "latency"
     with pytest.raises(flux_jax.FusedUnavailableError, match="all_reduce kernel, which serves TP groups of at most 8"):
         _plan.plan(_gpu_problem(tp=16), "fused", cfg, on_hopper=True)
     assert _plan.plan(_gpu_problem(tp=16), "auto", cfg, on_hopper=True).path == "twin"
     decode = _plan.plan(_gpu_problem(), "fused", flux_jax.Config(fused_path="decode"), on_hopper=True)
-    assert decode.path == "latency" and "decode kernels do not serve" in decode.reason
+    assert decode.path == "decode"
+    odd = _plan.plan(_gpu_problem(rows=200), "fused", flux_jax.Config(fused_path="decode"), on_hopper=True)
+    assert odd.path == "latency" and "decode kernels do not serve" in odd.reason
     assert _plan.plan(_gpu_problem(), "fused", flux_jax.Config(fused_path="overlap"), on_hopper=True).path == "overlap"
     with pytest.raises(flux_jax.FusedUnavailableError, match="bfloat16 or float16"):
         _plan.plan(_gpu_problem(dtype=jnp.float32), "fused", cfg, on_hopper=True)
     text = flux_jax.explain_auto("matmul_ar", 16, 4096, 4096, 2)
-    assert "the XLA twin" in text and "never been measured on GPUs" in text
+    assert "the XLA twin" in text and "not been measured at tp > 1 on GPUs" in text
 
 
 def test_cpu_plans():

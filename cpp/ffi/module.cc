@@ -71,6 +71,8 @@ nb::dict Limits() {
   d["decode_ag_max_rows"] = l::kDecodeAgMaxRows;
   d["decode_rs_max_rows"] = l::kDecodeRsMaxRows;
   d["decode_rs_max_n"] = l::kDecodeRsMaxN;
+  d["decode_ar_max_rows"] = l::kDecodeArMaxRows;
+  d["decode_ar_max_elements"] = l::kDecodeArMaxElements;
   d["gpu_align_elements"] = l::kGpuAlignElements;
   return d;
 }

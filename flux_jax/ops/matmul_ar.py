@@ -7,8 +7,9 @@ projection's partial sums are all-reduced and every rank keeps the whole output.
          rank-ordered sum); "latency": XLA's GEMM next to our flux_jax_all_reduce.
   CUDA   "latency": XLA's GEMM next to our one-kernel all_reduce (NVLink stores, per-block
          epoch flags, rank-ordered float32 sum); "overlap": one custom call whose handler enqueues
-         our GEMM into the workspace and then the same all_reduce kernel. No decode kernel: a
-         decode plan takes the latency path.
+         our GEMM into the workspace and then the same all_reduce kernel; "decode" (bfloat16, the
+         [k, N] weight, M <= 128): one decode GEMM whose epilogue pushes each output tile to every
+         peer and sums the tp partials tile by tile (a one-shot all-reduce, one launch).
 Every path sums the tp partials in rank order 0..tp-1 in float32 and rounds once, so the
 output is bitwise the same on every rank.
 """
@@ -81,8 +82,10 @@ def matmul_ar(x, w, *, axis_name: str, impl: str = "auto"):
     Args:
       x, w: float32, bfloat16 or float16 arrays of the same dtype.
       axis_name: the mesh axis to all-reduce over (the tensor-parallel axis).
-      impl: "fused", "xla" or "auto" (see `ag_matmul`). It has not been measured on GPUs yet:
-        "auto" takes the twin there, "fused" the latency path (XLA's GEMM + our all_reduce).
+      impl: "fused", "xla" or "auto" (see `ag_matmul`). It has not been measured at tp > 1 on
+        GPUs yet: "auto" takes the twin there; "fused" takes the decode kernel where it serves
+        the call (bfloat16, the [k, N] weight, M <= 128), else the latency path (XLA's GEMM +
+        our all_reduce).
 
     Differentiable (custom_vjp): the cotangent of the replicated output is replicated, so
     dx = dy @ w^T and dw = x^T @ dy are local GEMMs with no communication.

@@ -25,6 +25,11 @@ inline constexpr int64_t kDecodeRsMaxRows = 128;
 // (two parities of rows x n x 4 bytes) must fit the fixed area of a TP group
 // that spans processes (64 MiB).
 inline constexpr int64_t kDecodeRsMaxN = 32768;
+// matmul_ar's decode path: rows as matmul_rs's (one tile holds all rows of its
+// 64 columns); every rank receives every peer's whole partial, so its receive
+// area is two parities of tp x rows x n x 4 bytes, bounded as matmul_rs's.
+inline constexpr int64_t kDecodeArMaxRows = 128;
+inline constexpr int64_t kDecodeArMaxElements = int64_t{1} << 22;  // tp x rows x n
 
 // The GPU kernels move rows as 16-byte vectors of 2-byte elements.
 inline constexpr int64_t kGpuAlignElements = 8;

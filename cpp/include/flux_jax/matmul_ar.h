@@ -25,7 +25,8 @@ Status MatmulArCanImplement(const MatmulArParams& p, const TpGroup& group);
 Status RunMatmulArCpu(const MatmulArParams& p, const TpGroup& group, const CommConfig& cfg);
 
 // CUDA backend (only when built with CUDA): enqueues on `stream` our GEMM of the
-// partial into the workspace, then the latency path's all_reduce kernel on it.
+// partial into the workspace, then the latency path's all_reduce kernel on it; on
+// the decode path (FusedPath::kDecode) one decode GEMM whose epilogue all-reduces.
 Status RunMatmulArCuda(const MatmulArParams& p, const TpGroup& group, const CommConfig& cfg, void* stream);
 
 }  // namespace flux_jax

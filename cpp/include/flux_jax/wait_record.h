@@ -22,11 +22,12 @@ enum WaitSite : int32_t {
   kSitePresent = 1,
   kSiteGemmA = 2,
   kSiteEpilogueC = 3,
-  kSiteAllGather = 4,      // latency path; piece = thread block
-  kSiteReduceScatter = 5,  // latency path; piece = thread block
-  kSiteDecodeRows = 6,     // decode path's GEMM; piece = push block
-  kSiteDecodeSums = 7,     // matmul_rs's decode GEMM epilogue; piece = output tile
-  kSiteAllReduce = 8,      // latency path; piece = thread block
+  kSiteAllGather = 4,        // latency path; piece = thread block
+  kSiteReduceScatter = 5,    // latency path; piece = thread block
+  kSiteDecodeRows = 6,       // decode path's GEMM; piece = push block
+  kSiteDecodeSums = 7,       // matmul_rs's decode GEMM epilogue; piece = output tile
+  kSiteAllReduce = 8,        // latency path; piece = thread block
+  kSiteDecodeAllReduce = 9,  // matmul_ar's decode GEMM epilogue; piece = output tile
 };
 
 // DeviceError::code.
@@ -75,6 +76,10 @@ inline std::string DescribeWait(const DeviceError& e) {
       break;
     case kSiteAllReduce:
       os << " waited in all_reduce for block " << e.piece << " of the partial sums of rank " << e.peer;
+      break;
+    case kSiteDecodeAllReduce:
+      os << " waited in matmul_ar's decode GEMM for the partial sums of output tile " << e.piece << " from rank "
+         << e.peer;
       break;
     default: os << " waited on an unknown site " << e.site << " for rank " << e.peer; break;
   }

@@ -1,15 +1,21 @@
-// The epilogue of the decode GEMM that reduce-scatters its result tile by tile
-// (matmul_rs's decode path, matmul_rs_decode.cu). Included by decode_gemm.cuh.
+// The epilogue of the decode GEMM that reduce-scatters (matmul_rs's decode path,
+// matmul_rs_decode.cu) or all-reduces (matmul_ar's, matmul_ar_decode.cu) its result
+// tile by tile. Included by decode_gemm.cuh.
 //
 // One output tile (64 columns of N x all M rows: M <= the row tile) of rank r,
 // after CUTLASS's epilogue has stored it into P with TMA:
 //
 //   consumer warpgroup (128 threads), thread t
 //   warp 0: wait for the tile's TMA stores to be written; fence.proxy.async
-//   for q != r:  q.ll[b][r][rows of q][cols] = {P[..], e} words    (NVLink stores)
-//   out[rows of r][cols] = sum over q = 0..tp-1 of (q == r ? P : ll[b][q] once
-//                          its words carry epoch e), in float32, rank order,
-//                          rounded once
+//   for q != r:  q.ll[b][r][rows q sums][cols] = {P[..], e} words   (NVLink stores)
+//   out[rows r sums][cols] = sum over q = 0..tp-1 of (q == r ? P : ll[b][q] once
+//                            its words carry epoch e), in float32, rank order,
+//                            rounded once
+//
+//   rows q sums: reduce-scatter, q's m / tp rows; all-reduce, all m rows (a
+//   one-shot all-reduce: every rank gets every partial and sums them in the
+//   same order, so out is bitwise the same on every rank). Rows go in blocks of
+//   64, every block pushed to every peer before the first block is summed.
 //
 // The low-latency format (NCCL's "LL"): each 8-byte word holds 4 bytes of data
 // and the low 32 bits of the call's epoch, written by one store, so a reader
@@ -71,62 +77,33 @@ __device__ __forceinline__ void LoadMine(const uint4* src, const int64_t* offset
   }
 }
 
-// The exchange of one output tile by one consumer warpgroup (thread t < 128). Inlined: a call
-// from the consumer warpgroup (after setmaxnreg) made ptxas fail to allocate its 232 registers.
-// A thread handles up to kPer vectors of a row block and issues all their loads before it uses
-// any (one memory latency per step instead of one per vector). Measured in the kernel on 2x H200
-// (64 x 4096 x 8192 per GPU): the exchange adds 4.5 us at 64 rows (6.0 as a loop of dependent
-// loads), 12.3 at 128 rows (13.1), where each thread has four vectors.
-template <int kTileCols>
-__device__ __forceinline__ void ExchangeTile(const DecodeExchange& e, int32_t tile, int t) {
-  constexpr int kThreads = 128;
-  constexpr int kPer = (kDecodeExchangeMaxRows / 2) * (kTileCols / 8) / kThreads;  // rows of a rank <= 64
-  if (t < 32) {  // the warp that issued the tile's TMA stores: wait until they are written
-    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-    asm volatile("fence.proxy.async.global;" ::: "memory");
-  }
-  cutlass::arch::NamedBarrier::sync(kThreads, cutlass::arch::ReservedNamedBarriers::EpilogueBarrier);
-  const int64_t row_vecs = e.n / 8;  // 16-byte vectors per row (n % 8 == 0)
-  const int32_t c0 = tile * (kTileCols / 8);
-  const int32_t vecs = min(kTileCols / 8, static_cast<int32_t>(row_vecs) - c0);
-  const int32_t count = e.rows_per_rank * vecs;  // vectors of one rank's rows in this tile
+// Rows a thread's kPer vectors cover in one pass (a block): the most rows of a reduce-scatter's rank.
+inline constexpr int kExchangeBlockRows = static_cast<int>(kDecodeExchangeMaxRows / 2);
+
+// One block's vectors that thread t (of kThreads) handles: vectors t, t + kThreads, ... of
+// `rows` rows x `vecs` columns. Their offsets do not depend on the block's rows.
+template <int kThreads>
+__device__ __forceinline__ int32_t VectorsOf(int32_t rows, int32_t vecs, int t) {
+  const int32_t count = rows * vecs;
+  return count > t ? (count - t + kThreads - 1) / kThreads : 0;
+}
+
+// Thread t's vectors of rows [row0, row0 + rows) summed over the ranks in rank order
+// (own partial for the rank itself, the low-latency words of every other rank once they carry
+// the epoch) and written to out + row0's vectors; NaN where a wait gave up.
+template <int kPer>
+__device__ __forceinline__ void SumBlock(const DecodeExchange& e, const int64_t* offset, int32_t mine, int32_t row0,
+                                         int64_t row_vecs, int32_t tile) {
   const uint32_t epoch = static_cast<uint32_t>(e.ctx.epoch);
   const auto* partial = static_cast<const uint4*>(e.partial);
-  // Vector u of this thread: row block offset (row * row_vecs + column), valid if u < mine.
-  int64_t offset[kPer];
-  const int32_t mine = count > t ? (count - t + kThreads - 1) / kThreads : 0;
-#pragma unroll
-  for (int u = 0; u < kPer; ++u) {
-    const int32_t i = t + u * kThreads, row = i / vecs;
-    offset[u] = row * row_vecs + c0 + (i - row * vecs);
-  }
-
-  if (e.signal_peers) {
-#pragma unroll
-    for (int q = 0; q < kDecodeMaxRanks; ++q) {
-      if (q >= e.tp || q == e.rank) continue;
-      const uint4* src = partial + q * e.rows_per_rank * row_vecs;
-      auto* dst = static_cast<uint4*>(e.peer_recv[q]);
-      uint4 val[kPer];
-      LoadMine<kPer>(src, offset, mine, val);
-#pragma unroll
-      for (int u = 0; u < kPer; ++u) {
-        if (u < mine) {
-          StoreLL(dst + 2 * offset[u], val[u].x, val[u].y, epoch);
-          StoreLL(dst + 2 * offset[u] + 1, val[u].z, val[u].w, epoch);
-        }
-      }
-    }
-  }
-
+  const auto* recv = static_cast<const uint4*>(e.recv);
   float acc[kPer][8] = {};
   bool ok = true;
-  const auto* recv = static_cast<const uint4*>(e.recv);
 #pragma unroll
   for (int q = 0; q < kDecodeMaxRanks; ++q) {  // rank order: the same sum on every rank, every run
     if (q >= e.tp) continue;
     if (q == e.rank) {
-      const uint4* src = partial + q * e.rows_per_rank * row_vecs;
+      const uint4* src = partial + (e.FirstRowOf(q) + row0) * row_vecs;
       uint4 val[kPer];
       LoadMine<kPer>(src, offset, mine, val);
 #pragma unroll
@@ -135,7 +112,7 @@ __device__ __forceinline__ void ExchangeTile(const DecodeExchange& e, int32_t ti
       }
       continue;
     }
-    const uint4* words = recv + 2 * q * e.rows_per_rank * row_vecs;
+    const uint4* words = recv + 2 * (static_cast<int64_t>(q) * e.reduced_rows + row0) * row_vecs;
     uint32_t pending = (1u << mine) - 1;  // vectors whose words have not all carried the epoch
     WaitDeadline deadline;
     uint32_t seen = 0;
@@ -160,14 +137,15 @@ __device__ __forceinline__ void ExchangeTile(const DecodeExchange& e, int32_t ti
       }
       if (pending == 0) break;
       if (const int32_t how = deadline.Expired(e.ctx)) {
-        RecordGiveUp(e.ctx, how, kSiteDecodeSums, q, -1, tile, seen);  // keeps an earlier record
+        const int32_t site = e.all_reduce ? kSiteDecodeAllReduce : kSiteDecodeSums;
+        RecordGiveUp(e.ctx, how, site, q, -1, tile, seen);  // keeps an earlier record
         ok = false;
         break;
       }
     }
   }
 
-  auto* out = static_cast<uint4*>(e.out);
+  auto* out = static_cast<uint4*>(e.out) + row0 * row_vecs;
 #pragma unroll
   for (int u = 0; u < kPer; ++u) {
     if (u >= mine) continue;
@@ -178,6 +156,63 @@ __device__ __forceinline__ void ExchangeTile(const DecodeExchange& e, int32_t ti
     if (!ok) result = make_uint4(~0u, ~0u, ~0u, ~0u);  // bf16 NaN
     out[offset[u]] = result;
   }
+}
+
+// The exchange of one output tile by one consumer warpgroup (thread t < 128). Inlined: a call
+// from the consumer warpgroup (after setmaxnreg) made ptxas fail to allocate its 232 registers.
+// A thread handles up to kPer vectors of a row block and issues all their loads before it uses
+// any (one memory latency per step instead of one per vector). Measured in the kernel on 2x H200
+// (64 x 4096 x 8192 per GPU, reduce-scatter): the exchange adds 4.5 us at 64 rows (6.0 as a loop
+// of dependent loads), 12.3 at 128 rows (13.1), where each thread has four vectors.
+template <int kTileCols>
+__device__ __forceinline__ void ExchangeTile(const DecodeExchange& e, int32_t tile, int t) {
+  constexpr int kThreads = 128;
+  constexpr int kPer = kExchangeBlockRows * (kTileCols / 8) / kThreads;
+  if (t < 32) {  // the warp that issued the tile's TMA stores: wait until they are written
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+  }
+  cutlass::arch::NamedBarrier::sync(kThreads, cutlass::arch::ReservedNamedBarriers::EpilogueBarrier);
+  const int64_t row_vecs = e.n / 8;  // 16-byte vectors per row (n % 8 == 0)
+  const int32_t c0 = tile * (kTileCols / 8);
+  const int32_t vecs = min(kTileCols / 8, static_cast<int32_t>(row_vecs) - c0);
+  const int32_t blocks = (e.reduced_rows + kExchangeBlockRows - 1) / kExchangeBlockRows;
+  const uint32_t epoch = static_cast<uint32_t>(e.ctx.epoch);
+  const auto* partial = static_cast<const uint4*>(e.partial);
+  // Vector u of this thread in a block: offset (row * row_vecs + column) from the block's first row.
+  int64_t offset[kPer];
+#pragma unroll
+  for (int u = 0; u < kPer; ++u) {
+    const int32_t i = t + u * kThreads, row = i / vecs;
+    offset[u] = row * row_vecs + c0 + (i - row * vecs);
+  }
+  auto mine_in = [&](int32_t j) {
+    return VectorsOf<kThreads>(min(kExchangeBlockRows, e.reduced_rows - j * kExchangeBlockRows), vecs, t);
+  };
+
+  if (e.signal_peers) {
+#pragma unroll 1
+    for (int32_t j = 0; j < blocks; ++j) {
+      const int32_t mine = mine_in(j), row0 = j * kExchangeBlockRows;
+#pragma unroll
+      for (int q = 0; q < kDecodeMaxRanks; ++q) {
+        if (q >= e.tp || q == e.rank) continue;
+        const uint4* src = partial + (e.FirstRowOf(q) + row0) * row_vecs;
+        auto* dst = static_cast<uint4*>(e.peer_recv[q]) + 2 * row0 * row_vecs;
+        uint4 val[kPer];
+        LoadMine<kPer>(src, offset, mine, val);
+#pragma unroll
+        for (int u = 0; u < kPer; ++u) {
+          if (u < mine) {
+            StoreLL(dst + 2 * offset[u], val[u].x, val[u].y, epoch);
+            StoreLL(dst + 2 * offset[u] + 1, val[u].z, val[u].w, epoch);
+          }
+        }
+      }
+    }
+  }
+#pragma unroll 1
+  for (int32_t j = 0; j < blocks; ++j) SumBlock<kPer>(e, offset, mine_in(j), j * kExchangeBlockRows, row_vecs, tile);
 }
 
 template <class Base>

@@ -1,8 +1,8 @@
 // One launch of the decode path's GEMM (decode_gemm.cuh), without CUTLASS types:
 // out[rows, n] = x[rows, k] @ w[k, n], all row-major, w N-major only (the
 // forward weight; the transposed weight of a backward pass is not built).
-// With a DecodeExchange its epilogue also reduce-scatters the result across the
-// TP group, tile by tile (matmul_rs's decode path, matmul_rs_decode.cu).
+// With a DecodeExchange its epilogue also reduce-scatters or all-reduces the result
+// across the TP group, tile by tile (matmul_rs_decode.cu, matmul_ar_decode.cu).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -26,23 +26,30 @@ inline constexpr int64_t kDecodeExchangeMaxRows = limits::kDecodeRsMaxRows;
 // compile-time indices only, so the kernel parameters stay in constant space).
 inline constexpr int kDecodeMaxRanks = limits::kDecodeMaxTp;
 
-// matmul_rs's decode path: the GEMM's D is this rank's partial P[rows, n]; once
-// a tile of P is written, its epilogue stores the rows of P that rank q owns
-// (rows q*rows_per_rank ..) into q's low-latency receive area, each 4 bytes of
-// data next to the call's epoch, waits for every peer's words of the tile and
-// writes its own rows of out = sum over ranks q = 0..tp-1, in that order, in
-// float32, rounded once (decode_exchange.cuh).
+// matmul_rs's and matmul_ar's decode paths: the GEMM's D is this rank's partial
+// P[rows, n]; once a tile of P is written, its epilogue stores the rows of P that
+// rank q sums (reduce-scatter: rows q*reduced_rows ..; all-reduce: all rows) into
+// q's low-latency receive area, each 4 bytes of data next to the call's epoch,
+// waits for every peer's words of the tile and writes the rows it sums of
+// out = sum over ranks q = 0..tp-1, in that order, in float32, rounded once
+// (decode_exchange.cuh).
 struct DecodeExchange {
   int32_t tp = 0;  // 0: no exchange (the plain GEMM: ag_matmul's decode path)
   int32_t rank = 0;
-  int32_t rows_per_rank = 0;
+  int32_t reduced_rows = 0;  // rows each rank sums: m / tp (reduce-scatter) or m (all-reduce)
   int32_t n = 0;
+  bool all_reduce = false;                // every rank sums all rows (else rank q its own block)
   const void* partial = nullptr;          // P = D, [rows, n] (this rank's workspace)
-  void* out = nullptr;                    // [rows_per_rank, n]
-  const void* recv = nullptr;             // my low-latency slots: [sender][rows_per_rank][n / 8][2] x 16 B
+  void* out = nullptr;                    // [reduced_rows, n]
+  const void* recv = nullptr;             // my low-latency slots: [sender][reduced_rows][n / 8][2] x 16 B
   void* peer_recv[kDecodeMaxRanks] = {};  // rank q's low-latency slots of sender `rank`
   bool signal_peers = true;               // false: debug_drop_rank (tests the timeout)
   WaitContext ctx;
+
+  // The first row of P that rank q sums.
+  __host__ __device__ int64_t FirstRowOf(int q) const {
+    return all_reduce ? 0 : static_cast<int64_t>(q) * reduced_rows;
+  }
 };
 
 // Bytes of low-latency receive slots for `rows` rows of n columns (one parity: all the call's

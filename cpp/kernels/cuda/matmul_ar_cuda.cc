@@ -7,10 +7,11 @@
 //
 // The same all_reduce kernel as the latency path (XLA's GEMM next to flux_jax_all_reduce), so
 // both paths give the same bits on every rank. The GEMM and the push do not overlap yet: the
-// GEMM writes its whole partial before the kernel starts. No decode kernel: a decode plan
-// lowers to the latency path (flux_jax/_plan.py).
+// GEMM writes its whole partial before the kernel starts. The decode path (at most 128 rows) is
+// one launch whose epilogue all-reduces tile by tile (matmul_ar_decode.cu).
 #include "all_reduce.h"
 #include "flux_jax/matmul_ar.h"
+#include "matmul_ar_decode.h"
 #include "op_common.h"
 
 namespace flux_jax {
@@ -24,6 +25,7 @@ Status RunMatmulArCuda(const MatmulArParams& p, const TpGroup& group, const Comm
   auto S = static_cast<cudaStream_t>(stream_ptr);
   const int device = group.ordinals[group.rank];
   DeviceGuard guard(device);
+  if (cfg.path == FusedPath::kDecode) return RunMatmulArDecode(p, group, cfg, S);
   CollectiveParams c;  // the all_reduce of the [m, n] partial, which the GEMM writes
   c.out = p.out;
   c.rows = p.m;

@@ -75,7 +75,7 @@ Status RunMatmulRsDecode(const MatmulRsParams& p, const TpGroup& group, const Co
   DecodeExchange& e = plan.exchange;
   e.tp = tp;
   e.rank = r;
-  e.rows_per_rank = static_cast<int32_t>(rpr);
+  e.reduced_rows = static_cast<int32_t>(rpr);
   e.n = static_cast<int32_t>(p.n);
   e.partial = plan.d;
   e.out = p.out;

@@ -763,8 +763,9 @@ class RankThread {
 };
 
 // Cases (indices into CasesFor) rerun with a silent rank: each path's bounded waits, and the
-// gathered output of both ag_matmul paths (4, 7, and FP8 28: NaN or right, never an earlier call's rows).
-const std::vector<size_t> kDropCases = {0, 4, 5, 7, 8, 13, 14, 16, 18, 20, 23, 28};
+// gathered output of both ag_matmul paths (4, 7, and FP8 28: NaN or right, never an earlier call's
+// rows); 33: matmul_ar's decode path, both row blocks.
+const std::vector<size_t> kDropCases = {0, 4, 5, 7, 8, 13, 14, 16, 18, 20, 23, 28, 33};
 // The case whose first call on a fresh group meets a failing workspace growth.
 constexpr size_t kGrowthCase = 8;
 
@@ -804,6 +805,11 @@ std::vector<Case> CasesFor(int tp) {
       {Op::kAgMatmul, Path::kOverlap, ag_m, 768, 512, DType::kBF16, true, /*gathered=*/true, /*fp8=*/true},
       {Op::kAgMatmul, Path::kOverlap, 200, 512, 520, DType::kBF16, true, false, /*fp8=*/true},  // 200: no 128-row tiles
       {Op::kMatmulRs, Path::kOverlap, 1024, 1024, 1024, DType::kBF16, true, false, /*fp8=*/true},
+      // matmul_ar's decode path (bf16, [K, N] weight, <= 128 rows): the epilogue's one-shot all-reduce.
+      {Op::kMatmulAr, Path::kDecode, 1, 1024, 2048},  // one row: x staged into a whole row tile
+      {Op::kMatmulAr, Path::kDecode, 64, 2048, 1024},
+      {Op::kMatmulAr, Path::kDecode, 128, 512, 512},   // two blocks of 64 rows
+      {Op::kMatmulAr, Path::kDecode, 100, 776, 1544},  // 64 + 36 rows, K and N tails
   };
   return cases;
 }

@@ -139,7 +139,7 @@ class Loopback {
       DecodeExchange& e = plan.exchange;
       e.tp = tp_;
       e.rank = r;
-      e.rows_per_rank = static_cast<int32_t>(rpr_);
+      e.reduced_rows = static_cast<int32_t>(rpr_);
       e.n = static_cast<int32_t>(s_.n);
       e.partial = plan.d;
       e.out = me.out;
