@@ -278,6 +278,9 @@ def register(spec) -> None:
             return _lower_latency(spec, ctx, x, w, rank, call, groups, pass_rank)
         if call.fp8 is not None:
             return _lower_fp8_overlap(spec, ctx, x, w, rank, call, groups, pass_rank)
+        rows = int(np.prod(ctx.avals_in[0].shape[:-1]))
+        if plan.path == "overlap" and _plan.composed_overlap(spec.name, rows, call.tp):
+            return _lower_composed_overlap(spec, ctx, x, w, rank, call, groups, pass_rank)
         attrs = _common_attrs(groups, call, _callsite(ctx, spec.name, ctx.avals_in[:2], plan.path))
         attrs.update(_gemm_attrs(call, plan.path))
         operands = (x, w, rank)
@@ -348,7 +351,7 @@ def _lower_fp8_overlap(spec, ctx, x, w, rank, call, groups, pass_rank):
             shapes = spec.out_shapes(xq.shape, wq.shape, dataclasses.replace(call, transpose_w=True))
             dtypes = [x.dtype] + [xq.dtype] * (len(shapes) - 1)  # out, then the gathered FP8 rows
             operands = (xq, wq, rank) if pass_rank else (xq, wq)
-            return _fp8_call_p.bind(
+            return _op_call_p.bind(
                 *operands,
                 row_scales,
                 col_scales,
@@ -362,21 +365,53 @@ def _lower_fp8_overlap(spec, ctx, x, w, rank, call, groups, pass_rank):
     return mlir.lower_fun(lowered, multiple_results=True)(ctx, x, w, rank)
 
 
-# A fused op's custom call on FP8 operands (x, w[, rank], row scales, column scales), bound inside
-# the FP8 overlap lowering only.
-_fp8_call_p = Primitive("flux_jax_fp8_call")
-_fp8_call_p.multiple_results = True
-_fp8_call_p.def_abstract_eval(
+def _lower_composed_overlap(spec, ctx, x, w, rank, call, groups, pass_rank):
+    """An overlap path composed of other ops' custom calls (`spec.composed_overlap`; matmul_ar:
+    matmul_rs's overlap call, then our all_gather), each with its own call-site id."""
+    callsite = _callsite(ctx, spec.name, ctx.avals_in[:2], "composed-overlap")
+    common = _common_attrs(groups, call, callsite)
+    count = [0]
+
+    def site_attrs(extra: dict) -> tuple:
+        site = _sub_callsite(callsite, count[0])
+        count[0] += 1
+        return _hashable_attrs({**common, "callsite": site, **extra})
+
+    def lowered(x, w, rank):
+        def collective(name, operand, shape):
+            operands = (operand, rank) if pass_rank else (operand,)
+            return _collective_p.bind(*operands, name=name, out_shape=tuple(shape), attrs=site_attrs({}))
+
+        def fused(op, a, b, shape):
+            operands = (a, b, rank) if pass_rank else (a, b)
+            (out,) = _op_call_p.bind(
+                *operands,
+                target=f"flux_jax_{op}",
+                outs=((tuple(shape), np.dtype(a.dtype)),),
+                attrs=site_attrs(_gemm_attrs(call, "overlap")),
+            )
+            return out
+
+        return spec.composed_overlap(x, w, call, collective, fused)
+
+    return mlir.lower_fun(lowered, multiple_results=True)(ctx, x, w, rank)
+
+
+# A fused op's custom call bound inside a composition: the FP8 overlap lowering (x, w[, rank], row
+# scales, column scales) and a composed overlap path (x, w[, rank]).
+_op_call_p = Primitive("flux_jax_op_call")
+_op_call_p.multiple_results = True
+_op_call_p.def_abstract_eval(
     lambda x, *operands, target, outs, attrs: [x.update(shape=shape, dtype=dtype) for shape, dtype in outs]
 )
 
 
-def _fp8_call_lowering(ctx, *operands, target, outs, attrs):
+def _op_call_lowering(ctx, *operands, target, outs, attrs):
     kw = {k: np.array(v, dtype=np.int64) if isinstance(v, tuple) else v for k, v in attrs}
     return jax.ffi.ffi_lowering(target)(ctx, *operands, **kw)
 
 
-mlir.register_lowering(_fp8_call_p, _fp8_call_lowering)
+mlir.register_lowering(_op_call_p, _op_call_lowering)
 
 
 # One of our collective custom calls (cpp/include/flux_jax/collectives.h), bound inside the

@@ -243,9 +243,13 @@ def _default_fused(p: Problem) -> str:
     """The fused path for a call that must be fused where no tuning table names one: the overlap
     kernel once it has rows to pipeline (AG: 2048 rows and ~1.5 waves of 128 x 256 output tiles;
     RS: 1024 rows), else the latency path. matmul_ar, unmeasured at tp > 1 on GPUs: its decode
-    kernel where it serves the call (one launch, no all_reduce after it), else the latency path."""
+    kernel where it serves the call (one launch, no all_reduce after it); the two-shot overlap
+    where it applies (matmul_rs's overlap path, measured faster than the twin from 1024 rows at
+    TP = 2, carries the reduce-scatter half); else the latency path."""
     if p.op in _UNMEASURED_ON_GPUS:
-        return "decode" if decode_supported(p) else "latency"
+        if decode_supported(p):
+            return "decode"
+        return "overlap" if composed_overlap(p.op, p.rows, p.tp) else "latency"
     if p.op == "ag_matmul":
         device = _tuning.local_device("gpu")
         sms = device.sms if device is not None and device.sms else 132
@@ -262,7 +266,31 @@ def _unmeasured(p: Problem) -> str:
     )
 
 
+# matmul_ar's overlap path at these many rows or more, divisible by tp: two-shot (below).
+_TWO_SHOT_MIN_ROWS = 1024
+
+
+def composed_overlap(op: str, rows: int, tp: int) -> bool:
+    """Whether the overlap path of `op` is a composition of other ops' custom calls (the lowering
+    asks). matmul_ar with tp >= 2 and rows % tp == 0, from 1024 rows: matmul_ar's "two-shot"
+    overlap, matmul_rs's overlap call (each rank sums one chunk of rows, the reduce-scatter
+    overlapped with the GEMM) and then our all_gather of the chunks. Every chunk is summed once,
+    by its owner, so the output is the same bits on every rank; each rank moves 2 (tp - 1) / tp
+    of the partial instead of tp - 1 times it. Elsewhere matmul_ar's overlap path is one custom
+    call (our GEMM, then the all_reduce kernel). Not timed on GPUs (no two-GPU host)."""
+    return op == "matmul_ar" and tp >= 2 and rows >= _TWO_SHOT_MIN_ROWS and rows % tp == 0
+
+
 def plan(p: Problem, impl: str, config: Config, *, backward: bool = False, on_hopper: bool = False) -> Plan:
+    """The plan for one call (`_decide`), naming matmul_ar's two-shot overlap where it applies."""
+    decided = _decide(p, impl, config, backward=backward, on_hopper=on_hopper)
+    if decided.path == "overlap" and composed_overlap(p.op, p.rows, p.tp):
+        two_shot = "two-shot: matmul_rs's overlapped GEMM + reduce-scatter, then our all_gather"
+        return Plan(decided.path, f"{decided.reason}; {two_shot}", decided.decided_by)
+    return decided
+
+
+def _decide(p: Problem, impl: str, config: Config, *, backward: bool = False, on_hopper: bool = False) -> Plan:
     """The plan for one call.
 
     impl="xla" is the twin; impl="fused" is a fused path or FusedUnavailableError; impl="auto"

@@ -44,7 +44,7 @@ def _same_bits_on_every_rank(out):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize(
     "shape",
-    [(1, 4096, 4096), (16, 8192, 1024), (96, 528, 784), (256, 14336, 4096)],
+    [(1, 4096, 4096), (16, 8192, 1024), (96, 528, 784), (256, 14336, 4096), (2048, 1024, 1536)],
     ids=lambda s: "x".join(map(str, s)),
 )
 def test_matches_oracle_with_the_same_bits_on_every_rank(gpus, path, dtype, shape):

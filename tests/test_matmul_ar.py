@@ -271,6 +271,55 @@ def test_column_matmul_backward_is_the_planned_fused_matmul_ar():
     assert "flux_jax_" not in text and re.search(r"all-reduce(-start)?\(", text)
 
 
+@pytest.mark.parametrize(
+    "x_shape, two_shot",
+    [((1024, 64), True), ((256, 4, 64), True), ((1000, 64), False), ((1020, 64), False)],
+    ids=["1024", "256x4", "1000: fewer rows", "1020: rows % 8"],
+)
+def test_overlap_from_1024_rows_is_two_shot(x_shape, two_shot):
+    """rows % tp == 0 from 1024 rows: matmul_rs's overlap call, then our all_gather (each chunk
+    summed once, so every rank holds the same bits); elsewhere the one custom call."""
+    rng = np.random.default_rng()
+    mesh = cpu_mesh((8,), ("tp",))
+    x, w = random_array(rng, x_shape, jnp.bfloat16), random_array(rng, (64, 48), jnp.bfloat16)
+    out, hlo, (xs, ws) = _run(mesh, x, w, "fused", "overlap")
+    calls = sorted(set(re.findall(r"custom_call @(flux_jax_\w+)", hlo)))
+    assert calls == (["flux_jax_all_gather", "flux_jax_matmul_rs"] if two_shot else ["flux_jax_matmul_ar"]), calls
+    twin, _, _ = _run(mesh, x, w, "xla")
+    assert_matches(out, np.tensordot(to64(x), to64(w), axes=1), twin, "bfloat16", f"two-shot {x_shape}")
+    _shards_bitwise_equal(out, f"two-shot {x_shape}")
+    fn, _ = _fn(mesh, x.ndim)
+    with flux_jax.config(fused_path="overlap"):
+        (site,) = flux_jax.explain(fn, xs, ws)
+    assert site.plan.path == "overlap" and ("two-shot" in site.plan.reason) == two_shot
+
+
+def test_two_shot_gradients_and_the_column_backward():
+    """A Megatron block without sequence parallelism at 1024 rows: the forward matmul_ar and the
+    column layer's backward all-reduce (transposed weight) both run two-shot."""
+    rng = np.random.default_rng()
+    mesh = cpu_mesh((4,), ("tp",))
+    x = random_array(rng, (1024, 32), jnp.float32)
+    w1, w2 = random_array(rng, (32, 64), jnp.float32, 0.2), random_array(rng, (64, 32), jnp.float32, 0.2)
+
+    def loss(impl, x, w1, w2):
+        def body(x, w1, w2):
+            h = jnp.tanh(flux_jax.column_matmul(x, w1, axis_name="tp", impl=impl))
+            return jnp.sum(flux_jax.matmul_ar(h, w2, axis_name="tp", impl=impl) ** 2)
+
+        return jax.shard_map(body, mesh=mesh, in_specs=(P(), P(None, "tp"), P("tp", None)), out_specs=P())(x, w1, w2)
+
+    args = (place(mesh, x, P()), place(mesh, w1, P(None, "tp")), place(mesh, w2, P("tp", None)))
+    with flux_jax.config(fused_path="overlap"):
+        step = jax.jit(jax.grad(functools.partial(loss, "fused"), argnums=(0, 1, 2)))
+        got = step(*args)
+        text = step.lower(*args).compile().as_text()
+    assert text.count('custom_call_target="flux_jax_matmul_rs"') == 2 and "flux_jax_matmul_ar" not in text
+    want = jax.jit(jax.grad(functools.partial(loss, "xla"), argnums=(0, 1, 2)))(*args)
+    for g, t, what in zip(got, want, ("dx", "dw1", "dw2")):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(t), rtol=1e-4, atol=1e-4, err_msg=what)
+
+
 @pytest.mark.parametrize("fn", [flux_jax.matmul_ar, flux_jax.column_matmul])
 def test_contraction_mismatch_is_a_clear_error_before_tracing(fn):
     mesh = cpu_mesh((8,), ("tp",), AxisType.Auto)
@@ -360,8 +409,8 @@ def _gpu_problem(rows=16, k=2048, n=4096, tp=2, dtype=jnp.bfloat16, transpose_w=
 
 def test_planner_on_gpus():
     """Not measured at tp > 1 on GPUs: auto takes the twin and says so; fused takes the decode
-    kernel where it serves the call, else the latency path; every other CUDA path runs the
-    all_reduce kernel (TP <= 8)."""
+    kernel where it serves the call, the two-shot overlap from 1024 rows divisible by tp, else
+    the latency path; all paths serve TP <= 8."""
     cfg = flux_jax.Config()
     auto = _plan.plan(_gpu_problem(), "auto", cfg, on_hopper=True)
     assert auto.path == "twin" and "not been measured at tp > 1 on GPUs" in auto.reason
@@ -370,7 +419,10 @@ def test_planner_on_gpus():
     assert _plan.plan(_gpu_problem(rows=128), "fused", cfg, on_hopper=True).path == "decode"
     assert _plan.plan(_gpu_problem(rows=129), "fused", cfg, on_hopper=True).path == "latency"
     assert _plan.plan(_gpu_problem(dtype=jnp.float16), "fused", cfg, on_hopper=True).path == "latency"
-    assert _plan.plan(_gpu_problem(rows=8192), "fused", cfg, on_hopper=True).path == "latency"
+    big = _plan.plan(_gpu_problem(rows=8192), "fused", cfg, on_hopper=True)
+    assert big.path == "overlap" and "two-shot" in big.reason  # from 1024 rows divisible by tp
+    assert _plan.plan(_gpu_problem(rows=8191), "fused", cfg, on_hopper=True).path == "latency"
+    assert _plan.plan(_gpu_problem(rows=1000), "fused", cfg, on_hopper=True).path == "latency"
     assert _plan.plan(_gpu_problem(transpose_w=True), "auto", cfg, backward=True, on_hopper=True).path == "latency"
     assert _plan.plan(_gpu_problem(tp=8), "fused", cfg, on_hopper=True).path == "decode"
     # the receive area bounds tp x rows x N: 8 x 128 x 8192 is past it
@@ -398,9 +450,10 @@ def test_cpu_plans():
 
 
 @pytest.mark.skipif(not flux_jax._native.has_cuda_kernel("matmul_ar"), reason="built without CUDA kernels")
-@pytest.mark.parametrize("path", ["overlap", "latency"])
+@pytest.mark.parametrize("path", ["overlap", "latency", "two-shot"])
 def test_gpu_lowering_drops_the_rank_operand(path):
     """Lowered for CUDA on CPU devices (only shapes matter): no rank operand on GPU."""
+    rows = 1024 if path == "two-shot" else 64
     mesh = cpu_mesh((2,), ("tp",))
     rng = np.random.default_rng()
     f = jax.jit(
@@ -411,13 +464,18 @@ def test_gpu_lowering_drops_the_rank_operand(path):
             out_specs=P(),
         )
     )
-    x = place(mesh, random_array(rng, (64, 32), "bfloat16"), P(None, "tp"))
+    x = place(mesh, random_array(rng, (rows, 32), "bfloat16"), P(None, "tp"))
     w = place(mesh, random_array(rng, (32, 64), "bfloat16"), P("tp", None))
-    with flux_jax.config(fused_path=path):
+    with flux_jax.config(fused_path="overlap" if path == "two-shot" else path):
         text = f.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
     calls = re.findall(r"stablehlo\.custom_call @(flux_jax_\w+)\(([^)]*)\)", text)
     counts = {t: len([a for a in args.split(",") if a.strip()]) for t, args in calls}
-    assert counts == ({"flux_jax_matmul_ar": 2} if path == "overlap" else {"flux_jax_all_reduce": 1})
+    expected = {
+        "overlap": {"flux_jax_matmul_ar": 2},
+        "latency": {"flux_jax_all_reduce": 1},
+        "two-shot": {"flux_jax_matmul_rs": 2, "flux_jax_all_gather": 1},
+    }
+    assert counts == expected[path]
 
 
 @pytest.mark.parametrize("op", ["matmul_ar", "column_matmul"])

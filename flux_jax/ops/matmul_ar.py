@@ -5,13 +5,15 @@ Tensor parallelism without sequence parallelism (inference decode, small TP): th
 projection's partial sums are all-reduced and every rank keeps the whole output. Paths:
   CPU    "overlap": one custom call, flux_jax_matmul_ar (GEMM, push of the float32 partial,
          rank-ordered sum); "latency": XLA's GEMM next to our flux_jax_all_reduce.
+  Both   "overlap" from 1024 rows divisible by tp: two-shot, matmul_rs's overlap call then our
+         flux_jax_all_gather (each chunk of rows summed once, by its owner, in matmul_rs's order).
   CUDA   "latency": XLA's GEMM next to our one-kernel all_reduce (NVLink stores, per-block
          epoch flags, rank-ordered float32 sum); "overlap": one custom call whose handler enqueues
          our GEMM into the workspace and then the same all_reduce kernel; "decode" (bfloat16, the
          [k, N] weight, M <= 128): one decode GEMM whose epilogue pushes each output tile to every
          peer and sums the tp partials tile by tile (a one-shot all-reduce, one launch).
-Every path sums the tp partials in rank order 0..tp-1 in float32 and rounds once, so the
-output is bitwise the same on every rank.
+Every path sums the tp partials in one fixed order in float32 and rounds once (rank order
+0..tp-1, or matmul_rs's for the two-shot overlap), so the output is bitwise the same on every rank.
 """
 
 from __future__ import annotations
@@ -46,6 +48,17 @@ def _latency(x, w, call: Call, collective):
     return [collective("all_reduce", partial, partial.shape)]
 
 
+def _two_shot(x, w, call: Call, collective, fused):
+    """The overlap path where rows % tp == 0 (flux_jax/_plan.composed_overlap): matmul_rs's
+    overlap call sums chunk r of the rows on rank r, its reduce-scatter overlapped with the GEMM;
+    our all_gather then gives every rank every chunk, each summed once (the same bits everywhere)."""
+    rows, k = math.prod(x.shape[:-1]), x.shape[-1]
+    n = w.shape[0] if call.transpose_w else w.shape[1]
+    chunk = fused("matmul_rs", x.reshape(rows, k), w, (rows // call.tp, n))
+    out = collective("all_gather", chunk, (rows, n))
+    return [out.reshape(*x.shape[:-1], n)]
+
+
 def _fwd(x, w, call: Call):
     return bind(SPEC, x, w, call), (x, w)
 
@@ -63,7 +76,9 @@ def _bwd(call: Call, residuals, cotangents):
     return dx.astype(x.dtype), _autodiff.weight_grad(x, dy, w, call.transpose_w).astype(w.dtype)
 
 
-SPEC = define(OpSpec(NAME, _out_shapes, _gemm, _twin, _latency, _fwd, _bwd, replicated=True))
+SPEC = define(
+    OpSpec(NAME, _out_shapes, _gemm, _twin, _latency, _fwd, _bwd, replicated=True, composed_overlap=_two_shot)
+)
 
 
 def matmul_ar(x, w, *, axis_name: str, impl: str = "auto"):
