@@ -137,33 +137,38 @@ def _supported(op, tp, rows, k, n, transpose_w=False, dtype=jnp.bfloat16):
     return _plan.decode_supported(problem)
 
 
-def test_decode_supported_matches_the_kernels():
-    ag, rs = "ag_matmul", "matmul_rs"
-    assert _supported(ag, 2, 128, 8192, 4096)
-    assert _supported(ag, 8, 128, 8192, 4096)
-    assert _supported(ag, 2, 130, 8192, 4096)  # two row tiles
-    assert _supported(ag, 2, 256, 8192, 4096)
-    assert not _supported(ag, 2, 258, 8192, 4096)
-    assert not _supported(ag, 2, 128, 8192, 4096, transpose_w=True)
-    assert not _supported(ag, 1, 64, 8192, 4096)
-    assert not _supported(ag, 16, 128, 8192, 4096)  # more ranks than it serves
+# (op, tp, rows, k, n, other Problem fields, whether the decode kernels serve it)
+_DECODE_SUPPORT = [
+    ("ag_matmul", 2, 128, 8192, 4096, {}, True),
+    ("ag_matmul", 8, 128, 8192, 4096, {}, True),
+    ("ag_matmul", 2, 130, 8192, 4096, {}, True),  # two row tiles
+    ("ag_matmul", 2, 256, 8192, 4096, {}, True),
+    ("ag_matmul", 2, 258, 8192, 4096, {}, False),
+    ("ag_matmul", 2, 128, 8192, 4096, {"transpose_w": True}, False),
+    ("ag_matmul", 1, 64, 8192, 4096, {}, False),
+    ("ag_matmul", 16, 128, 8192, 4096, {}, False),  # more ranks than it serves
     # matmul_rs: x holds all rows (its K is sharded); n up to its low-latency area's limit
-    assert _supported(rs, 2, 128, 4096, 8192)
-    assert _supported(rs, 8, 8, 4096, 32768)
-    assert not _supported(rs, 2, 130, 4096, 8192)
-    assert not _supported(rs, 2, 64, 4096, 32776)
-    assert not _supported(rs, 2, 64, 4096, 8192, transpose_w=True)
-    assert not _supported(rs, 2, 64, 4096, 8192, dtype=jnp.float16)
+    ("matmul_rs", 2, 128, 4096, 8192, {}, True),
+    ("matmul_rs", 8, 8, 4096, 32768, {}, True),
+    ("matmul_rs", 2, 130, 4096, 8192, {}, False),
+    ("matmul_rs", 2, 64, 4096, 32776, {}, False),
+    ("matmul_rs", 2, 64, 4096, 8192, {"transpose_w": True}, False),
+    ("matmul_rs", 2, 64, 4096, 8192, {"dtype": jnp.float16}, False),
     # matmul_ar: any rows up to 128 (no divisibility), tp = 1 too; tp x rows x N <= 2^22
-    ar = "matmul_ar"
-    assert _supported(ar, 1, 64, 4096, 8192)
-    assert _supported(ar, 2, 1, 4096, 8192)
-    assert _supported(ar, 3, 127, 4096, 8192)
-    assert _supported(ar, 8, 64, 4096, 8192)
-    assert not _supported(ar, 8, 128, 4096, 8192)
-    assert not _supported(ar, 2, 129, 4096, 8192)
-    assert not _supported(ar, 2, 64, 4096, 8192, transpose_w=True)
-    assert not _supported(ar, 2, 64, 4096, 8192, dtype=jnp.float16)
+    ("matmul_ar", 1, 64, 4096, 8192, {}, True),
+    ("matmul_ar", 2, 1, 4096, 8192, {}, True),
+    ("matmul_ar", 3, 127, 4096, 8192, {}, True),
+    ("matmul_ar", 8, 64, 4096, 8192, {}, True),
+    ("matmul_ar", 8, 128, 4096, 8192, {}, False),
+    ("matmul_ar", 2, 129, 4096, 8192, {}, False),
+    ("matmul_ar", 2, 64, 4096, 8192, {"transpose_w": True}, False),
+    ("matmul_ar", 2, 64, 4096, 8192, {"dtype": jnp.float16}, False),
+]
+
+
+@pytest.mark.parametrize("op, tp, rows, k, n, kw, served", _DECODE_SUPPORT)
+def test_decode_supported_matches_the_kernels(op, tp, rows, k, n, kw, served):
+    assert _supported(op, tp, rows, k, n, **kw) == served
 
 
 @pytest.mark.parametrize("op", ["ag", "rs", "ar"])
