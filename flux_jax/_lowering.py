@@ -279,7 +279,7 @@ def register(spec) -> None:
         if call.fp8 is not None:
             return _lower_fp8_overlap(spec, ctx, x, w, rank, call, groups, pass_rank)
         rows = int(np.prod(ctx.avals_in[0].shape[:-1]))
-        if plan.path == "overlap" and _plan.composed_overlap(spec.name, rows, call.tp):
+        if plan.path == "overlap" and _plan.composed_overlap(spec.name, rows, call.tp, platform):
             return _lower_composed_overlap(spec, ctx, x, w, rank, call, groups, pass_rank)
         attrs = _common_attrs(groups, call, _callsite(ctx, spec.name, ctx.avals_in[:2], plan.path))
         attrs.update(_gemm_attrs(call, plan.path))

@@ -249,7 +249,7 @@ def _default_fused(p: Problem) -> str:
     if p.op in _UNMEASURED_ON_GPUS:
         if decode_supported(p):
             return "decode"
-        return "overlap" if composed_overlap(p.op, p.rows, p.tp) else "latency"
+        return "overlap" if composed_overlap(p.op, p.rows, p.tp, p.platform) else "latency"
     if p.op == "ag_matmul":
         device = _tuning.local_device("gpu")
         sms = device.sms if device is not None and device.sms else 132
@@ -266,25 +266,34 @@ def _unmeasured(p: Problem) -> str:
     )
 
 
-# matmul_ar's overlap path at these many rows or more, divisible by tp: two-shot (below).
+# matmul_ar's overlap path at these many rows or more, divisible by tp, on these platforms:
+# two-shot (below). The CPU backend keeps its one custom call, the protocol reference (the tests
+# add "cpu" here to run the composition on CPU devices).
 _TWO_SHOT_MIN_ROWS = 1024
+_TWO_SHOT_PLATFORMS = ("cuda", "gpu")
 
 
-def composed_overlap(op: str, rows: int, tp: int) -> bool:
+def composed_overlap(op: str, rows: int, tp: int, platform: str) -> bool:
     """Whether the overlap path of `op` is a composition of other ops' custom calls (the lowering
-    asks). matmul_ar with tp >= 2 and rows % tp == 0, from 1024 rows: matmul_ar's "two-shot"
+    asks). matmul_ar on GPUs with tp >= 2 and rows % tp == 0, from 1024 rows: the "two-shot"
     overlap, matmul_rs's overlap call (each rank sums one chunk of rows, the reduce-scatter
     overlapped with the GEMM) and then our all_gather of the chunks. Every chunk is summed once,
     by its owner, so the output is the same bits on every rank; each rank moves 2 (tp - 1) / tp
     of the partial instead of tp - 1 times it. Elsewhere matmul_ar's overlap path is one custom
     call (our GEMM, then the all_reduce kernel). Not timed on GPUs (no two-GPU host)."""
-    return op == "matmul_ar" and tp >= 2 and rows >= _TWO_SHOT_MIN_ROWS and rows % tp == 0
+    return (
+        op == "matmul_ar"
+        and platform in _TWO_SHOT_PLATFORMS
+        and tp >= 2
+        and rows >= _TWO_SHOT_MIN_ROWS
+        and rows % tp == 0
+    )
 
 
 def plan(p: Problem, impl: str, config: Config, *, backward: bool = False, on_hopper: bool = False) -> Plan:
     """The plan for one call (`_decide`), naming matmul_ar's two-shot overlap where it applies."""
     decided = _decide(p, impl, config, backward=backward, on_hopper=on_hopper)
-    if decided.path == "overlap" and composed_overlap(p.op, p.rows, p.tp):
+    if decided.path == "overlap" and composed_overlap(p.op, p.rows, p.tp, p.platform):
         two_shot = "two-shot: matmul_rs's overlapped GEMM + reduce-scatter, then our all_gather"
         return Plan(decided.path, f"{decided.reason}; {two_shot}", decided.decided_by)
     return decided

@@ -276,9 +276,11 @@ def test_column_matmul_backward_is_the_planned_fused_matmul_ar():
     [((1024, 64), True), ((256, 4, 64), True), ((1000, 64), False), ((1020, 64), False)],
     ids=["1024", "256x4", "1000: fewer rows", "1020: rows % 8"],
 )
-def test_overlap_from_1024_rows_is_two_shot(x_shape, two_shot):
+def test_overlap_from_1024_rows_is_two_shot(x_shape, two_shot, monkeypatch):
     """rows % tp == 0 from 1024 rows: matmul_rs's overlap call, then our all_gather (each chunk
-    summed once, so every rank holds the same bits); elsewhere the one custom call."""
+    summed once, so every rank holds the same bits); elsewhere the one custom call. A GPU path,
+    run here on CPU devices."""
+    monkeypatch.setattr(_plan, "_TWO_SHOT_PLATFORMS", ("cuda", "gpu", "cpu"))
     rng = np.random.default_rng()
     mesh = cpu_mesh((8,), ("tp",))
     x, w = random_array(rng, x_shape, jnp.bfloat16), random_array(rng, (64, 48), jnp.bfloat16)
@@ -294,9 +296,11 @@ def test_overlap_from_1024_rows_is_two_shot(x_shape, two_shot):
     assert site.plan.path == "overlap" and ("two-shot" in site.plan.reason) == two_shot
 
 
-def test_two_shot_gradients_and_the_column_backward():
+def test_two_shot_gradients_and_the_column_backward(monkeypatch):
     """A Megatron block without sequence parallelism at 1024 rows: the forward matmul_ar and the
-    column layer's backward all-reduce (transposed weight) both run two-shot."""
+    column layer's backward all-reduce (transposed weight) both run two-shot (on CPU devices as
+    on GPUs)."""
+    monkeypatch.setattr(_plan, "_TWO_SHOT_PLATFORMS", ("cuda", "gpu", "cpu"))
     rng = np.random.default_rng()
     mesh = cpu_mesh((4,), ("tp",))
     x = random_array(rng, (1024, 32), jnp.float32)
@@ -447,6 +451,10 @@ def test_cpu_plans():
     assert _plan.plan(cpu, "auto", cfg).path == "twin"
     assert _plan.plan(cpu, "fused", cfg).path == "overlap"
     assert _plan.plan(cpu, "fused", flux_jax.Config(fused_path="latency")).path == "latency"
+    # the two-shot overlap is a GPU path: the CPU backend keeps its one custom call
+    assert not _plan.composed_overlap("matmul_ar", 1024, 8, "cpu")
+    assert _plan.composed_overlap("matmul_ar", 1024, 8, "cuda")
+    assert not _plan.composed_overlap("matmul_rs", 1024, 8, "cuda")
 
 
 @pytest.mark.skipif(not flux_jax._native.has_cuda_kernel("matmul_ar"), reason="built without CUDA kernels")

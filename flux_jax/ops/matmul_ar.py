@@ -5,7 +5,7 @@ Tensor parallelism without sequence parallelism (inference decode, small TP): th
 projection's partial sums are all-reduced and every rank keeps the whole output. Paths:
   CPU    "overlap": one custom call, flux_jax_matmul_ar (GEMM, push of the float32 partial,
          rank-ordered sum); "latency": XLA's GEMM next to our flux_jax_all_reduce.
-  Both   "overlap" from 1024 rows divisible by tp: two-shot, matmul_rs's overlap call then our
+         "overlap" from 1024 rows divisible by tp: two-shot, matmul_rs's overlap call then our
          flux_jax_all_gather (each chunk of rows summed once, by its owner, in matmul_rs's order).
   CUDA   "latency": XLA's GEMM next to our one-kernel all_reduce (NVLink stores, per-block
          epoch flags, rank-ordered float32 sum); "overlap": one custom call whose handler enqueues
