@@ -52,8 +52,7 @@ def _two_shot(x, w, call: Call, collective, fused):
     """The overlap path where rows % tp == 0 (flux_jax/_plan.composed_overlap): matmul_rs's
     overlap call sums chunk r of the rows on rank r, its reduce-scatter overlapped with the GEMM;
     our all_gather then gives every rank every chunk, each summed once (the same bits everywhere)."""
-    rows, k = math.prod(x.shape[:-1]), x.shape[-1]
-    n = w.shape[0] if call.transpose_w else w.shape[1]
+    rows, k, n = _gemm(x.shape, w.shape, call)
     chunk = fused("matmul_rs", x.reshape(rows, k), w, (rows // call.tp, n))
     out = collective("all_gather", chunk, (rows, n))
     return [out.reshape(*x.shape[:-1], n)]

@@ -40,7 +40,7 @@ Status PreloadGemmKernels() {
 }
 
 // The 2x1-cluster instances (ChooseGemmInstance): 128x160 by rule or forced, 128x256 forced only.
-static Status RunForcedGemm(const GemmPlan& plan, DType dtype, cudaStream_t stream, int device, int sm_count) {
+static Status RunClusteredGemm(const GemmPlan& plan, DType dtype, cudaStream_t stream, int device, int sm_count) {
   if (!HasGemmInstance(dtype, plan.b_kmajor, plan.block_n, plan.cluster_m)) {
     return Status::InvalidArgument("flux_jax: no overlap GEMM instance with 128x" + std::to_string(plan.block_n) +
                                    " tiles in " + std::to_string(plan.cluster_m) + "x1 clusters for " +
@@ -64,7 +64,7 @@ Status RunGemm(const GemmPlan& plan, DType dtype, cudaStream_t stream, int devic
                 : RunGemm_e4m3_bf16_n128_c2x1(plan, stream, device, sm_count);
   }
   if (plan.cluster_m != 1 || plan.block_n == kGemmBlockN160)
-    return RunForcedGemm(plan, dtype, stream, device, sm_count);
+    return RunClusteredGemm(plan, dtype, stream, device, sm_count);
   switch (dtype) {
     case DType::kBF16:
       if (plan.block_n == kGemmBlockNNarrow && HasNarrowTile(dtype, plan.b_kmajor)) {

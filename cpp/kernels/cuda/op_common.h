@@ -79,7 +79,8 @@ inline bool PreferClustered160(DType dtype, bool b_kmajor, int64_t m, int64_t n)
 
 // The overlap GEMM instance of a call (GemmPlan.block_n and cluster_m). GpuTuning.gemm_kernel
 // forces one, for A/B measurements: an instance this build lacks for the dtype and weight layout
-// is an error, never a silent fallback. kAuto keeps ChooseBlockN's choice (cluster 1x1).
+// is an error, never a silent fallback. kAuto: PreferClustered160, else ChooseBlockN's choice
+// (cluster 1x1).
 // kDecode is no overlap instance: ag_matmul's tp = 1 branch runs the decode GEMM for it, and
 // every other call rejects it here.
 inline Status ChooseGemmInstance(const CommConfig& cfg, DType dtype, bool b_kmajor, int64_t m, int64_t n, int sm_count,
