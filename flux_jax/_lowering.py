@@ -347,15 +347,17 @@ def _lower_fp8_overlap(spec, ctx, x, w, rank, call, groups, pass_rank):
         return _collective_p.bind(*operands, name=name, out_shape=tuple(shape), attrs=site_attrs)
 
     def lowered(x, w, rank):
-        def fused(xq, wq, row_scales, col_scales):
-            shapes = spec.out_shapes(xq.shape, wq.shape, dataclasses.replace(call, transpose_w=True))
+        def fused(xq, wq, row_scales, col_scales, op=None):
+            # `op`: another op's FP8 overlap call (matmul_ar's two-shot binds matmul_rs's)
+            target = spec if op is None else _registry()[op]
+            shapes = target.out_shapes(xq.shape, wq.shape, dataclasses.replace(call, transpose_w=True))
             dtypes = [x.dtype] + [xq.dtype] * (len(shapes) - 1)  # out, then the gathered FP8 rows
             operands = (xq, wq, rank) if pass_rank else (xq, wq)
             return _op_call_p.bind(
                 *operands,
                 row_scales,
                 col_scales,
-                target=spec.target,
+                target=target.target,
                 outs=tuple((tuple(s), np.dtype(d)) for s, d in zip(shapes, dtypes)),
                 attrs=gemm_attrs,
             )
@@ -363,6 +365,12 @@ def _lower_fp8_overlap(spec, ctx, x, w, rank, call, groups, pass_rank):
         return spec.fp8_overlap(x, w, call, lambda name, a, shape: collective(name, a, shape, rank), fused)
 
     return mlir.lower_fun(lowered, multiple_results=True)(ctx, x, w, rank)
+
+
+def _registry() -> dict:
+    from flux_jax.ops._spec import REGISTRY  # the ops' module imports this one
+
+    return REGISTRY
 
 
 def _lower_composed_overlap(spec, ctx, x, w, rank, call, groups, pass_rank):

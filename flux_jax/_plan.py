@@ -168,16 +168,18 @@ def _fp8_unavailable_on_hopper(p: Problem) -> str | None:
 
 
 def fp8_overlap_supported(p: Problem) -> bool:
-    """Whether the FP8 overlap kernels serve this call: the forward GEMM of ag_matmul or matmul_rs
-    (e4m3 rows: the backward's e5m2 rows have no instance), a bfloat16 output, per-rank K a
-    multiple of 16 and N of 8 (the CUDA instance's alignment; the CPU backend follows it)."""
+    """Whether the FP8 overlap kernels serve this call: the forward GEMM of ag_matmul, matmul_rs or
+    matmul_ar (matmul_rs's kernel, then an all_gather: the two-shot) (e4m3 rows: the backward's
+    e5m2 rows have no instance), a bfloat16 output, per-rank K a multiple of 16 and N of 8 (the
+    CUDA instance's alignment; the CPU backend follows it), rows divisible by tp for the GEMM-first
+    ops (each rank sums one chunk of them)."""
     return (
-        p.op in ("ag_matmul", "matmul_rs")
+        p.op in ("ag_matmul", "matmul_rs", "matmul_ar")
         and p.fp8 == "float8_e4m3fn"
         and np.dtype(p.dtype) == _BF16
         and p.k % 16 == 0
         and p.n % 8 == 0
-        and (p.op != "matmul_rs" or p.rows % p.tp == 0)
+        and (p.op == "ag_matmul" or p.rows % p.tp == 0)
     )
 
 
@@ -189,18 +191,21 @@ def _plan_fp8(p: Problem, config: Config, must_fuse: bool) -> Plan:
         "(or the partial), XLA's FP8 GEMM"
     )
     overlap_ok = fp8_overlap_supported(p)
+    overlap = "the FP8 overlap GEMM"
+    if p.op == "matmul_ar":
+        overlap = "the FP8 two-shot: matmul_rs's FP8 overlap GEMM + reduce-scatter, then our all_gather"
     if config.fused_path == "decode":
         return Plan("latency", f'no FP8 decode kernel for Config.fused_path="decode": {latency}', "config")
     if config.fused_path == "latency":
         return Plan("latency", f'Config.fused_path="latency": {latency}', "config")
     if config.fused_path == "overlap":
         if overlap_ok:
-            return Plan("overlap", 'Config.fused_path="overlap": the FP8 overlap GEMM', "config")
+            return Plan("overlap", f'Config.fused_path="overlap": {overlap}', "config")
         return Plan("latency", f"the FP8 overlap kernel does not serve this call: {latency}", "config")
     if must_fuse:
         where = "platform" if p.platform == "cpu" else "kernels"
         if overlap_ok and (p.platform == "cpu" or _default_fused(p) == "overlap"):
-            return Plan("overlap", "the FP8 overlap GEMM (the row operand in e4m3, bfloat16 out)", where)
+            return Plan("overlap", f"{overlap} (the row operand in e4m3, bfloat16 out)", where)
         return Plan("latency", latency, where)
     if p.platform == "cpu":
         return Plan("twin", "the CPU backend is a protocol reference, slower than XLA:CPU's dot", "platform")
@@ -294,7 +299,7 @@ def composed_overlap(op: str, rows: int, tp: int, platform: str) -> bool:
 def plan(p: Problem, impl: str, config: Config, *, backward: bool = False, on_hopper: bool = False) -> Plan:
     """The plan for one call (`_decide`), naming matmul_ar's two-shot overlap where it applies."""
     decided = _decide(p, impl, config, backward=backward, on_hopper=on_hopper)
-    if decided.path == "overlap" and composed_overlap(p.op, p.rows, p.tp, p.platform):
+    if decided.path == "overlap" and not p.fp8 and composed_overlap(p.op, p.rows, p.tp, p.platform):
         two_shot = "two-shot: matmul_rs's overlapped GEMM + reduce-scatter, then our all_gather"
         return Plan(decided.path, f"{decided.reason}; {two_shot}", decided.decided_by)
     return decided

@@ -1,7 +1,7 @@
 """FP8 operands for the fused ops: the recipe `Fp8`, current scaling and the FP8 GEMM.
 
-`ag_matmul(..., fp8=True)` / `matmul_rs(..., fp8=True)` (or `fp8=Fp8(...)`) take high-precision
-x and w (float32, bfloat16, float16), quantize them with current scaling (the amax of the values
+`ag_matmul(..., fp8=True)`, `matmul_rs`, `matmul_ar` and `column_matmul` (or `fp8=Fp8(...)`) take
+high-precision x and w (float32, bfloat16, float16), quantize them with current scaling (the amax of the values
 at hand, no history), run the op on the FP8 operands with float32 accumulation and the scales
 applied after the GEMM, and return x's dtype. Scaling granularity:
 
@@ -18,6 +18,8 @@ rounding were the identity. The backward runs the paired op on FP8 operands, as 
   matmul_rs:  dx = ag_matmul(dy, w^T): the e5m2 rows of dy and their scales are gathered, then
               the FP8 GEMM with w (e4m3);
               dw = x^T AG(dy) in x's dtype, AG(dy) the dequantized e5m2 rows that gather moved.
+  matmul_ar:  (dy is replicated) dx = dy (e5m2) x w^T (e4m3), a local FP8 GEMM; dw = x^T dy.
+  column_matmul: dx = matmul_ar(dy, w^T) on dy's e5m2 rows; dw = x^T dy.
 
 The weight gradients run in x's dtype: their contraction runs over the rows (tokens), the
 dimension the per-row scales live on, and a GEMM can apply scales after accumulating only

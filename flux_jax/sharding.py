@@ -69,13 +69,14 @@ def matmul_rs_sharded(x, w, *, mesh, axis_name: str, impl: str = "auto", fp8=Non
     return f(_place(x, mesh, x_spec), _place(w, mesh, w_spec))
 
 
-def matmul_ar_sharded(x, w, *, mesh, axis_name: str, impl: str = "auto"):
+def matmul_ar_sharded(x, w, *, mesh, axis_name: str, impl: str = "auto", fp8=None):
     """Global-view GEMM -> AllReduce (row-parallel linear, replicated output).
 
     Args:
       x: global [M, ..., K], placed sharded on its last (contraction) dim: P(None, ..., axis_name).
       w: global [K, N], placed row-sharded over `axis_name`: P(axis_name, None).
       mesh: a jax.sharding.Mesh containing `axis_name`.
+      impl, fp8: as in flux_jax.matmul_ar.
 
     Returns:
       x @ w, global [M, ..., N], replicated over `axis_name`: P(None, ...).
@@ -83,18 +84,19 @@ def matmul_ar_sharded(x, w, *, mesh, axis_name: str, impl: str = "auto"):
     x_spec = P(*([None] * (x.ndim - 1)), axis_name)
     w_spec = P(axis_name, None)
     out_spec = P(*([None] * x.ndim))
-    body = functools.partial(matmul_ar, axis_name=axis_name, impl=impl)
+    body = functools.partial(matmul_ar, axis_name=axis_name, impl=impl, fp8=fp8)
     f = jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=out_spec)
     return f(_place(x, mesh, x_spec), _place(w, mesh, w_spec))
 
 
-def column_matmul_sharded(x, w, *, mesh, axis_name: str, impl: str = "auto"):
+def column_matmul_sharded(x, w, *, mesh, axis_name: str, impl: str = "auto", fp8=None):
     """Global-view column-parallel GEMM on a replicated input (its backward is a fused matmul_ar).
 
     Args:
       x: global [M, ..., K], replicated over `axis_name`: P(None, ...).
       w: global [K, N], placed column-sharded over `axis_name`: P(None, axis_name).
       mesh: a jax.sharding.Mesh containing `axis_name`.
+      impl, fp8: as in flux_jax.column_matmul.
 
     Returns:
       x @ w, global [M, ..., N], column-sharded over `axis_name`: P(None, ..., axis_name).
@@ -102,6 +104,6 @@ def column_matmul_sharded(x, w, *, mesh, axis_name: str, impl: str = "auto"):
     x_spec = P(*([None] * x.ndim))
     w_spec = P(None, axis_name)
     out_spec = P(*([None] * (x.ndim - 1)), axis_name)
-    body = functools.partial(column_matmul, axis_name=axis_name, impl=impl)
+    body = functools.partial(column_matmul, axis_name=axis_name, impl=impl, fp8=fp8)
     f = jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=out_spec)
     return f(_place(x, mesh, x_spec), _place(w, mesh, w_spec))

@@ -43,37 +43,43 @@ def matmul_rs_xla(x, w, *, axis_name: str, scatter_dimension: int = 0, fp8=None)
     return lax.psum_scatter(jnp.dot(x, w), axis_name, scatter_dimension=scatter_dimension, tiled=True)
 
 
-def matmul_ar_xla(x, w, *, axis_name: str):
+def matmul_ar_xla(x, w, *, axis_name: str, fp8=None):
     """psum(x @ w): every rank gets the whole sum."""
+    recipe = _fp8.resolve("matmul_ar_xla", fp8)
+    if recipe is not None:
+        x, w = _unify(axis_name, x, w)
+        return lax.psum(_local_fp8(x, w, recipe), axis_name)
     return lax.psum(jnp.dot(x, w), axis_name)
 
 
-def column_matmul_xla(x, w, *, axis_name: str):
+def column_matmul_xla(x, w, *, axis_name: str, fp8=None):
     """x @ w with x replicated over `axis_name`; the backward all-reduces dx = psum(dy @ w^T).
 
     Megatron's column-parallel linear without sequence parallelism ("f": identity forward,
     all-reduce backward). In a shard_map with check_vma=False, JAX's convention sums a replicated
     value's cotangent elsewhere (the shard_map boundary, psum's transpose), and dx stays local,
-    as for a plain jnp.dot.
+    as for a plain jnp.dot. With `fp8` the forward is XLA's FP8 GEMM (x per row, w per the
+    recipe) and dx's GEMM takes dy per row in the backward format (straight-through).
     """
+    recipe = _fp8.resolve("column_matmul_xla", fp8)
     # Both operands vary over every other manual axis either varies over (x stays as typed over
     # `axis_name`), so the custom_vjp's cotangents type-check; pcast's transpose sums them there.
     others = (_varying(x) | _varying(w)) - {axis_name}
-    return _column_matmul(_typed_like(x, others), _typed_like(w, others | {axis_name}), axis_name)
+    return _column_matmul(_typed_like(x, others), _typed_like(w, others | {axis_name}), axis_name, recipe)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _column_matmul(x, w, axis_name):
-    return jnp.dot(x, w)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _column_matmul(x, w, axis_name, recipe):
+    return jnp.dot(x, w) if recipe is None else _fp8.matmul(x, w, recipe)
 
 
-def _column_matmul_fwd(x, w, axis_name):
-    return jnp.dot(x, w), (x, w)
+def _column_matmul_fwd(x, w, axis_name, recipe):
+    return _column_matmul(x, w, axis_name, recipe), (x, w)
 
 
-def _column_matmul_bwd(axis_name, residuals, dy):
+def _column_matmul_bwd(axis_name, recipe, residuals, dy):
     x, w = residuals
-    dx = jnp.dot(dy, w.T)
+    dx = jnp.dot(dy, w.T) if recipe is None else _fp8.matmul(dy, w, recipe, transpose_w=True, grad=True)
     if axis_name in _varying(w):  # types checked (w was cast to vary over the axis)
         dx = lax.psum(dx, axis_name)
     lead = tuple(range(x.ndim - 1))
@@ -154,3 +160,22 @@ def _matmul_rs_fp8_bwd(axis_name, recipe, residuals, dy):
 
 
 _matmul_rs_fp8.defvjp(_matmul_rs_fp8_fwd, _matmul_rs_fp8_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _local_fp8(x, w, recipe):
+    """x @ w through FP8 on this rank (matmul_ar's GEMM; psum's transpose handles the axis)."""
+    return _fp8.matmul(x, w, recipe)
+
+
+def _local_fp8_fwd(x, w, recipe):
+    return _fp8.matmul(x, w, recipe), (x, w)
+
+
+def _local_fp8_bwd(recipe, residuals, dy):
+    x, w = residuals
+    dx = _fp8.matmul(dy, w, recipe, transpose_w=True, grad=True)
+    return dx, _autodiff.weight_grad(x, dy, w, False).astype(w.dtype)
+
+
+_local_fp8.defvjp(_local_fp8_fwd, _local_fp8_bwd)

@@ -38,12 +38,19 @@ FLOOR = {"float8_e4m3fn": 2.0**-10 / 448, "float8_e5m2": 2.0**-17 / 57344}  # x 
 EPS = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
 
 
+OPS = {"ag": flux_jax.ag_matmul, "rs": flux_jax.matmul_rs, "ar": flux_jax.matmul_ar}
+
+
+def ar_specs(mesh, tp_axis, ndim):
+    """matmul_ar: x sharded on K, w on its rows, the output replicated."""
+    del mesh
+    return P(*([None] * (ndim - 1)), tp_axis), P(tp_axis, None), P(*([None] * ndim))
+
+
 def _fn(op, mesh, ndim, impl, recipe, tp_axis="tp", **kw):
-    specs = ag_specs if op == "ag" else rs_specs
+    specs = {"ag": ag_specs, "rs": rs_specs, "ar": ar_specs}[op]
     x_spec, w_spec, out_spec = specs(mesh, tp_axis, ndim)
-    body = functools.partial(
-        flux_jax.ag_matmul if op == "ag" else flux_jax.matmul_rs, axis_name=tp_axis, impl=impl, fp8=recipe, **kw
-    )
+    body = functools.partial(OPS[op], axis_name=tp_axis, impl=impl, fp8=recipe, **kw)
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=out_spec)), (x_spec, w_spec)
 
 
@@ -56,8 +63,8 @@ def _operands(rng, op, tp, m_local, k, n, dtype, mid=()):
 def _fp8_bound(x64, w64, dtype_name, op, tp, recipe=None):
     """The elementwise bound of the module docstring for x [..., K] @ w [K, N] (global operands).
 
-    matmul_rs quantizes each rank's K-slice of a row separately, with the slice's own amax; the
-    row's full amax bounds every slice's, so the floor below holds for it too."""
+    matmul_rs and matmul_ar quantize each rank's K-slice of a row separately, with the slice's
+    own amax; the row's full amax bounds every slice's, so the floor below holds for them too."""
     recipe = recipe or fp8.Fp8()
     u = U[recipe.forward_format]
     floor = FLOOR[recipe.forward_format]
@@ -67,7 +74,7 @@ def _fp8_bound(x64, w64, dtype_name, op, tp, recipe=None):
     e_w = floor * (np.max(aw, axis=0, keepdims=True) if recipe.weight_scaling == "column" else np.max(aw))
     e_w = e_w * np.ones_like(aw)
     mm = lambda a, b: np.tensordot(a, b, axes=1)  # noqa: E731
-    rounding = (2 if op == "rs" else 1) * EPS[dtype_name] * (1 + 1.0 / tp)
+    rounding = (1 if op == "ag" else 2) * EPS[dtype_name] * (1 + 1.0 / tp)
     return mm(u * ax + e_x, (1 + u) * aw + e_w) + mm(ax, u * aw + e_w) + rounding * mm(ax, aw)
 
 
@@ -76,7 +83,7 @@ def _placed(mesh, specs, *arrays):
 
 
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
-@pytest.mark.parametrize("op", ["ag", "rs"])
+@pytest.mark.parametrize("op", ["ag", "rs", "ar"])
 def test_output_is_fp8_accurate_quantized_and_matches_the_twin(op, dtype_name):
     rng = np.random.default_rng()
     tp = 4
@@ -208,6 +215,85 @@ def test_gradients_through_ag_tanh_rs_are_close_to_the_unquantized_ones(dtype_na
         assert rel > 4 * EPS[dtype_name], f"{name}: the backward is not quantized ({rel:.2e})"
         twin_rel = np.linalg.norm(got - fp8_twin) / np.linalg.norm(fp8_twin)
         assert twin_rel <= 8 * EPS[dtype_name] + 1e-6, f"{name}: fused vs FP8 twin {twin_rel:.2e}"
+
+
+def _megatron_loss(impl, recipe, mesh):
+    """The block without sequence parallelism: column_matmul -> tanh -> matmul_ar."""
+
+    def body(x, w1, w2, ct):
+        h = flux_jax.column_matmul(x, w1, axis_name="tp", impl=impl, fp8=recipe)
+        y = flux_jax.matmul_ar(jnp.tanh(h), w2, axis_name="tp", impl=impl, fp8=recipe)
+        return jnp.sum(y.astype(jnp.float32) * ct)
+
+    specs = (P(), P(None, "tp"), P("tp", None), P())
+    return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P()), specs
+
+
+def test_gradients_through_column_tanh_ar_are_close_to_the_unquantized_ones():
+    rng = np.random.default_rng()
+    tp = 4
+    mesh = cpu_mesh((tp,), ("tp",))
+    s, d, f = 16, 64, 128
+    x = random_array(rng, (s, d), jnp.bfloat16)
+    w1 = random_array(rng, (d, f), jnp.bfloat16, scale=d**-0.5)
+    w2 = random_array(rng, (f, d), jnp.bfloat16, scale=f**-0.5)
+    ct = random_array(rng, (s, d), jnp.float32)
+    grads = {}
+    for impl, recipe in (("fused", True), ("xla", True), ("xla", None)):
+        loss, specs = _megatron_loss(impl, recipe, mesh)
+        fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        args = _placed(mesh, specs, x, w1, w2, ct)
+        grads[impl, recipe] = [to64(g) for g in fn(*args)]
+        if impl == "fused":
+            hlo = fn.lower(*args).as_text()
+            # column_matmul's dx all-reduces the FP8 GEMM of dy's e5m2 rows (the loss is linear
+            # in matmul_ar's output, so only its backward runs: a local FP8 GEMM)
+            assert hlo.count("custom_call @flux_jax_all_reduce") == 1 and "f8E5M2" in hlo
+    e4, e5 = U["float8_e4m3fn"], U["float8_e5m2"]
+    # as for ag -> tanh -> rs: dx: ct and dh (e5m2), w2, w1, and x, w1 through tanh'(h);
+    # dw1: ct, dh, w2 and x; dw2: ct, x, w1 and tanh(h)
+    paths = {"dx": [e5, e5, e4, e4, e4, e4], "dw1": [e5, e5, e4, e4, e4, e4], "dw2": [e5, e4, e4, e4]}
+    out_rounding = 4 * EPS["bfloat16"]
+    for name, got, fp8_twin, want in zip(paths, grads["fused", True], grads["xla", True], grads["xla", None]):
+        assert np.all(np.isfinite(got)), name
+        rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+        bound = np.sqrt(sum(u * u for u in paths[name])) + out_rounding
+        assert rel <= bound, f"{name}: relative error {rel:.3f} > {bound:.3f}"
+        assert rel > 4 * EPS["bfloat16"], f"{name}: the backward is not quantized ({rel:.2e})"
+        twin_rel = np.linalg.norm(got - fp8_twin) / np.linalg.norm(fp8_twin)
+        assert twin_rel <= 8 * EPS["bfloat16"] + 1e-6, f"{name}: fused vs FP8 twin {twin_rel:.2e}"
+
+
+@pytest.mark.parametrize("rows", [8, 6])
+def test_matmul_ar_fp8_is_the_two_shot_where_rows_divide(rows):
+    """bfloat16 rows divisible by tp: matmul_rs's FP8 overlap call (the FP8 operands and their
+    scales) and our all_gather of the summed chunks; otherwise XLA's FP8 GEMM and our
+    all_reduce. Both agree with the latency composition up to the output's rounding."""
+    import re
+
+    rng = np.random.default_rng()
+    tp = 4
+    mesh = cpu_mesh((tp,), ("tp",))
+    x = random_array(rng, (rows, tp * 32), jnp.bfloat16)
+    w = random_array(rng, (tp * 32, 16), jnp.bfloat16)
+    fused, specs = _fn("ar", mesh, 2, "fused", True)
+    args = _placed(mesh, specs, x, w)
+    hlo = fused.lower(*args).as_text()
+    calls = re.findall(r"custom_call @flux_jax_matmul_rs\((.*?)\).*?: \((.*?)\) ->", hlo)
+    if rows % tp == 0:
+        assert len(calls) == 1, hlo
+        assert calls[0][1].count("f8E4M3FN") == 2 and calls[0][1].count("xf32>") == 2, calls[0][1]
+        assert hlo.count("custom_call @flux_jax_all_gather") == 1 and "flux_jax_all_reduce" not in hlo
+    else:
+        assert not calls and "custom_call @flux_jax_all_reduce" in hlo, hlo
+    with flux_jax.config(fused_path="latency"):
+        latency, _ = _fn("ar", mesh, 2, "fused", True)
+        want = to64(latency(*args))
+    got = to64(fused(*args))
+    x64, w64 = to64(x), to64(w)
+    ab = np.tensordot(np.abs(x64), np.abs(w64), axes=1)
+    assert np.all(np.abs(got - want) <= 2 * tp * EPS["bfloat16"] * ab + 1e-30)
+    assert np.all(np.abs(got - x64 @ w64) <= _fp8_bound(x64, w64, "bfloat16", "ar", tp))
 
 
 @pytest.mark.parametrize("op", ["ag", "rs"])
@@ -410,6 +496,15 @@ def test_plans_and_explain():
     assert "bfloat16 or float16" in _plan.unavailable_on_hopper(rs32)
     assert _plan.unavailable_on_hopper(dataclasses.replace(gpu, op="matmul_rs")) is None
     assert "FP8: rows in float8_e4m3fn" in cpu.describe()
+    ar = dataclasses.replace(gpu, op="matmul_ar", rows=4096, k=4096, n=8192)
+    two_shot = _plan.plan(ar, "fused", cfg, on_hopper=True)
+    assert two_shot.path == "overlap" and "FP8 two-shot" in two_shot.reason, two_shot
+    assert _plan.plan(dataclasses.replace(ar, rows=64), "fused", cfg, on_hopper=True).path == "latency"
+    assert _plan.plan(dataclasses.replace(ar, rows=4095), "fused", pinned, on_hopper=True).path == "latency"
+    assert _plan.plan(ar, "auto", cfg, on_hopper=True).path == "twin"
+    ar_cpu = dataclasses.replace(cpu, op="matmul_ar", rows=6)  # 6 rows over tp = 2
+    assert _plan.plan(ar_cpu, "fused", cfg).path == "overlap"
+    assert _plan.plan(dataclasses.replace(ar_cpu, rows=7), "fused", cfg).path == "latency"
 
     mesh = cpu_mesh((2,), ("tp",))
     x, w = _operands(np.random.default_rng(), "ag", 2, 2, 16, 8, jnp.float32)

@@ -183,6 +183,34 @@ def test_one_gpu_matmul_ar_matches_oracle(one_gpu, shape, path):
     assert not flux_jax.device_errors()
 
 
+@pytest.mark.parametrize("path", ["overlap", "latency"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_one_gpu_matmul_ar_fp8_matches_the_quantized_product(one_gpu, shape, path):
+    """FP8 matmul_ar at tp = 1: overlap is the two-shot's first half, matmul_rs's FP8 overlap GEMM
+    (no all_gather with one rank); latency is XLA's FP8 GEMM and our all_reduce."""
+    M, K, N = shape
+    mesh = _mesh(one_gpu)
+    rng = np.random.default_rng()
+    recipe = flux_jax.Fp8(weight_scaling="column")
+    x = random_array(rng, (M, K), "bfloat16")
+    w = random_array(rng, (K, N), "bfloat16", scale=1 / np.sqrt(K)) * jnp.linspace(0.1, 4, N, dtype=jnp.bfloat16)
+
+    def fn(impl):
+        body = functools.partial(flux_jax.matmul_ar, axis_name="tp", impl=impl, fp8=recipe)
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)), out_specs=P()))
+
+    xs, ws = place(mesh, x, P(None, "tp")), place(mesh, w, P("tp", None))
+    with flux_jax.config(fused_path=path):
+        fused = fn("fused")
+        text = fused.lower(xs, ws).as_text()
+        outs = [fused(xs, ws) for _ in range(2)]
+    want = "flux_jax_matmul_rs" if path == "overlap" else "flux_jax_all_reduce"
+    assert want in text and "f8E4M3FN" in text
+    for out in outs:
+        assert_matches(out, _fp8_exact(x, w, recipe), fn("xla")(xs, ws), "bfloat16", f"fp8 matmul_ar {shape} {path}")
+    assert not flux_jax.device_errors()
+
+
 def test_one_gpu_explain_names_the_paths(one_gpu):
     mesh = _mesh(one_gpu)
     x = jnp.ones((256, 512), jnp.bfloat16)

@@ -76,15 +76,9 @@ def check_fsdp_axis(mesh: jax.sharding.Mesh, fsdp_axis: str | None, tp_axis: str
     check_divisible(what, value, fsdp_axis, int(mesh.shape[fsdp_axis]), "FSDP shards the hidden dimension")
 
 
-def check_fp8(layer: str, fp8, sequence_parallel: bool = True) -> None:
-    """fp8 must be what flux_jax.ag_matmul / matmul_rs take: None, a bool or a flux_jax.Fp8; and it
-    needs sequence parallelism (matmul_ar and column_matmul have no FP8 form yet)."""
+def check_fp8(layer: str, fp8) -> None:
+    """fp8 must be what the flux_jax ops take: None, a bool or a flux_jax.Fp8."""
     fp8_lib.resolve(layer, fp8)
-    if fp8 and not sequence_parallel:
-        raise ValueError(
-            f"{layer}: fp8 runs with sequence parallelism (ag_matmul / matmul_rs); "
-            "matmul_ar and column_matmul have no FP8 form yet"
-        )
 
 
 def _fan_in_init(ndim: int) -> Callable:
@@ -118,7 +112,8 @@ class ColumnParallelLinear(nnx.Module):
     (replicated over tp), and the layer is flux_jax.column_matmul: a local GEMM whose backward
     all-reduces dx in a fused matmul_ar.
     `fp8=True` (or a flux_jax.Fp8 recipe) runs the GEMM on FP8 operands: the rows are
-    quantized per row before they are gathered, the kernel per tensor (flux_jax.ag_matmul).
+    quantized per row before they are gathered, the kernel per tensor (flux_jax.ag_matmul;
+    without sequence parallelism the local FP8 GEMM, and dx's all-reduce takes dy in FP8).
     """
 
     def __init__(
@@ -141,7 +136,7 @@ class ColumnParallelLinear(nnx.Module):
         rngs: nnx.Rngs,
     ):
         check_impl(impl)
-        check_fp8("ColumnParallelLinear", fp8, sequence_parallel)
+        check_fp8("ColumnParallelLinear", fp8)
         self.fp8 = fp8
         self.seq_axis = seq_axis
         out_shape = (out_features,) if isinstance(out_features, int) else tuple(out_features)
@@ -179,7 +174,7 @@ class ColumnParallelLinear(nnx.Module):
                 x.astype(dtype), w, axis_name=self.tp_axis, axis=self.seq_axis, impl=self.impl, fp8=self.fp8
             )
         else:
-            y = flux_jax.column_matmul(x.astype(dtype), w, axis_name=self.tp_axis, impl=self.impl)
+            y = flux_jax.column_matmul(x.astype(dtype), w, axis_name=self.tp_axis, impl=self.impl, fp8=self.fp8)
         y = y.reshape(*y.shape[:-1], *kernel.shape[1:])
         if self.bias is not None:
             y = y + self.bias[...].astype(dtype)
@@ -202,7 +197,7 @@ class RowParallelLinear(nnx.Module):
     With `sequence_parallel=False` the partial products are all-reduced instead (flux_jax.matmul_ar):
     x [S, ..., in_features/tp] -> y [S, ..., out_features], the same bits on every rank.
     `fp8=True` (or a flux_jax.Fp8 recipe) runs the GEMM on FP8 operands and reduce-scatters
-    its partial in the compute dtype (flux_jax.matmul_rs).
+    (without sequence parallelism: all-reduces) its partial in the compute dtype.
     """
 
     def __init__(
@@ -225,7 +220,7 @@ class RowParallelLinear(nnx.Module):
         rngs: nnx.Rngs,
     ):
         check_impl(impl)
-        check_fp8("RowParallelLinear", fp8, sequence_parallel)
+        check_fp8("RowParallelLinear", fp8)
         self.fp8 = fp8
         self.seq_axis = seq_axis
         tp = axis_size(mesh, tp_axis)
@@ -260,7 +255,7 @@ class RowParallelLinear(nnx.Module):
                 fp8=self.fp8,
             )
         else:
-            y = flux_jax.matmul_ar(x.astype(dtype), w, axis_name=self.tp_axis, impl=self.impl)
+            y = flux_jax.matmul_ar(x.astype(dtype), w, axis_name=self.tp_axis, impl=self.impl, fp8=self.fp8)
         if self.bias is not None:
             y = y + self.bias[...].astype(dtype)
         return y

@@ -14,19 +14,24 @@ projection's partial sums are all-reduced and every rank keeps the whole output.
          peer and sums the tp partials tile by tile (a one-shot all-reduce, one launch).
 Every path sums the tp partials in one fixed order in float32 and rounds once (rank order
 0..tp-1, or matmul_rs's for the two-shot overlap), so the output is bitwise the same on every rank.
+With FP8 operands (`fp8=`) the overlap path is the two-shot one on every platform, its first half
+matmul_rs's FP8 overlap call (the row scales applied in the GEMM's epilogue); the latency path is
+XLA's FP8 GEMM next to our all_reduce.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax.numpy as jnp
 from jax import lax
 
 from flux_jax import _autodiff, _explain, _plan, _validation, twins
+from flux_jax import fp8 as _fp8
 from flux_jax._config import get_config, get_gpu_tuning
 from flux_jax.ops import _common
-from flux_jax.ops._spec import Call, OpSpec, _varying, bind, define, unify_varying, weight_2d
+from flux_jax.ops._spec import Call, OpSpec, _varying, bind, define, local_gemm, unify_varying, weight_2d
 
 NAME = "matmul_ar"
 
@@ -40,11 +45,13 @@ def _gemm(x_shape, w_shape, call: Call):
 
 
 def _twin(x, w, call: Call):
+    if call.fp8 is not None:  # the FP8 twin's forward (its custom_vjp lives in twins.py)
+        return [lax.psum(local_gemm(x, w, call), call.axis_name)]
     return [twins.matmul_ar_xla(x, weight_2d(w, call.transpose_w), axis_name=call.axis_name)]
 
 
 def _latency(x, w, call: Call, collective):
-    partial = jnp.dot(x, weight_2d(w, call.transpose_w))
+    partial = local_gemm(x, w, call)
     return [collective("all_reduce", partial, partial.shape)]
 
 
@@ -55,6 +62,19 @@ def _two_shot(x, w, call: Call, collective, fused):
     rows, k, n = _gemm(x.shape, w.shape, call)
     chunk = fused("matmul_rs", x.reshape(rows, k), w, (rows // call.tp, n))
     out = collective("all_gather", chunk, (rows, n))
+    return [out.reshape(*x.shape[:-1], n)]
+
+
+def _fp8_overlap(x, w, call: Call, collective, fused):
+    """The two-shot overlap on FP8 operands: matmul_rs's FP8 overlap call (x quantized per row,
+    each rank's scales applied in its own GEMM's epilogue, chunk r of the rows summed on rank r),
+    then our all_gather of the chunks in x's dtype (none at tp = 1)."""
+    rows, k, n = _gemm(x.shape, w.shape, call)
+    rs_call = functools.partial(fused, op="matmul_rs")
+    (chunk,) = _fp8.fused_matmul(
+        x.reshape(rows, k), w, call.fp8, rs_call, transpose_w=call.transpose_w, grad=call.backward
+    )
+    out = chunk if call.tp == 1 else collective("all_gather", chunk, (rows, n))
     return [out.reshape(*x.shape[:-1], n)]
 
 
@@ -71,16 +91,30 @@ def _bwd(call: Call, residuals, cotangents):
         # cotangent is a per-rank partial (psum transposes to psum); follow the twin.
         dy = lax.psum(dy, call.axis_name)
     dy = unify_varying(call.axis_name, dy, x)[0]  # typed as x: varying over the axis
-    dx = jnp.dot(dy, weight_2d(w, call.transpose_w).T)
+    if call.fp8 is not None:  # straight-through: dy per row in the backward format, w as forward
+        dx = _fp8.matmul(dy, w, call.fp8, transpose_w=not call.transpose_w, grad=True)
+    else:
+        dx = jnp.dot(dy, weight_2d(w, call.transpose_w).T)
     return dx.astype(x.dtype), _autodiff.weight_grad(x, dy, w, call.transpose_w).astype(w.dtype)
 
 
 SPEC = define(
-    OpSpec(NAME, _out_shapes, _gemm, _twin, _latency, _fwd, _bwd, replicated=True, composed_overlap=_two_shot)
+    OpSpec(
+        NAME,
+        _out_shapes,
+        _gemm,
+        _twin,
+        _latency,
+        _fwd,
+        _bwd,
+        replicated=True,
+        fp8_overlap=_fp8_overlap,
+        composed_overlap=_two_shot,
+    )
 )
 
 
-def matmul_ar(x, w, *, axis_name: str, impl: str = "auto"):
+def matmul_ar(x, w, *, axis_name: str, impl: str = "auto", fp8=None):
     """GEMM -> AllReduce, for use inside `jax.shard_map`.
 
     Computes exactly `lax.psum(jnp.dot(x, w), axis_name)`: float32 accumulation, the output in
@@ -98,18 +132,28 @@ def matmul_ar(x, w, *, axis_name: str, impl: str = "auto"):
       axis_name: the mesh axis to all-reduce over (the tensor-parallel axis).
       impl: "fused", "xla" or "auto" (see `ag_matmul`). It has not been measured at tp > 1 on
         GPUs yet: "auto" takes the twin there; "fused" takes the decode kernel where it serves
-        the call (bfloat16, the [k, N] weight, M <= 128), else the latency path (XLA's GEMM +
-        our all_reduce).
+        the call (bfloat16, the [k, N] weight, M <= 128), the two-shot overlap from 1024 rows
+        divisible by tp, else the latency path (XLA's GEMM + our all_reduce).
+      fp8: None / False, True or an `Fp8` recipe (see `ag_matmul`): x is quantized per row and
+        w per tensor (or per output column), each rank runs the FP8 GEMM (float32 accumulation,
+        the scales after) and the partials, in x's dtype, are all-reduced. impl="fused": the
+        two-shot overlap (matmul_rs's FP8 overlap kernel, then our all_gather) for bfloat16 x
+        with rows divisible by tp, K % 16 == 0 and N % 8 == 0 (on GPUs from 1024 rows), else
+        XLA's FP8 GEMM and our all_reduce; impl="xla": lax.psum. The output is the same on
+        every rank (each chunk of rows is summed once, in one order).
 
     Differentiable (custom_vjp): the cotangent of the replicated output is replicated, so
-    dx = dy @ w^T and dw = x^T @ dy are local GEMMs with no communication.
+    dx = dy @ w^T and dw = x^T @ dy are local GEMMs with no communication. With `fp8`, dx is
+    the FP8 GEMM of dy (per row, in the recipe's backward format) and w; dw runs in x's dtype
+    (straight-through, as for `matmul_rs`).
     """
     _validation.check_impl(NAME, impl)
     _validation.check_operands(NAME, x, w)
+    recipe = _fp8.resolve(NAME, fp8)
     info = _validation.check_axis(NAME, axis_name)
-    call = _common.plan_call(SPEC, x, w, info, impl)
+    call = _common.plan_call(SPEC, x, w, info, impl, fp8=recipe)
     if call is None:
-        return twins.matmul_ar_xla(x, w, axis_name=axis_name)
+        return twins.matmul_ar_xla(x, w, axis_name=axis_name, fp8=recipe)
     (out,) = _common.run(SPEC, x, w, call)
     return out
 
@@ -117,7 +161,7 @@ def matmul_ar(x, w, *, axis_name: str, impl: str = "auto"):
 # ---- the column-parallel side ---------------------------------------------------------------
 
 
-def column_matmul(x, w, *, axis_name: str, impl: str = "auto"):
+def column_matmul(x, w, *, axis_name: str, impl: str = "auto", fp8=None):
     """Column-parallel GEMM on a replicated input, for use inside `jax.shard_map`.
 
     Forward: y = x @ w, a local GEMM. Backward: dx = matmul_ar(dy, w^T) (the all-reduce of the
@@ -136,13 +180,17 @@ def column_matmul(x, w, *, axis_name: str, impl: str = "auto"):
       impl: what the backward's all-reduce runs: "fused", "xla" or "auto", with the meaning
         they have for `matmul_ar` (its plan is made, and `flux_jax.explain` lists it, when the
         forward is traced). "xla" is `flux_jax.column_matmul_xla`.
+      fp8: None / False, True or an `Fp8` recipe (see `ag_matmul`): the forward is XLA's FP8
+        GEMM (x per row, w per the recipe); the backward's matmul_ar takes dy per row in the
+        recipe's backward format (float8_e5m2 by default) and w^T; dw runs in x's dtype.
     """
     _validation.check_impl("column_matmul", impl)
     _validation.check_operands("column_matmul", x, w)
+    recipe = _fp8.resolve("column_matmul", fp8)
     info = _validation.check_axis("column_matmul", axis_name)
-    call = _backward_call(x, w, info, impl)
+    call = _backward_call(x, w, info, impl, recipe)
     if call is None:
-        return twins.column_matmul_xla(x, w, axis_name=axis_name)
+        return twins.column_matmul_xla(x, w, axis_name=axis_name, fp8=recipe)
     # x stays typed as it comes (replicated: invariant over the axis); both operands vary over
     # every other manual axis either of them varies over, so the cotangents type-check.
     others = (_varying(x) | _varying(w)) - {axis_name}
@@ -151,25 +199,37 @@ def column_matmul(x, w, *, axis_name: str, impl: str = "auto"):
     return _column_core(x, w, call)
 
 
-def _backward_call(x, w, info, impl: str) -> Call | None:
+def _backward_call(x, w, info, impl: str, recipe) -> Call | None:
     """The Call of the backward's matmul_ar(dy, w^T), planned now; None for the twin."""
     dy_shape = (*x.shape[:-1], w.shape[1])
-    problem = SPEC.problem(dy_shape, w.shape, x.dtype, info.tp_size, info.platform, True)
+    fp8_format = None if recipe is None else recipe.x_dtype(True).name
+    problem = SPEC.problem(dy_shape, w.shape, x.dtype, info.tp_size, info.platform, True, fp8_format)
     config = get_config()
     plan = _plan.plan(problem, impl, config)
     _common.logger.debug("flux_jax.column_matmul (backward matmul_ar): %s -> %s", problem.describe(), plan.describe())
     _explain.record(NAME, problem, plan, backward=True)
     if not plan.fused:
         return None
-    return Call(info.axis_name, info.tp_size, True, impl, True, plan, config, get_gpu_tuning(), platform=info.platform)
+    return Call(
+        info.axis_name,
+        info.tp_size,
+        True,
+        impl,
+        True,
+        plan,
+        config,
+        get_gpu_tuning(),
+        platform=info.platform,
+        fp8=recipe,
+    )
 
 
 def _column_primal(x, w, call: Call):
-    return jnp.dot(x, w)
+    return jnp.dot(x, w) if call.fp8 is None else _fp8.matmul(x, w, call.fp8)
 
 
 def _column_fwd(x, w, call: Call):
-    return jnp.dot(x, w), (x, w)
+    return _column_primal(x, w, call), (x, w)
 
 
 def _column_bwd(call: Call, residuals, dy):
@@ -177,7 +237,11 @@ def _column_bwd(call: Call, residuals, dy):
     if not _types_checked(w, call.axis_name):
         # shard_map(check_vma=False): the sum of dx over the axis is JAX's (the shard_map boundary
         # or the transpose of whatever replicated x), as for jnp.dot and the twin: dx stays local.
-        return jnp.dot(dy, w.T).astype(x.dtype), _autodiff.weight_grad(x, dy, w, False).astype(w.dtype)
+        if call.fp8 is not None:
+            dx = _fp8.matmul(dy, w, call.fp8, transpose_w=True, grad=True)
+        else:
+            dx = jnp.dot(dy, w.T)
+        return dx.astype(x.dtype), _autodiff.weight_grad(x, dy, w, False).astype(w.dtype)
     dy, w_u = unify_varying(call.axis_name, dy, w)
     (dx,) = SPEC.core(dy, w_u, call)  # [M, ..., K] = sum over ranks of dy @ w^T, replicated
     dw = _autodiff.weight_grad(x, dy, w, False)
