@@ -54,11 +54,13 @@ struct Cublas {
   }
 };
 
-// max |a - b| / max |b| over n elements (one block-stride pass, atomics on float bits: values >= 0).
+// max |a - b| / max |b| over n elements (one block-stride pass, atomics on float bits: values >= 0). A NaN difference
+// counts as infinite: fmaxf would drop it, and an output left poisoned (0xff bytes: bf16 NaN) would pass.
 __global__ void MaxDiff(const E* a, const E* b, size_t n, unsigned* diff, unsigned* mag) {
   float dl = 0.f, ml = 0.f;
   for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
-    dl = fmaxf(dl, fabsf(float(a[i]) - float(b[i])));
+    const float e = fabsf(float(a[i]) - float(b[i]));
+    dl = fmaxf(dl, isnan(e) ? INFINITY : e);
     ml = fmaxf(ml, fabsf(float(b[i])));
   }
   atomicMax(diff, __float_as_uint(dl));

@@ -1,4 +1,4 @@
-// Shared by the GEMM diagnostics: a plain CUTLASS sm90 GEMM (cooperative or ping-pong, no flux_jax
+// Shared by the GEMM diagnostics: a plain CUTLASS sm90 GEMM (bf16 or FP8, cooperative or ping-pong, no flux_jax
 // hooks), its arguments for packed tensors, a cudaEvent timer and a random fill.
 #pragma once
 
@@ -20,33 +20,49 @@ using E = cutlass::bfloat16_t;
 using RM = cutlass::layout::RowMajor;
 using CM = cutlass::layout::ColumnMajor;
 
-// D = A * B in bf16 with f32 accumulation; layouts in CUTLASS 2.x terms (for A RowMajor = K-major,
-// for B ColumnMajor = K-major), TM x TN x 64 tiles, a ClusterM x 1 cluster. Cooperative: both
-// consumer warpgroups share a tile and store it together (the tensor cores idle meanwhile);
-// ping-pong: each warpgroup owns a tile, one's epilogue runs under the other's mainloop.
-template <class LA, class LB, class LC, int TM, int TN, int ClusterM, class TileScheduler = void,
-          bool kPingpong = false>
-struct PlainGemm {
-  using MainSchedule = std::conditional_t<kPingpong, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
-                                          cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
+// D = A * B with f32 accumulation and a bf16 D, A and B of element EAB (bf16, or FP8 cutlass::float_e4m3_t);
+// layouts in CUTLASS 2.x terms (for A RowMajor = K-major, for B ColumnMajor = K-major), TM x TN tiles 128 bytes of K
+// deep (64 bf16, 128 FP8: one 128-byte swizzle row per stage), a ClusterM x ClusterN cluster (ClusterN CTAs of a
+// cluster share their A tile through TMA multicast, ClusterM CTAs their B tile). Cooperative: both consumer
+// warpgroups share a tile and store it together (the tensor cores idle meanwhile); ping-pong: each warpgroup owns a
+// tile, one's epilogue runs under the other's mainloop. FP8 needs both operands K-major (wgmma reads 8-bit operands
+// from shared memory only K-major). kFastAccum (FP8 only): the FP8FastAccum schedules, which keep the sums in the
+// tensor cores' accumulators instead of promoting them to f32 registers every few k-blocks (cuBLASLt's FAST_ACCUM,
+// which XLA sets).
+template <class EAB, class LA, class LB, class LC, int TM, int TN, int ClusterM, int ClusterN,
+          class TileScheduler = void, bool kPingpong = false, bool kFastAccum = false>
+struct PlainGemmT {
+  using MainSchedule =
+      std::conditional_t<kPingpong,
+                         std::conditional_t<kFastAccum, cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8FastAccum,
+                                            cutlass::gemm::KernelTmaWarpSpecializedPingpong>,
+                         std::conditional_t<kFastAccum, cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8FastAccum,
+                                            cutlass::gemm::KernelTmaWarpSpecializedCooperative>>;
   using EpiSchedule = std::conditional_t<kPingpong, cutlass::epilogue::TmaWarpSpecialized,
                                          cutlass::epilogue::TmaWarpSpecializedCooperative>;
-  using Tile = cute::Shape<cute::Int<TM>, cute::Int<TN>, cute::_64>;
-  using Cluster = cute::Shape<cute::Int<ClusterM>, cute::_1, cute::_1>;
+  static constexpr int kAlignAB = 128 / cutlass::sizeof_bits<EAB>::value;  // elements in 16 bytes (TMA)
+  using Tile = cute::Shape<cute::Int<TM>, cute::Int<TN>, cute::Int<8 * kAlignAB>>;
+  using Cluster = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
   using Epi = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, E, LC, 8, E, LC, 8, EpiSchedule>::CollectiveOp;
   using Main = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, E, LA, 8, E, LB, 8, float, Tile, Cluster,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, EAB, LA, kAlignAB, EAB, LB, kAlignAB, float, Tile, Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epi::SharedStorage))>,
       MainSchedule>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Main, Epi, TileScheduler>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 
+// The bf16 GEMM with a ClusterM x 1 cluster (what gemm_vs_cublas and decode_gemm_vs_cublas time).
+template <class LA, class LB, class LC, int TM, int TN, int ClusterM, class TileScheduler = void,
+          bool kPingpong = false>
+using PlainGemm = PlainGemmT<E, LA, LB, LC, TM, TN, ClusterM, 1, TileScheduler, kPingpong>;
+
 // Arguments of the CUTLASS problem (m, n, k) over packed tensors a, b, d (alpha 1, beta 0).
 template <class Kernel>
-typename Kernel::Arguments PlainArguments(int m, int n, int k, const E* a, const E* b, E* d) {
+typename Kernel::Arguments PlainArguments(int m, int n, int k, const typename Kernel::ElementA* a,
+                                          const typename Kernel::ElementB* b, E* d) {
   typename Kernel::Arguments args{};
   args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
   args.problem_shape = {m, n, k, 1};
@@ -124,13 +140,15 @@ float TimeStreamK(int m, int n, int k, const E* a, const E* b, E* d, int iters, 
       iters, 7);
 }
 
-// Hash-based values in [-0.5, 0.5): random-looking, never zero everywhere, reproducible.
-__global__ void Fill(E* p, size_t n, unsigned seed) {
+// Hash-based values in [-0.5, 0.5): random-looking, never zero everywhere, reproducible. A template (bf16 or FP8 T),
+// so that translation units linked together may all include this header.
+template <class T>
+__global__ void Fill(T* p, size_t n, unsigned seed) {
   for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
     unsigned h = (unsigned)i * 2654435761u ^ seed;
     h ^= h >> 13;
     h *= 0x5bd1e995;
     h ^= h >> 15;
-    p[i] = E((float)(h & 0xffff) / 65536.f - 0.5f);
+    p[i] = T((float)(h & 0xffff) / 65536.f - 0.5f);
   }
 }

@@ -1,0 +1,50 @@
+// tile_sweep's bf16 section: cuBLAS (cublasGemmEx, what XLA's jnp.dot calls) against plain CUTLASS sm90
+// configurations on the forward GEMM's layout, D[M, N] = X[M, K] W[K, N], all row-major (W N-major), bf16 with f32
+// accumulation, persistent tile scheduler. Cluster RxC: R CTAs along M share (multicast) their B tile, C CTAs along N
+// their A tile.
+#include "tile_sweep.cuh"
+
+namespace {
+
+using PS = cutlass::gemm::PersistentScheduler;
+template <int TM, int TN, int CLM, int CLN, bool kPingpong = false>
+using Bf16 = PlainGemmT<E, RM, RM, RM, TM, TN, CLM, CLN, PS, kPingpong>;
+
+template <class I>
+Config Make(const char* name, const E* x, const E* w, E* d, void* ws, size_t ws_bytes) {
+  return {name, [=](const SweepShape& s, Variant v) { return MakePlain<I>(s.m, s.n, s.k, x, w, d, ws, ws_bytes, v); }};
+}
+
+}  // namespace
+
+void SweepBf16(const std::vector<SweepShape>& shapes) {
+  std::vector<Shape> probe;
+  for (const SweepShape& s : shapes) probe.push_back({s.m, s.k, s.n, "sweep"});
+  constexpr size_t kWsBytes = size_t{64} << 20;
+  const ProbeBuffers buf(probe, kWsBytes);
+  const E *x = buf.x, *w = buf.w;
+  E* d = buf.d;
+  Cublas cublas;
+  const bool have_cublas = cublas.Load();
+  // cuBLAS checked once per shape (its status), then run as is.
+  auto make_ref = [&](const SweepShape& s, E* out) -> Runner {
+    if (!have_cublas || cublas.Run(s.m, s.n, s.k, x, w, out) != 0) return {};
+    return [&cublas, s, x, w, out] { cublas.Run(s.m, s.n, s.k, x, w, out); };
+  };
+  // 128x192 and 128x160: N tiles that divide N = 5120 / 4608 / 3072 into fewer partial waves than 256; 256x128 and
+  // 2x1 clusters: the B tile (the weight) read once per two M tiles; ping-pong: the epilogue under the other
+  // warpgroup's mainloop.
+  const std::vector<Config> configs = {
+      Make<Bf16<128, 256, 1, 1>>("coop_128x256_c1x1", x, w, d, buf.ws, kWsBytes),
+      Make<Bf16<128, 256, 1, 2>>("coop_128x256_c1x2", x, w, d, buf.ws, kWsBytes),
+      Make<Bf16<256, 128, 1, 2>>("coop_256x128_c1x2", x, w, d, buf.ws, kWsBytes),
+      Make<Bf16<256, 128, 2, 1>>("coop_256x128_c2x1", x, w, d, buf.ws, kWsBytes),
+      Make<Bf16<128, 192, 2, 1>>("coop_128x192_c2x1", x, w, d, buf.ws, kWsBytes),
+      Make<Bf16<128, 160, 2, 1>>("coop_128x160_c2x1", x, w, d, buf.ws, kWsBytes),
+      Make<Bf16<128, 128, 1, 2, true>>("pp_128x128_c1x2", x, w, d, buf.ws, kWsBytes),
+      Make<Bf16<128, 128, 2, 1, true>>("pp_128x128_c2x1", x, w, d, buf.ws, kWsBytes),
+      Make<Bf16<64, 256, 1, 1, true>>("pp_64x256_c1x1", x, w, d, buf.ws, kWsBytes),
+  };
+  printf("bf16: us per call (best of 7 loops, min of 2 passes); ratio = config / cuBLAS\n");
+  RunSweep("bf16", "cuBLAS", shapes, 650.0, make_ref, configs, d, buf.d2, buf.acc);
+}
