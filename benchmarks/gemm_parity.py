@@ -62,7 +62,7 @@ from benchmarks.variants import error_summary, flux_ar_decode_fn, flux_gemm_fn, 
 
 PRESET = "gemm-parity-1gpu"
 AXIS = "tp"
-FORCED_KERNELS = ("128x256", "128x192", "128x256_c2x1", "128x160_c2x1")
+FORCED_KERNELS = ("128x256", "128x192", "128x160_c2x1", "128x128_pp_c2x1")
 KERNELS = ("auto", *FORCED_KERNELS)
 # Relative max-norm error floors where XLA's own error is ~0 (tests/helpers.py).
 ERROR_FLOOR = {"bfloat16": 1e-2, "float16": 2e-3}
@@ -102,9 +102,11 @@ def kernel_available(kernel: str, dtype: str, dx: bool, rows: int) -> bool:
         return True
     if dtype != "bfloat16":
         return False
-    if kernel in ("128x192", "128x256_c2x1"):
+    if kernel == "128x192":
         return not dx
     if kernel == "128x160_c2x1":
+        return dx
+    if kernel == "128x128_pp_c2x1":
         return True
     if kernel == "decode":
         return not dx and 1 <= rows <= 256
@@ -114,10 +116,10 @@ def kernel_available(kernel: str, dtype: str, dx: bool, rows: int) -> bool:
 
 
 def auto_kernel(dtype: str, dx: bool, m: int, n: int, sms: int) -> str:
-    """The instance GpuTuning.gemm_kernel="auto" runs (op_common.h PreferClustered160 and
+    """The instance GpuTuning.gemm_kernel="auto" runs (op_common.h PreferClustered and
     ChooseBlockN, tile_n = 0)."""
     if dtype == "bfloat16" and 1024 < m <= 2048 and n % 160 == 0:
-        return "128x160_c2x1"
+        return "128x160_c2x1" if dx else "128x128_pp_c2x1"
     if dtype != "bfloat16" or dx:
         return "128x256"
     tiles_m = -(-m // 128)

@@ -406,11 +406,16 @@ def test_gemm_parity_variants_follow_the_build_and_the_auto_rule():
         "flux:auto",
         "flux:128x256",
         "flux:128x192",
-        "flux:128x256_c2x1",
-        "flux:128x160_c2x1",
+        "flux:128x128_pp_c2x1",
         "flux:auto+gate_probe",
     ]
-    assert names(2048, 5120, 2560, True, "bfloat16") == ["xla", "flux:auto", "flux:128x256", "flux:128x160_c2x1"]
+    assert names(2048, 5120, 2560, True, "bfloat16") == [
+        "xla",
+        "flux:auto",
+        "flux:128x256",
+        "flux:128x160_c2x1",
+        "flux:128x128_pp_c2x1",
+    ]
     assert names(8192, 8192, 8192, False, "float16") == ["xla", "flux:auto", "flux:128x256", "flux:auto+gate_probe"]
     assert names(64, 8192, 5120, False, "bfloat16") == [
         "xla",
@@ -422,8 +427,8 @@ def test_gemm_parity_variants_follow_the_build_and_the_auto_rule():
     assert names(200, 8192, 5120, False, "bfloat16") == ["xla", "flux:auto", "flux:128x256", "flux:decode"]
     assert names(64, 8192, 5120, False, "float16") == ["xla", "flux:auto", "flux:128x256"]
     assert auto_kernel("bfloat16", False, 2048, 3072, 132) == "128x192"  # 8B qkv: the measured case
-    assert auto_kernel("bfloat16", False, 2048, 5120, 132) == "128x160_c2x1"  # 70B qkv: N % 160 == 0
-    assert auto_kernel("bfloat16", True, 2048, 2560, 132) == "128x160_c2x1"  # either weight layout
+    assert auto_kernel("bfloat16", False, 2048, 5120, 132) == "128x128_pp_c2x1"  # 70B qkv: N % 160 == 0
+    assert auto_kernel("bfloat16", True, 2048, 2560, 132) == "128x160_c2x1"  # the transposed weight
     assert auto_kernel("bfloat16", False, 4096, 5120, 132) == "128x256"  # M > 2048
     assert auto_kernel("bfloat16", False, 1024, 5120, 132) == "128x192"  # M <= 1024: the 1x1 rule
     assert auto_kernel("float16", False, 2048, 5120, 132) == "128x256"  # bf16 only
@@ -438,8 +443,8 @@ def test_gemm_parity_preflight_child_reports_each_variant(capsys):
     assert gemm_parity.preflight_variants(gemm_parity.KERNELS, True, True) == [
         "flux:128x256",
         "flux:128x192",
-        "flux:128x256_c2x1",
         "flux:128x160_c2x1",
+        "flux:128x128_pp_c2x1",
         "flux:auto+gate_probe",
         "flux:decode",
         "flux:ar_decode",

@@ -194,7 +194,7 @@ def test_gpu_tuning_fields_reach_the_kernel_attributes():
         "tile_n = 192",
         "rs_tile_signal = 2",
         "path = 0 : i32",
-        "gemm_kernel = 4",
+        "gemm_kernel = 3",
         "gate_probe = true",
     ):
         assert attr in hlo, attr

@@ -43,18 +43,17 @@ struct TpGroup {
 enum class FusedPath : int32_t { kOverlap = 0, kDecode = 1 };
 
 // Which GEMM a fused call's overlap path runs (GpuTuning.gemm_kernel; flux_jax/_config.py
-// GEMM_KERNELS lists the same names in this order). kAuto: the 128x256 or 128x192 instance by
-// shape (tile_n); the others force one instance (an error where this build lacks it for the
-// dtype and weight layout). kDecode: the decode path's GEMM on the rows alone, at tp = 1 only
-// (measures it without its pushes).
+// GEMM_KERNELS lists the same names in this order). kAuto: the instance by shape
+// (cpp/kernels/cuda/op_common.h); the others force one instance (an error where this build lacks
+// it for the dtype and weight layout). kDecode: the decode path's GEMM on the rows alone, at
+// tp = 1 only (measures it without its pushes).
 enum class GemmKernel : int64_t {
   kAuto = 0,
   k128x256 = 1,
   k128x192 = 2,
-  k128x256Cluster2x1 = 3,
-  k128x160Cluster2x1 = 4,
-  kDecode = 5,
-  k128x128Cluster2x1 = 6,  // FP8 only
+  k128x160Cluster2x1 = 3,  // bf16, the transposed weight
+  kDecode = 4,
+  k128x128PingpongCluster2x1 = 5,  // bf16 and FP8: ping-pong schedule
 };
 
 // GPU tuning of the overlap and decode kernels. Every default is the product

@@ -101,15 +101,19 @@ class RotatedScheduler : public cutlass::gemm::kernel::detail::PersistentTileSch
 
   template <class ClusterShape>
   CUTLASS_DEVICE WorkTileInfo initial_work_tile_info(ClusterShape) {
-    return Remap(Base::get_current_work());
+    return get_current_work();
   }
 
-  // Both overloads the kernel uses: advance one grid stride, remap.
+  // The cooperative kernel steps with fetch_next_work (both overloads: advance one grid stride);
+  // the ping-pong kernel with the base's advance_to_next_work(count), then reads
+  // get_current_work(). Every tile handed out is remapped.
   template <class... Unused>
   CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo, Unused&&...) {
     Base::advance_to_next_work();
-    return cute::make_tuple(Remap(Base::get_current_work()), true);
+    return cute::make_tuple(get_current_work(), true);
   }
+
+  CUTLASS_DEVICE WorkTileInfo get_current_work() const { return Remap(Base::get_current_work()); }
 
  private:
   CUTLASS_DEVICE WorkTileInfo Remap(WorkTileInfo w) const {

@@ -8,8 +8,8 @@
 // col_scale w's per-column (or broadcast per-tensor) scale. Otherwise the same kernel as
 // gemm_instance.cuh: persistent, warp-specialized cooperative, the gated mainloop, gated
 // epilogue and rotated scheduler of gated_gemm.cuh; 128x256x128 tiles (128 bytes of K per row) in
-// 1x1 clusters, or (forced, A/B) 128x128 in 2x1 clusters sharing B; CUTLASS's FP8 fast accumulation (the wgmma
-// accumulator is not promoted every few k-blocks: the forward GEMM, as cuBLASLt's FP8 GEMM under XLA).
+// 1x1 clusters, or 128x128 in 2x1 clusters sharing B (cooperative or ping-pong); CUTLASS's FP8 fast accumulation (the
+// wgmma accumulator is not promoted every few k-blocks: the forward GEMM, as cuBLASLt's FP8 GEMM under XLA).
 #pragma once
 
 #include "cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp"
@@ -17,7 +17,7 @@
 
 namespace flux_jax::cuda {
 
-template <class ElementD, int kBlockN = kGemmBlockN, int kClusterM = 1>
+template <class ElementD, int kBlockN = kGemmBlockN, int kClusterM = 1, bool kPingpong = false>
 struct GemmInstanceFp8 {
   using Element = cutlass::float_e4m3_t;
   using TileShape = cute::Shape<cute::_128, cute::Int<kBlockN>, cute::_128>;
@@ -44,14 +44,14 @@ struct GemmInstanceFp8 {
   using BaseEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementD, cutlass::layout::RowMajor, kAlignmentCD,
-      ElementD, cutlass::layout::RowMajor, kAlignmentCD, cutlass::epilogue::TmaWarpSpecializedCooperative,
+      ElementD, cutlass::layout::RowMajor, kAlignmentCD, typename GemmSchedule<kPingpong>::Epilogue,
       Fusion>::CollectiveOp;
 
   using BaseMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::RowMajor, kAlignmentAB, Element,
       cutlass::layout::ColumnMajor, kAlignmentAB, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename BaseEpilogue::SharedStorage))>,
-      cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8FastAccum>::CollectiveOp;
+      typename GemmSchedule<kPingpong>::MainloopFp8FastAccum>::CollectiveOp;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, GatedMainloop<BaseMainloop>,
                                                       GatedEpilogue<BaseEpilogue>, RotatedSchedulerTag>;

@@ -1,8 +1,8 @@
 // The one GEMM configuration every fused op instantiates (per dtype, B layout,
-// tile width and cluster): CUTLASS sm90 TMA warp-specialized cooperative
-// persistent kernel, 128x256x64 tiles (128x192x64 for the narrow instance),
-// cluster 1x1 (the 2x1-cluster instances share B by TMA multicast; they run
-// only where GpuTuning.gemm_kernel forces them), f32 accumulation, with the gated mainloop,
+// tile width, cluster and schedule): CUTLASS sm90 TMA warp-specialized persistent
+// kernel, cooperative 128x256x64 tiles (128x192x64 for the narrow instance),
+// cluster 1x1 (the 2x1-cluster instances share B by TMA multicast: 128x160, and
+// ping-pong 128x128), f32 accumulation, with the gated mainloop,
 // gated epilogue and rotated scheduler of gated_gemm.cuh. Included only by the
 // instantiation units (each costs ~1 minute of nvcc on 2 cores).
 #pragma once
@@ -21,7 +21,21 @@
 
 namespace flux_jax::cuda {
 
-template <class Element, bool kBKMajor, int kBlockN = kGemmBlockN, int kClusterM = 1>
+// The kernel schedules: cooperative (both consumer warpgroups on one tile, its epilogue while the
+// tensor cores idle) or ping-pong (each warpgroup owns a tile; one's epilogue runs under the
+// other's MMAs).
+template <bool kPingpong>
+struct GemmSchedule {
+  using Mainloop = std::conditional_t<kPingpong, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
+                                      cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
+  using MainloopFp8FastAccum =
+      std::conditional_t<kPingpong, cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8FastAccum,
+                         cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8FastAccum>;
+  using Epilogue = std::conditional_t<kPingpong, cutlass::epilogue::TmaWarpSpecialized,
+                                      cutlass::epilogue::TmaWarpSpecializedCooperative>;
+};
+
+template <class Element, bool kBKMajor, int kBlockN = kGemmBlockN, int kClusterM = 1, bool kPingpong = false>
 struct GemmInstance {
   using LayoutA = cutlass::layout::RowMajor;
   using LayoutB = std::conditional_t<kBKMajor, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
@@ -33,13 +47,13 @@ struct GemmInstance {
   using BaseEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, Element, LayoutC, kAlignment, Element, LayoutC,
-      kAlignment, cutlass::epilogue::TmaWarpSpecializedCooperative>::CollectiveOp;
+      kAlignment, typename GemmSchedule<kPingpong>::Epilogue>::CollectiveOp;
 
   using BaseMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, kAlignment, Element, LayoutB, kAlignment,
       float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename BaseEpilogue::SharedStorage))>,
-      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+      typename GemmSchedule<kPingpong>::Mainloop>::CollectiveOp;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, GatedMainloop<BaseMainloop>,
                                                       GatedEpilogue<BaseEpilogue>, RotatedSchedulerTag>;
@@ -156,4 +170,14 @@ Status PreloadGemmInstance() {
     return RunGemmInstance<GemmInstance<Element, kBKMajor, kBlockN, kClusterM>>(plan, stream, device, sm_count); \
   }                                                                                                              \
   Status Preload_##name() { return PreloadGemmInstance<GemmInstance<Element, kBKMajor, kBlockN, kClusterM>>(); } \
+  }
+
+// The same for a ping-pong instance.
+#define FLUX_JAX_DEFINE_GEMM_INSTANCE_PINGPONG(name, Element, kBKMajor, kBlockN, kClusterM) \
+  namespace flux_jax::cuda {                                                                \
+  using name##_Instance = GemmInstance<Element, kBKMajor, kBlockN, kClusterM, true>;        \
+  Status name(const GemmPlan& plan, cudaStream_t stream, int device, int sm_count) {        \
+    return RunGemmInstance<name##_Instance>(plan, stream, device, sm_count);                \
+  }                                                                                         \
+  Status Preload_##name() { return PreloadGemmInstance<name##_Instance>(); }                \
   }

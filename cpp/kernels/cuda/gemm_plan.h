@@ -18,8 +18,8 @@ namespace flux_jax::cuda {
 inline constexpr int kGemmBlockM = 128;        // tile rows of every shipped instance
 inline constexpr int kGemmBlockN = 256;        // tile columns of the default instances
 inline constexpr int kGemmBlockNNarrow = 192;  // the narrow instance (bf16, N-major weight)
-inline constexpr int kGemmBlockN160 = 160;     // the 2x1-cluster 128x160 instances (bf16)
-inline constexpr int kGemmBlockN128 = 128;     // the 2x1-cluster 128x128 FP8 instance
+inline constexpr int kGemmBlockN160 = 160;     // the 2x1-cluster 128x160 instance (bf16, K-major B)
+inline constexpr int kGemmBlockN128 = 128;     // the 2x1-cluster ping-pong 128x128 instances
 // M tiles swept together across N when the config says 0 (automatic); see the
 // tile order in gated_gemm.cuh and docs/decisions/2026-11-30-grouped-tile-order.md.
 inline constexpr int kDefaultTileGroupM = 8;
@@ -44,6 +44,7 @@ struct GemmPlan {
   int32_t group_m_tiles = 1;      // M tiles swept together across N (L2 reuse; gated_gemm.cuh)
   int32_t block_n = kGemmBlockN;  // tile columns: kGemmBlockN, or kGemmBlockNNarrow where built
   int32_t cluster_m = 1;          // CTAs per cluster along M (2: B shared by TMA multicast)
+  bool pingpong = false;          // the ping-pong schedule (128x128 in 2x1 clusters only)
   // FP8 (gemm_fp8_instance.cuh): A and B float8_e4m3fn, B K-major, D = alpha * row_scale[m] *
   // col_scale[n] * A @ op(B) + beta * C in bfloat16.
   bool fp8 = false;
@@ -54,16 +55,16 @@ struct GemmPlan {
 // Whether the narrow-tile instance exists for this input (RunGemm falls back to kGemmBlockN).
 inline bool HasNarrowTile(DType dtype, bool b_kmajor) { return dtype == DType::kBF16 && !b_kmajor; }
 
-// Whether this build has the instance of (block_n, cluster_m) for this input. Every input has
-// 128x256 in 1x1 clusters; the others are bf16 only: 128x192 (N-major), 128x256 in 2x1 clusters
-// (N-major), 128x160 in 2x1 clusters (both weight layouts).
-inline bool HasGemmInstance(DType dtype, bool b_kmajor, int32_t block_n, int32_t cluster_m) {
+// Whether this build has the instance of (block_n, cluster_m, pingpong) for this input. Every
+// input has 128x256 in 1x1 clusters; the others are bf16 only: 128x192 (N-major), 128x160 in 2x1
+// clusters (K-major) and ping-pong 128x128 in 2x1 clusters (both weight layouts).
+inline bool HasGemmInstance(DType dtype, bool b_kmajor, int32_t block_n, int32_t cluster_m, bool pingpong = false) {
   if (dtype != DType::kBF16 && dtype != DType::kF16) return false;
+  if (pingpong) return dtype == DType::kBF16 && block_n == kGemmBlockN128 && cluster_m == 2;
   if (block_n == kGemmBlockN && cluster_m == 1) return true;
   if (dtype != DType::kBF16) return false;
   if (block_n == kGemmBlockNNarrow && cluster_m == 1) return !b_kmajor;
-  if (block_n == kGemmBlockN && cluster_m == 2) return !b_kmajor;
-  return block_n == kGemmBlockN160 && cluster_m == 2;
+  return block_n == kGemmBlockN160 && cluster_m == 2 && b_kmajor;
 }
 
 // Launches on `stream`; `sm_count` sizes the persistent grid. `dtype` is D's (and A's and B's

@@ -67,43 +67,50 @@ inline int32_t ChooseBlockN(const CommConfig& cfg, DType dtype, bool b_kmajor, i
   return span(kGemmBlockNNarrow) * 11 < span(kGemmBlockN) * 10 ? kGemmBlockNNarrow : kGemmBlockN;
 }
 
-// 128x160 tiles in 2x1 clusters (B multicast) where N is a multiple of 160 and 1024 < M <= 2048:
-// on one H200 they won on every such shape measured, all at M = 2048 (Qwen out-proj 1.21 -> 1.13x
-// XLA's time, 70B qkv 1.24 -> 1.16, Qwen down 1.21 -> 1.14, Qwen out-proj dx 1.54 -> 1.10), and
-// lost everywhere else: partial column tiles, and at M = 8192 the narrow tile's cost per column
-// (docs/decisions/2026-12-01-gemm-instances.md). Fewer rows are not measured (one row tile
-// leaves half of each cluster idle). GpuTuning.tile_n pins the 1x1 instances.
-inline bool PreferClustered160(DType dtype, bool b_kmajor, int64_t m, int64_t n) {
-  return m > 1024 && m <= 2048 && n % kGemmBlockN160 == 0 && HasGemmInstance(dtype, b_kmajor, kGemmBlockN160, 2);
+// The 2x1-cluster instances where N is a multiple of 160 and 1024 < M <= 2048, the shapes where
+// 128x256 tiles leave most of a last wave idle (2048 x 5120: 2.4 waves): ping-pong 128x128 for
+// the [K, N] weight, 128x160 for the transposed one. On one H200 (ours / XLA's time, in one run):
+// ping-pong took the three forward shapes measured from 1.07-1.15x (128x160) to 0.97-1.10x (Qwen
+// out-proj 1.15 -> 1.10, 70B qkv 1.07 -> 0.97, Qwen down 1.13 -> 1.09) and lost
+// to it on the transposed weight (Qwen out-proj dx 1.11 vs 1.28); both lose elsewhere (partial
+// column tiles; at M >= 4096 the smaller tile's cost per column)
+// (docs/decisions/2026-12-01-gemm-instances.md). Fewer rows are not measured (one row tile leaves
+// half of each cluster idle). GpuTuning.tile_n pins the 1x1 instances.
+inline bool PreferClustered(DType dtype, bool b_kmajor, int64_t m, int64_t n) {
+  return m > 1024 && m <= 2048 && n % kGemmBlockN160 == 0 &&
+         HasGemmInstance(dtype, b_kmajor, b_kmajor ? kGemmBlockN160 : kGemmBlockN128, 2, !b_kmajor);
 }
 
-// The overlap GEMM instance of a call (GemmPlan.block_n and cluster_m). GpuTuning.gemm_kernel
-// forces one, for A/B measurements: an instance this build lacks for the dtype and weight layout
-// is an error, never a silent fallback. kAuto: PreferClustered160, else ChooseBlockN's choice
-// (cluster 1x1).
+// The overlap GEMM instance of a call (GemmPlan.block_n, cluster_m, pingpong).
+// GpuTuning.gemm_kernel forces one, for A/B measurements: an instance this build lacks for the
+// dtype and weight layout is an error, never a silent fallback. kAuto: PreferClustered, else
+// ChooseBlockN's choice (cluster 1x1).
 // kDecode is no overlap instance: ag_matmul's tp = 1 branch runs the decode GEMM for it, and
 // every other call rejects it here.
 inline Status ChooseGemmInstance(const CommConfig& cfg, DType dtype, bool b_kmajor, int64_t m, int64_t n, int sm_count,
                                  GemmPlan* plan) {
   plan->cluster_m = 1;
+  plan->pingpong = false;
   switch (static_cast<GemmKernel>(cfg.tuning.gemm_kernel)) {
     case GemmKernel::kAuto:
-      if (cfg.tuning.tile_n == 0 && PreferClustered160(dtype, b_kmajor, m, n)) {
-        plan->block_n = kGemmBlockN160;
+      if (cfg.tuning.tile_n == 0 && PreferClustered(dtype, b_kmajor, m, n)) {
+        plan->block_n = b_kmajor ? kGemmBlockN160 : kGemmBlockN128;
         plan->cluster_m = 2;
+        plan->pingpong = !b_kmajor;
       } else {
         plan->block_n = ChooseBlockN(cfg, dtype, b_kmajor, m, n, sm_count);
       }
       return Status::Ok();
     case GemmKernel::k128x256: plan->block_n = kGemmBlockN; break;
     case GemmKernel::k128x192: plan->block_n = kGemmBlockNNarrow; break;
-    case GemmKernel::k128x256Cluster2x1:
-      plan->block_n = kGemmBlockN;
-      plan->cluster_m = 2;
-      break;
     case GemmKernel::k128x160Cluster2x1:
       plan->block_n = kGemmBlockN160;
       plan->cluster_m = 2;
+      break;
+    case GemmKernel::k128x128PingpongCluster2x1:
+      plan->block_n = kGemmBlockN128;
+      plan->cluster_m = 2;
+      plan->pingpong = true;
       break;
     case GemmKernel::kDecode:
       return Status::InvalidArgument(
@@ -113,33 +120,39 @@ inline Status ChooseGemmInstance(const CommConfig& cfg, DType dtype, bool b_kmaj
       return Status::InvalidArgument("flux_jax: unknown GpuTuning.gemm_kernel " +
                                      std::to_string(cfg.tuning.gemm_kernel));
   }
-  if (!HasGemmInstance(dtype, b_kmajor, plan->block_n, plan->cluster_m)) {
-    return Status::InvalidArgument(
-        "flux_jax: this build has no overlap GEMM instance with 128x" + std::to_string(plan->block_n) + " tiles in " +
-        std::to_string(plan->cluster_m) + "x1 clusters for " + DTypeName(dtype) +
-        (b_kmajor ? " with the transposed weight" : " with a [K, N] weight") + " (GpuTuning.gemm_kernel)");
+  if (!HasGemmInstance(dtype, b_kmajor, plan->block_n, plan->cluster_m, plan->pingpong)) {
+    return Status::InvalidArgument("flux_jax: this build has no overlap GEMM instance with 128x" +
+                                   std::to_string(plan->block_n) + " tiles in " + std::to_string(plan->cluster_m) +
+                                   "x1 clusters" + (plan->pingpong ? " (ping-pong)" : "") + " for " + DTypeName(dtype) +
+                                   (b_kmajor ? " with the transposed weight" : " with a [K, N] weight") +
+                                   " (GpuTuning.gemm_kernel)");
   }
   return Status::Ok();
 }
 
-// The FP8 GEMM instance (gemm_fp8_instance.cuh) for a GEMM of m rows: 128x128 tiles in 2x1
-// clusters (B multicast) at m <= 2048, else 128x256 tiles in 1x1 clusters; GpuTuning.gemm_kernel
-// forces either. Measured on one H200 against cuBLASLt's FP8 GEMM (ours / theirs): the clusters
-// won all three shapes at m = 2048 (1.39 -> 1.21, 1.24 -> 1.13, 1.36 -> 1.34) and lost all three
-// at m >= 4096 (docs/decisions/2026-12-01-gemm-instances.md). Its row scales come from `fp8`
-// (the caller offsets them for launches that start below row 0 of x).
-inline Status ChooseFp8GemmInstance(const CommConfig& cfg, const Fp8Operands& fp8, int64_t m, GemmPlan* plan) {
+// The FP8 GEMM instance (gemm_fp8_instance.cuh) for an m x n GEMM: ping-pong 128x128 tiles in
+// 2x1 clusters (B multicast) below 8192 x 8192 outputs, else cooperative 128x256 tiles in 1x1
+// clusters; GpuTuning.gemm_kernel forces either. Measured on one H200 against cuBLASLt's FP8 GEMM
+// in one run (ours / theirs): ping-pong won five of six shapes (2048 x 2560 x 5120 1.34 -> 1.18,
+// 4096 x 3072 x 4608 1.28 -> 1.16, 8192 x 2048 x 4096 1.19 -> 1.15 against 128x256) and lost
+// 8192^3 (1.09 vs 1.05) (docs/decisions/2026-12-01-gemm-instances.md). Its row scales come from
+// `fp8` (the caller offsets them for launches that start below row 0 of x).
+inline Status ChooseFp8GemmInstance(const CommConfig& cfg, const Fp8Operands& fp8, int64_t m, int64_t n,
+                                    GemmPlan* plan) {
   const auto kernel = static_cast<GemmKernel>(cfg.tuning.gemm_kernel);
-  if (kernel == GemmKernel::k128x128Cluster2x1 || (kernel == GemmKernel::kAuto && m <= 2048)) {
+  const bool small = m * n < int64_t{8192} * 8192;
+  if (kernel == GemmKernel::k128x128PingpongCluster2x1 || (kernel == GemmKernel::kAuto && small)) {
     plan->block_n = kGemmBlockN128;
     plan->cluster_m = 2;
+    plan->pingpong = true;
   } else if (kernel == GemmKernel::kAuto || kernel == GemmKernel::k128x256) {
     plan->block_n = kGemmBlockN;
     plan->cluster_m = 1;
+    plan->pingpong = false;
   } else {
     return Status::InvalidArgument(
         "flux_jax: FP8 operands run the FP8 GEMM instances only (GpuTuning.gemm_kernel: auto, 128x256 or "
-        "128x128_c2x1)");
+        "128x128_pp_c2x1)");
   }
   plan->fp8 = true;
   plan->row_scale = fp8.row_scale;
