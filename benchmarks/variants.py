@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -165,9 +166,9 @@ def _op_shard_map(ctx: CaseContext, per_shard, check_vma: bool = True, note: str
 
 def xla_shard_map(ctx: CaseContext) -> Built:
     """The XLA twin: all_gather + dot / dot + psum_scatter / dot + psum inside shard_map (the reference).
-    fp8: the FP8 twin (flux_jax.ag_matmul_xla / matmul_rs_xla with fp8=True)."""
+    fp8: the FP8 twin (flux_jax.ag_matmul_xla / matmul_rs_xla / matmul_ar_xla with fp8=True)."""
     if ctx.case.fp8:
-        twin = flux_jax.ag_matmul_xla if ctx.case.op == "ag" else flux_jax.matmul_rs_xla
+        twin = {"ag": flux_jax.ag_matmul_xla, "rs": flux_jax.matmul_rs_xla, "ar": flux_jax.matmul_ar_xla}[ctx.case.op]
         return _op_shard_map(ctx, functools.partial(twin, axis_name=AXIS, fp8=True))
     if ctx.case.op == "ag":
         per_shard = lambda x, w: jnp.dot(lax.all_gather(x, AXIS, axis=0, tiled=True), w)  # noqa: E731
@@ -178,9 +179,13 @@ def xla_shard_map(ctx: CaseContext) -> Built:
     return _op_shard_map(ctx, per_shard)
 
 
+# The FP8 overlap path's own custom call (matmul_ar's two-shot runs matmul_rs's).
+_FP8_OVERLAP_CALL = re.compile(r"custom_call @flux_jax_(ag_matmul|matmul_rs)\(")
+
+
 def _flux(ctx: CaseContext, impl: str, path: str = "auto") -> Built:
-    if ctx.case.fp8 and path in ("overlap", "decode"):
-        raise Unavailable(f"no FP8 {path} kernel (the FP8 ops run the latency composition)")
+    if ctx.case.fp8 and path == "decode":
+        raise Unavailable("no FP8 decode kernel (the FP8 ops run the latency composition there)")
     op = {"ag": flux_jax.ag_matmul, "rs": flux_jax.matmul_rs, "ar": flux_jax.matmul_ar}[ctx.case.op]
     kw = {"fp8": ctx.case.fp8} if ctx.case.fp8 else {}
     body = functools.partial(op, axis_name=AXIS, impl=impl, **kw)
@@ -194,6 +199,11 @@ def _flux(ctx: CaseContext, impl: str, path: str = "auto") -> Built:
         hlo = jax.jit(built.step).lower(*built.args).as_text()
     except flux_jax.FusedUnavailableError as err:
         raise Unavailable(str(err)) from err
+    if ctx.case.fp8 and path == "overlap" and not _FP8_OVERLAP_CALL.search(hlo):
+        raise Unavailable(
+            "the FP8 overlap kernel does not serve this case (bfloat16, per-rank K % 16 == 0, N % 8 == 0, "
+            "rows divisible by tp): the latency composition would run"
+        )
     if impl == "auto":
         fused = "custom_call @flux_jax_" in hlo
         built.note = "auto chose the fused kernel" if fused else "auto chose the XLA twin"
