@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import random
 import statistics
@@ -627,7 +628,10 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.gemm_parity", description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True, help="output folder (gemm_parity.json, gemm_parity.md)")
+    ap.add_argument(
+        "--out", type=Path, required=True, help="output folder (gemm_parity.json, gemm_parity.md, gemm_parity.png)"
+    )
+    ap.add_argument("--plot", type=Path, default=None, help="only draw <out>/gemm_parity.png from this results JSON")
     ap.add_argument(
         "--subset",
         choices=("quick", "full"),
@@ -680,6 +684,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def write_plot(rows: list[dict], path: Path, title: str) -> None:
+    """ours / XLA's time per shape and variant (benchmarks/plots.py parity_plot)."""
+    from benchmarks.plots import parity_plot
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    parity_plot(rows, path, f"Our GEMM against XLA's on one GPU: {title}")
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     start = time.perf_counter()
     argv = sys.argv[1:] if argv is None else argv
@@ -687,6 +699,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.preflight_child is not None:
         run_preflight_child(args.preflight_child.split(","))
         return []
+    if args.plot is not None:
+        rows = json.loads(args.plot.read_text())["rows"]
+        write_plot(rows, args.out / "gemm_parity.png", args.plot.stem)
+        return rows
     left_out: dict[str, str] = {}
     if not args.no_preflight and flux_jax.build_info()["cuda"]:  # before this process takes the GPU
         names = preflight_variants(args.kernels, not args.no_gate_probe, not args.no_decode)
@@ -754,6 +770,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     meta["summary"] = summary(rows)
     report.write_json(json_path, meta, rows)
     md_path.write_text(markdown(meta, rows))
+    write_plot(rows, args.out / "gemm_parity.png", f"{PRESET}, {meta['date_utc'][:10]}")
     print(f"\nwrote {json_path}, {md_path} ({meta['elapsed_s']} s)\n", flush=True)
     print(md_path.read_text(), flush=True)
     return rows

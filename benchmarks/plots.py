@@ -203,3 +203,32 @@ def write_plots(rows: list[dict], out_dir: Path, stem: str, kinds: tuple[str, ..
             raise ValueError(f"unknown plot kind {kind!r}; expected one of {PLOT_KINDS}")
         paths.append(path)
     return paths
+
+
+def parity_plot(rows: list[dict], path: Path, title: str) -> None:
+    """One-GPU GEMM parity (benchmarks/gemm_parity.py rows): per shape, ours / XLA's time for every
+    flux variant that ran there, horizontal bars, with the 1.00 and 1.02 lines (the target)."""
+    shapes: dict[str, dict[str, float]] = {}
+    for row in rows:
+        if row["variant"] == "xla" or row["status"] != "ok" or not row.get("ratio_vs_xla"):
+            continue
+        name = f"{row['M']}x{row['K']}x{row['N']} {row['orientation']} {row['dtype']}"
+        shapes.setdefault(name, {})[row["variant"]] = row["ratio_vs_xla"]
+    variants = sorted({v for by in shapes.values() for v in by}, key=lambda v: (v != "flux:auto", v))
+    colors = {v: plt.get_cmap("tab10")(i % 10) for i, v in enumerate(variants)}
+    height = 0.8 / max(1, len(variants))
+    fig, ax = plt.subplots(figsize=(9, 0.15 * len(shapes) * max(2, len(variants)) + 1.6))
+    for i, by in enumerate(shapes.values()):
+        for j, variant in enumerate(variants):
+            if variant in by:
+                ax.barh(i + (j - (len(variants) - 1) / 2) * height, by[variant], height, color=colors[variant])
+    ax.set_yticks(range(len(shapes)), list(shapes), fontsize=8)
+    ax.invert_yaxis()
+    ax.axvline(1.0, color="black", linewidth=1)
+    ax.axvline(1.02, color="gray", linewidth=1, linestyle="--")
+    low = min([min(by.values()) for by in shapes.values()] + [1.0])
+    ax.set_xlim(max(0.0, low - 0.1), None)
+    ax.set_xlabel("ours / XLA's time (< 1: ours faster; dashed: 1.02)")
+    ax.grid(axis="x", alpha=0.3)
+    fig.suptitle(title, fontsize=12)
+    _save(fig, path, [Patch(color=colors[v], label=v) for v in variants])

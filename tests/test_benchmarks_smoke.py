@@ -451,3 +451,23 @@ def test_gemm_parity_preflight_child_reports_each_variant(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[:3] == ["START flux:128x160_c2x1", "OK flux:128x160_c2x1", "START flux:nonsense"]
     assert lines[3].startswith("FAIL flux:nonsense ValueError: unknown kernel")
+
+
+def test_gemm_parity_plot_from_a_results_file(tmp_path):
+    """--plot draws gemm_parity.png from a results JSON: a bar per shape and variant that ran."""
+    import json
+
+    from benchmarks import gemm_parity
+
+    def row(variant, ratio, status="ok", m=2048):
+        return dict(
+            M=m, K=4096, N=3072, orientation="fwd", dtype="bfloat16", variant=variant, status=status, ratio_vs_xla=ratio
+        )
+
+    rows = [row("xla", 1.0), row("flux:auto", 1.07), row("flux:128x256", 1.3), row("flux:128x192", None, "WRONG")]
+    rows += [row("xla", 1.0, m=64), row("flux:auto", 2.1, m=64)]
+    results = tmp_path / "gemm_parity.json"
+    results.write_text(json.dumps({"metadata": {}, "rows": rows}))
+    gemm_parity.main(["--out", str(tmp_path / "out"), "--plot", str(results)])
+    png = (tmp_path / "out" / "gemm_parity.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
