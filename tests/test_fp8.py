@@ -173,38 +173,32 @@ def _block_loss(impl, recipe, mesh):
     return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P()), specs
 
 
-@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
-def test_gradients_through_ag_tanh_rs_are_close_to_the_unquantized_ones(dtype_name):
+def _block_grads(make_loss, dtype, mesh):
+    """Gradients of a two-op block's loss w.r.t. x, w1, w2 for the fused FP8 op, the FP8 twin and
+    the unquantized twin (float64), and the fused program's HLO."""
     rng = np.random.default_rng()
-    tp = 4
-    mesh = cpu_mesh((tp,), ("tp",))
-    dtype = DTYPES[dtype_name]
     s, d, f = 16, 64, 128
     x = random_array(rng, (s, d), dtype)
     w1 = random_array(rng, (d, f), dtype, scale=d**-0.5)
     w2 = random_array(rng, (f, d), dtype, scale=f**-0.5)
     ct = random_array(rng, (s, d), jnp.float32)
-    grads = {}
+    grads, hlo = {}, ""
     for impl, recipe in (("fused", True), ("xla", True), ("xla", None)):
-        loss, specs = _block_loss(impl, recipe, mesh)
+        loss, specs = make_loss(impl, recipe, mesh)
         fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
         args = _placed(mesh, specs, x, w1, w2, ct)
         grads[impl, recipe] = [to64(g) for g in fn(*args)]
         if impl == "fused":
             hlo = fn.lower(*args).as_text()
-            # backward: dx of matmul_rs gathers the e5m2 rows of dy and their scales; dx of
-            # ag_matmul reduce-scatters an FP8 GEMM's partial. Forward: bfloat16 runs the FP8
-            # overlap kernels (ag_matmul gathers its row scales first), float32 the latency
-            # composition (rows and scales); the loss is linear in matmul_rs's output, so only
-            # its backward runs
-            overlap = dtype_name == "bfloat16"
-            assert hlo.count("custom_call @flux_jax_all_gather") >= (3 if overlap else 4)
-            assert ("custom_call @flux_jax_ag_matmul" in hlo) == overlap
-            assert hlo.count("custom_call @flux_jax_reduce_scatter") >= 1
-            assert "f8E5M2" in hlo
+    return grads, hlo
+
+
+def _check_block_grads(grads, dtype_name):
+    """Each gradient within the FP8 roundings on its path of the unquantized one (module
+    docstring), visibly quantized, and within the output's rounding of the FP8 twin's."""
     e4, e5 = U["float8_e4m3fn"], U["float8_e5m2"]
-    # roundings on each gradient's path (module docstring): dx: ct and dh (e5m2), w2, w1, and x,
-    # w1 through tanh'(h); dw1: ct, dh, w2 and x; dw2: ct, x, w1 and tanh(h)
+    # roundings on each gradient's path: dx: ct and dh (e5m2), w2, w1, and x, w1 through
+    # tanh'(h); dw1: ct, dh, w2 and x; dw2: ct, x, w1 and tanh(h)
     paths = {"dx": [e5, e5, e4, e4, e4, e4], "dw1": [e5, e5, e4, e4, e4, e4], "dw2": [e5, e4, e4, e4]}
     out_rounding = 4 * EPS[dtype_name]
     for name, got, fp8_twin, want in zip(paths, grads["fused", True], grads["xla", True], grads["xla", None]):
@@ -215,6 +209,21 @@ def test_gradients_through_ag_tanh_rs_are_close_to_the_unquantized_ones(dtype_na
         assert rel > 4 * EPS[dtype_name], f"{name}: the backward is not quantized ({rel:.2e})"
         twin_rel = np.linalg.norm(got - fp8_twin) / np.linalg.norm(fp8_twin)
         assert twin_rel <= 8 * EPS[dtype_name] + 1e-6, f"{name}: fused vs FP8 twin {twin_rel:.2e}"
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_gradients_through_ag_tanh_rs_are_close_to_the_unquantized_ones(dtype_name):
+    grads, hlo = _block_grads(_block_loss, DTYPES[dtype_name], cpu_mesh((4,), ("tp",)))
+    # backward: dx of matmul_rs gathers the e5m2 rows of dy and their scales; dx of ag_matmul
+    # reduce-scatters an FP8 GEMM's partial. Forward: bfloat16 runs the FP8 overlap kernels
+    # (ag_matmul gathers its row scales first), float32 the latency composition (rows and
+    # scales); the loss is linear in matmul_rs's output, so only its backward runs
+    overlap = dtype_name == "bfloat16"
+    assert hlo.count("custom_call @flux_jax_all_gather") >= (3 if overlap else 4)
+    assert ("custom_call @flux_jax_ag_matmul" in hlo) == overlap
+    assert hlo.count("custom_call @flux_jax_reduce_scatter") >= 1
+    assert "f8E5M2" in hlo
+    _check_block_grads(grads, dtype_name)
 
 
 def _megatron_loss(impl, recipe, mesh):
@@ -230,38 +239,11 @@ def _megatron_loss(impl, recipe, mesh):
 
 
 def test_gradients_through_column_tanh_ar_are_close_to_the_unquantized_ones():
-    rng = np.random.default_rng()
-    tp = 4
-    mesh = cpu_mesh((tp,), ("tp",))
-    s, d, f = 16, 64, 128
-    x = random_array(rng, (s, d), jnp.bfloat16)
-    w1 = random_array(rng, (d, f), jnp.bfloat16, scale=d**-0.5)
-    w2 = random_array(rng, (f, d), jnp.bfloat16, scale=f**-0.5)
-    ct = random_array(rng, (s, d), jnp.float32)
-    grads = {}
-    for impl, recipe in (("fused", True), ("xla", True), ("xla", None)):
-        loss, specs = _megatron_loss(impl, recipe, mesh)
-        fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-        args = _placed(mesh, specs, x, w1, w2, ct)
-        grads[impl, recipe] = [to64(g) for g in fn(*args)]
-        if impl == "fused":
-            hlo = fn.lower(*args).as_text()
-            # column_matmul's dx all-reduces the FP8 GEMM of dy's e5m2 rows (the loss is linear
-            # in matmul_ar's output, so only its backward runs: a local FP8 GEMM)
-            assert hlo.count("custom_call @flux_jax_all_reduce") == 1 and "f8E5M2" in hlo
-    e4, e5 = U["float8_e4m3fn"], U["float8_e5m2"]
-    # as for ag -> tanh -> rs: dx: ct and dh (e5m2), w2, w1, and x, w1 through tanh'(h);
-    # dw1: ct, dh, w2 and x; dw2: ct, x, w1 and tanh(h)
-    paths = {"dx": [e5, e5, e4, e4, e4, e4], "dw1": [e5, e5, e4, e4, e4, e4], "dw2": [e5, e4, e4, e4]}
-    out_rounding = 4 * EPS["bfloat16"]
-    for name, got, fp8_twin, want in zip(paths, grads["fused", True], grads["xla", True], grads["xla", None]):
-        assert np.all(np.isfinite(got)), name
-        rel = np.linalg.norm(got - want) / np.linalg.norm(want)
-        bound = np.sqrt(sum(u * u for u in paths[name])) + out_rounding
-        assert rel <= bound, f"{name}: relative error {rel:.3f} > {bound:.3f}"
-        assert rel > 4 * EPS["bfloat16"], f"{name}: the backward is not quantized ({rel:.2e})"
-        twin_rel = np.linalg.norm(got - fp8_twin) / np.linalg.norm(fp8_twin)
-        assert twin_rel <= 8 * EPS["bfloat16"] + 1e-6, f"{name}: fused vs FP8 twin {twin_rel:.2e}"
+    grads, hlo = _block_grads(_megatron_loss, jnp.bfloat16, cpu_mesh((4,), ("tp",)))
+    # column_matmul's dx all-reduces the FP8 GEMM of dy's e5m2 rows (the loss is linear in
+    # matmul_ar's output, so only its backward runs: a local FP8 GEMM)
+    assert hlo.count("custom_call @flux_jax_all_reduce") == 1 and "f8E5M2" in hlo
+    _check_block_grads(grads, "bfloat16")
 
 
 @pytest.mark.parametrize("rows", [8, 6])
