@@ -294,6 +294,15 @@ std::string SegmentWhat(const std::string& name, int64_t callsite, const TpGroup
          group.Describe() + ")";
 }
 
+// What to do when /dev/shm is too small (every process that meets it says the same).
+const char* ShmRemedy() {
+  return ". A TP group that spans processes keeps tp x (tp-1) x 2 message slots in /dev/shm for every "
+         "fused call site it has run (until flux_jax.reset()). Give the job more shared memory (docker run "
+         "--shm-size=<bytes>, Kubernetes: an emptyDir with medium Memory on /dev/shm, or mount -o "
+         "remount,size=<bytes> /dev/shm), use smaller messages per call, or keep each TP group "
+         "inside one process.";
+}
+
 // Reserves `bytes` in a fresh segment: posix_fallocate both sizes it and backs
 // every page, and tmpfs makes the size visible only once all pages are
 // reserved, so a process that opens the segment never maps unreserved memory.
@@ -311,11 +320,7 @@ Status Reserve(int fd, size_t bytes, const std::string& what) {
     os << "; /dev/shm has " << Mib(static_cast<size_t>(vfs.f_bavail) * vfs.f_frsize) << " free of "
        << Mib(static_cast<size_t>(vfs.f_blocks) * vfs.f_frsize);
   }
-  os << ". A TP group that spans processes keeps tp x (tp-1) x 2 message slots in /dev/shm for every "
-        "fused call site it has run (until flux_jax.reset()). Give the job more shared memory (docker run "
-        "--shm-size=<bytes>, Kubernetes: an emptyDir with medium Memory on /dev/shm, or mount -o "
-        "remount,size=<bytes> /dev/shm), use smaller messages per call, or keep each TP group "
-        "inside one process.";
+  os << ShmRemedy();
   return rc == ENOSPC || rc == ENOMEM || rc == EFBIG ? Status::ResourceExhausted(os.str()) : Status::Internal(os.str());
 }
 
@@ -396,9 +401,9 @@ Status MapSegment(const std::string& name, const std::string& what, size_t bytes
       }
       if (st.st_nlink == 0) {
         close(fd);
-        return Status::Internal("flux_jax (cpu backend): the process that created the " + what +
-                                " removed it before sizing it; it could not reserve " + Mib(bytes) +
-                                " of /dev/shm (its error says why)");
+        return Status::ResourceExhausted("flux_jax (cpu backend): the process that created the " + what +
+                                         " removed it before sizing it: it could not reserve " + Mib(bytes) +
+                                         " of /dev/shm" + ShmRemedy());
       }
       if (Clock::now() > deadline) {
         close(fd);
