@@ -200,6 +200,14 @@ def matmul(x, w, recipe: Fp8, *, transpose_w: bool = False, grad: bool = False):
     return scaled_dot(xq, xs, wq, ws, transpose_w, x.dtype)
 
 
+def input_grad(dy, w, recipe: Fp8 | None, *, transpose_w: bool = False):
+    """dy @ op(w)^T, the input gradient of x @ op(w) taken locally: XLA's dot, or with a recipe
+    (straight-through) the FP8 GEMM of dy per row in the backward format and w per the recipe."""
+    if recipe is None:
+        return jnp.dot(dy, w if transpose_w else w.T)
+    return matmul(dy, w, recipe, transpose_w=not transpose_w, grad=True)
+
+
 def gather_scales(gather: Callable, scale, tp: int):
     """Gathers row scales [rows, ..., 1] with `gather` (dimension 0, rank order) as one
     [rows * ..., 1] float32 column padded to a multiple of 4 rows (16 bytes), -> [tp * rows, ..., 1]."""

@@ -79,7 +79,7 @@ def _column_matmul_fwd(x, w, axis_name, recipe):
 
 def _column_matmul_bwd(axis_name, recipe, residuals, dy):
     x, w = residuals
-    dx = jnp.dot(dy, w.T) if recipe is None else _fp8.matmul(dy, w, recipe, transpose_w=True, grad=True)
+    dx = _fp8.input_grad(dy, w, recipe)
     if axis_name in _varying(w):  # types checked (w was cast to vary over the axis)
         dx = lax.psum(dx, axis_name)
     lead = tuple(range(x.ndim - 1))
@@ -133,7 +133,7 @@ def _ag_matmul_fp8_fwd(x, w, axis_name, recipe, return_gathered):
 def _ag_matmul_fp8_bwd(axis_name, recipe, return_gathered, residuals, cotangents):
     x_full, w = residuals
     dy = cotangents[0]
-    dx = _scatter(_fp8.matmul(dy, w, recipe, transpose_w=True, grad=True), axis_name)
+    dx = _scatter(_fp8.input_grad(dy, w, recipe), axis_name)
     if return_gathered:
         dx = dx + _scatter(cotangents[1], axis_name)
     return dx, _autodiff.weight_grad(x_full, dy, w, False)
@@ -174,8 +174,7 @@ def _local_fp8_fwd(x, w, recipe):
 
 def _local_fp8_bwd(recipe, residuals, dy):
     x, w = residuals
-    dx = _fp8.matmul(dy, w, recipe, transpose_w=True, grad=True)
-    return dx, _autodiff.weight_grad(x, dy, w, False).astype(w.dtype)
+    return _fp8.input_grad(dy, w, recipe), _autodiff.weight_grad(x, dy, w, False).astype(w.dtype)
 
 
 _local_fp8.defvjp(_local_fp8_fwd, _local_fp8_bwd)
