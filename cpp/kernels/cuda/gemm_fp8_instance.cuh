@@ -6,9 +6,9 @@
 // alpha is the poison scalar every fused GEMM reads per tile (1.0f, NaN once a wait gave up);
 // row_scale is x's per-row scale (ag_matmul: every gathered row's, gathered before the call),
 // col_scale w's per-column (or broadcast per-tensor) scale. Otherwise the same kernel as
-// gemm_instance.cuh: persistent, warp-specialized cooperative, the gated mainloop, gated
-// epilogue and rotated scheduler of gated_gemm.cuh; 128x256x128 tiles (128 bytes of K per row) in
-// 1x1 clusters, or 128x128 in 2x1 clusters sharing B (cooperative or ping-pong); CUTLASS's FP8 fast accumulation (the
+// gemm_instance.cuh: persistent, warp-specialized, the gated mainloop, gated
+// epilogue and rotated scheduler of gated_gemm.cuh; cooperative 128x256x128 tiles (128 bytes of K per row) in
+// 1x1 clusters, or ping-pong 128x128 in 2x1 clusters sharing B; CUTLASS's FP8 fast accumulation (the
 // wgmma accumulator is not promoted every few k-blocks: the forward GEMM, as cuBLASLt's FP8 GEMM under XLA).
 #pragma once
 

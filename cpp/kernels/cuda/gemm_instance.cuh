@@ -153,31 +153,14 @@ Status PreloadGemmInstance() {
 
 }  // namespace flux_jax::cuda
 
-// Defines the entry points of one instance: Status <name>(plan, stream, device,
-// sms) and Status Preload_<name>().
-#define FLUX_JAX_DEFINE_GEMM_INSTANCE(name, Element, kBKMajor, kBlockN)                               \
-  namespace flux_jax::cuda {                                                                          \
-  Status name(const GemmPlan& plan, cudaStream_t stream, int device, int sm_count) {                  \
-    return RunGemmInstance<GemmInstance<Element, kBKMajor, kBlockN>>(plan, stream, device, sm_count); \
-  }                                                                                                   \
-  Status Preload_##name() { return PreloadGemmInstance<GemmInstance<Element, kBKMajor, kBlockN>>(); } \
-  }
-
-// The same for an instance with clusters of kClusterM CTAs along M (gated_gemm.cuh).
-#define FLUX_JAX_DEFINE_GEMM_INSTANCE_CLUSTER(name, Element, kBKMajor, kBlockN, kClusterM)                       \
-  namespace flux_jax::cuda {                                                                                     \
-  Status name(const GemmPlan& plan, cudaStream_t stream, int device, int sm_count) {                             \
-    return RunGemmInstance<GemmInstance<Element, kBKMajor, kBlockN, kClusterM>>(plan, stream, device, sm_count); \
-  }                                                                                                              \
-  Status Preload_##name() { return PreloadGemmInstance<GemmInstance<Element, kBKMajor, kBlockN, kClusterM>>(); } \
-  }
-
-// The same for a ping-pong instance.
-#define FLUX_JAX_DEFINE_GEMM_INSTANCE_PINGPONG(name, Element, kBKMajor, kBlockN, kClusterM) \
-  namespace flux_jax::cuda {                                                                \
-  using name##_Instance = GemmInstance<Element, kBKMajor, kBlockN, kClusterM, true>;        \
-  Status name(const GemmPlan& plan, cudaStream_t stream, int device, int sm_count) {        \
-    return RunGemmInstance<name##_Instance>(plan, stream, device, sm_count);                \
-  }                                                                                         \
-  Status Preload_##name() { return PreloadGemmInstance<name##_Instance>(); }                \
+// Defines the entry points of one instance, GemmInstance<...> of the arguments after `name`
+// (element, B K-major, tile width[, cluster rows[, ping-pong]]): Status <name>(plan, stream,
+// device, sms) and Status Preload_<name>().
+#define FLUX_JAX_DEFINE_GEMM_INSTANCE(name, ...)                                     \
+  namespace flux_jax::cuda {                                                         \
+  using name##_Instance = GemmInstance<__VA_ARGS__>;                                 \
+  Status name(const GemmPlan& plan, cudaStream_t stream, int device, int sm_count) { \
+    return RunGemmInstance<name##_Instance>(plan, stream, device, sm_count);         \
+  }                                                                                  \
+  Status Preload_##name() { return PreloadGemmInstance<name##_Instance>(); }         \
   }
