@@ -168,14 +168,14 @@ def _fp8_unavailable_on_hopper(p: Problem) -> str | None:
 
 
 def fp8_overlap_supported(p: Problem) -> bool:
-    """Whether the FP8 overlap kernels serve this call: the forward GEMM of ag_matmul, matmul_rs or
-    matmul_ar (matmul_rs's kernel, then an all_gather: the two-shot) (e4m3 rows: the backward's
-    e5m2 rows have no instance), a bfloat16 output, per-rank K a multiple of 16 and N of 8 (the
-    CUDA instance's alignment; the CPU backend follows it), rows divisible by tp for the GEMM-first
-    ops (each rank sums one chunk of them)."""
+    """Whether the FP8 overlap kernels serve this call: a GEMM of ag_matmul, matmul_rs or matmul_ar
+    (matmul_rs's kernel, then an all_gather: the two-shot) with rows in e4m3 (the forward) or e5m2
+    (the backward's dy; the weight is e4m3 in both), a bfloat16 output, per-rank K a multiple of 16
+    and N of 8 (the CUDA instances' alignment; the CPU backend follows it), rows divisible by tp for
+    the GEMM-first ops (each rank sums one chunk of them)."""
     return (
         p.op in ("ag_matmul", "matmul_rs", "matmul_ar")
-        and p.fp8 == "float8_e4m3fn"
+        and p.fp8 in ("float8_e4m3fn", "float8_e5m2")
         and np.dtype(p.dtype) == _BF16
         and p.k % 16 == 0
         and p.n % 8 == 0
@@ -205,7 +205,8 @@ def _plan_fp8(p: Problem, config: Config, must_fuse: bool) -> Plan:
     if must_fuse:
         where = "platform" if p.platform == "cpu" else "kernels"
         if overlap_ok and (p.platform == "cpu" or _default_fused(p) == "overlap"):
-            return Plan("overlap", f"{overlap} (the row operand in e4m3, bfloat16 out)", where)
+            rows = "e4m3" if p.fp8 == "float8_e4m3fn" else "e5m2"
+            return Plan("overlap", f"{overlap} (the row operand in {rows}, bfloat16 out)", where)
         return Plan("latency", latency, where)
     if p.platform == "cpu":
         return Plan("twin", "the CPU backend is a protocol reference, slower than XLA:CPU's dot", "platform")

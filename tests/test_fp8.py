@@ -214,15 +214,24 @@ def _check_block_grads(grads, dtype_name):
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
 def test_gradients_through_ag_tanh_rs_are_close_to_the_unquantized_ones(dtype_name):
     grads, hlo = _block_grads(_block_loss, DTYPES[dtype_name], cpu_mesh((4,), ("tp",)))
-    # backward: dx of matmul_rs gathers the e5m2 rows of dy and their scales; dx of ag_matmul
-    # reduce-scatters an FP8 GEMM's partial. Forward: bfloat16 runs the FP8 overlap kernels
-    # (ag_matmul gathers its row scales first), float32 the latency composition (rows and
-    # scales); the loss is linear in matmul_rs's output, so only its backward runs
+    # bfloat16 runs the FP8 overlap kernels both ways: forward ag_matmul (its row scales gathered
+    # first); backward, dx of matmul_rs is the FP8 ag_matmul of dy's e5m2 rows (scales gathered
+    # first) and dx of ag_matmul the FP8 matmul_rs of them (the e5m2 x e4m3 GEMM). float32 runs
+    # the latency composition: our all_gather moves rows and scales, our reduce_scatter the
+    # partial. The loss is linear in matmul_rs's output, so only its backward runs.
     overlap = dtype_name == "bfloat16"
-    assert hlo.count("custom_call @flux_jax_all_gather") >= (3 if overlap else 4)
-    assert ("custom_call @flux_jax_ag_matmul" in hlo) == overlap
-    assert hlo.count("custom_call @flux_jax_reduce_scatter") >= 1
-    assert "f8E5M2" in hlo
+    calls = [line for line in hlo.splitlines() if "custom_call @flux_jax_" in line]
+    fused = [line for line in calls if "@flux_jax_ag_matmul" in line or "@flux_jax_matmul_rs" in line]
+    if overlap:
+        assert sum("@flux_jax_all_gather" in line for line in calls) >= 2
+        assert any("@flux_jax_ag_matmul" in line and "f8E4M3FN" in line for line in fused)
+        assert any("@flux_jax_ag_matmul" in line and "f8E5M2" in line for line in fused)
+        assert any("@flux_jax_matmul_rs" in line and "f8E5M2" in line for line in fused)
+    else:
+        assert not fused
+        assert sum("@flux_jax_all_gather" in line for line in calls) >= 4
+        assert sum("@flux_jax_reduce_scatter" in line for line in calls) >= 1
+        assert "f8E5M2" in hlo
     _check_block_grads(grads, dtype_name)
 
 
@@ -240,9 +249,12 @@ def _megatron_loss(impl, recipe, mesh):
 
 def test_gradients_through_column_tanh_ar_are_close_to_the_unquantized_ones():
     grads, hlo = _block_grads(_megatron_loss, jnp.bfloat16, cpu_mesh((4,), ("tp",)))
-    # column_matmul's dx all-reduces the FP8 GEMM of dy's e5m2 rows (the loss is linear in
-    # matmul_ar's output, so only its backward runs: a local FP8 GEMM)
-    assert hlo.count("custom_call @flux_jax_all_reduce") == 1 and "f8E5M2" in hlo
+    # column_matmul's dx is matmul_ar's FP8 two-shot on dy's e5m2 rows: the e5m2 x e4m3 GEMM
+    # reduce-scatters its partial in our matmul_rs kernel, then our all_gather (the loss is linear
+    # in matmul_ar's output, so only its backward runs: a local FP8 GEMM)
+    calls = [line for line in hlo.splitlines() if "custom_call @flux_jax_" in line]
+    assert any("@flux_jax_matmul_rs" in line and "f8E5M2" in line for line in calls), calls
+    assert not any("@flux_jax_all_reduce" in line for line in calls), calls
     _check_block_grads(grads, "bfloat16")
 
 
@@ -455,8 +467,9 @@ def test_plans_and_explain():
     cpu = _plan.Problem("ag_matmul", 64, 256, 256, np.dtype("bfloat16"), 2, "cpu", fp8="float8_e4m3fn")
     assert _plan.plan(cpu, "fused", cfg).path == "overlap"  # the CPU backend runs one protocol
     assert _plan.plan(cpu, "auto", cfg).path == "twin"
-    e5m2 = dataclasses.replace(cpu, fp8="float8_e5m2")  # a backward GEMM's rows: no FP8 instance
-    assert _plan.plan(e5m2, "auto", cfg, backward=True).path == "latency"
+    e5m2 = dataclasses.replace(cpu, fp8="float8_e5m2")  # a backward GEMM's rows: the e5m2 x e4m3 kernel
+    e5m2_plan = _plan.plan(e5m2, "auto", cfg, backward=True)
+    assert e5m2_plan.path == "overlap" and "row operand in e5m2" in e5m2_plan.reason
     f32 = dataclasses.replace(cpu, dtype=np.dtype("float32"))  # the FP8 instance writes bfloat16
     assert _plan.plan(f32, "fused", cfg).path == "latency"
     gpu = dataclasses.replace(cpu, platform="cuda")

@@ -122,8 +122,8 @@ def test_one_gpu_fp8_overlap_matches_the_quantized_product(one_gpu, op, shape, w
 
 @pytest.mark.parametrize("op", ["ag", "rs"])
 def test_one_gpu_fp8_middle_dimensions_and_gradients(one_gpu, op):
-    """3-D operands through the FP8 overlap path. dx (the backward GEMM: e5m2 rows, the latency
-    composition in both) equals the FP8 twin's. dw is checked against float64 on the dequantized
+    """3-D operands through the FP8 overlap path. dx (the backward GEMM: e5m2 rows, our e5m2 x
+    e4m3 GEMM in both) equals the FP8 twin's. dw is checked against float64 on the dequantized
     FP8 rows the forward gathered: the twin is no reference there, as XLA on GPU folds its
     dequantize (f8 -> f32 -> bf16 converts) away (excess precision) and computes dw on x itself."""
     mesh = _mesh(one_gpu)
@@ -155,6 +155,38 @@ def test_one_gpu_fp8_middle_dimensions_and_gradients(one_gpu, op):
         dw_ref = to64(x).reshape(-1, 512).T @ to64(fp8.dequantize(dyq, dy_scale, jnp.bfloat16))
     got = to64(dw)
     assert np.all(np.isfinite(got)) and np.linalg.norm(got - dw_ref) <= 2.0**-7 * np.linalg.norm(dw_ref), "dw"
+    assert not flux_jax.device_errors()
+
+
+@pytest.mark.parametrize("op", ["ag", "rs"])
+@pytest.mark.parametrize("shape", [(2048, 1024, 2048), (1000, 512, 768)], ids=lambda s: "x".join(map(str, s)))
+def test_one_gpu_fp8_backward_e5m2_gemm_matches_the_quantized_product(one_gpu, op, shape):
+    """dx of the FP8 ops runs our e5m2 x e4m3 GEMM (dy's e5m2 rows, one scale each, times w in
+    e4m3): against the float64 product of the same quantized operands, within 4x the FP8 twin's
+    (XLA's FP8 GEMM on the same operands) own error; the backward's custom call carries e5m2."""
+    from flux_jax import fp8
+
+    M, K, N = shape
+    mesh = _mesh(one_gpu)
+    rng = np.random.default_rng()
+    x = random_array(rng, (M, K), "bfloat16")
+    w = random_array(rng, (K, N), "bfloat16", scale=1 / np.sqrt(K))
+    ct = jnp.asarray(rng.standard_normal((M, N)), jnp.float32) * jnp.linspace(0.1, 4, M)[:, None]
+    recipe = flux_jax.Fp8()
+    with flux_jax.config(fused_path="overlap"):
+        fused, specs = _fn(op, mesh, "fused", fp8=recipe)
+        twin, _ = _fn(op, mesh, "xla", fp8=recipe)
+        xs, ws = place(mesh, x, specs[0]), place(mesh, w, specs[1])
+        loss = lambda a, b: jnp.sum(fused(a, b).astype(jnp.float32) * ct)  # noqa: E731
+        text = jax.jit(jax.grad(loss)).lower(xs, ws).as_text()
+        (dx, _), (tdx, _) = _grads(fused, xs, ws, ct), _grads(twin, xs, ws, ct)
+    backward_op = "matmul_rs" if op == "ag" else "ag_matmul"
+    calls = [line for line in text.splitlines() if f"flux_jax_{backward_op}" in line]
+    assert any("f8E5M2" in line for line in calls), calls
+    dyq, dy_scale = fp8.quantize_rows(ct.astype(jnp.bfloat16), recipe, grad=True)
+    wq, w_scale = fp8.quantize_weight(w, recipe)
+    ref = (to64(dyq) * to64(dy_scale)) @ (to64(wq) * to64(w_scale)).T
+    assert_matches(dx, ref, tdx, "bfloat16", f"fp8 dx {op} {shape}")
     assert not flux_jax.device_errors()
 
 

@@ -49,8 +49,8 @@ def test_rejects_bad_arguments():
 CLUSTER_CASES = list(itertools.product((1, 2, 3, 7, 8, 16, 20), (1, 3, 12, 56), (1, 2, 8), (1, 2)))
 
 
-def clustered(tiles_m, tiles_n, group, rotate, cluster_m):
-    return _native.extension().clustered_tile_order(tiles_m, tiles_n, group, rotate, cluster_m)
+def clustered(tiles_m, tiles_n, group, rotate, cluster_m, cluster_n=1):
+    return _native.extension().clustered_tile_order(tiles_m, tiles_n, group, rotate, cluster_m, cluster_n)
 
 
 @pytest.mark.parametrize("tiles_m,tiles_n,group,cluster_m", CLUSTER_CASES)
@@ -70,3 +70,24 @@ def test_clusters_cover_every_padded_tile_once_and_share_n(tiles_m, tiles_n, gro
         assert tiles[0] == (rotate // cluster_m * cluster_m, 0)
         if cluster_m == 1:
             assert tiles == order(tiles_m, tiles_n, group, rotate)
+
+
+@pytest.mark.parametrize("tiles_m,tiles_n,group", CASES)
+def test_column_clusters_cover_every_padded_tile_once_and_share_m(tiles_m, tiles_n, group):
+    """1x2 clusters (the CTAs share A by multicast, so they must wait for the same rows): every
+    tile of N padded to whole clusters exactly once, the CTAs of one cluster on adjacent column
+    tiles of the same m, and the cluster order is the grouped order over cluster columns, so the
+    rank's own rows go first at any rotation."""
+    padded = -(-tiles_n // 2) * 2
+    for rotate in sorted({0, min(1, tiles_m - 1), tiles_m // 2, tiles_m - 1}):
+        tiles = clustered(tiles_m, tiles_n, group, rotate, 1, 2)
+        assert sorted(tiles) == [(m, n) for m in range(tiles_m) for n in range(padded)]
+        pairs = [tiles[i : i + 2] for i in range(0, len(tiles), 2)]
+        for (m0, n0), (m1, n1) in pairs:
+            assert m0 == m1 and n0 % 2 == 0 and n1 == n0 + 1
+        assert [(m, n // 2) for (m, n), _ in pairs] == order(tiles_m, padded // 2, group, rotate)
+
+
+def test_clustered_order_rejects_two_dimensional_clusters():
+    with pytest.raises(ValueError, match="one of the cluster"):
+        clustered(4, 4, 2, 0, 2, 2)

@@ -77,7 +77,8 @@ inline Status DecodeOperandTypes(const char* op, ffi::AnyBuffer x, ffi::AnyBuffe
                                  ffi::RemainingArgs& scales, bool w_transposed, int64_t rows, int64_t n, DType* dtype,
                                  Fp8Operands* fp8) {
   const std::string name(op);
-  if (x.element_type() != ffi::DataType::F8E4M3FN) {
+  const bool x_e5m2 = x.element_type() == ffi::DataType::F8E5M2;
+  if (x.element_type() != ffi::DataType::F8E4M3FN && !x_e5m2) {
     if (scales.size() != 0) return Status::InvalidArgument(name + ": scales are passed only with FP8 operands");
     FLUX_JAX_RETURN_IF_ERROR(ToDType(x.element_type(), op, dtype));
     if (w.element_type() != x.element_type() || out.element_type() != x.element_type()) {
@@ -87,7 +88,8 @@ inline Status DecodeOperandTypes(const char* op, ffi::AnyBuffer x, ffi::AnyBuffe
     return Status::Ok();
   }
   if (w.element_type() != ffi::DataType::F8E4M3FN || !w_transposed) {
-    return Status::InvalidArgument(name + ": with float8_e4m3fn x, w must be float8_e4m3fn and transposed ([n, k])");
+    return Status::InvalidArgument(
+        name + ": with float8_e4m3fn or float8_e5m2 x, w must be float8_e4m3fn and transposed ([n, k])");
   }
   if (out.element_type() != ffi::DataType::BF16) {
     return Status::InvalidArgument(name + ": FP8 operands give a bfloat16 output here");
@@ -103,6 +105,7 @@ inline Status DecodeOperandTypes(const char* op, ffi::AnyBuffer x, ffi::AnyBuffe
   FLUX_JAX_RETURN_IF_ERROR(CheckElements((name + " row scales").c_str(), row->element_count(), rows));
   FLUX_JAX_RETURN_IF_ERROR(CheckElements((name + " column scales").c_str(), col->element_count(), n));
   fp8->on = true;
+  fp8->x_e5m2 = x_e5m2;
   fp8->row_scale = static_cast<const float*>(row->untyped_data());
   fp8->col_scale = static_cast<const float*>(col->untyped_data());
   return Status::Ok();

@@ -201,26 +201,31 @@ NB_MODULE(_flux_jax_ffi, m) {
       "(flux_jax/gpu_checks.h).");
   m.def(
       "clustered_tile_order",
-      [](int tiles_m, int tiles_n, int group, int rotate, int cluster_m) {
-        if (tiles_m < 1 || tiles_n < 1 || group < 1 || rotate < 0 || rotate >= tiles_m || cluster_m < 1) {
+      [](int tiles_m, int tiles_n, int group, int rotate, int cluster_m, int cluster_n) {
+        if (tiles_m < 1 || tiles_n < 1 || group < 1 || rotate < 0 || rotate >= tiles_m || cluster_m < 1 ||
+            cluster_n < 1 || (cluster_m > 1 && cluster_n > 1)) {
           throw std::invalid_argument(
-              "clustered_tile_order: need tiles_m, tiles_n, group, cluster_m >= 1 and 0 <= rotate < tiles_m");
+              "clustered_tile_order: need tiles_m, tiles_n, group, cluster_m, cluster_n >= 1, one of the cluster "
+              "sizes 1, and 0 <= rotate < tiles_m");
         }
         // The scheduler's order: cluster ids t, then the CTAs of each cluster.
-        const int clusters = (tiles_m + cluster_m - 1) / cluster_m * tiles_n;
+        const int ctas = cluster_m * cluster_n;
+        const int clusters = (tiles_m + cluster_m - 1) / cluster_m * ((tiles_n + cluster_n - 1) / cluster_n);
         std::vector<std::pair<int, int>> order;
-        order.reserve(static_cast<size_t>(clusters) * cluster_m);
+        order.reserve(static_cast<size_t>(clusters) * ctas);
         for (int t = 0; t < clusters; ++t) {
-          for (int cta = 0; cta < cluster_m; ++cta) {
-            const flux_jax::TileCoord c = flux_jax::ClusteredTile(t, cta, tiles_m, tiles_n, group, rotate, cluster_m);
+          for (int cta = 0; cta < ctas; ++cta) {
+            const flux_jax::TileCoord c =
+                flux_jax::ClusteredTile(t, cta, tiles_m, tiles_n, group, rotate, cluster_m, cluster_n);
             order.emplace_back(c.m, c.n);
           }
         }
         return order;
       },
       nb::arg("tiles_m"), nb::arg("tiles_n"), nb::arg("group"), nb::arg("rotate"), nb::arg("cluster_m"),
-      "The (m, n) tile order of an overlap GEMM with clusters of cluster_m CTAs along M (tiles_m padded "
-      "to whole clusters), for tests.");
+      nb::arg("cluster_n") = 1,
+      "The (m, n) tile order of an overlap GEMM with clusters of cluster_m x cluster_n CTAs (tiles_m, tiles_n "
+      "padded to whole clusters), for tests.");
 #ifdef FLUX_JAX_WITH_CUDA
   m.def("cuda_kernels", &Ops, "Ops with CUDA kernels in this build (all of ops.def).");
   m.def("reset_cuda_workspaces", &flux_jax::ResetCudaWorkspaces,

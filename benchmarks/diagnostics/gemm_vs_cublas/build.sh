@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Builds gemm_vs_cublas, decode_gemm_vs_cublas and tile_sweep into <out-dir>. The first two link the static
-# libraries of a CMake build tree of this repository that has the CUDA backend: any build with FLUX_JAX_CUDA=ON after
-# `cmake --build <build-dir> --target flux_jax_cuda` (the loopback tests' build, cpp/tests/loopback/build.sh, has them
-# too). tile_sweep (plain CUTLASS only) needs no build tree: `--tile-sweep` builds only it.
+# Builds gemm_vs_cublas, gated_vs_plain, decode_gemm_vs_cublas and tile_sweep into <out-dir>. The first three
+# link the static libraries of a CMake build tree of this repository that has the CUDA backend: any build with
+# FLUX_JAX_CUDA=ON after `cmake --build <build-dir> --target flux_jax_cuda` (the loopback tests' build,
+# cpp/tests/loopback/build.sh, has them too). tile_sweep (plain CUTLASS only) needs no build tree: `--tile-sweep`
+# builds only it.
 #
 #   benchmarks/diagnostics/gemm_vs_cublas/build.sh <build-dir> <out-dir>
 #   benchmarks/diagnostics/gemm_vs_cublas/build.sh --tile-sweep <out-dir>
@@ -47,7 +48,8 @@ for lib in "${libs[@]}"; do
   [[ -f $lib ]] || { echo "$lib missing: cmake --build $build --target flux_jax_cuda" >&2; exit 2; }
 done
 nvcc "${flags[@]}" "$here/gemm_vs_cublas.cu" "${libs[@]}" -ldl -o "$out/gemm_vs_cublas" & first=$!
+nvcc "${flags[@]}" "$here/gated_vs_plain.cu" "${libs[@]}" -ldl -o "$out/gated_vs_plain" & second=$!
 nvcc "${flags[@]}" "$here/decode_gemm_vs_cublas.cu" "${libs[@]}" -ldl -o "$out/decode_gemm_vs_cublas"
-wait "$first"
-ls -l "$out/gemm_vs_cublas" "$out/decode_gemm_vs_cublas"
+wait "$first" "$second"
+ls -l "$out/gemm_vs_cublas" "$out/gated_vs_plain" "$out/decode_gemm_vs_cublas"
 tile_sweep

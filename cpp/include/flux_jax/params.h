@@ -92,6 +92,7 @@ struct CommConfig {
 // row_scale covers the GEMM's rows (ag_matmul: all tp*m_local gathered rows, rank order).
 struct Fp8Operands {
   bool on = false;
+  bool x_e5m2 = false;  // x in float8_e5m2 (a backward's dy rows), else float8_e4m3fn; w is e4m3fn
   const float* row_scale = nullptr;
   const float* col_scale = nullptr;  // [n]
 };

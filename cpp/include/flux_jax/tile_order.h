@@ -34,17 +34,29 @@ FLUX_JAX_HOST_DEVICE inline TileCoord GroupedTile(int t, int tiles_m, int tiles_
   return {m, idx / rows};
 }
 
-// The same order for clusters of `cluster_m` CTAs along M (cluster_m x 1; the CTAs of a cluster
-// share their B tile by TMA multicast, so they must work on the same n). The base scheduler
-// hands out cluster ids t (plain raster along N over cluster rows of `cluster_m` M tiles) and
-// the CTA's position `cta` in its cluster; the cluster rows are ordered by GroupedTile with
-// groups of max(1, group / cluster_m) cluster rows, rotated by rotate / cluster_m cluster rows
-// (so with an odd rotation a rank's first cluster starts one tile early), then the CTA takes
-// tile m = cluster row * cluster_m + cta. tiles_m is padded to whole clusters: tiles past it
-// are computed out of bounds (TMA zero-fills their loads and drops their stores). With
-// cluster_m = 1 this is GroupedTile.
+// The same order for clusters of CTAs that share an operand tile by TMA multicast: cluster_m x 1
+// (B shared, so the CTAs work on the same n) or 1 x cluster_n (A shared, the same m). The base
+// scheduler hands out cluster ids t (plain raster along N over the grid of clusters) and the CTA's
+// position `cta` in its cluster.
+//
+// cluster_m x 1: the cluster rows are ordered by GroupedTile with groups of max(1, group /
+// cluster_m) cluster rows, rotated by rotate / cluster_m cluster rows (so with an odd rotation a
+// rank's first cluster starts one tile early), then the CTA takes tile m = cluster row * cluster_m
+// + cta. tiles_m is padded to whole clusters.
+//
+// 1 x cluster_n: GroupedTile over tiles_m x ceil(tiles_n / cluster_n) cluster columns with the
+// same group and rotation (whole row tiles: a rank's own rows still go first, and no cluster
+// spans two chunks), then the CTA takes tile n = cluster column * cluster_n + cta. tiles_n is
+// padded to whole clusters.
+//
+// Tiles in the padding are computed out of bounds (TMA zero-fills their loads and drops their
+// stores). With 1x1 clusters this is GroupedTile.
 FLUX_JAX_HOST_DEVICE inline TileCoord ClusteredTile(int t, int cta, int tiles_m, int tiles_n, int group, int rotate,
-                                                    int cluster_m) {
+                                                    int cluster_m, int cluster_n = 1) {
+  if (cluster_n > 1) {
+    const TileCoord c = GroupedTile(t, tiles_m, (tiles_n + cluster_n - 1) / cluster_n, group, rotate);
+    return {c.m, c.n * cluster_n + cta};
+  }
   if (cluster_m <= 1) return GroupedTile(t, tiles_m, tiles_n, group, rotate);
   const int cluster_rows = (tiles_m + cluster_m - 1) / cluster_m;
   const int cluster_group = group / cluster_m > 1 ? group / cluster_m : 1;

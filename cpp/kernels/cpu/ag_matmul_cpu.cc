@@ -27,7 +27,7 @@ Status RunAgMatmulCpu(const AgMatmulParams& p, const TpGroup& group, const CommC
   const int64_t chunk_out = p.m_local * p.n;  // output elements per chunk
 
   const uint64_t signature =
-      cpu::HashInts({1, p.m_local, p.k, p.n, static_cast<int64_t>(p.dtype), p.w_transposed, p.fp8.on});
+      cpu::HashInts({1, p.m_local, p.k, p.n, static_cast<int64_t>(p.dtype), p.w_transposed, p.fp8.on, p.fp8.x_e5m2});
   cpu::ChannelCall call;
   FLUX_JAX_RETURN_IF_ERROR(call.Open(group, cfg, chunk_bytes, signature));
   cpu::Channel& channel = call.channel();
@@ -62,7 +62,8 @@ Status RunAgMatmulCpu(const AgMatmulParams& p, const TpGroup& group, const CommC
       rows = channel.Slot(rank, parity, src);
     }
     if (p.fp8.on) {
-      cpu::GemmRowsFp8(rows, p.m_local, p.k, w.data(), p.n, p.fp8.row_scale + src * p.m_local, acc.data());
+      cpu::GemmRowsFp8(rows, p.fp8.x_e5m2, p.m_local, p.k, w.data(), p.n, p.fp8.row_scale + src * p.m_local,
+                       acc.data());
     } else {
       cpu::GemmRows(rows, p.dtype, p.m_local, p.k, w.data(), p.n, acc.data());
     }

@@ -86,6 +86,9 @@ float E4m3ToFloat(uint8_t v) {
   return sign * std::ldexp(1.0f + static_cast<float>(man) / 8.0f, exp - 7);
 }
 
+// float8_e5m2: 1 sign, 5 exponent (bias 15), 2 mantissa bits: the high byte of a float16.
+float E5m2ToFloat(uint8_t v) { return F16ToFloat(static_cast<uint16_t>(v << 8)); }
+
 }  // namespace
 
 void ToFloat(const void* src, DType dtype, int64_t count, float* dst) {
@@ -150,10 +153,11 @@ std::vector<float> Fp8WeightAsFloat(const void* w, int64_t k, int64_t n, const f
   return out;
 }
 
-void GemmRowsFp8(const void* a, int64_t m, int64_t k, const float* b, int64_t n, const float* row_scale, float* c) {
+void GemmRowsFp8(const void* a, bool a_e5m2, int64_t m, int64_t k, const float* b, int64_t n, const float* row_scale,
+                 float* c) {
   std::vector<float> rows(static_cast<size_t>(m * k));
   auto* q = static_cast<const uint8_t*>(a);
-  for (int64_t i = 0; i < m * k; ++i) rows[i] = E4m3ToFloat(q[i]);
+  for (int64_t i = 0; i < m * k; ++i) rows[i] = a_e5m2 ? E5m2ToFloat(q[i]) : E4m3ToFloat(q[i]);
   GemmRows(rows.data(), DType::kF32, m, k, b, n, c);
   for (int64_t i = 0; i < m; ++i) {
     for (int64_t j = 0; j < n; ++j) c[i * n + j] *= row_scale[i];

@@ -28,7 +28,8 @@ Status RunMatmulRsCpu(const MatmulRsParams& p, const TpGroup& group, const CommC
   const int64_t chunk_out = m_out * p.n;
   const size_t partial_bytes = static_cast<size_t>(chunk_out) * sizeof(float);
 
-  const uint64_t signature = cpu::HashInts({2, p.m, p.k, p.n, static_cast<int64_t>(p.dtype), p.w_transposed, p.fp8.on});
+  const uint64_t signature =
+      cpu::HashInts({2, p.m, p.k, p.n, static_cast<int64_t>(p.dtype), p.w_transposed, p.fp8.on, p.fp8.x_e5m2});
   cpu::ChannelCall call;
   FLUX_JAX_RETURN_IF_ERROR(call.Open(group, cfg, partial_bytes, signature));
   cpu::Channel& channel = call.channel();
@@ -42,7 +43,7 @@ Status RunMatmulRsCpu(const MatmulRsParams& p, const TpGroup& group, const CommC
   auto x_chunk = [&](int c) { return static_cast<const char*>(p.x) + c * m_out * p.k * x_elt; };
   auto gemm = [&](int c, float* out) {
     if (p.fp8.on) {
-      cpu::GemmRowsFp8(x_chunk(c), m_out, p.k, w.data(), p.n, p.fp8.row_scale + c * m_out, out);
+      cpu::GemmRowsFp8(x_chunk(c), p.fp8.x_e5m2, m_out, p.k, w.data(), p.n, p.fp8.row_scale + c * m_out, out);
     } else {
       cpu::GemmRows(x_chunk(c), p.dtype, m_out, p.k, w.data(), p.n, out);
     }

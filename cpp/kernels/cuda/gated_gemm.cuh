@@ -16,15 +16,19 @@
 //
 // Consumers (the MMA warpgroups) never poll.
 //
-// Clusters: 1x1, or cluster_m x 1 along M (the CTAs of a cluster compute
+// Clusters: 1x1; cluster_m x 1 along M (the CTAs of a cluster compute
 // adjacent 128-row tiles of the same n and share the B tile by TMA multicast,
-// each CTA loading 1/cluster_m of it into every CTA of the cluster). Each CTA
-// still waits only for its own A rows, so results stay correct; the cost is
-// that a CTA whose rows have not arrived also holds back its share of B, so its
-// peer waits for the later of the two tiles' rows. Both tiles wait for the same
-// piece when pieces and chunks are whole clusters of rows (op_common.h rounds
-// pieces to whole clusters; a chunk of an odd number of 128-row tiles still
-// puts one cluster across two chunks).
+// each CTA loading 1/cluster_m of it into every CTA of the cluster); or
+// 1 x cluster_n along N (adjacent column tiles of the same m sharing the A tile
+// the same way). Each CTA waits for its own tile's A rows before it loads its
+// share, so results stay correct either way.
+//  - cluster_m x 1: a CTA whose rows have not arrived also holds back its share
+//    of B, so its peer waits for the later of the two tiles' rows. Both tiles
+//    wait for the same piece when pieces and chunks are whole clusters of rows
+//    (op_common.h rounds pieces to whole clusters; a chunk of an odd number of
+//    128-row tiles still puts one cluster across two chunks).
+//  - 1 x cluster_n: every CTA of a cluster waits for the same rows (the A rows
+//    it loads a share of are its own tile's), so the gate costs nothing extra.
 #pragma once
 
 #include "cute/tensor.hpp"
@@ -49,9 +53,9 @@ namespace flux_jax::cuda {
 // ---------------------------------------------------------------------------
 struct RotatedSchedulerTag {};
 
-// kClusterM: CTAs per cluster along M, a compile-time constant so that 1x1 clusters remap
-// exactly as GroupedTile (no extra registers in any warp).
-template <int kClusterM = 1>
+// kClusterM, kClusterN: the cluster shape (one of them 1), compile-time constants so that 1x1
+// clusters remap exactly as GroupedTile (no extra registers in any warp).
+template <int kClusterM = 1, int kClusterN = 1>
 class RotatedScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
   using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
 
@@ -86,8 +90,8 @@ class RotatedScheduler : public cutlass::gemm::kernel::detail::PersistentTileSch
     params.tiles_n = (n + cute::size<1>(tile_shape) - 1) / cute::size<1>(tile_shape);
     params.rotate_m_tiles = params.tiles_m > 0 ? args.rotate_m_tiles % params.tiles_m : 0;
     params.group_m_tiles = args.group_m_tiles < 1 ? 1 : args.group_m_tiles;
-    static_assert(cute::size<1>(ClusterShape{}) == 1, "RotatedScheduler: clusters along M only");
-    static_assert(cute::size<0>(ClusterShape{}) == kClusterM, "RotatedScheduler: cluster rows mismatch");
+    static_assert(cute::size<0>(ClusterShape{}) == kClusterM && cute::size<1>(ClusterShape{}) == kClusterN,
+                  "RotatedScheduler: cluster shape mismatch");
     return params;
   }
 
@@ -118,10 +122,17 @@ class RotatedScheduler : public cutlass::gemm::kernel::detail::PersistentTileSch
  private:
   CUTLASS_DEVICE WorkTileInfo Remap(WorkTileInfo w) const {
     if (!w.is_valid()) return w;
-    // The base rasters plainly along N, one cluster (cluster_m M tiles, one n) at a time:
-    // cluster t = (m / cluster_m) * tiles_n + n, this CTA at m % cluster_m of it.
+    // The base rasters plainly along N, one cluster at a time (tiles padded to whole clusters):
+    // cluster_m x 1: cluster t = (m / cluster_m) * tiles_n + n, this CTA at m % cluster_m of it;
+    // 1 x cluster_n: t = m * ceil(tiles_n / cluster_n) + n / cluster_n, this CTA at n % cluster_n.
+    static_assert(kClusterM == 1 || kClusterN == 1, "RotatedScheduler: clusters along M or N");
     TileCoord c;
-    if constexpr (kClusterM == 1) {
+    if constexpr (kClusterN > 1) {
+      const int cluster_col = w.N_idx / kClusterN;
+      const int cluster_cols = (tiles_n_ + kClusterN - 1) / kClusterN;
+      c = ClusteredTile(w.M_idx * cluster_cols + cluster_col, w.N_idx - cluster_col * kClusterN, tiles_m_, tiles_n_,
+                        group_, rotate_, 1, kClusterN);
+    } else if constexpr (kClusterM == 1) {
       c = GroupedTile(w.M_idx * tiles_n_ + w.N_idx, tiles_m_, tiles_n_, group_, rotate_);
     } else {
       const int cluster_row = w.M_idx / kClusterM;
@@ -151,8 +162,8 @@ struct GatedMainloop : Base {
   using typename Base::SmemLayoutB;
   using typename Base::TensorStorage;
   using typename Base::TileShape;
-  static_assert(cute::size<1>(ClusterShape{}) == 1, "GatedMainloop: clusters along M only (A is never multicast)");
   static constexpr int kClusterM = cute::size<0>(ClusterShape{});
+  static constexpr int kClusterN = cute::size<1>(ClusterShape{});
   static constexpr int kBlockM = cute::size<0>(TileShape{});
 
   struct Arguments : Base::Arguments {
@@ -220,19 +231,27 @@ struct GatedMainloop : Base {
       Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
       Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
       Tensor gB = get<1>(load_inputs)(_, _, n_coord, _, l_coord);  // (BLK_N,BLK_K,k)
-      // Clusters along M: this CTA loads its 1/kClusterM share of the B tile into every CTA of
-      // the cluster (as CUTLASS's own mainloop does); A is this CTA's alone.
-      auto block_tma_b = params.tma_load_b.get_slice(block_rank_in_cluster % kClusterM);
+      // As CUTLASS's own mainloop: this CTA loads its 1/kClusterN share of the A tile into every
+      // CTA of its cluster row and its 1/kClusterM share of the B tile into every CTA of its
+      // cluster column. The CTAs of a row work on the same m, so the rows this CTA waited for
+      // are the rows it loads.
+      const int cluster_m = block_rank_in_cluster % kClusterM;
+      const int cluster_n = block_rank_in_cluster / kClusterM;
+      auto block_tma_b = params.tma_load_b.get_slice(cluster_m);
       Tensor tBgB = block_tma_b.partition_S(gB);
       Tensor tBsB = block_tma_b.partition_D(sB);
+      auto block_layout = Layout<ClusterShape>{};  // (m, n) -> block id
+      uint16_t mcast_mask_a = 0;
       uint16_t mcast_mask_b = 0;
+      if constexpr (cute::is_same_v<typename Base::GmemTiledCopyA, cute::SM90_TMA_LOAD_MULTICAST>) {
+        for (int n = 0; n < kClusterN; ++n) mcast_mask_a |= uint16_t(1) << block_layout(cluster_m, n, Int<0>{});
+      }
       if constexpr (cute::is_same_v<typename Base::GmemTiledCopyB, cute::SM90_TMA_LOAD_MULTICAST>) {
-        auto block_layout = Layout<ClusterShape>{};  // (m, n) -> block id
-        for (int m = 0; m < kClusterM; ++m) mcast_mask_b |= uint16_t(1) << block_layout(m, 0, Int<0>{});
+        for (int m = 0; m < kClusterM; ++m) mcast_mask_b |= uint16_t(1) << block_layout(m, cluster_n, Int<0>{});
       }
 
       auto issue = [&](auto const& tma_a, auto const& gA) {
-        auto block_tma_a = tma_a.get_slice(0);
+        auto block_tma_a = tma_a.get_slice(cluster_n);
         Tensor tAgA = block_tma_a.partition_S(gA);
         Tensor tAsA = block_tma_a.partition_D(sA);
         CUTLASS_PRAGMA_NO_UNROLL
@@ -240,7 +259,7 @@ struct GatedMainloop : Base {
           pipeline.producer_acquire(smem_pipe_write);
           auto* barrier = pipeline.producer_get_barrier(smem_pipe_write);
           const int stage = smem_pipe_write.index();
-          copy(tma_a.with(*barrier, 0), tAgA(_, _, _, *k_tile_iter), tAsA(_, _, _, stage));
+          copy(tma_a.with(*barrier, mcast_mask_a), tAgA(_, _, _, *k_tile_iter), tAsA(_, _, _, stage));
           copy(params.tma_load_b.with(*barrier, mcast_mask_b), tBgB(_, _, _, *k_tile_iter), tBsB(_, _, _, stage));
           ++k_tile_iter;
           ++smem_pipe_write;
@@ -348,7 +367,9 @@ struct GatedEpilogue : Base {
     auto states = Base::store(load_pipeline, load_pipe_consumer_state, store_pipeline, store_pipe_producer_state,
                               problem_shape_mnkl, tile_shape_MNK, tile_coord_mnkl, accumulators, tiled_mma, thread_idx,
                               shared_tensors, rest...);
-    if (signals) {
+    // A tile of the column padding of 1 x 2 clusters (n past N) stores nothing and counts for no piece.
+    const int col0 = static_cast<int>(cute::get<1>(tile_coord_mnkl)) * static_cast<int>(cute::size<1>(tile_shape_MNK));
+    if (signals && col0 < static_cast<int>(cute::get<1>(problem_shape_mnkl))) {
       const int row0 = static_cast<int>(cute::get<0>(tile_coord_mnkl)) * block_m;
       if (signal_->immediate) {
         SignalTileStored(*signal_, row0, block_m);
@@ -383,6 +404,6 @@ struct GatedEpilogue : Base {
 namespace cutlass::gemm::kernel::detail {
 template <class ArchTag, class TileShape, class ClusterShape, uint32_t Stages>
 struct TileSchedulerSelector<flux_jax::cuda::RotatedSchedulerTag, ArchTag, TileShape, ClusterShape, Stages> {
-  using Scheduler = flux_jax::cuda::RotatedScheduler<cute::size<0>(ClusterShape{})>;
+  using Scheduler = flux_jax::cuda::RotatedScheduler<cute::size<0>(ClusterShape{}), cute::size<1>(ClusterShape{})>;
 };
 }  // namespace cutlass::gemm::kernel::detail

@@ -15,6 +15,7 @@ Status RunGemm_e4m3_bf16(const GemmPlan&, cudaStream_t, int, int);
 Status RunGemm_bf16_nmajor_pp128_c2x1(const GemmPlan&, cudaStream_t, int, int);
 Status RunGemm_bf16_kmajor_pp128_c2x1(const GemmPlan&, cudaStream_t, int, int);
 Status RunGemm_e4m3_bf16_pp128_c2x1(const GemmPlan&, cudaStream_t, int, int);
+Status RunGemm_e5m2_bf16_pp128_c2x1(const GemmPlan&, cudaStream_t, int, int);
 Status Preload_RunGemm_bf16_nmajor();
 Status Preload_RunGemm_bf16_kmajor();
 Status Preload_RunGemm_f16_nmajor();
@@ -25,6 +26,7 @@ Status Preload_RunGemm_e4m3_bf16();
 Status Preload_RunGemm_bf16_nmajor_pp128_c2x1();
 Status Preload_RunGemm_bf16_kmajor_pp128_c2x1();
 Status Preload_RunGemm_e4m3_bf16_pp128_c2x1();
+Status Preload_RunGemm_e5m2_bf16_pp128_c2x1();
 
 Status PreloadGemmKernels() {
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_bf16_nmajor());
@@ -36,6 +38,7 @@ Status PreloadGemmKernels() {
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_bf16_nmajor_pp128_c2x1());
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_bf16_kmajor_pp128_c2x1());
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_e4m3_bf16_pp128_c2x1());
+  FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_e5m2_bf16_pp128_c2x1());
   return Preload_RunGemm_f16_kmajor();
 }
 
@@ -62,6 +65,12 @@ Status RunGemm(const GemmPlan& plan, DType dtype, cudaStream_t stream, int devic
       return Status::InvalidArgument(
           "flux_jax: the FP8 GEMM instances are 128x256 (1x1 clusters) and ping-pong 128x128 (2x1), transposed "
           "weight, bfloat16 out");
+    }
+    if (plan.fp8_a_e5m2) {
+      if (!pingpong) {
+        return Status::InvalidArgument("flux_jax: the e5m2 x e4m3 GEMM instance is ping-pong 128x128 (2x1) only");
+      }
+      return RunGemm_e5m2_bf16_pp128_c2x1(plan, stream, device, sm_count);
     }
     return wide ? RunGemm_e4m3_bf16(plan, stream, device, sm_count)
                 : RunGemm_e4m3_bf16_pp128_c2x1(plan, stream, device, sm_count);

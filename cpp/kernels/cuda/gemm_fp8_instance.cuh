@@ -8,7 +8,7 @@
 // col_scale w's per-column (or broadcast per-tensor) scale. Otherwise the same kernel as
 // gemm_instance.cuh: persistent, warp-specialized, the gated mainloop, gated
 // epilogue and rotated scheduler of gated_gemm.cuh; cooperative 128x256x128 tiles (128 bytes of K per row) in
-// 1x1 clusters, or ping-pong 128x128 in 2x1 clusters sharing B; CUTLASS's FP8 fast accumulation (the
+// 1x1 clusters, or ping-pong 128x128 in 2x1 clusters sharing B or 1x2 sharing A; CUTLASS's FP8 fast accumulation (the
 // wgmma accumulator is not promoted every few k-blocks: the forward GEMM, as cuBLASLt's FP8 GEMM under XLA).
 #pragma once
 
@@ -17,11 +17,12 @@
 
 namespace flux_jax::cuda {
 
-template <class ElementD, int kBlockN = kGemmBlockN, int kClusterM = 1, bool kPingpong = false>
+template <class ElementD, int kBlockN = kGemmBlockN, int kClusterM = 1, bool kPingpong = false, int kClusterN = 1,
+          class ElementA = cutlass::float_e4m3_t>
 struct GemmInstanceFp8 {
-  using Element = cutlass::float_e4m3_t;
+  using Element = cutlass::float_e4m3_t;  // B (the weight) in every instance
   using TileShape = cute::Shape<cute::_128, cute::Int<kBlockN>, cute::_128>;
-  using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::_1, cute::_1>;
+  using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::Int<kClusterN>, cute::_1>;
   static constexpr int kAlignmentAB = 16;  // 16 bytes: K a multiple of 16
   static constexpr int kAlignmentCD = 8;   // N a multiple of 8
 
@@ -48,7 +49,7 @@ struct GemmInstanceFp8 {
       Fusion>::CollectiveOp;
 
   using BaseMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::RowMajor, kAlignmentAB, Element,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, cutlass::layout::RowMajor, kAlignmentAB, Element,
       cutlass::layout::ColumnMajor, kAlignmentAB, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename BaseEpilogue::SharedStorage))>,
       typename GemmSchedule<kPingpong>::MainloopFp8FastAccum>::CollectiveOp;

@@ -135,13 +135,19 @@ inline Status ChooseGemmInstance(const CommConfig& cfg, DType dtype, bool b_kmaj
 // clusters; GpuTuning.gemm_kernel forces either. Measured on one H200 against cuBLASLt's FP8 GEMM
 // in one run (ours / theirs): ping-pong won five of six shapes (2048 x 2560 x 5120 1.34 -> 1.18,
 // 4096 x 3072 x 4608 1.28 -> 1.16, 8192 x 2048 x 4096 1.19 -> 1.15 against 128x256) and lost
-// 8192^3 (1.09 vs 1.05) (docs/decisions/2026-12-01-gemm-instances.md). Its row scales come from
-// `fp8` (the caller offsets them for launches that start below row 0 of x).
+// 8192^3 (1.09 vs 1.05) (docs/decisions/2026-12-01-gemm-instances.md). e5m2 rows (a backward's
+// dy) have one instance, ping-pong 128x128 2x1, at every size. Its row scales come from `fp8` (the
+// caller offsets them for launches that start below row 0 of x).
 inline Status ChooseFp8GemmInstance(const CommConfig& cfg, const Fp8Operands& fp8, int64_t m, int64_t n,
                                     GemmPlan* plan) {
   const auto kernel = static_cast<GemmKernel>(cfg.tuning.gemm_kernel);
   const bool small = m * n < int64_t{8192} * 8192;
-  if (kernel == GemmKernel::k128x128PingpongCluster2x1 || (kernel == GemmKernel::kAuto && small)) {
+  if (fp8.x_e5m2 && kernel != GemmKernel::kAuto && kernel != GemmKernel::k128x128PingpongCluster2x1) {
+    return Status::InvalidArgument(
+        "flux_jax: e5m2 rows run the ping-pong 128x128 FP8 instance only (GpuTuning.gemm_kernel: auto or "
+        "128x128_pp_c2x1)");
+  }
+  if (kernel == GemmKernel::k128x128PingpongCluster2x1 || (kernel == GemmKernel::kAuto && (small || fp8.x_e5m2))) {
     plan->block_n = kGemmBlockN128;
     plan->cluster_m = 2;
     plan->pingpong = true;
@@ -155,6 +161,7 @@ inline Status ChooseFp8GemmInstance(const CommConfig& cfg, const Fp8Operands& fp
         "128x128_pp_c2x1)");
   }
   plan->fp8 = true;
+  plan->fp8_a_e5m2 = fp8.x_e5m2;
   plan->row_scale = fp8.row_scale;
   plan->col_scale = fp8.col_scale;
   return Status::Ok();

@@ -22,8 +22,9 @@
 // measured up to 2^-12.6 of sum |x| |w| on one H200, the same as ours element for element); the
 // collectives bit for bit (reduce_scatter, all_reduce: float32 sums in rank order, rounded once).
 // matmul_ar: rank 0 against the reference, every other rank bit for bit against rank 0 (its
-// output must be the same bits on every rank). FP8 cases (ag_matmul, matmul_rs overlap): e4m3 x and
-// w^T with row and column scales, bf16 out, against the same reference with the scales applied.
+// output must be the same bits on every rank). FP8 cases (ag_matmul, matmul_rs overlap): e4m3 (or
+// e5m2) x and e4m3 w^T with row and column scales, bf16 out, against the same reference with the
+// scales applied.
 //
 // Build and run: README.md in this directory (CMake target `ops_loopback`).
 // `--cpu` runs the same calls on the CPU backend (no GPU needed: checks this program);
@@ -75,6 +76,7 @@ struct Case {
   bool w_transposed = false;
   bool gathered = false;  // ag_matmul's return_gathered
   bool fp8 = false;       // x, w in float8_e4m3fn with row / column scales (Fp8Operands), out in dtype
+  bool x_e5m2 = false;    // FP8: x in float8_e5m2 (a backward's dy rows), w still e4m3fn
 };
 
 constexpr int kInputSets = 3;  // calls e and e+2 share a parity half, never inputs
@@ -127,7 +129,7 @@ GemmKernel ForcedKernel(const std::string& name) {
 bool HasForcedInstance(const Case& c, GemmKernel k) {
   if (k == GemmKernel::kAuto) return true;
   if (c.path != Path::kOverlap || (c.op != Op::kAgMatmul && c.op != Op::kMatmulRs)) return false;
-  if (c.fp8) return k == GemmKernel::k128x256 || k == GemmKernel::k128x128PingpongCluster2x1;
+  if (c.fp8) return (k == GemmKernel::k128x256 && !c.x_e5m2) || k == GemmKernel::k128x128PingpongCluster2x1;
   if (k == GemmKernel::k128x256) return true;
   if (c.dtype != DType::kBF16) return false;
   if (k == GemmKernel::k128x160Cluster2x1) return c.w_transposed;
@@ -142,7 +144,8 @@ std::string Describe(const Case& c, int tp) {
   char buf[200];
   std::snprintf(buf, sizeof(buf), "tp %d %-14s %-10s %5lld x %5lld x %5lld %s%s%s", tp, op[static_cast<int>(c.op)],
                 path[static_cast<int>(c.path)], static_cast<long long>(c.m), static_cast<long long>(c.k),
-                static_cast<long long>(c.n), c.fp8 ? "e4m3->bfloat16" : DTypeName(c.dtype),
+                static_cast<long long>(c.n),
+                c.fp8 ? (c.x_e5m2 ? "e5m2xe4m3->bfloat16" : "e4m3->bfloat16") : DTypeName(c.dtype),
                 c.w_transposed ? " w^T" : "", c.gathered ? " +gathered" : "");
   return buf;
 }
@@ -176,10 +179,29 @@ uint16_t FloatToE4m3(float f) {
 
 bool IsFp8Nan(uint16_t v) { return (v & 0x7F) == 0x7F; }
 
-// x's and w's elements on the host: uint16_t words, FP8 cases one e4m3 byte each.
+// float8_e5m2: 1 sign, 5 exponent (bias 15), 2 mantissa bits, the high byte of a float16.
+float E5m2ToFloat(uint16_t v) { return loopback::F16ToFloat(static_cast<uint16_t>(v << 8)); }
+
+// Round to nearest even (through float16), saturating at +-57344 (never infinite or NaN).
+uint16_t FloatToE5m2(float f) {
+  const uint16_t h = loopback::FloatToF16(f);
+  uint16_t top = h >> 8;
+  const uint16_t rem = h & 0xFF;
+  if (rem > 0x80 || (rem == 0x80 && (top & 1))) ++top;
+  if ((top & 0x7C) == 0x7C) top = (top & 0x80) | 0x7B;  // exponent all ones: the largest finite
+  return top;
+}
+
+bool IsE5m2Nan(uint16_t v) { return (v & 0x7C) == 0x7C && (v & 0x3) != 0; }
+
+// x's and w's elements on the host: uint16_t words, FP8 cases one byte each (w e4m3, x e4m3 or e5m2).
 size_t OperandSize(const Case& c) { return c.fp8 ? 1 : 2; }
 float OperandToFloat(uint16_t v, const Case& c) { return c.fp8 ? E4m3ToFloat(v) : ToFloat(v, c.dtype); }
-bool OperandIsNan(uint16_t v, const Case& c) { return c.fp8 ? IsFp8Nan(v) : std::isnan(ToFloat(v, c.dtype)); }
+float XToFloat(uint16_t v, const Case& c) { return c.fp8 && c.x_e5m2 ? E5m2ToFloat(v) : OperandToFloat(v, c); }
+bool OperandIsNan(uint16_t v, const Case& c) {
+  if (c.fp8) return c.x_e5m2 ? IsE5m2Nan(v) : IsFp8Nan(v);
+  return std::isnan(ToFloat(v, c.dtype));
+}
 
 void* Alloc(size_t bytes) {
   void* p = nullptr;
@@ -276,7 +298,10 @@ Inputs MakeInputs(const Case& c, int tp, unsigned seed) {
     set.resize(tp);
     for (auto& x : set) {
       x.resize(static_cast<size_t>(c.m * (matmul ? c.k : c.n)));
-      for (auto& v : x) v = c.fp8 ? FloatToE4m3(normal(gen)) : FromFloat(normal(gen), c.dtype);
+      for (auto& v : x) {
+        const float f = normal(gen);
+        v = c.fp8 ? (c.x_e5m2 ? FloatToE5m2(f) : FloatToE4m3(f)) : FromFloat(f, c.dtype);
+      }
     }
   }
   if (!matmul) return in;
@@ -297,7 +322,7 @@ Inputs MakeInputs(const Case& c, int tp, unsigned seed) {
   for (int s = 0; s < kInputSets; ++s) {
     for (const auto& x : in.x[s]) {
       std::vector<float> f(x.size());
-      for (size_t i = 0; i < x.size(); ++i) f[i] = OperandToFloat(x[i], c);
+      for (size_t i = 0; i < x.size(); ++i) f[i] = XToFloat(x[i], c);
       in.xf[s].push_back(std::move(f));
     }
   }
@@ -596,6 +621,7 @@ class RankThread {
       p.x = b.x[set], p.w = b.w, p.out = b.out, p.gathered = b.gathered;
       p.m_local = c.m, p.k = c.k, p.n = c.n, p.dtype = c.dtype, p.w_transposed = c.w_transposed;
       p.fp8.on = c.fp8;
+      p.fp8.x_e5m2 = c.x_e5m2;
       p.fp8.row_scale = static_cast<const float*>(b.row_scale[set]);
       p.fp8.col_scale = static_cast<const float*>(b.col_scale);
       return g_cpu ? RunAgMatmulCpu(p, group_, cfg) : RunAgMatmulCuda(p, group_, cfg, stream_);
@@ -605,6 +631,7 @@ class RankThread {
       p.x = b.x[set], p.w = b.w, p.out = b.out;
       p.m = c.m, p.k = c.k, p.n = c.n, p.dtype = c.dtype, p.w_transposed = c.w_transposed;
       p.fp8.on = c.fp8;
+      p.fp8.x_e5m2 = c.x_e5m2;
       p.fp8.row_scale = static_cast<const float*>(b.row_scale[set]);
       p.fp8.col_scale = static_cast<const float*>(b.col_scale);
       return g_cpu ? RunMatmulRsCpu(p, group_, cfg) : RunMatmulRsCuda(p, group_, cfg, stream_);
@@ -805,6 +832,9 @@ std::vector<Case> CasesFor(int tp) {
       {Op::kAgMatmul, Path::kOverlap, ag_m, 768, 512, DType::kBF16, true, /*gathered=*/true, /*fp8=*/true},
       {Op::kAgMatmul, Path::kOverlap, 200, 512, 520, DType::kBF16, true, false, /*fp8=*/true},  // 200: no 128-row tiles
       {Op::kMatmulRs, Path::kOverlap, 1024, 1024, 1024, DType::kBF16, true, false, /*fp8=*/true},
+      // e5m2 x (the backward's dy rows) and e4m3 w^T: the e5m2 x e4m3 instance.
+      {Op::kAgMatmul, Path::kOverlap, ag_m, 1024, 768, DType::kBF16, true, /*gathered=*/true, true, /*x_e5m2=*/true},
+      {Op::kMatmulRs, Path::kOverlap, 1024, 768, 1024, DType::kBF16, true, false, /*fp8=*/true, /*x_e5m2=*/true},
       // matmul_ar's decode path (bf16, [K, N] weight, <= 128 rows): the epilogue's one-shot all-reduce.
       {Op::kMatmulAr, Path::kDecode, 1, 1024, 2048},  // one row: x staged into a whole row tile
       {Op::kMatmulAr, Path::kDecode, 64, 2048, 1024},

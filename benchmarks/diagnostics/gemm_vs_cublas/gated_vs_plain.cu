@@ -1,0 +1,141 @@
+// What our hooks cost: the overlap GEMM the fused ops run (RunGemm: gated mainloop, gated epilogue, rotated
+// scheduler, with nothing to wait for) against plain CUTLASS of the same configuration, in one process on one GPU
+// with tile_sweep's driver (check first, outputs poisoned; best of 7 loops, two passes in opposite column order).
+//
+//   bf16   reference cuBLAS; ping-pong 128x128 in 2x1 clusters (B N-major), plain and ours; ours 128x256
+//   fp8    reference plain CUTLASS ping-pong 128x128 2x1 with fast accumulation (raster AlongN, no swizzle), so the
+//          ratio is ours / plain; ours with its row and column scales (all 1) in the epilogue
+//
+// Plain configurations run tile_sweep's four scheduler variants. Ours reads them as:
+//
+//   sw1,N  tile groups of 1 (plain raster along N, as plain sw1,N)
+//   sw8,N  tile groups of 8 (the product's order)
+//   sw1,H  tile groups of 8, alpha a scalar (the product reads it from memory per tile: the poison of a failed wait)
+//   sw8,H  tile groups of 16
+//
+//   gated_vs_plain                      # tile_sweep's built-in shapes
+//   gated_vs_plain 2048x2560x5120 ...   # per-GPU MxKxN shapes instead
+//
+// Caveat (docs/decisions/2026-12-02-cluster-shape-and-tile-groups.md): these loops read our FP8 kernel 10-20% slower
+// than CUPTI's kernel time in benchmarks/fp8_gemm.py, and the variants' differences here (groups of 16: 7-13%) did
+// not show in the kernel times there, so read this as a lead, not a measurement of kernel time.
+//
+// cuBLAS: as tile_sweep (FLUX_PROBE_CUBLAS). Build: build.sh <build-dir> <out-dir> (links the CUDA backend).
+#include <vector>
+
+#include "gemm_plan.h"
+#include "tile_sweep.cuh"
+
+namespace {
+
+using F8 = cutlass::float_e4m3_t;
+using PS = cutlass::gemm::PersistentScheduler;
+using PlainBf16Pp = PlainGemmT<E, RM, RM, RM, 128, 128, 2, 1, PS, true>;
+using PlainFp8Pp = PlainGemmT<F8, RM, CM, RM, 128, 128, 2, 1, PS, true, true>;
+
+// Our instance of `base` (block_n, cluster, schedule; FP8 or not) on s, its variant read as the header says.
+Runner MakeOurs(flux_jax::cuda::GemmPlan base, const SweepShape& s, const void* x, const void* w, E* d,
+                const float* one, Variant v) {
+  base.m = s.m;
+  base.n = s.n;
+  base.k = s.k;
+  base.a = x;
+  base.b = w;
+  base.d = d;
+  base.alpha_ptr = v.swizzle == 1 && v.heuristic ? nullptr : one;
+  base.group_m_tiles = !v.heuristic && v.swizzle == 1 ? 1 : (v.heuristic && v.swizzle == 8 ? 16 : 8);
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  if (!flux_jax::cuda::RunGemm(base, flux_jax::DType::kBF16, nullptr, 0, sms).ok()) return {};
+  return [base, sms] { flux_jax::cuda::RunGemm(base, flux_jax::DType::kBF16, nullptr, 0, sms); };
+}
+
+flux_jax::cuda::GemmPlan Instance(int block_n, int cluster_m, bool pingpong, bool fp8, const float* scales) {
+  flux_jax::cuda::GemmPlan p;
+  p.block_n = block_n;
+  p.cluster_m = cluster_m;
+  p.pingpong = pingpong;
+  p.b_kmajor = fp8;
+  p.fp8 = fp8;
+  p.row_scale = scales;
+  p.col_scale = scales;
+  return p;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<Shape> parsed = {
+      {2048, 2560, 5120, ""}, {2048, 8192, 5120, ""}, {2048, 6912, 5120, ""}, {2048, 4096, 3072, ""},
+      {4096, 3072, 4608, ""}, {8192, 2048, 4096, ""}, {8192, 8192, 8192, ""},
+  };
+  if (argc > 1) {
+    parsed.clear();
+    if (!ParseShapes(argc, argv, 1, &parsed)) return 2;
+  }
+  std::vector<SweepShape> shapes;
+  size_t max_rows = 0;
+  for (const Shape& s : parsed) {
+    shapes.push_back({s.m, s.k, s.n});
+    max_rows = std::max({max_rows, (size_t)s.m, (size_t)s.n});
+  }
+  constexpr size_t kWsBytes = size_t{64} << 20;
+  const ProbeBuffers buf(parsed, kWsBytes);
+  std::vector<float> ones(max_rows, 1.f);
+  float* scales;  // alpha and the FP8 row / column scales: all 1
+  cudaMalloc(&scales, max_rows * sizeof(float));
+  cudaMemcpy(scales, ones.data(), max_rows * sizeof(float), cudaMemcpyHostToDevice);
+  cudaDeviceProp prop;
+  cudaGetDeviceProperties(&prop, 0);
+  printf("%s, %d SMs; ours: sw1,N = groups of 1, sw8,N = groups of 8, sw1,H = 8 + scalar alpha, sw8,H = 16\n",
+         prop.name, prop.multiProcessorCount);
+
+  // bf16: X[M, K] W[K, N] (W N-major), against cuBLAS.
+  const E *x = buf.x, *w = buf.w;
+  Cublas cublas;
+  const bool have_cublas = cublas.Load();
+  auto cublas_ref = [&](const SweepShape& s, E* out) -> Runner {
+    if (!have_cublas || cublas.Run(s.m, s.n, s.k, x, w, out) != 0) return {};
+    return [&cublas, s, x, w, out] { cublas.Run(s.m, s.n, s.k, x, w, out); };
+  };
+  auto ours = [&](const char* name, flux_jax::cuda::GemmPlan base, const void* a, const void* b) {
+    return Config{name, [=](const SweepShape& s, Variant v) { return MakeOurs(base, s, a, b, buf.d, scales, v); }};
+  };
+  const std::vector<Config> bf16 = {
+      {"plain_pp_128x128_c2x1",
+       [&](const SweepShape& s, Variant v) {
+         return MakePlain<PlainBf16Pp>(s.m, s.n, s.k, x, w, buf.d, buf.ws, kWsBytes, v);
+       }},
+      ours("ours_pp_128x128_c2x1", Instance(128, 2, true, false, scales), x, w),
+      ours("ours_coop_128x256", Instance(256, 1, false, false, scales), x, w),
+  };
+  printf("bf16: us per call (best of 7 loops, min of 2 passes); ratio = config / cuBLAS\n");
+  RunSweep("bf16", "cuBLAS", shapes, 650.0, cublas_ref, bf16, buf.d, buf.d2, buf.acc);
+
+  // FP8: X[M, K] W[N, K]^T, both e4m3, refilled into the bf16 buffers, against plain CUTLASS.
+  size_t max_mk = 0, max_nk = 0;
+  for (const SweepShape& s : shapes) {
+    max_mk = std::max(max_mk, (size_t)s.m * s.k);
+    max_nk = std::max(max_nk, (size_t)s.n * s.k);
+  }
+  Fill<<<1024, 256>>>(reinterpret_cast<F8*>(buf.x), max_mk, 3);
+  Fill<<<1024, 256>>>(reinterpret_cast<F8*>(buf.w), max_nk, 4);
+  auto xf = reinterpret_cast<const F8*>(buf.x);
+  auto wf = reinterpret_cast<const F8*>(buf.w);
+  auto plain_ref = [&](const SweepShape& s, E* out) -> Runner {
+    return MakePlain<PlainFp8Pp>(s.m, s.n, s.k, xf, wf, out, buf.ws, kWsBytes, kVariants[0]);
+  };
+  const std::vector<Config> fp8 = {
+      {"plain_pp_128x128_c2x1_fastaccum",
+       [&](const SweepShape& s, Variant v) {
+         return MakePlain<PlainFp8Pp>(s.m, s.n, s.k, xf, wf, buf.d, buf.ws, kWsBytes, v);
+       }},
+      ours("ours_pp_128x128_c2x1", Instance(128, 2, true, true, scales), xf, wf),
+      ours("ours_coop_128x256", Instance(256, 1, false, true, scales), xf, wf),
+  };
+  printf("fp8: us per call (best of 7 loops, min of 2 passes); ratio = config / plain pp 128x128 2x1 sw1,N\n");
+  RunSweep("fp8", "plain", shapes, 1200.0, plain_ref, fp8, buf.d, buf.d2, buf.acc);
+  const cudaError_t err = cudaDeviceSynchronize();
+  printf("%s\n", cudaGetErrorString(err));
+  return err == cudaSuccess ? 0 : 1;
+}
