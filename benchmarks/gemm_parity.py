@@ -266,6 +266,18 @@ def profile_one_call(built: Built) -> tuple[float | None, list]:
     return sum(ms for _, ms in kernels) * 1e3, [(name[:160], round(ms * 1e3, 2)) for name, ms in kernels]
 
 
+def loop_kernel_us(timer: LoopTimer) -> float | None:
+    """CUPTI time (us) of every kernel of one run of the long loop, per call: what the GPU spent in
+    kernels under sustained load (the loop's wall time less this is idle gaps). The loop runs
+    n2 + 1 steps, each with the same small dependency fusion for every variant."""
+    from jax.experimental.mosaic.gpu import profiler
+
+    _, kernels = profiler.measure(timer._f2, aggregate=False)(*timer._args)
+    if not kernels:
+        return None
+    return sum(ms for _, ms in kernels) * 1e3 / (timer.n2 + 1)
+
+
 def handler_host_us(timer: LoopTimer) -> float | None:
     """Mean host time of our ag_matmul FFI handler per call over one run of the long loop."""
     flux_jax.handler_host_time(reset=True)
@@ -345,6 +357,7 @@ def run_shape(
         if profile and (v.name in ("xla", "flux:auto") or profile == "all"):
             try:
                 row["profiler_us"], row["kernels"] = profile_one_call(built)
+                row["loop_kernel_us"] = loop_kernel_us(timer)
             except Exception as err:  # noqa: BLE001
                 row["note"] = f"{row['note']}; profiler: {error_summary(err, 120)}".lstrip("; ")
         if v.kernel is not None:
@@ -383,6 +396,7 @@ def _empty_row(shape: Shape, v: Variant) -> dict:
         "max_rel_err": None,
         "err_bound": None,
         "profiler_us": None,
+        "loop_kernel_us": None,
         "kernels": [],
         "host_us": None,
         "note": "",
@@ -525,14 +539,21 @@ def _xla_kernel(row: dict | None) -> str:
 
 
 def summary(rows: list[dict]) -> dict:
-    """Per variant: shapes, median and worst ours/XLA; best of ours per shape."""
+    """Per variant: shapes, median and worst ours/XLA; best of ours per shape; the same by the
+    loop's kernel time where both were profiled (`loop_kernel_us`)."""
     by_variant: dict[str, list[float]] = {}
+    by_kernel: dict[str, list[float]] = {}
     best: list[float] = []
     gate: list[float] = []
     for group in _groups(rows).values():
         ratios = {r["variant"]: r["ratio_vs_xla"] for r in group if r["ratio_vs_xla"] and r["status"] == "ok"}
         for name, ratio in ratios.items():
             by_variant.setdefault(name, []).append(ratio)
+        kernel_us = {r["variant"]: r.get("loop_kernel_us") for r in group if r["status"] == "ok"}
+        if kernel_us.get("xla"):
+            for name, us in kernel_us.items():
+                if us and name != "xla":
+                    by_kernel.setdefault(name, []).append(us / kernel_us["xla"])
         ours = [v for k, v in ratios.items() if k.startswith("flux:") and k != "flux:auto+gate_probe"]
         if ours:
             best.append(min(ours))
@@ -548,6 +569,7 @@ def summary(rows: list[dict]) -> dict:
 
     return {
         "ours_over_xla": {k: stats(v) for k, v in by_variant.items()},
+        "kernel_time_over_xla": {k: stats(v) for k, v in by_kernel.items()},
         "best_of_ours_over_xla": stats(best),
         "gate_probe_over_auto": stats(gate),
     }
@@ -596,6 +618,16 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         lines.append(
             f"| best of ours per shape | {b['shapes']} | {b['median']:.3f} | {b['best']:.3f} | {b['worst']:.3f} |"
         )
+    if s["kernel_time_over_xla"]:
+        lines += [
+            "",
+            "By kernel time under the same load (CUPTI: the long loop's kernels per call, gaps left out):",
+            "",
+            "| variant | shapes | median | best | worst |",
+            "|---|---|---|---|---|",
+        ]
+        for name, st in s["kernel_time_over_xla"].items():
+            lines.append(f"| {name} | {st['shapes']} | {st['median']:.3f} | {st['best']:.3f} | {st['worst']:.3f} |")
     g = s["gate_probe_over_auto"]
     if g["shapes"]:
         lines += [

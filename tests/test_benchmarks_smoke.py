@@ -391,6 +391,39 @@ def test_gemm_parity_runner_checks_and_reports_on_cpu(tmp_path):
     assert "| 64x48x32 dx bfloat16 |" in table and "best of ours per shape" in table
 
 
+def test_gemm_parity_summary_by_loop_kernel_time():
+    """The kernel-time summary pairs each variant's loop kernel time with XLA's on the same shape
+    and leaves out shapes where either was not profiled."""
+    from benchmarks import gemm_parity
+
+    def row(m, variant, us, kernel_us):
+        return {
+            "M": m, "K": 64, "N": 64, "orientation": "fwd", "dtype": "bfloat16", "layer": "", "variant": variant,
+            "status": "ok", "us": us, "ratio_vs_xla": None, "loop_kernel_us": kernel_us, "note": "",
+            "host_us": None, "kernels": [],
+        }  # fmt: skip
+
+    rows = [
+        row(128, "xla", 10.0, 8.0),
+        row(128, "flux:auto", 12.0, 8.8),
+        row(256, "xla", 20.0, 16.0),
+        row(256, "flux:auto", 22.0, 16.0),
+        row(512, "xla", 30.0, None),  # not profiled: no pair
+        row(512, "flux:auto", 33.0, 30.0),
+    ]
+    for r in rows:
+        r["ratio_vs_xla"] = r["us"] / {128: 10.0, 256: 20.0, 512: 30.0}[r["M"]]
+    s = gemm_parity.summary(rows)
+    kernel = s["kernel_time_over_xla"]["flux:auto"]
+    assert kernel["shapes"] == 2 and kernel["worst"] == pytest.approx(1.1) and kernel["best"] == pytest.approx(1.0)
+    assert s["ours_over_xla"]["flux:auto"]["shapes"] == 3
+    meta = {
+        "hardware": {"device_kind": "cpu"}, "date_utc": "", "git_commit": "", "git_dirty": False,
+        "versions": {"jax": ""}, "seed": 0,
+    }  # fmt: skip
+    assert "By kernel time under the same load" in gemm_parity.markdown(meta, rows)
+
+
 def test_gemm_parity_variants_follow_the_build_and_the_auto_rule():
     """Which instances a shape runs (gemm_plan.h HasGemmInstance) and what auto resolves to
     (op_common.h ChooseBlockN)."""
