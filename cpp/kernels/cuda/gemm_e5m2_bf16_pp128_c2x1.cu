@@ -3,14 +3,5 @@
 // (see gemm_fp8_instance.cuh; ChooseFp8GemmInstance).
 #include "gemm_fp8_instance.cuh"
 
-namespace flux_jax::cuda {
-
-using E5m2Bf16Pp128C2x1 = GemmInstanceFp8<cutlass::bfloat16_t, kGemmBlockN128, 2, true, 1, cutlass::float_e5m2_t>;
-
-Status RunGemm_e5m2_bf16_pp128_c2x1(const GemmPlan& plan, cudaStream_t stream, int device, int sm_count) {
-  return RunFp8GemmInstance<E5m2Bf16Pp128C2x1>(plan, stream, device, sm_count);
-}
-
-Status Preload_RunGemm_e5m2_bf16_pp128_c2x1() { return PreloadGemmInstance<E5m2Bf16Pp128C2x1>(); }
-
-}  // namespace flux_jax::cuda
+FLUX_JAX_DEFINE_FP8_GEMM_INSTANCE(RunGemm_e5m2_bf16_pp128_c2x1, cutlass::float_e5m2_t, cutlass::bfloat16_t,
+                                  kGemmBlockN128, 2, true)

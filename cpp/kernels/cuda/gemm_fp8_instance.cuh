@@ -1,5 +1,6 @@
-// The FP8 GEMM of the fused ops: float8_e4m3fn x float8_e4m3fn (both K-major, as FP8 wgmma
-// reads them), float32 accumulation, and the scales in a visitor epilogue:
+// The FP8 GEMMs of the fused ops: A (the rows) float8_e4m3fn, or float8_e5m2 for a backward's dy,
+// times B (the weight) float8_e4m3fn, both K-major (as FP8 wgmma reads them), float32
+// accumulation, and the scales in a visitor epilogue:
 //
 //   D[m, n] = alpha * (row_scale[m] * (col_scale[n] * acc[m, n])) + beta * C[m, n]   (bfloat16 D, C)
 //
@@ -8,8 +9,8 @@
 // col_scale w's per-column (or broadcast per-tensor) scale. Otherwise the same kernel as
 // gemm_instance.cuh: persistent, warp-specialized, the gated mainloop, gated
 // epilogue and rotated scheduler of gated_gemm.cuh; cooperative 128x256x128 tiles (128 bytes of K per row) in
-// 1x1 clusters, or ping-pong 128x128 in 2x1 clusters sharing B or 1x2 sharing A; CUTLASS's FP8 fast accumulation (the
-// wgmma accumulator is not promoted every few k-blocks: the forward GEMM, as cuBLASLt's FP8 GEMM under XLA).
+// 1x1 clusters, or ping-pong 128x128 in 2x1 clusters sharing B; CUTLASS's FP8 fast accumulation (the wgmma
+// accumulator is not promoted every few k-blocks, as in cuBLASLt's FP8 GEMM under XLA).
 #pragma once
 
 #include "cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp"
@@ -17,12 +18,11 @@
 
 namespace flux_jax::cuda {
 
-template <class ElementD, int kBlockN = kGemmBlockN, int kClusterM = 1, bool kPingpong = false, int kClusterN = 1,
-          class ElementA = cutlass::float_e4m3_t>
+template <class ElementA, class ElementD, int kBlockN = kGemmBlockN, int kClusterM = 1, bool kPingpong = false>
 struct GemmInstanceFp8 {
   using Element = cutlass::float_e4m3_t;  // B (the weight) in every instance
   using TileShape = cute::Shape<cute::_128, cute::Int<kBlockN>, cute::_128>;
-  using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::Int<kClusterN>, cute::_1>;
+  using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::_1, cute::_1>;
   static constexpr int kAlignmentAB = 16;  // 16 bytes: K a multiple of 16
   static constexpr int kAlignmentCD = 8;   // N a multiple of 8
 
@@ -81,3 +81,14 @@ Status RunFp8GemmInstance(const GemmPlan& p, cudaStream_t stream, int device, in
 }
 
 }  // namespace flux_jax::cuda
+
+// As FLUX_JAX_DEFINE_GEMM_INSTANCE, for GemmInstanceFp8<...> of the arguments after `name`
+// (A's element, D's element[, tile width[, cluster rows[, ping-pong]]]).
+#define FLUX_JAX_DEFINE_FP8_GEMM_INSTANCE(name, ...)                                 \
+  namespace flux_jax::cuda {                                                         \
+  using name##_Instance = GemmInstanceFp8<__VA_ARGS__>;                              \
+  Status name(const GemmPlan& plan, cudaStream_t stream, int device, int sm_count) { \
+    return RunFp8GemmInstance<name##_Instance>(plan, stream, device, sm_count);      \
+  }                                                                                  \
+  Status Preload_##name() { return PreloadGemmInstance<name##_Instance>(); }         \
+  }

@@ -2,7 +2,7 @@
 // tile width, cluster and schedule): CUTLASS sm90 TMA warp-specialized persistent
 // kernel, cooperative 128x256x64 tiles (128x192x64 for the narrow instance),
 // cluster 1x1 (the 2x1-cluster instances share B by TMA multicast: 128x160, and
-// ping-pong 128x128; the 1x2 ones share A), f32 accumulation, with the gated mainloop,
+// ping-pong 128x128), f32 accumulation, with the gated mainloop,
 // gated epilogue and rotated scheduler of gated_gemm.cuh. Included only by the
 // instantiation units (each costs ~1 minute of nvcc on 2 cores).
 #pragma once
@@ -35,15 +35,14 @@ struct GemmSchedule {
                                       cutlass::epilogue::TmaWarpSpecializedCooperative>;
 };
 
-template <class Element, bool kBKMajor, int kBlockN = kGemmBlockN, int kClusterM = 1, bool kPingpong = false,
-          int kClusterN = 1>
+template <class Element, bool kBKMajor, int kBlockN = kGemmBlockN, int kClusterM = 1, bool kPingpong = false>
 struct GemmInstance {
   using LayoutA = cutlass::layout::RowMajor;
   using LayoutB = std::conditional_t<kBKMajor, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
   using LayoutC = cutlass::layout::RowMajor;
   static constexpr int kAlignment = 8;  // 16 bytes: K and N multiples of 8
   using TileShape = cute::Shape<cute::Int<kGemmBlockM>, cute::Int<kBlockN>, cute::_64>;
-  using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::Int<kClusterN>, cute::_1>;
+  using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::_1, cute::_1>;
 
   using BaseEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
@@ -155,8 +154,8 @@ Status PreloadGemmInstance() {
 }  // namespace flux_jax::cuda
 
 // Defines the entry points of one instance, GemmInstance<...> of the arguments after `name`
-// (element, B K-major, tile width[, cluster rows[, ping-pong[, cluster columns]]]): Status <name>(plan, stream,
-// device, sms) and Status Preload_<name>().
+// (element, B K-major, tile width[, cluster rows[, ping-pong]]): Status <name>(plan, stream, device,
+// sms) and Status Preload_<name>().
 #define FLUX_JAX_DEFINE_GEMM_INSTANCE(name, ...)                                     \
   namespace flux_jax::cuda {                                                         \
   using name##_Instance = GemmInstance<__VA_ARGS__>;                                 \
