@@ -1,6 +1,6 @@
 """Our FP8 GEMM against XLA's on one GPU: the fused ops' FP8 overlap kernel at tp = 1.
 
-    python -m benchmarks.fp8_gemm [--out FILE] [--rounds 10] [--shapes MxKxN,...]
+    python -m benchmarks.fp8_gemm [--out FILE] [--rounds 10] [--shapes MxKxN,...] [--backward]
 
 Per shape (bfloat16 x [M, K] and w [K, N], the recipe `flux_jax.Fp8()`: e4m3, x per row, w per
 tensor), two programs over a mesh axis of size 1:
@@ -12,6 +12,11 @@ tensor), two programs over a mesh axis of size 1:
         128x256 tiles)
   flux:128x256, flux:128x128_pp_c2x1  the same with one FP8 instance forced through the private
         GpuTuning.gemm_kernel (`--no-forced` leaves them out)
+
+`--backward` times the input gradient instead, dx = dy @ w^T (an M x K output, N deep): dy
+quantized per row to float8_e5m2, so ours is the e5m2 x e4m3 GEMM (ping-pong 128x128 2x1, the only
+e5m2 instance: no forced variants) inside matmul_rs at tp = 1, the twin XLA's FP8 GEMM of the same
+formats. The programs take dx alone (the weight gradient and the forward are dead code).
 
 Both are checked first against a float32 GEMM of the unquantized operands, so the error is mostly
 FP8's rounding (outputs poisoned for ours; bound: 4x the twin's own error, at least 1e-2; the
@@ -69,10 +74,21 @@ VARIANTS = (
 )
 
 
-def _program(impl: str, mesh, kernel: str = "auto"):
-    """The jitted variant; the GPU tuning is part of the jit key, so every call sets it."""
-    body = lambda x, w: flux_jax.ag_matmul(x, w, axis_name=AXIS, impl=impl, fp8=True)  # noqa: E731
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS, None), P()), out_specs=P(AXIS, None)))
+def _program(impl: str, mesh, kernel: str = "auto", backward: bool = False):
+    """The jitted variant; the GPU tuning is part of the jit key, so every call sets it. Forward:
+    (x, w) -> x @ w; backward: (x, w, dy) -> dx."""
+
+    def forward(x, w):
+        return flux_jax.ag_matmul(x, w, axis_name=AXIS, impl=impl, fp8=True)
+
+    def input_grad(x, w, dy):
+        return jax.vjp(lambda a: forward(a, w), x)[1](dy)[0]
+
+    rows = P(AXIS, None)
+    if backward:
+        fn = jax.jit(jax.shard_map(input_grad, mesh=mesh, in_specs=(rows, P(), rows), out_specs=rows))
+    else:
+        fn = jax.jit(jax.shard_map(forward, mesh=mesh, in_specs=(rows, P()), out_specs=rows))
 
     def call(*args):
         with _config.gpu_tuning(gemm_kernel=kernel):
@@ -81,18 +97,27 @@ def _program(impl: str, mesh, kernel: str = "auto"):
     return call
 
 
-def _operands(m, k, n, seed, mesh):
-    kx, kw = jax.random.split(jax.random.PRNGKey(seed))
+def _operands(m, k, n, seed, mesh, backward: bool = False):
+    """(args, float32 reference): (x, w) and x @ w, or (x, w, dy) and dy @ w^T."""
+    kx, kw, kd = jax.random.split(jax.random.PRNGKey(seed), 3)
 
     @jax.jit
     def make():
         x = (jax.random.normal(kx, (m, k), jnp.float32) + 0.25).astype(jnp.bfloat16)
         w = ((jax.random.normal(kw, (k, n), jnp.float32) + 0.25) / math.sqrt(k)).astype(jnp.bfloat16)
-        ref = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision=lax.Precision.HIGHEST)
-        return x, w, ref
+        dy = (jax.random.normal(kd, (m, n), jnp.float32) / math.sqrt(n)).astype(jnp.bfloat16)
+        if backward:
+            ref = jnp.dot(dy.astype(jnp.float32), w.astype(jnp.float32).T, precision=lax.Precision.HIGHEST)
+        else:
+            ref = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+        return x, w, dy, ref
 
-    x, w, ref = make()
-    return jax.device_put(x, NamedSharding(mesh, P(AXIS, None))), jax.device_put(w, NamedSharding(mesh, P())), ref
+    x, w, dy, ref = make()
+    rows, whole = NamedSharding(mesh, P(AXIS, None)), NamedSharding(mesh, P())
+    args = (jax.device_put(x, rows), jax.device_put(w, whole))
+    if backward:
+        args += (jax.device_put(dy, rows),)
+    return args, ref
 
 
 @jax.jit
@@ -109,25 +134,26 @@ def _kernels(fn, args) -> list[tuple[str, float]]:
     return [(name, ms * 1e3) for name, ms in kernels]
 
 
-def run_shape(m, k, n, rounds: int, seed: int, mesh, variants=VARIANTS) -> list[dict]:
-    x, w, ref = _operands(m, k, n, seed, mesh)
+def run_shape(m, k, n, rounds: int, seed: int, mesh, variants=VARIANTS, backward: bool = False) -> list[dict]:
+    args, ref = _operands(m, k, n, seed, mesh, backward)
     rows, programs = {}, {}
+    gemm = "dx" if backward else "forward"
     with flux_jax.config(fused_path="overlap"):
         for name, impl, kernel in variants:
-            row = rows[name] = dict(M=m, K=k, N=n, variant=name, status="ok", gemm_us=None, total_us=None)
+            row = rows[name] = dict(M=m, K=k, N=n, gemm=gemm, variant=name, status="ok", gemm_us=None, total_us=None)
             try:
                 if impl == "fused":
                     with flux_jax.config(debug_poison_outputs=True):
-                        err = float(_rel_err(_program(impl, mesh, kernel)(x, w), ref))
+                        err = float(_rel_err(_program(impl, mesh, kernel, backward)(*args), ref))
                 else:
-                    err = float(_rel_err(_program(impl, mesh)(x, w), ref))
+                    err = float(_rel_err(_program(impl, mesh, backward=backward)(*args), ref))
                 row["max_rel_err"] = err
                 bound = max(ERROR_FACTOR * rows["xla"].get("max_rel_err", 0.0), ERROR_FLOOR)
                 if not err <= bound:
                     row["status"] = f"WRONG: relative error {err:.3e} > {bound:.3e}"
                     continue
-                programs[name] = _program(impl, mesh, kernel)
-                _kernels(programs[name], (x, w))  # warm: compiled, workspace allocated
+                programs[name] = _program(impl, mesh, kernel, backward)
+                _kernels(programs[name], args)  # warm: compiled, workspace allocated
             except Exception as e:  # noqa: BLE001 -- any failure is this variant's status
                 row["status"] = f"unavailable: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
         samples = {name: [] for name in programs}
@@ -135,7 +161,7 @@ def run_shape(m, k, n, rounds: int, seed: int, mesh, variants=VARIANTS) -> list[
             order = list(programs)
             random.Random(seed * 1000 + r).shuffle(order)
             for name in order:
-                samples[name].append(_kernels(programs[name], (x, w)))
+                samples[name].append(_kernels(programs[name], args))
     for name, runs in samples.items():
         row = rows[name]
         gemm = [max(us for _, us in kernels) for kernels in runs]
@@ -163,17 +189,23 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shapes", help="MxKxN,... (default: the preset's forward GEMMs at M >= 2048)")
     ap.add_argument("--no-forced", action="store_true", help="only the rule's instance (no forced flux:<instance>)")
+    ap.add_argument("--backward", action="store_true", help="time dx = dy @ w^T (dy in e5m2: our e5m2 x e4m3 GEMM)")
     args = ap.parse_args(argv)
     shapes = SHAPES
     if args.shapes:
         shapes = tuple(tuple(int(v) for v in s.split("x")) for s in args.shapes.split(","))
-    variants = VARIANTS[:2] if args.no_forced else VARIANTS
+    variants = VARIANTS[:2] if args.no_forced or args.backward else VARIANTS
     mesh = _mesh()
     rows = []
-    meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, flux_jax=flux_jax.build_info())
+    meta = dict(
+        device=jax.devices()[0].device_kind,
+        jax=jax.__version__,
+        flux_jax=flux_jax.build_info(),
+        gemm="dx = dy @ w^T (dy e5m2)" if args.backward else "forward",
+    )
     print("shape, then per variant: GEMM us (ours / XLA's), whole call ours / twin, status")
     for i, (m, k, n) in enumerate(shapes):
-        got = run_shape(m, k, n, args.rounds, args.seed + i, mesh, variants)
+        got = run_shape(m, k, n, args.rounds, args.seed + i, mesh, variants, args.backward)
         rows += got
         if args.out:  # after every shape: a stopped run keeps what it measured
             args.out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1, default=str))

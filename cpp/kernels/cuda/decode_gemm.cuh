@@ -22,9 +22,6 @@
 #pragma once
 
 #include <cstring>
-#include <mutex>
-#include <utility>
-#include <vector>
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -36,6 +33,7 @@
 #include "decode_exchange.cuh"
 #include "decode_gemm.h"
 #include "device_sync.cuh"
+#include "launch_params_cache.h"
 
 namespace flux_jax::cuda {
 
@@ -191,37 +189,6 @@ struct DecodeGemmKey {
   DeviceError* error;
   int64_t rows, x_rows_readable, n, k;
   int32_t senders, blocks, stride, device, sm_count;
-  bool operator==(const DecodeGemmKey& o) const { return std::memcmp(this, &o, sizeof(*this)) == 0; }
-};
-
-// The kernel parameters of the last few distinct launches. Building them costs ~10 us of host time
-// per call (TMA descriptors through the driver's entry-point lookup), and in a loop that waits for
-// its predicate every iteration (XLA's while) the GPU sits idle for it; a decode layer's launches
-// repeat the same few pointers. Shared by the devices' handler threads, hence the lock.
-template <class Params>
-class DecodeParamsCache {
- public:
-  // Returns a copy of the cached parameters for `key`, built by `build` on a miss.
-  template <class Build>
-  cutlass::Status Get(const DecodeGemmKey& key, Build&& build, Params* out) {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (const auto& [k, params] : entries_) {
-      if (k == key) {
-        *out = params;
-        return cutlass::Status::kSuccess;
-      }
-    }
-    const cutlass::Status st = build(out);
-    if (st != cutlass::Status::kSuccess) return st;
-    if (entries_.size() == kEntries) entries_.erase(entries_.begin());
-    entries_.emplace_back(key, *out);
-    return st;
-  }
-
- private:
-  static constexpr size_t kEntries = 32;
-  std::mutex mu_;
-  std::vector<std::pair<DecodeGemmKey, Params>> entries_;
 };
 
 // CUTLASS arguments of a launch (built on a cache miss only).
@@ -279,10 +246,10 @@ Status RunDecodeGemmInstance(const DecodeGemmPlan& p, cudaStream_t stream, int d
   key.stride = p.gate.stride;
   key.device = device;
   key.sm_count = sm_count;
-  static DecodeParamsCache<Params> cache;
+  static LaunchParamsCache<DecodeGemmKey, Params> cache;
   Params params;
   cutlass::Status st = cache.Get(
-      key,
+      key, cutlass::Status::kSuccess,
       [&](Params* out) {
         const auto args = DecodeArguments<Instance>(p, device, sm_count);
         if (Instance::Gemm::can_implement(args) != cutlass::Status::kSuccess)

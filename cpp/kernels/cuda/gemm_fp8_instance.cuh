@@ -61,23 +61,27 @@ struct GemmInstanceFp8 {
 
 template <class Instance>
 Status RunFp8GemmInstance(const GemmPlan& p, cudaStream_t stream, int device, int sm_count) {
-  auto args = GemmArguments<typename Instance::Kernel>(p, device, sm_count);
-  // The visitor tree's arguments, children first (Sm90EVT<Node, Children...>: op_0.. the children,
-  // the node last): {beta, C, {alpha, {row_scale, {col_scale, acc, *}, *}, *}, multiply_add}.
-  // alpha's nonzero batch stride makes every tile read it (as in gemm_instance.cuh).
-  auto& fusion = args.epilogue.thread;
-  fusion.op_0.scalars[0] = p.beta;
-  auto& scaled = fusion.op_2;
-  scaled.op_0.scalars[0] = 1.0f;
-  scaled.op_0.scalar_ptrs[0] = p.alpha_ptr;
-  scaled.op_0.dScalar[0] = {cute::_0{}, cute::_0{}, 1};
-  auto& row_scaled = scaled.op_1;
-  row_scaled.op_0.ptr_col = p.row_scale;
-  row_scaled.op_0.dCol = {cute::_1{}, cute::_0{}, 0};
-  auto& col_scaled = row_scaled.op_1;
-  col_scaled.op_0.ptr_row = p.col_scale;
-  col_scaled.op_0.dRow = {cute::_0{}, cute::_1{}, 0};
-  return LaunchGemm<typename Instance::Gemm>(args, p, stream, "FP8 GEMM", "K must be a multiple of 16 and N of 8");
+  return LaunchGemm<typename Instance::Gemm>(
+      p, stream, device, sm_count, "FP8 GEMM", "K must be a multiple of 16 and N of 8", [&] {
+        auto args = GemmArguments<typename Instance::Kernel>(p, device, sm_count);
+        // The visitor tree's arguments, children first (Sm90EVT<Node, Children...>: op_0.. the
+        // children, the node last): {beta, C, {alpha, {row_scale, {col_scale, acc, *}, *}, *},
+        // multiply_add}. alpha's nonzero batch stride makes every tile read it (as in
+        // gemm_instance.cuh).
+        auto& fusion = args.epilogue.thread;
+        fusion.op_0.scalars[0] = p.beta;
+        auto& scaled = fusion.op_2;
+        scaled.op_0.scalars[0] = 1.0f;
+        scaled.op_0.scalar_ptrs[0] = p.alpha_ptr;
+        scaled.op_0.dScalar[0] = {cute::_0{}, cute::_0{}, 1};
+        auto& row_scaled = scaled.op_1;
+        row_scaled.op_0.ptr_col = p.row_scale;
+        row_scaled.op_0.dCol = {cute::_1{}, cute::_0{}, 0};
+        auto& col_scaled = row_scaled.op_1;
+        col_scaled.op_0.ptr_row = p.col_scale;
+        col_scaled.op_0.dRow = {cute::_0{}, cute::_1{}, 0};
+        return args;
+      });
 }
 
 }  // namespace flux_jax::cuda

@@ -7,6 +7,8 @@
 // instantiation units (each costs ~1 minute of nvcc on 2 cores).
 #pragma once
 
+#include <cstring>
+#include <string>
 #include <type_traits>
 
 #include "cute/tensor.hpp"
@@ -18,6 +20,7 @@
 #include "cutlass/util/packed_stride.hpp"
 #include "gated_gemm.cuh"
 #include "gemm_plan.h"
+#include "launch_params_cache.h"
 
 namespace flux_jax::cuda {
 
@@ -100,18 +103,78 @@ typename Kernel::Arguments GemmArguments(const GemmPlan& p, int device, int sm_c
   return args;
 }
 
-// Checks, initializes and launches one GEMM; `what` names it in errors ("GEMM", "FP8 GEMM").
-template <class Gemm>
-Status LaunchGemm(const typename Gemm::Arguments& args, const GemmPlan& p, cudaStream_t stream, const char* what,
-                  const char* requirement) {
-  Gemm gemm;
-  if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
+// What a launch's kernel parameters are built from: the plan less its waits and tile signal
+// (their epochs and timeouts change every call) and less what picks the instance (each instance
+// caches its own). Zero-filled first: keys compare as bytes.
+struct GemmLaunchKey {
+  int64_t m, n, k;
+  const void* a;
+  const void* a_local;
+  const void* b;
+  const void* c;
+  void* d;
+  const float* alpha_ptr;
+  const float* row_scale;
+  const float* col_scale;
+  float beta;
+  int32_t local_rows, local_first_tile, rotate_m_tiles, group_m_tiles, device, sm_count;
+  bool b_kmajor;
+};
+
+inline GemmLaunchKey MakeGemmLaunchKey(const GemmPlan& p, int device, int sm_count) {
+  GemmLaunchKey key;
+  std::memset(&key, 0, sizeof(key));
+  key.m = p.m;
+  key.n = p.n;
+  key.k = p.k;
+  key.a = p.a;
+  key.a_local = p.a_local;
+  key.b = p.b;
+  key.c = p.c;
+  key.d = p.d;
+  key.alpha_ptr = p.alpha_ptr;
+  key.row_scale = p.row_scale;
+  key.col_scale = p.col_scale;
+  key.beta = p.beta;
+  key.local_rows = p.local_rows;
+  key.local_first_tile = p.local_first_tile;
+  key.rotate_m_tiles = p.rotate_m_tiles;
+  key.group_m_tiles = p.group_m_tiles;
+  key.device = device;
+  key.sm_count = sm_count;
+  key.b_kmajor = p.b_kmajor;
+  return key;
+}
+
+// Checks and launches one GEMM; `what` names it in errors ("GEMM", "FP8 GEMM"). The kernel
+// parameters come from `make_arguments()` on the first launch of this signature, from the cache
+// after (launch_params_cache.h); this call's waits and signal are patched in. The kernel's shared
+// memory size was set once per device (PreloadGemmInstance).
+template <class Gemm, class MakeArguments>
+Status LaunchGemm(const GemmPlan& p, cudaStream_t stream, int device, int sm_count, const char* what,
+                  const char* requirement, MakeArguments&& make_arguments) {
+  using Kernel = typename Gemm::GemmKernel;
+  using Params = typename Kernel::Params;
+  static LaunchParamsCache<GemmLaunchKey, Params> cache;
+  Params params;
+  cutlass::Status st = cache.Get(
+      MakeGemmLaunchKey(p, device, sm_count), cutlass::Status::kSuccess,
+      [&](Params* out) {
+        const typename Gemm::Arguments args = make_arguments();
+        if (Gemm::can_implement(args) != cutlass::Status::kSuccess) return cutlass::Status::kErrorInvalidProblem;
+        *out = Kernel::to_underlying_arguments(args, nullptr);  // the persistent scheduler takes no workspace
+        return cutlass::Status::kSuccess;
+      },
+      &params);
+  if (st == cutlass::Status::kErrorInvalidProblem) {
     return Status::InvalidArgument(std::string("flux_jax: CUTLASS cannot implement ") + what +
                                    " m=" + std::to_string(p.m) + " n=" + std::to_string(p.n) +
                                    " k=" + std::to_string(p.k) + " (" + requirement + ")");
   }
-  cutlass::Status st = gemm.initialize(args, nullptr, stream);
-  if (st == cutlass::Status::kSuccess) st = gemm.run(stream);
+  params.mainloop.gate = p.gate_a;
+  params.epilogue.gate = p.gate_c;
+  params.epilogue.signal = p.signal_d;
+  if (st == cutlass::Status::kSuccess) st = Gemm::run(params, stream);
   if (st != cutlass::Status::kSuccess) {
     return Status::Internal(std::string("flux_jax: CUTLASS ") + what + " launch failed: " +
                             cutlass::cutlassGetStatusString(st) + " / " + cudaGetErrorString(cudaGetLastError()));
@@ -121,18 +184,21 @@ Status LaunchGemm(const typename Gemm::Arguments& args, const GemmPlan& p, cudaS
 
 template <class Instance>
 Status RunGemmInstance(const GemmPlan& p, cudaStream_t stream, int device, int sm_count) {
-  auto args = GemmArguments<typename Instance::Kernel>(p, device, sm_count);
-  auto& ep = args.epilogue;
-  ep.thread.alpha = 1.0f;
-  ep.thread.alpha_ptr = p.alpha_ptr;
-  // As in the decode GEMM: a nonzero batch stride makes the epilogue read alpha per tile (batch 0
-  // only), not once at kernel start, so a tile whose rows never came (its wait gave up and
-  // poisoned alpha before its loads) comes out NaN instead of finite and wrong (found by
-  // cpp/tests/loopback). A partial-sum (C) wait may give up after the tile's epilogue read alpha;
-  // it makes the tile's C NaN instead (GatedEpilogue::load).
-  ep.thread.dAlpha = {cute::_0{}, cute::_0{}, 1};
-  ep.thread.beta = p.beta;
-  return LaunchGemm<typename Instance::Gemm>(args, p, stream, "GEMM", "K and N must be multiples of 8");
+  return LaunchGemm<typename Instance::Gemm>(
+      p, stream, device, sm_count, "GEMM", "K and N must be multiples of 8", [&] {
+        auto args = GemmArguments<typename Instance::Kernel>(p, device, sm_count);
+        auto& ep = args.epilogue;
+        ep.thread.alpha = 1.0f;
+        ep.thread.alpha_ptr = p.alpha_ptr;
+        // As in the decode GEMM: a nonzero batch stride makes the epilogue read alpha per tile
+        // (batch 0 only), not once at kernel start, so a tile whose rows never came (its wait gave
+        // up and poisoned alpha before its loads) comes out NaN instead of finite and wrong (found
+        // by cpp/tests/loopback). A partial-sum (C) wait may give up after the tile's epilogue read
+        // alpha; it makes the tile's C NaN instead (GatedEpilogue::load).
+        ep.thread.dAlpha = {cute::_0{}, cute::_0{}, 1};
+        ep.thread.beta = p.beta;
+        return args;
+      });
 }
 
 // Loads the kernel into the current device's context now. With CUDA's lazy
