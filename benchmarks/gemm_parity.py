@@ -328,7 +328,10 @@ def run_shape(
         except Exception as err:  # noqa: BLE001 -- any failure is this variant's status
             row["status"] = f"unavailable: {error_summary(err)}"
     samples = {v.name: [] for v, _, _ in entries}
-    readings = []
+    # Clock, power and temperature right after each sample of each variant (nvidia-smi averages
+    # power over its last window: mostly this variant's preheat and loops), so a variant that runs
+    # at lower clocks under its own sustained load shows it.
+    readings = {v.name: [] for v, _, _ in entries}
     for round_index in range(params.repeats):
         for i in round_order(len(entries), round_index):
             v, timer, _ = entries[i]
@@ -336,7 +339,7 @@ def run_shape(
                 samples[v.name].append(timer.sample())
             except Exception as err:  # noqa: BLE001
                 rows[v.name]["status"] = f"unavailable: timing failed: {error_summary(err)}"
-        readings.append(gpu_state.read())
+            readings[v.name].append(gpu_state.read())
     for v, timer, built in entries:
         row = rows[v.name]
         if row["status"] != "ok" or not samples[v.name]:
@@ -369,7 +372,7 @@ def run_shape(
     for row in rows.values():
         if row["us"] is not None and xla_us:
             row["ratio_vs_xla"] = row["us"] / xla_us
-        row["gpu_state"] = gpu_state.columns(readings)
+        row["gpu_state"] = gpu_state.columns(readings.get(row["variant"], []))
     return list(rows.values())
 
 
