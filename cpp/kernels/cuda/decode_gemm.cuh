@@ -21,8 +21,6 @@
 // before the rows did simply completes later; no MMA reads a stage early.
 #pragma once
 
-#include <cstring>
-
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
@@ -179,7 +177,8 @@ struct DecodeGemmInstance {
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 
-// What a launch's kernel parameters are built from, less the epoch (patched per call).
+// What a launch's kernel parameters are built from, less the epoch (patched per call). No
+// padding: keys compare as bytes (launch_params_cache.h).
 struct DecodeGemmKey {
   const void* x;
   const void* w;
@@ -187,8 +186,8 @@ struct DecodeGemmKey {
   const float* alpha_ptr;
   const uint64_t* flags;
   DeviceError* error;
-  int64_t rows, x_rows_readable, n, k;
-  int32_t senders, blocks, stride, device, sm_count;
+  int64_t rows, x_rows_readable, n, k, sm_count;
+  int32_t senders, blocks, stride, device;
 };
 
 // CUTLASS arguments of a launch (built on a cache miss only).
@@ -229,8 +228,7 @@ template <class Instance>
 Status RunDecodeGemmInstance(const DecodeGemmPlan& p, cudaStream_t stream, int device, int sm_count) {
   using Kernel = typename Instance::Kernel;
   using Params = typename Kernel::Params;
-  DecodeGemmKey key;
-  std::memset(&key, 0, sizeof(key));  // padding too: keys compare as bytes
+  DecodeGemmKey key{};
   key.x = p.x;
   key.w = p.w;
   key.d = p.d;

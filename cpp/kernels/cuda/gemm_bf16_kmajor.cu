@@ -2,4 +2,4 @@
 // the build parallelizes.
 #include "gemm_instance.cuh"
 
-FLUX_JAX_DEFINE_GEMM_INSTANCE(RunGemm_bf16_kmajor, cutlass::bfloat16_t, true, kGemmBlockN)
+FLUX_JAX_DEFINE_GEMM_INSTANCE(RunGemm_bf16_kmajor, GemmInstance<cutlass::bfloat16_t, true, kGemmBlockN>)

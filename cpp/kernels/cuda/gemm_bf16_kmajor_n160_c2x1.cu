@@ -6,4 +6,4 @@
 #define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
 #include "gemm_instance.cuh"
 
-FLUX_JAX_DEFINE_GEMM_INSTANCE(RunGemm_bf16_kmajor_n160_c2x1, cutlass::bfloat16_t, true, kGemmBlockN160, 2)
+FLUX_JAX_DEFINE_GEMM_INSTANCE(RunGemm_bf16_kmajor_n160_c2x1, GemmInstance<cutlass::bfloat16_t, true, kGemmBlockN160, 2>)

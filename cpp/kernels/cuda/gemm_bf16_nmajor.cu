@@ -2,4 +2,4 @@
 // the build parallelizes.
 #include "gemm_instance.cuh"
 
-FLUX_JAX_DEFINE_GEMM_INSTANCE(RunGemm_bf16_nmajor, cutlass::bfloat16_t, false, kGemmBlockN)
+FLUX_JAX_DEFINE_GEMM_INSTANCE(RunGemm_bf16_nmajor, GemmInstance<cutlass::bfloat16_t, false, kGemmBlockN>)

@@ -3,4 +3,4 @@
 // (op_common.h, ChooseBlockN). Only bf16 with a row-major weight, to keep the build lean.
 #include "gemm_instance.cuh"
 
-FLUX_JAX_DEFINE_GEMM_INSTANCE(RunGemm_bf16_nmajor_n192, cutlass::bfloat16_t, false, kGemmBlockNNarrow)
+FLUX_JAX_DEFINE_GEMM_INSTANCE(RunGemm_bf16_nmajor_n192, GemmInstance<cutlass::bfloat16_t, false, kGemmBlockNNarrow>)

@@ -3,4 +3,5 @@
 // by TMA multicast (see gemm_instance.cuh; op_common.h, ChooseGemmInstance).
 #include "gemm_instance.cuh"
 
-FLUX_JAX_DEFINE_GEMM_INSTANCE(RunGemm_bf16_nmajor_pp128_c2x1, cutlass::bfloat16_t, false, kGemmBlockN128, 2, true)
+FLUX_JAX_DEFINE_GEMM_INSTANCE(RunGemm_bf16_nmajor_pp128_c2x1,
+                              GemmInstance<cutlass::bfloat16_t, false, kGemmBlockN128, 2, true>)

@@ -2,4 +2,4 @@
 // 128x256 tiles (see gemm_fp8_instance.cuh). One instance per file so the build parallelizes.
 #include "gemm_fp8_instance.cuh"
 
-FLUX_JAX_DEFINE_FP8_GEMM_INSTANCE(RunGemm_e4m3_bf16, cutlass::float_e4m3_t, cutlass::bfloat16_t)
+FLUX_JAX_DEFINE_GEMM_INSTANCE(RunGemm_e4m3_bf16, GemmInstanceFp8<cutlass::float_e4m3_t, cutlass::bfloat16_t>)

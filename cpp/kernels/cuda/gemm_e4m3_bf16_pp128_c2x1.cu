@@ -3,5 +3,5 @@
 // ChooseFp8GemmInstance).
 #include "gemm_fp8_instance.cuh"
 
-FLUX_JAX_DEFINE_FP8_GEMM_INSTANCE(RunGemm_e4m3_bf16_pp128_c2x1, cutlass::float_e4m3_t, cutlass::bfloat16_t,
-                                  kGemmBlockN128, 2, true)
+FLUX_JAX_DEFINE_GEMM_INSTANCE(RunGemm_e4m3_bf16_pp128_c2x1,
+                              GemmInstanceFp8<cutlass::float_e4m3_t, cutlass::bfloat16_t, kGemmBlockN128, 2, true>)

@@ -2,4 +2,4 @@
 // the build parallelizes.
 #include "gemm_instance.cuh"
 
-FLUX_JAX_DEFINE_GEMM_INSTANCE(RunGemm_f16_kmajor, cutlass::half_t, true, kGemmBlockN)
+FLUX_JAX_DEFINE_GEMM_INSTANCE(RunGemm_f16_kmajor, GemmInstance<cutlass::half_t, true, kGemmBlockN>)

@@ -2,4 +2,4 @@
 // the build parallelizes.
 #include "gemm_instance.cuh"
 
-FLUX_JAX_DEFINE_GEMM_INSTANCE(RunGemm_f16_nmajor, cutlass::half_t, false, kGemmBlockN)
+FLUX_JAX_DEFINE_GEMM_INSTANCE(RunGemm_f16_nmajor, GemmInstance<cutlass::half_t, false, kGemmBlockN>)

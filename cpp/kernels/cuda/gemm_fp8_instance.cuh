@@ -57,42 +57,31 @@ struct GemmInstanceFp8 {
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, GatedMainloop<BaseMainloop>,
                                                       GatedEpilogue<BaseEpilogue>, RotatedSchedulerTag>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+
+  // For RunGemmInstance (gemm_instance.cuh): the name in errors, what CUTLASS requires, the
+  // launch's arguments.
+  static constexpr const char* kWhat = "FP8 GEMM";
+  static constexpr const char* kRequirement = "K must be a multiple of 16 and N of 8";
+  static typename Kernel::Arguments Arguments(const GemmPlan& p, int device, int sm_count) {
+    auto args = GemmArguments<Kernel>(p, device, sm_count);
+    // The visitor tree's arguments, children first (Sm90EVT<Node, Children...>: op_0.. the
+    // children, the node last): {beta, C, {alpha, {row_scale, {col_scale, acc, *}, *}, *},
+    // multiply_add}. alpha's nonzero batch stride makes every tile read it (as in
+    // gemm_instance.cuh).
+    auto& fusion = args.epilogue.thread;
+    fusion.op_0.scalars[0] = p.beta;
+    auto& scaled = fusion.op_2;
+    scaled.op_0.scalars[0] = 1.0f;
+    scaled.op_0.scalar_ptrs[0] = p.alpha_ptr;
+    scaled.op_0.dScalar[0] = {cute::_0{}, cute::_0{}, 1};
+    auto& row_scaled = scaled.op_1;
+    row_scaled.op_0.ptr_col = p.row_scale;
+    row_scaled.op_0.dCol = {cute::_1{}, cute::_0{}, 0};
+    auto& col_scaled = row_scaled.op_1;
+    col_scaled.op_0.ptr_row = p.col_scale;
+    col_scaled.op_0.dRow = {cute::_0{}, cute::_1{}, 0};
+    return args;
+  }
 };
 
-template <class Instance>
-Status RunFp8GemmInstance(const GemmPlan& p, cudaStream_t stream, int device, int sm_count) {
-  return LaunchGemm<typename Instance::Gemm>(
-      p, stream, device, sm_count, "FP8 GEMM", "K must be a multiple of 16 and N of 8", [&] {
-        auto args = GemmArguments<typename Instance::Kernel>(p, device, sm_count);
-        // The visitor tree's arguments, children first (Sm90EVT<Node, Children...>: op_0.. the
-        // children, the node last): {beta, C, {alpha, {row_scale, {col_scale, acc, *}, *}, *},
-        // multiply_add}. alpha's nonzero batch stride makes every tile read it (as in
-        // gemm_instance.cuh).
-        auto& fusion = args.epilogue.thread;
-        fusion.op_0.scalars[0] = p.beta;
-        auto& scaled = fusion.op_2;
-        scaled.op_0.scalars[0] = 1.0f;
-        scaled.op_0.scalar_ptrs[0] = p.alpha_ptr;
-        scaled.op_0.dScalar[0] = {cute::_0{}, cute::_0{}, 1};
-        auto& row_scaled = scaled.op_1;
-        row_scaled.op_0.ptr_col = p.row_scale;
-        row_scaled.op_0.dCol = {cute::_1{}, cute::_0{}, 0};
-        auto& col_scaled = row_scaled.op_1;
-        col_scaled.op_0.ptr_row = p.col_scale;
-        col_scaled.op_0.dRow = {cute::_0{}, cute::_1{}, 0};
-        return args;
-      });
-}
-
 }  // namespace flux_jax::cuda
-
-// As FLUX_JAX_DEFINE_GEMM_INSTANCE, for GemmInstanceFp8<...> of the arguments after `name`
-// (A's element, D's element[, tile width[, cluster rows[, ping-pong]]]).
-#define FLUX_JAX_DEFINE_FP8_GEMM_INSTANCE(name, ...)                                 \
-  namespace flux_jax::cuda {                                                         \
-  using name##_Instance = GemmInstanceFp8<__VA_ARGS__>;                              \
-  Status name(const GemmPlan& plan, cudaStream_t stream, int device, int sm_count) { \
-    return RunFp8GemmInstance<name##_Instance>(plan, stream, device, sm_count);      \
-  }                                                                                  \
-  Status Preload_##name() { return PreloadGemmInstance<name##_Instance>(); }         \
-  }

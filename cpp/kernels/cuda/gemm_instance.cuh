@@ -38,31 +38,6 @@ struct GemmSchedule {
                                       cutlass::epilogue::TmaWarpSpecializedCooperative>;
 };
 
-template <class Element, bool kBKMajor, int kBlockN = kGemmBlockN, int kClusterM = 1, bool kPingpong = false>
-struct GemmInstance {
-  using LayoutA = cutlass::layout::RowMajor;
-  using LayoutB = std::conditional_t<kBKMajor, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
-  using LayoutC = cutlass::layout::RowMajor;
-  static constexpr int kAlignment = 8;  // 16 bytes: K and N multiples of 8
-  using TileShape = cute::Shape<cute::Int<kGemmBlockM>, cute::Int<kBlockN>, cute::_64>;
-  using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::_1, cute::_1>;
-
-  using BaseEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, Element, LayoutC, kAlignment, Element, LayoutC,
-      kAlignment, typename GemmSchedule<kPingpong>::Epilogue>::CollectiveOp;
-
-  using BaseMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, kAlignment, Element, LayoutB, kAlignment,
-      float, TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename BaseEpilogue::SharedStorage))>,
-      typename GemmSchedule<kPingpong>::Mainloop>::CollectiveOp;
-
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, GatedMainloop<BaseMainloop>,
-                                                      GatedEpilogue<BaseEpilogue>, RotatedSchedulerTag>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-};
-
 // The arguments every instance shares: the problem, A (and its local rows), B, C, D, their gates
 // and tile signal, the persistent grid and the tile order. The caller fills the epilogue's
 // fusion arguments (`epilogue.thread`).
@@ -103,9 +78,52 @@ typename Kernel::Arguments GemmArguments(const GemmPlan& p, int device, int sm_c
   return args;
 }
 
+template <class Element, bool kBKMajor, int kBlockN = kGemmBlockN, int kClusterM = 1, bool kPingpong = false>
+struct GemmInstance {
+  using LayoutA = cutlass::layout::RowMajor;
+  using LayoutB = std::conditional_t<kBKMajor, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
+  using LayoutC = cutlass::layout::RowMajor;
+  static constexpr int kAlignment = 8;  // 16 bytes: K and N multiples of 8
+  using TileShape = cute::Shape<cute::Int<kGemmBlockM>, cute::Int<kBlockN>, cute::_64>;
+  using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::_1, cute::_1>;
+
+  using BaseEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, Element, LayoutC, kAlignment, Element, LayoutC,
+      kAlignment, typename GemmSchedule<kPingpong>::Epilogue>::CollectiveOp;
+
+  using BaseMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, kAlignment, Element, LayoutB, kAlignment,
+      float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename BaseEpilogue::SharedStorage))>,
+      typename GemmSchedule<kPingpong>::Mainloop>::CollectiveOp;
+
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, GatedMainloop<BaseMainloop>,
+                                                      GatedEpilogue<BaseEpilogue>, RotatedSchedulerTag>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+
+  // For RunGemmInstance: the name in errors, what CUTLASS requires, the launch's arguments.
+  static constexpr const char* kWhat = "GEMM";
+  static constexpr const char* kRequirement = "K and N must be multiples of 8";
+  static typename Kernel::Arguments Arguments(const GemmPlan& p, int device, int sm_count) {
+    auto args = GemmArguments<Kernel>(p, device, sm_count);
+    auto& ep = args.epilogue;
+    ep.thread.alpha = 1.0f;
+    ep.thread.alpha_ptr = p.alpha_ptr;
+    // As in the decode GEMM: a nonzero batch stride makes the epilogue read alpha per tile (batch 0
+    // only), not once at kernel start, so a tile whose rows never came (its wait gave up and
+    // poisoned alpha before its loads) comes out NaN instead of finite and wrong (found by
+    // cpp/tests/loopback). A partial-sum (C) wait may give up after the tile's epilogue read alpha;
+    // it makes the tile's C NaN instead (GatedEpilogue::load).
+    ep.thread.dAlpha = {cute::_0{}, cute::_0{}, 1};
+    ep.thread.beta = p.beta;
+    return args;
+  }
+};
+
 // What a launch's kernel parameters are built from: the plan less its waits and tile signal
 // (their epochs and timeouts change every call) and less what picks the instance (each instance
-// caches its own). Zero-filled first: keys compare as bytes.
+// caches its own). No padding: keys compare as bytes (launch_params_cache.h).
 struct GemmLaunchKey {
   int64_t m, n, k;
   const void* a;
@@ -116,14 +134,12 @@ struct GemmLaunchKey {
   const float* alpha_ptr;
   const float* row_scale;
   const float* col_scale;
-  float beta;
-  int32_t local_rows, local_first_tile, rotate_m_tiles, group_m_tiles, device, sm_count;
-  bool b_kmajor;
+  uint32_t beta_bits;
+  int32_t local_rows, local_first_tile, rotate_m_tiles, group_m_tiles, device, sm_count, b_kmajor;
 };
 
 inline GemmLaunchKey MakeGemmLaunchKey(const GemmPlan& p, int device, int sm_count) {
-  GemmLaunchKey key;
-  std::memset(&key, 0, sizeof(key));
+  GemmLaunchKey key{};
   key.m = p.m;
   key.n = p.n;
   key.k = p.k;
@@ -135,7 +151,7 @@ inline GemmLaunchKey MakeGemmLaunchKey(const GemmPlan& p, int device, int sm_cou
   key.alpha_ptr = p.alpha_ptr;
   key.row_scale = p.row_scale;
   key.col_scale = p.col_scale;
-  key.beta = p.beta;
+  std::memcpy(&key.beta_bits, &p.beta, sizeof(key.beta_bits));
   key.local_rows = p.local_rows;
   key.local_first_tile = p.local_first_tile;
   key.rotate_m_tiles = p.rotate_m_tiles;
@@ -146,59 +162,39 @@ inline GemmLaunchKey MakeGemmLaunchKey(const GemmPlan& p, int device, int sm_cou
   return key;
 }
 
-// Checks and launches one GEMM; `what` names it in errors ("GEMM", "FP8 GEMM"). The kernel
-// parameters come from `make_arguments()` on the first launch of this signature, from the cache
-// after (launch_params_cache.h); this call's waits and signal are patched in. The kernel's shared
+// Checks and launches one GEMM of `Instance` (GemmInstance, GemmInstanceFp8). The kernel parameters
+// come from Instance::Arguments on the first launch of this signature, from the cache after
+// (launch_params_cache.h); this call's waits and tile signal are patched in. The kernel's shared
 // memory size was set once per device (PreloadGemmInstance).
-template <class Gemm, class MakeArguments>
-Status LaunchGemm(const GemmPlan& p, cudaStream_t stream, int device, int sm_count, const char* what,
-                  const char* requirement, MakeArguments&& make_arguments) {
-  using Kernel = typename Gemm::GemmKernel;
-  using Params = typename Kernel::Params;
+template <class Instance>
+Status RunGemmInstance(const GemmPlan& p, cudaStream_t stream, int device, int sm_count) {
+  using Gemm = typename Instance::Gemm;
+  using Params = typename Instance::Kernel::Params;
   static LaunchParamsCache<GemmLaunchKey, Params> cache;
   Params params;
   cutlass::Status st = cache.Get(
       MakeGemmLaunchKey(p, device, sm_count), cutlass::Status::kSuccess,
       [&](Params* out) {
-        const typename Gemm::Arguments args = make_arguments();
+        const auto args = Instance::Arguments(p, device, sm_count);
         if (Gemm::can_implement(args) != cutlass::Status::kSuccess) return cutlass::Status::kErrorInvalidProblem;
-        *out = Kernel::to_underlying_arguments(args, nullptr);  // the persistent scheduler takes no workspace
+        *out = Instance::Kernel::to_underlying_arguments(args, nullptr);  // the persistent scheduler takes no workspace
         return cutlass::Status::kSuccess;
       },
       &params);
   if (st == cutlass::Status::kErrorInvalidProblem) {
-    return Status::InvalidArgument(std::string("flux_jax: CUTLASS cannot implement ") + what +
+    return Status::InvalidArgument(std::string("flux_jax: CUTLASS cannot implement ") + Instance::kWhat +
                                    " m=" + std::to_string(p.m) + " n=" + std::to_string(p.n) +
-                                   " k=" + std::to_string(p.k) + " (" + requirement + ")");
+                                   " k=" + std::to_string(p.k) + " (" + Instance::kRequirement + ")");
   }
   params.mainloop.gate = p.gate_a;
   params.epilogue.gate = p.gate_c;
   params.epilogue.signal = p.signal_d;
   if (st == cutlass::Status::kSuccess) st = Gemm::run(params, stream);
   if (st != cutlass::Status::kSuccess) {
-    return Status::Internal(std::string("flux_jax: CUTLASS ") + what + " launch failed: " +
+    return Status::Internal(std::string("flux_jax: CUTLASS ") + Instance::kWhat + " launch failed: " +
                             cutlass::cutlassGetStatusString(st) + " / " + cudaGetErrorString(cudaGetLastError()));
   }
   return Status::Ok();
-}
-
-template <class Instance>
-Status RunGemmInstance(const GemmPlan& p, cudaStream_t stream, int device, int sm_count) {
-  return LaunchGemm<typename Instance::Gemm>(
-      p, stream, device, sm_count, "GEMM", "K and N must be multiples of 8", [&] {
-        auto args = GemmArguments<typename Instance::Kernel>(p, device, sm_count);
-        auto& ep = args.epilogue;
-        ep.thread.alpha = 1.0f;
-        ep.thread.alpha_ptr = p.alpha_ptr;
-        // As in the decode GEMM: a nonzero batch stride makes the epilogue read alpha per tile
-        // (batch 0 only), not once at kernel start, so a tile whose rows never came (its wait gave
-        // up and poisoned alpha before its loads) comes out NaN instead of finite and wrong (found
-        // by cpp/tests/loopback). A partial-sum (C) wait may give up after the tile's epilogue read
-        // alpha; it makes the tile's C NaN instead (GatedEpilogue::load).
-        ep.thread.dAlpha = {cute::_0{}, cute::_0{}, 1};
-        ep.thread.beta = p.beta;
-        return args;
-      });
 }
 
 // Loads the kernel into the current device's context now. With CUDA's lazy
@@ -219,12 +215,11 @@ Status PreloadGemmInstance() {
 
 }  // namespace flux_jax::cuda
 
-// Defines the entry points of one instance, GemmInstance<...> of the arguments after `name`
-// (element, B K-major, tile width[, cluster rows[, ping-pong]]): Status <name>(plan, stream, device,
-// sms) and Status Preload_<name>().
+// Defines the entry points of one instance type (GemmInstance<...> or GemmInstanceFp8<...>, the
+// arguments after `name`): Status <name>(plan, stream, device, sms) and Status Preload_<name>().
 #define FLUX_JAX_DEFINE_GEMM_INSTANCE(name, ...)                                     \
   namespace flux_jax::cuda {                                                         \
-  using name##_Instance = GemmInstance<__VA_ARGS__>;                                 \
+  using name##_Instance = __VA_ARGS__;                                               \
   Status name(const GemmPlan& plan, cudaStream_t stream, int device, int sm_count) { \
     return RunGemmInstance<name##_Instance>(plan, stream, device, sm_count);         \
   }                                                                                  \

@@ -17,11 +17,11 @@
 
 namespace flux_jax::cuda {
 
-// Key: trivially copyable, zero-filled (padding too) before its fields are set: keys compare as
-// bytes.
+// Keys compare as bytes, so a key type has no padding and no floating-point fields (whose equal
+// values can differ in bits); a float goes in as its bit pattern.
 template <class Key>
 bool SameLaunchKey(const Key& a, const Key& b) {
-  static_assert(std::is_trivially_copyable_v<Key>, "launch keys compare as bytes");
+  static_assert(std::has_unique_object_representations_v<Key>, "launch keys compare as bytes: no padding, no floats");
   return std::memcmp(&a, &b, sizeof(Key)) == 0;
 }
 
