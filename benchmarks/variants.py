@@ -181,11 +181,13 @@ def xla_shard_map(ctx: CaseContext) -> Built:
 
 # The FP8 overlap path's own custom call (matmul_ar's two-shot runs matmul_rs's).
 _FP8_OVERLAP_CALL = re.compile(r"custom_call @flux_jax_(ag_matmul|matmul_rs)\(")
+# A latency composition's collective (no decode kernel served the case).
+_COLLECTIVE_CALL = re.compile(r"custom_call @flux_jax_(all_gather|all_reduce|reduce_scatter)\(")
 
 
 def _flux(ctx: CaseContext, impl: str, path: str = "auto") -> Built:
-    if ctx.case.fp8 and path == "decode":
-        raise Unavailable("no FP8 decode kernel (the FP8 ops run the latency composition there)")
+    if ctx.case.fp8 and path == "decode" and ctx.case.op == "ag":
+        raise Unavailable("no FP8 decode kernel for ag_matmul (the FP8 op runs the latency composition there)")
     op = {"ag": flux_jax.ag_matmul, "rs": flux_jax.matmul_rs, "ar": flux_jax.matmul_ar}[ctx.case.op]
     kw = {"fp8": ctx.case.fp8} if ctx.case.fp8 else {}
     body = functools.partial(op, axis_name=AXIS, impl=impl, **kw)
@@ -203,6 +205,11 @@ def _flux(ctx: CaseContext, impl: str, path: str = "auto") -> Built:
         raise Unavailable(
             "the FP8 overlap kernel does not serve this case (bfloat16, per-rank K % 16 == 0, N % 8 == 0, "
             "rows divisible by tp): the latency composition would run"
+        )
+    if ctx.case.fp8 and path == "decode" and _COLLECTIVE_CALL.search(hlo):
+        raise Unavailable(
+            "the FP8 decode kernel does not serve this case (e4m3 rows, bfloat16, per-rank K % 16 == 0, "
+            "N % 8 == 0, the decode row limits): the latency composition would run"
         )
     if impl == "auto":
         fused = "custom_call @flux_jax_" in hlo

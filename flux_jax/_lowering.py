@@ -277,7 +277,7 @@ def register(spec) -> None:
         if plan.path == "latency":
             return _lower_latency(spec, ctx, x, w, rank, call, groups, pass_rank)
         if call.fp8 is not None:
-            return _lower_fp8_overlap(spec, ctx, x, w, rank, call, groups, pass_rank)
+            return _lower_fp8_fused(spec, ctx, x, w, rank, call, groups, pass_rank, plan.path)
         rows = int(np.prod(ctx.avals_in[0].shape[:-1]))
         if plan.path == "overlap" and _plan.composed_overlap(spec.name, rows, call.tp, platform):
             return _lower_composed_overlap(spec, ctx, x, w, rank, call, groups, pass_rank)
@@ -330,13 +330,13 @@ def _hashable_attrs(attrs: dict) -> tuple:
     return tuple((k, tuple(v.tolist()) if isinstance(v, np.ndarray) else v) for k, v in attrs.items())
 
 
-def _lower_fp8_overlap(spec, ctx, x, w, rank, call, groups, pass_rank):
-    """The FP8 overlap path: quantize (XLA), then the op's custom call on the FP8 operands with
-    their scales (cpp Fp8Operands); anything moved first (ag_matmul: the row scales) goes
-    through our collectives, each with its own call-site id."""
-    callsite = _callsite(ctx, spec.name, ctx.avals_in[:2], "fp8-overlap")
+def _lower_fp8_fused(spec, ctx, x, w, rank, call, groups, pass_rank, path):
+    """The FP8 overlap or decode path: quantize (XLA), then the op's custom call on the FP8
+    operands with their scales (cpp Fp8Operands); anything moved first (ag_matmul: the row scales)
+    goes through our collectives, each with its own call-site id."""
+    callsite = _callsite(ctx, spec.name, ctx.avals_in[:2], f"fp8-{path}")
     common = _common_attrs(groups, call, callsite)
-    gemm_attrs = _hashable_attrs({**common, **_gemm_attrs(dataclasses.replace(call, transpose_w=True), "overlap")})
+    gemm_attrs = _hashable_attrs({**common, **_gemm_attrs(dataclasses.replace(call, transpose_w=True), path)})
     count = [1]  # index 0 is the fused call's own id
 
     def collective(name, operand, shape, rank_operand):
@@ -362,7 +362,8 @@ def _lower_fp8_overlap(spec, ctx, x, w, rank, call, groups, pass_rank):
                 attrs=gemm_attrs,
             )
 
-        return spec.fp8_overlap(x, w, call, lambda name, a, shape: collective(name, a, shape, rank), fused)
+        body = spec.fp8_decode if path == "decode" else spec.fp8_overlap
+        return body(x, w, call, lambda name, a, shape: collective(name, a, shape, rank), fused)
 
     return mlir.lower_fun(lowered, multiple_results=True)(ctx, x, w, rank)
 

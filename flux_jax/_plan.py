@@ -195,7 +195,16 @@ def _plan_fp8(p: Problem, config: Config, must_fuse: bool) -> Plan:
     if p.op == "matmul_ar":
         overlap = "the FP8 two-shot: matmul_rs's FP8 overlap GEMM + reduce-scatter, then our all_gather"
     if config.fused_path == "decode":
-        return Plan("latency", f'no FP8 decode kernel for Config.fused_path="decode": {latency}', "config")
+        if fp8_decode_supported(p):
+            return Plan(
+                "decode", 'Config.fused_path="decode": the FP8 decode kernel (e4m3 rows, bfloat16 out)', "config"
+            )
+        return Plan(
+            "latency",
+            "the FP8 decode kernels serve matmul_rs and matmul_ar with e4m3 rows within the decode "
+            f'limits only (Config.fused_path="decode"): {latency}',
+            "config",
+        )
     if config.fused_path == "latency":
         return Plan("latency", f'Config.fused_path="latency": {latency}', "config")
     if config.fused_path == "overlap":
@@ -214,6 +223,21 @@ def _plan_fp8(p: Problem, config: Config, must_fuse: bool) -> Plan:
         "twin",
         'the fused FP8 paths are not measured at tp > 1 on GPUs yet; impl="fused" runs them',
         "FP8 rule (unmeasured: the twin)",
+    )
+
+
+def fp8_decode_supported(p: Problem) -> bool:
+    """Whether the FP8 decode kernels serve this call: matmul_rs's or matmul_ar's GEMM with rows in
+    e4m3 (the forward), a bfloat16 output, per-rank K a multiple of 16 and N of 8, within the bf16
+    decode path's limits (the same kernels with the FP8 GEMM). ag_matmul has none: its push
+    kernel moves rows, not the row scales its GEMM's epilogue would read."""
+    return (
+        p.op in ("matmul_rs", "matmul_ar")
+        and p.fp8 == "float8_e4m3fn"
+        and np.dtype(p.dtype) == _BF16
+        and p.k % 16 == 0
+        and p.n % 8 == 0
+        and decode_supported(dataclasses.replace(p, fp8=None, transpose_w=False))
     )
 
 

@@ -28,13 +28,14 @@ per column (a second rounding, and another pass over the gathered rows).
 
 Two fused forms. The FP8 overlap path (`fused_gathered_matmul`, `fused_matmul`) hands the FP8
 operands and their scales to the op's own kernel: our FP8 GEMM gathers (or scatters) inside the
-GEMM and applies the scales in its epilogue. The latency composition (`gathered_matmul`,
-`matmul`) runs XLA's GEMM: `dot_general` directly on the FP8 operands with float32
-accumulation, then the scales (XLA's GEMM rewriter emits cuBLASLt's FP8 GEMM for it on Hopper;
-XLA:CPU computes it exactly in float32). The same functions build the XLA twin (lax
-collectives; flux_jax/twins.py) and the latency composition (our collective custom calls;
-flux_jax/ops/), so those two differ only in the collective's kernel. docs/design.md says which
-runs where.
+GEMM and applies the scales in its epilogue (matmul_rs's and matmul_ar's FP8 decode path,
+`fused_matmul` too, likewise: the decode GEMM, its epilogue scaling and exchanging each tile).
+The latency composition (`gathered_matmul`, `matmul`) runs XLA's GEMM: `dot_general` directly
+on the FP8 operands with float32 accumulation, then the scales (XLA's GEMM rewriter emits
+cuBLASLt's FP8 GEMM for it on Hopper; XLA:CPU computes it exactly in float32). The same
+functions build the XLA twin (lax collectives; flux_jax/twins.py) and the latency composition
+(our collective custom calls; flux_jax/ops/), so those two differ only in the collective's
+kernel. docs/design.md says which runs where.
 """
 
 from __future__ import annotations

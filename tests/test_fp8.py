@@ -462,6 +462,39 @@ def test_quantize_helpers():
     assert s2.shape == (1, 1) and np.max(np.abs(to64(q2))) == 57344.0 / 8
 
 
+@pytest.mark.parametrize("op", ["rs", "ar"])
+def test_decode_path_runs_the_ops_own_call_on_fp8_operands(op):
+    """fused_path="decode" with FP8 (matmul_rs, matmul_ar): the op's own custom call on the FP8
+    operands with the decode path's attribute, its row scales local (no collective besides it);
+    the same numbers as the latency composition (XLA's FP8 GEMM) up to the output's rounding."""
+    import re
+
+    rng = np.random.default_rng()
+    tp = 4
+    mesh = cpu_mesh((tp,), ("tp",))
+    x, w = _operands(rng, op, tp, 2, 32, 16, jnp.bfloat16)
+    with flux_jax.config(fused_path="decode"):
+        fused, specs = _fn(op, mesh, 2, "fused", True)
+        args = _placed(mesh, specs, x, w)
+        sites = flux_jax.explain(fused, *args)
+        hlo = fused.lower(*args).as_text()
+        got = to64(fused(*args))
+    assert [site.plan.path for site in sites] == ["decode"], sites
+    target = {"rs": "flux_jax_matmul_rs", "ar": "flux_jax_matmul_ar"}[op]
+    calls = re.findall(rf"custom_call @{target}\((.*?)\).*?: \((.*?)\) ->", hlo)
+    assert len(calls) == 1, hlo
+    assert calls[0][1].count("f8E4M3FN") == 2 and calls[0][1].count("xf32>") == 2, calls[0][1]
+    assert re.search(r"path = 1 : i32", hlo), hlo  # FusedPath::kDecode
+    assert not re.search(r"flux_jax_(all_gather|reduce_scatter|all_reduce)", hlo)
+    with flux_jax.config(fused_path="latency"):
+        latency, _ = _fn(op, mesh, 2, "fused", True)
+        want = to64(latency(*args))
+    x64, w64 = to64(x), to64(w)
+    assert np.all(np.abs(got - np.tensordot(x64, w64, axes=1)) <= _fp8_bound(x64, w64, "bfloat16", op, tp))
+    ab = np.tensordot(np.abs(x64), np.abs(w64), axes=1)
+    assert np.all(np.abs(got - want) <= 2 * tp * EPS["bfloat16"] * ab + 1e-30)
+
+
 def test_plans_and_explain():
     cfg = flux_jax.Config()
     cpu = _plan.Problem("ag_matmul", 64, 256, 256, np.dtype("bfloat16"), 2, "cpu", fp8="float8_e4m3fn")
@@ -483,8 +516,17 @@ def test_plans_and_explain():
     pinned = flux_jax.Config(fused_path="overlap")
     unaligned = _plan.plan(dataclasses.replace(gpu, n=252), "fused", pinned, on_hopper=True)
     assert unaligned.path == "latency" and "does not serve" in unaligned.reason
-    decode = _plan.plan(gpu, "fused", flux_jax.Config(fused_path="decode"), on_hopper=True)
-    assert decode.path == "latency" and "no FP8 decode kernel" in decode.reason
+    decode_cfg = flux_jax.Config(fused_path="decode")
+    decode = _plan.plan(gpu, "fused", decode_cfg, on_hopper=True)  # ag_matmul: no FP8 decode kernel
+    assert decode.path == "latency" and "FP8 decode kernels serve matmul_rs and matmul_ar" in decode.reason
+    for op in ("matmul_rs", "matmul_ar"):
+        small = dataclasses.replace(gpu, op=op, transpose_w=True)
+        assert _plan.plan(small, "fused", decode_cfg, on_hopper=True).path == "decode"
+        assert _plan.plan(small, "fused", cfg, on_hopper=True).path == "latency"  # only where asked for
+        e5m2_rows = _plan.plan(dataclasses.replace(small, fp8="float8_e5m2"), "fused", decode_cfg, on_hopper=True)
+        assert e5m2_rows.path == "latency"  # the backward's rows: no e5m2 decode kernel
+        assert _plan.plan(dataclasses.replace(small, rows=256), "fused", decode_cfg, on_hopper=True).path == "latency"
+        assert _plan.plan(dataclasses.replace(small, n=40000), "fused", decode_cfg, on_hopper=True).path == "latency"
     odd_k = dataclasses.replace(gpu, k=200)
     assert "multiple of 16" in _plan.unavailable_on_hopper(odd_k)
     rs32 = dataclasses.replace(gpu, op="matmul_rs", dtype=np.dtype("float32"))

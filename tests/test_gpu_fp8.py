@@ -29,8 +29,9 @@ def _fn(op, mesh, impl, **kw):
         specs, out = (P("tp", None), P(None, "tp")), P(None, "tp")
         body = functools.partial(flux_jax.ag_matmul, axis_name="tp", impl=impl, fp8=True, **kw)
     else:
-        specs, out = (P(None, "tp"), P("tp", None)), P("tp", None)
-        body = functools.partial(flux_jax.matmul_rs, axis_name="tp", impl=impl, fp8=True, **kw)
+        specs, out = (P(None, "tp"), P("tp", None)), P("tp", None) if op == "rs" else P()
+        fn = flux_jax.matmul_rs if op == "rs" else flux_jax.matmul_ar
+        body = functools.partial(fn, axis_name="tp", impl=impl, fp8=True, **kw)
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out)), specs
 
 
@@ -85,6 +86,30 @@ def test_fused_matches_twin_on_one_gpu(one_gpu, op):
 def test_fused_matches_twin(gpus, op, shape):
     """TP=2; rows per rank 1 and 3 make the scales' all_gather pad them to 16 bytes."""
     _check(gpus, 2, op, shape)
+
+
+@pytest.mark.parametrize("op", ["rs", "ar"])
+@pytest.mark.parametrize("shape", [(64, 4096, 2048), (104, 1568, 784)], ids=lambda s: "x".join(map(str, s)))
+def test_fp8_decode_path_matches_twin(gpus, op, shape):
+    """TP=2, fused_path="decode": one FP8 decode GEMM per rank whose epilogue scales and
+    reduce-scatters (all-reduces) each tile; no collective besides it."""
+    M, K, N = shape
+    mesh = gpu_mesh(gpus, (2,))
+    rng = np.random.default_rng()
+    x, w = random_array(rng, (M, K), "bfloat16"), random_array(rng, (K, N), "bfloat16", scale=1 / np.sqrt(K))
+    with flux_jax.config(fused_path="decode"):
+        fused, specs = _fn(op, mesh, "fused")
+        xs, ws = place(mesh, x, specs[0]), place(mesh, w, specs[1])
+        hlo = fused.lower(xs, ws).as_text()
+        outs = [fused(xs, ws) for _ in range(3)]  # both parities of the workspace
+    assert f"custom_call @flux_jax_{'matmul_rs' if op == 'rs' else 'matmul_ar'}" in hlo
+    assert not any(f"@flux_jax_{c}" in hlo for c in ("all_gather", "reduce_scatter", "all_reduce"))
+    twin, _ = _fn(op, mesh, "xla")
+    twin_out = twin(xs, ws)
+    for out in outs:
+        assert 2.0**-9 < _rel(out, to64(x) @ to64(w)) < FP8_REL
+        assert _rel(out, twin_out) < 2 * 2.0**-8, f"{op} {shape}: fused vs FP8 twin"
+    assert not flux_jax.device_errors()
 
 
 def test_gradients_match_the_fp8_twin(gpus):

@@ -215,11 +215,7 @@ def test_one_gpu_matmul_ar_matches_oracle(one_gpu, shape, path):
     assert not flux_jax.device_errors()
 
 
-@pytest.mark.parametrize("path", ["overlap", "latency"])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_one_gpu_matmul_ar_fp8_matches_the_quantized_product(one_gpu, shape, path):
-    """FP8 matmul_ar at tp = 1: overlap is the two-shot's first half, matmul_rs's FP8 overlap GEMM
-    (no all_gather with one rank); latency is XLA's FP8 GEMM and our all_reduce."""
+def _check_matmul_ar_fp8(one_gpu, shape, path):
     M, K, N = shape
     mesh = _mesh(one_gpu)
     rng = np.random.default_rng()
@@ -234,13 +230,31 @@ def test_one_gpu_matmul_ar_fp8_matches_the_quantized_product(one_gpu, shape, pat
     xs, ws = place(mesh, x, P(None, "tp")), place(mesh, w, P("tp", None))
     with flux_jax.config(fused_path=path):
         fused = fn("fused")
+        sites = flux_jax.explain(fused, xs, ws)
         text = fused.lower(xs, ws).as_text()
-        outs = [fused(xs, ws) for _ in range(2)]
-    want = "flux_jax_matmul_rs" if path == "overlap" else "flux_jax_all_reduce"
+        outs = [fused(xs, ws) for _ in range(3)]  # both parities of the workspace
+    assert [site.plan.path for site in sites] == [path]
+    want = {"overlap": "flux_jax_matmul_rs", "latency": "flux_jax_all_reduce", "decode": "flux_jax_matmul_ar"}[path]
     assert want in text and "f8E4M3FN" in text
     for out in outs:
         assert_matches(out, _fp8_exact(x, w, recipe), fn("xla")(xs, ws), "bfloat16", f"fp8 matmul_ar {shape} {path}")
     assert not flux_jax.device_errors()
+
+
+@pytest.mark.parametrize("path", ["overlap", "latency"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_one_gpu_matmul_ar_fp8_matches_the_quantized_product(one_gpu, shape, path):
+    """FP8 matmul_ar at tp = 1: overlap is the two-shot's first half, matmul_rs's FP8 overlap GEMM
+    (no all_gather with one rank); latency is XLA's FP8 GEMM and our all_reduce."""
+    _check_matmul_ar_fp8(one_gpu, shape, path)
+
+
+@pytest.mark.parametrize("shape", [(1, 1024, 2048), (64, 4096, 3072), (100, 784, 1544), (128, 2048, 4096)])
+def test_one_gpu_matmul_ar_fp8_decode_matches_the_quantized_product(one_gpu, shape):
+    """FP8 matmul_ar's decode path at tp = 1: the FP8 decode GEMM (w's column scales along its
+    tile's M, x's row scales along its N, predicated past the last row; x staged where its rows are
+    not whole tiles; two blocks of rows above 64) with its all-reducing epilogue and no peer."""
+    _check_matmul_ar_fp8(one_gpu, shape, "decode")
 
 
 def test_one_gpu_explain_names_the_paths(one_gpu):

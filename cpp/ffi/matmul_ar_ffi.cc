@@ -11,16 +11,12 @@
 namespace flux_jax::ffi_adapter {
 namespace {
 
-Status MakeParams(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out, const GemmAttrs& attrs,
-                  const TpGroup& group, MatmulArParams* p) {
+Status MakeParams(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::RemainingArgs& scales, ffi::Result<ffi::AnyBuffer> out,
+                  const GemmAttrs& attrs, const TpGroup& group, MatmulArParams* p) {
   auto wd = w.dimensions();
   Folded xf;
   FLUX_JAX_RETURN_IF_ERROR(Fold(x, "matmul_ar x", &xf));
   if (wd.size() != 2) return Status::InvalidArgument("matmul_ar: w must be 2-D");
-  FLUX_JAX_RETURN_IF_ERROR(ToDType(x.element_type(), "matmul_ar x", &p->dtype));
-  if (w.element_type() != x.element_type() || out->element_type() != x.element_type()) {
-    return Status::InvalidArgument("matmul_ar: x, w and out must share one dtype");
-  }
   p->w_transposed = attrs.w_transposed;
   p->m = xf.rows;
   p->k = xf.cols;
@@ -28,6 +24,8 @@ Status MakeParams(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer
   if ((p->w_transposed ? wd[1] : wd[0]) != p->k) {
     return Status::InvalidArgument("matmul_ar: contraction sizes of x and w differ");
   }
+  FLUX_JAX_RETURN_IF_ERROR(
+      DecodeOperandTypes("matmul_ar", x, w, *out, scales, p->w_transposed, p->m, p->n, &p->dtype, &p->fp8));
   p->x = x.untyped_data();
   p->w = w.untyped_data();
   p->out = out->untyped_data();
@@ -37,26 +35,27 @@ Status MakeParams(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer
 
 // `stream` is null on CPU; `host_rank` only there (see ag_matmul_ffi.cc).
 ffi::Error MatmulAr(void* stream, int32_t device_ordinal, std::optional<int32_t> host_rank, ffi::AnyBuffer x,
-                    ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out, const GemmAttrs& attrs) {
+                    ffi::AnyBuffer w, ffi::RemainingArgs scales, ffi::Result<ffi::AnyBuffer> out,
+                    const GemmAttrs& attrs) {
   ScopedHandlerTimer timer(HandlerOp::kMatmulAr);
   TpGroup group;
   CommConfig cfg;
   MatmulArParams p;
   const Platform platform = stream ? Platform::kCuda : Platform::kCpu;
   Status s = DecodeGemm(attrs, platform, device_ordinal, host_rank, &group, &cfg);
-  if (s.ok()) s = MakeParams(x, w, out, attrs, group, &p);
+  if (s.ok()) s = MakeParams(x, w, scales, out, attrs, group, &p);
   if (s.ok()) s = stream ? RunMatmulArCuda(p, group, cfg, stream) : RunMatmulArCpu(p, group, cfg);
   return ToFfiError(s);
 }
 
 ffi::Error MatmulArCpu(int32_t device_ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> rank,
-                       ffi::Result<ffi::AnyBuffer> out, GemmAttrs attrs) {
-  return MatmulAr(nullptr, device_ordinal, rank.typed_data()[0], x, w, out, attrs);
+                       ffi::RemainingArgs scales, ffi::Result<ffi::AnyBuffer> out, GemmAttrs attrs) {
+  return MatmulAr(nullptr, device_ordinal, rank.typed_data()[0], x, w, scales, out, attrs);
 }
 
 ffi::Error MatmulArCuda(void* stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                        ffi::Result<ffi::AnyBuffer> out, GemmAttrs attrs) {
-  return MatmulAr(stream, device_ordinal, std::nullopt, x, w, out, attrs);
+                        ffi::RemainingArgs scales, ffi::Result<ffi::AnyBuffer> out, GemmAttrs attrs) {
+  return MatmulAr(stream, device_ordinal, std::nullopt, x, w, scales, out, attrs);
 }
 
 }  // namespace
@@ -70,6 +69,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FluxJaxMatmulArCpu, flux_jax::ffi_adapter::MatmulA
                                   .Arg<ffi::AnyBuffer>()         // x [m, k_local]
                                   .Arg<ffi::AnyBuffer>()         // w [k_local, n] or [n, k_local]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // rank = lax.axis_index
+                                  .RemainingArgs()               // FP8: row scales, column scales
                                   .Ret<ffi::AnyBuffer>()         // out [m, n], the same on every rank
                                   .Attrs<flux_jax::ffi_adapter::GemmAttrs>());
 
@@ -80,6 +80,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FluxJaxMatmulArCuda, flux_jax::ffi_adapter::Matmul
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()  // x [m, k_local]
                                   .Arg<ffi::AnyBuffer>()  // w [k_local, n] or [n, k_local]
+                                  .RemainingArgs()        // FP8: row scales, column scales
                                   .Ret<ffi::AnyBuffer>()  // out [m, n], the same on every rank
                                   .Attrs<flux_jax::ffi_adapter::GemmAttrs>());
 #endif

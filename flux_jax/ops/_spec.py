@@ -79,6 +79,8 @@ class OpSpec:
       fp8_overlap: (x, w, call, collective, fused) -> outputs, the FP8 overlap path (None: the op
         has none): quantize, then `fused(xq, wq, row_scales, col_scales)`, our kernel on the FP8
         operands (flux_jax/fp8.py), with `collective` for anything moved before it.
+      fp8_decode: the same for the FP8 decode path (None: the op has none; flux_jax/_plan.py
+        fp8_decode_supported says where it serves).
       composed_overlap: (x, w, call, collective, fused) -> outputs, the overlap path as other ops'
         custom calls where flux_jax/_plan.composed_overlap says so (None: never):
         `fused(op, a, b, out_shape)` is op's overlap custom call with this call's attributes.
@@ -93,6 +95,7 @@ class OpSpec:
     bwd: Callable
     replicated: bool = False
     fp8_overlap: Callable | None = None
+    fp8_decode: Callable | None = None
     composed_overlap: Callable | None = None
     primitive: Primitive = dataclasses.field(init=False)
     core: Callable = dataclasses.field(init=False)

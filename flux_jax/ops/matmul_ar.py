@@ -78,6 +78,15 @@ def _fp8_overlap(x, w, call: Call, collective, fused):
     return [out.reshape(*x.shape[:-1], n)]
 
 
+def _fp8_decode(x, w, call: Call, collective, fused):
+    """The FP8 decode path: the op's own custom call on the FP8 operands (each rank's row scales
+    applied in its own GEMM's epilogue, the all-reduce in the same epilogue)."""
+    del collective  # the scales stay local
+    rows, k, n = _gemm(x.shape, w.shape, call)
+    (out,) = _fp8.fused_matmul(x.reshape(rows, k), w, call.fp8, fused, transpose_w=call.transpose_w, grad=call.backward)
+    return [out.reshape(*x.shape[:-1], n)]
+
+
 def _fwd(x, w, call: Call):
     return bind(SPEC, x, w, call), (x, w)
 
@@ -106,6 +115,7 @@ SPEC = define(
         _bwd,
         replicated=True,
         fp8_overlap=_fp8_overlap,
+        fp8_decode=_fp8_decode,
         composed_overlap=_two_shot,
     )
 )

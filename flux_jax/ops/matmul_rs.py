@@ -34,7 +34,8 @@ def _latency(x, w, call: Call, collective):
     return [collective("reduce_scatter", partial, (x.shape[0] // call.tp, *partial.shape[1:]))]
 
 
-def _fp8_overlap(x, w, call: Call, collective, fused):
+def _fp8_fused(x, w, call: Call, collective, fused):
+    """The FP8 overlap and decode paths: the op's own custom call on the FP8 operands."""
     del collective  # the scales stay local: each rank's GEMM scales its own rows
     return _fp8.fused_matmul(x, w, call.fp8, fused, transpose_w=call.transpose_w, grad=call.backward)
 
@@ -51,7 +52,9 @@ def _bwd(call: Call, residuals, cotangents):
     return dx, _autodiff.weight_grad(x, dy_full, w, call.transpose_w)
 
 
-SPEC = define(OpSpec(NAME, _out_shapes, _gemm, _twin, _latency, _fwd, _bwd, fp8_overlap=_fp8_overlap))
+SPEC = define(
+    OpSpec(NAME, _out_shapes, _gemm, _twin, _latency, _fwd, _bwd, fp8_overlap=_fp8_fused, fp8_decode=_fp8_fused)
+)
 
 
 def matmul_rs(x, w, *, axis_name: str, scatter_dimension: int = 0, impl: str = "auto", fp8=None):

@@ -15,8 +15,9 @@ struct MatmulArParams {
   const void* w = nullptr;  // [k, n], or [n, k] when w_transposed
   void* out = nullptr;      // [m, n]
   int64_t m = 0, k = 0, n = 0;
-  DType dtype = DType::kBF16;
+  DType dtype = DType::kBF16;  // out (and x, w unless fp8)
   bool w_transposed = false;
+  Fp8Operands fp8;  // row_scale: [m], this rank's rows'
 };
 
 Status MatmulArCanImplement(const MatmulArParams& p, const TpGroup& group);

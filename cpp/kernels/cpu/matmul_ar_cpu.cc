@@ -25,7 +25,8 @@ Status RunMatmulArCpu(const MatmulArParams& p, const TpGroup& group, const CommC
   const int64_t elems = p.m * p.n;
   const size_t partial_bytes = static_cast<size_t>(elems) * sizeof(float);
 
-  const uint64_t signature = cpu::HashInts({6, p.m, p.k, p.n, static_cast<int64_t>(p.dtype), p.w_transposed});
+  const uint64_t signature =
+      cpu::HashInts({6, p.m, p.k, p.n, static_cast<int64_t>(p.dtype), p.w_transposed, p.fp8.on, p.fp8.x_e5m2});
   cpu::ChannelCall call;
   FLUX_JAX_RETURN_IF_ERROR(call.Open(group, cfg, partial_bytes, signature));
   cpu::Channel& channel = call.channel();
@@ -34,9 +35,14 @@ Status RunMatmulArCpu(const MatmulArParams& p, const TpGroup& group, const CommC
   if (cfg.poison_outputs) std::memset(p.out, 0xFF, static_cast<size_t>(elems) * DTypeBytes(p.dtype));
 
   // 1. This rank's partial, pushed whole to every peer.
-  const std::vector<float> w = cpu::WeightAsFloat(p.w, p.dtype, p.k, p.n, p.w_transposed);
+  const std::vector<float> w = p.fp8.on ? cpu::Fp8WeightAsFloat(p.w, p.k, p.n, p.fp8.col_scale)
+                                        : cpu::WeightAsFloat(p.w, p.dtype, p.k, p.n, p.w_transposed);
   std::vector<float> own(static_cast<size_t>(elems));
-  cpu::GemmRows(p.x, p.dtype, p.m, p.k, w.data(), p.n, own.data());
+  if (p.fp8.on) {
+    cpu::GemmRowsFp8(p.x, p.fp8.x_e5m2, p.m, p.k, w.data(), p.n, p.fp8.row_scale, own.data());
+  } else {
+    cpu::GemmRows(p.x, p.dtype, p.m, p.k, w.data(), p.n, own.data());
+  }
   for (int i = 1; i < tp; ++i) {
     const int dst = (rank + i) % tp;
     FLUX_JAX_RETURN_IF_ERROR(channel.Wait(rank, cpu::FlagKind::kFreed, parity, dst, epoch >= 2 ? epoch - 2 : 0, epoch,

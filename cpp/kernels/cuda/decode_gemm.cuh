@@ -1,7 +1,8 @@
 // The decode path's GEMM (ag_matmul at M <= 128 rows): CUTLASS sm90 ping-pong
 // kernel in cuBLAS/nvjet's orientation, whose producer streams the weight
-// before the gathered rows have arrived. Included only by the instantiation
-// unit gemm_decode_bf16.cu.
+// before the gathered rows have arrived; bfloat16, or FP8 with the scales in
+// its epilogue. Included only by the instantiation units gemm_decode_bf16.cu
+// and gemm_decode_e4m3.cu.
 //
 // Orientation: out[M, N] = X[M, K] W[K, N] is computed as out^T = W^T X^T, so
 // the weight's N columns run along the tile's 64-wide M and X's rows along
@@ -24,6 +25,7 @@
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp"
 #include "cutlass/gemm/collective/collective_builder.hpp"
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
@@ -175,6 +177,91 @@ struct DecodeGemmInstance {
       cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, DeferredRowsMainloop<BaseMainloop>,
                                            Epilogue, cutlass::gemm::PersistentScheduler>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+
+  static constexpr const char* kRequirement = "K and N must be multiples of 8";
+
+  // D = alpha * acc, alpha read per tile: a wait that times out poisons alpha after the epilogue
+  // would have read it once at kernel start, so a nonzero batch stride makes it read alpha per
+  // tile (batch 0 only) and the tile whose rows never came (its epilogue runs after its loads)
+  // comes out NaN.
+  template <class EpilogueArguments>
+  static void SetEpilogue(EpilogueArguments& ep, const DecodeGemmPlan& p) {
+    ep.thread.alpha = 1.0f;
+    ep.thread.alpha_ptr = p.alpha_ptr;
+    ep.thread.dAlpha = {cute::_0{}, cute::_0{}, 1};
+    ep.thread.beta = 0.0f;
+    ep.ptr_C = static_cast<Element const*>(p.d);
+    ep.dC = cutlass::make_cute_packed_stride(typename Kernel::StrideC{},
+                                             cute::make_shape(static_cast<int>(p.n), static_cast<int>(p.rows), 1));
+  }
+};
+
+// The FP8 decode GEMM: w float8_e4m3fn transposed ([n, k], K-major: A = W^T row-major) and the
+// rows float8_e4m3fn (K-major, as in DecodeGemmInstance), float32 accumulation, bfloat16 out, the
+// scales in a visitor epilogue; in the kernel's (N, M) orientation
+//
+//   D[j, i] = alpha * (col_scale[j] * (row_scale[i] * acc[j, i]))   (j: w's column, i: x's row)
+//
+// w's column scales run along the tile's M (a column broadcast), x's row scales along its N (a row
+// broadcast, predicated past the last row). 128 bytes of K per stage, as the FP8 overlap GEMM.
+template <int kRowsPerTile>
+struct DecodeGemmInstanceFp8 {
+  using Element = cutlass::float_e4m3_t;
+  using ElementD = cutlass::bfloat16_t;
+  static constexpr int kAlignmentAB = 16;  // 16 bytes: K a multiple of 16
+  static constexpr int kAlignmentD = 8;    // N a multiple of 8
+  using TileShape = cute::Shape<cute::_64, cute::Int<kRowsPerTile>, cute::_128>;
+  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
+
+  template <class... Ts>
+  using EVT = cutlass::epilogue::fusion::Sm90EVT<Ts...>;
+  using Multiply = cutlass::epilogue::fusion::Sm90Compute<cutlass::multiplies, float, float,
+                                                          cutlass::FloatRoundStyle::round_to_nearest>;
+  using WeightScale = cutlass::epilogue::fusion::Sm90ColBroadcast<0, TileShape, float, float,
+                                                                  cute::Stride<cute::_1, cute::_0, int64_t>, 1>;
+  using RowScale = cutlass::epilogue::fusion::Sm90RowBroadcast<0, TileShape, float, float,
+                                                               cute::Stride<cute::_0, cute::_1, int64_t>, 1>;
+  using Alpha = cutlass::epilogue::fusion::Sm90ScalarBroadcast<float, cute::Stride<cute::_0, cute::_0, int64_t>>;
+  using Fusion =
+      EVT<cutlass::epilogue::fusion::Sm90Compute<cutlass::multiplies, ElementD, float,
+                                                 cutlass::FloatRoundStyle::round_to_nearest>,
+          Alpha, EVT<Multiply, WeightScale, EVT<Multiply, RowScale, cutlass::epilogue::fusion::Sm90AccFetch>>>;
+
+  using BaseEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, cutlass::layout::ColumnMajor, kAlignmentD,
+      ElementD, cutlass::layout::ColumnMajor, kAlignmentD, cutlass::epilogue::TmaWarpSpecialized, Fusion>::CollectiveOp;
+  using Epilogue = ExchangingEpilogue<BaseEpilogue>;
+
+  using BaseMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::RowMajor, kAlignmentAB, Element,
+      cutlass::layout::ColumnMajor, kAlignmentAB, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8FastAccum>::CollectiveOp;
+
+  using Kernel =
+      cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, DeferredRowsMainloop<BaseMainloop>,
+                                           Epilogue, cutlass::gemm::PersistentScheduler>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+
+  static constexpr const char* kRequirement = "K must be a multiple of 16 and N of 8";
+
+  // The visitor tree's arguments, children first (Sm90EVT<Node, Children...>: op_0.. the
+  // children, the node last): {alpha, {w_scale, {row_scale, acc, *}, *}, *}. alpha is read per
+  // tile, as in DecodeGemmInstance.
+  template <class EpilogueArguments>
+  static void SetEpilogue(EpilogueArguments& ep, const DecodeGemmPlan& p) {
+    auto& fusion = ep.thread;
+    fusion.op_0.scalars[0] = 1.0f;
+    fusion.op_0.scalar_ptrs[0] = p.alpha_ptr;
+    fusion.op_0.dScalar[0] = {cute::_0{}, cute::_0{}, 1};
+    auto& weight_scaled = fusion.op_1;
+    weight_scaled.op_0.ptr_col = p.col_scale;
+    weight_scaled.op_0.dCol = {cute::_1{}, cute::_0{}, 0};
+    auto& row_scaled = weight_scaled.op_1;
+    row_scaled.op_0.ptr_row = p.row_scale;
+    row_scaled.op_0.dRow = {cute::_0{}, cute::_1{}, 0};
+  }
 };
 
 // What a launch's kernel parameters are built from, less the epoch (patched per call). No
@@ -184,6 +271,8 @@ struct DecodeGemmKey {
   const void* w;
   void* d;
   const float* alpha_ptr;
+  const float* row_scale;
+  const float* col_scale;
   const uint64_t* flags;
   DeviceError* error;
   int64_t rows, x_rows_readable, n, k, sm_count;
@@ -194,29 +283,20 @@ struct DecodeGemmKey {
 template <class Instance>
 typename Instance::Kernel::Arguments DecodeArguments(const DecodeGemmPlan& p, int device, int sm_count) {
   using Kernel = typename Instance::Kernel;
-  using Element = typename Kernel::ElementA;
   const int rows = static_cast<int>(p.rows), n = static_cast<int>(p.n), k = static_cast<int>(p.k);
   typename Kernel::Arguments args{};
   args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
   args.problem_shape = {n, rows, k, 1};
   auto& ml = args.mainloop;
-  ml.ptr_A = static_cast<Element const*>(p.w);
+  ml.ptr_A = static_cast<typename Kernel::ElementA const*>(p.w);
   ml.dA = cutlass::make_cute_packed_stride(typename Kernel::StrideA{}, cute::make_shape(n, k, 1));
-  ml.ptr_B = static_cast<Element const*>(p.x);
+  ml.ptr_B = static_cast<typename Kernel::ElementB const*>(p.x);
   ml.dB = cutlass::make_cute_packed_stride(typename Kernel::StrideB{}, cute::make_shape(rows, k, 1));
   ml.gate = p.gate;
   ml.b_rows_readable = static_cast<int32_t>(p.x_rows_readable);
   auto& ep = args.epilogue;
-  ep.thread.alpha = 1.0f;
-  ep.thread.alpha_ptr = p.alpha_ptr;
-  // A wait that times out poisons alpha after the epilogue would have read it once at kernel
-  // start: a nonzero batch stride makes it read alpha per tile (batch 0 only), so the tile
-  // whose rows never came (its epilogue runs after its loads) comes out NaN.
-  ep.thread.dAlpha = {cute::_0{}, cute::_0{}, 1};
-  ep.thread.beta = 0.0f;
-  ep.ptr_C = static_cast<Element const*>(p.d);
-  ep.dC = cutlass::make_cute_packed_stride(typename Kernel::StrideC{}, cute::make_shape(n, rows, 1));
-  ep.ptr_D = static_cast<Element*>(p.d);
+  Instance::SetEpilogue(ep, p);
+  ep.ptr_D = static_cast<typename Kernel::ElementD*>(p.d);
   ep.dD = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, cute::make_shape(n, rows, 1));
   ep.exchange = p.exchange;
   args.hw_info.device_id = device;
@@ -233,6 +313,8 @@ Status RunDecodeGemmInstance(const DecodeGemmPlan& p, cudaStream_t stream, int d
   key.w = p.w;
   key.d = p.d;
   key.alpha_ptr = p.alpha_ptr;
+  key.row_scale = p.row_scale;
+  key.col_scale = p.col_scale;
   key.flags = p.gate.flags;
   key.error = p.gate.ctx.error;
   key.rows = p.rows;
@@ -258,8 +340,8 @@ Status RunDecodeGemmInstance(const DecodeGemmPlan& p, cudaStream_t stream, int d
       &params);
   if (st == cutlass::Status::kErrorInvalidProblem) {
     return Status::InvalidArgument("flux_jax: CUTLASS cannot implement the decode GEMM rows=" + std::to_string(p.rows) +
-                                   " n=" + std::to_string(p.n) + " k=" + std::to_string(p.k) +
-                                   " (K and N must be multiples of 8)");
+                                   " n=" + std::to_string(p.n) + " k=" + std::to_string(p.k) + " (" +
+                                   Instance::kRequirement + ")");
   }
   params.mainloop.gate = p.gate;          // this call's epoch and timeout
   params.epilogue.exchange = p.exchange;  // this call's epoch, output and receive slots

@@ -1,6 +1,8 @@
 // One launch of the decode path's GEMM (decode_gemm.cuh), without CUTLASS types:
 // out[rows, n] = x[rows, k] @ w[k, n], all row-major, w N-major only (the
-// forward weight; the transposed weight of a backward pass is not built).
+// forward weight; the transposed weight of a backward pass is not built); or, with
+// FP8 operands, out = row_scale[rows] * col_scale[n] * (x[rows, k] @ w[n, k]^T), x and w
+// float8_e4m3fn (w transposed: FP8 GEMMs read both operands K-major), out bfloat16.
 // With a DecodeExchange its epilogue also reduce-scatters or all-reduces the result
 // across the TP group, tile by tile (matmul_rs_decode.cu, matmul_ar_decode.cu).
 #pragma once
@@ -64,6 +66,9 @@ struct DecodeGemmPlan {
   const void* w = nullptr;
   void* d = nullptr;
   const float* alpha_ptr = nullptr;  // device scalar (1.0f; NaN once a wait timed out)
+  bool fp8 = false;                  // x, w float8_e4m3fn (w [n, k]), d bfloat16, the scales below
+  const float* row_scale = nullptr;  // [rows], FP8 only
+  const float* col_scale = nullptr;  // [n], FP8 only
   PushGate gate;                     // flags to wait for before the first row load
   bool early_launch = false;         // programmatic dependent launch after the push kernel
   DecodeExchange exchange;           // tp == 0: none
@@ -73,13 +78,20 @@ struct DecodeGemmPlan {
 // that), so no TMA box runs past the tensor (a slow path). Rows past `rows` may hold anything.
 inline int64_t DecodeRowsReadable(int64_t rows) { return rows <= 64 ? 64 : (rows + 127) / 128 * 128; }
 
-// Whether the decode GEMM exists for this input.
-inline bool HasDecodeGemm(DType dtype, bool w_transposed, int64_t rows) {
-  return dtype == DType::kBF16 && !w_transposed && rows >= 1 && rows <= kDecodeMaxRows;
+// Whether the decode GEMM exists for this input: bfloat16 with the untransposed weight, or FP8
+// operands (float8_e4m3fn rows, the transposed weight) with a bfloat16 output.
+inline bool HasDecodeGemm(DType dtype, bool w_transposed, int64_t rows, const Fp8Operands& fp8 = {}) {
+  const bool operands = fp8.on ? !fp8.x_e5m2 && w_transposed : !w_transposed;
+  return dtype == DType::kBF16 && operands && rows >= 1 && rows <= kDecodeMaxRows;
 }
 
-// Launches on `stream`; `sm_count` sizes the persistent grid.
+// Launches on `stream`; `sm_count` sizes the persistent grid. `dtype` is D's (and x's and w's
+// unless plan.fp8).
 Status RunDecodeGemm(const DecodeGemmPlan& plan, DType dtype, cudaStream_t stream, int device, int sm_count);
+
+// The FP8 instances (gemm_decode_e4m3.cu), called by RunDecodeGemm.
+Status RunDecodeGemmFp8(const DecodeGemmPlan& plan, cudaStream_t stream, int device, int sm_count);
+Status PreloadDecodeGemmFp8Kernels();
 
 // Loads the decode GEMM kernels into the current device's context.
 Status PreloadDecodeGemmKernels();

@@ -15,14 +15,14 @@ namespace flux_jax::cuda {
 Status RunExchangingDecode(const ExchangingDecodeCall& c, const TpGroup& group, const CommConfig& cfg, cudaStream_t S) {
   const int tp = group.size, r = group.rank;
   const int device = group.ordinals[r];
-  const size_t elt = DTypeBytes(c.dtype);
+  const size_t elt = DTypeBytes(c.dtype), x_elt = OperandBytes(c.dtype, c.fp8);
   const size_t out_bytes = static_cast<size_t>(c.reduced_rows * c.n) * elt;
   if (cfg.poison_outputs) FLUX_CUDA_TRY(cudaMemsetAsync(c.out, 0xFF, out_bytes, S));
   if (c.m == 0) return Status::Ok();
   const int64_t readable = DecodeRowsReadable(c.m);
   const bool stage_x = readable != c.m;
   const size_t part_bytes = static_cast<size_t>(c.m * c.n) * elt;  // P (n % 8 == 0: whole vectors)
-  const size_t own_bytes = part_bytes + (stage_x ? static_cast<size_t>(readable * c.k) * elt : 0);
+  const size_t own_bytes = part_bytes + (stage_x ? static_cast<size_t>(readable * c.k) * x_elt : 0);
   const size_t ll_half = DecodeExchangeBytes(tp * c.reduced_rows, c.n);  // one block per sender
   GroupWorkspace* ws = nullptr;
   FLUX_JAX_RETURN_IF_ERROR(AcquireWorkspace(group, 0, cfg, S, &ws, 2 * own_bytes, 2 * ll_half));
@@ -38,13 +38,16 @@ Status RunExchangingDecode(const ExchangingDecodeCall& c, const TpGroup& group, 
   plan.x_rows_readable = c.m;
   if (stage_x) {  // rows past m are read (any values) and never stored
     void* staged = own + part_bytes;
-    FLUX_CUDA_TRY(cudaMemcpyAsync(staged, c.x, static_cast<size_t>(c.m * c.k) * elt, cudaMemcpyDeviceToDevice, S));
+    FLUX_CUDA_TRY(cudaMemcpyAsync(staged, c.x, static_cast<size_t>(c.m * c.k) * x_elt, cudaMemcpyDeviceToDevice, S));
     plan.x = staged;
     plan.x_rows_readable = readable;
   }
   plan.w = c.w;
   plan.d = own;  // P
   plan.alpha_ptr = ws->alpha;
+  plan.fp8 = c.fp8.on;
+  plan.row_scale = c.fp8.row_scale;  // predicated past row m: the staged tail is never scaled
+  plan.col_scale = c.fp8.col_scale;
   DecodeExchange& e = plan.exchange;
   e.tp = tp;
   e.rank = r;

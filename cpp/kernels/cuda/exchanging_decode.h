@@ -15,11 +15,12 @@ namespace flux_jax::cuda {
 
 struct ExchangingDecodeCall {
   const void* x = nullptr;  // [m, k], this rank's input
-  const void* w = nullptr;  // [k, n]
+  const void* w = nullptr;  // [k, n], or [n, k] with FP8 operands
   void* out = nullptr;      // [reduced_rows, n]
   int64_t m = 0, k = 0, n = 0;
-  DType dtype = DType::kBF16;
-  int64_t reduced_rows = 0;  // rows each rank sums: m / tp (reduce-scatter) or m (all-reduce)
+  DType dtype = DType::kBF16;  // out (and x, w unless fp8)
+  Fp8Operands fp8;             // row_scale: [m], this rank's rows'; col_scale: [n]
+  int64_t reduced_rows = 0;    // rows each rank sums: m / tp (reduce-scatter) or m (all-reduce)
   bool all_reduce = false;
 };
 

@@ -9,9 +9,10 @@ using DecodeGemm128 = DecodeGemmInstance<cutlass::bfloat16_t, 128>;
 
 Status RunDecodeGemm(const DecodeGemmPlan& plan, DType dtype, cudaStream_t stream, int device, int sm_count) {
   if (dtype != DType::kBF16 || plan.rows < 1 || plan.rows > kDecodeMaxRows) {
-    return Status::InvalidArgument("flux_jax: the decode GEMM takes bfloat16 and 1.." + std::to_string(kDecodeMaxRows) +
-                                   " rows, got rows=" + std::to_string(plan.rows));
+    return Status::InvalidArgument("flux_jax: the decode GEMM gives bfloat16 and takes 1.." +
+                                   std::to_string(kDecodeMaxRows) + " rows, got rows=" + std::to_string(plan.rows));
   }
+  if (plan.fp8) return RunDecodeGemmFp8(plan, stream, device, sm_count);
   if (plan.rows <= 64) {
     return RunDecodeGemmInstance<DecodeGemm64>(plan, stream, device, sm_count);
   }
@@ -20,7 +21,8 @@ Status RunDecodeGemm(const DecodeGemmPlan& plan, DType dtype, cudaStream_t strea
 
 Status PreloadDecodeGemmKernels() {
   FLUX_JAX_RETURN_IF_ERROR(PreloadDecodeGemmInstance<DecodeGemm64>());
-  return PreloadDecodeGemmInstance<DecodeGemm128>();
+  FLUX_JAX_RETURN_IF_ERROR(PreloadDecodeGemmInstance<DecodeGemm128>());
+  return PreloadDecodeGemmFp8Kernels();
 }
 
 }  // namespace flux_jax::cuda

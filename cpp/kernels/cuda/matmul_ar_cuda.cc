@@ -25,6 +25,7 @@ Status RunMatmulArCuda(const MatmulArParams& p, const TpGroup& group, const Comm
   auto S = static_cast<cudaStream_t>(stream_ptr);
   const int device = group.ordinals[group.rank];
   DeviceGuard guard(device);
+  if (p.fp8.on) FLUX_JAX_RETURN_IF_ERROR(CheckFp8Call("matmul_ar", cfg, p.w_transposed, p.k, /*fp8_decode=*/true));
   if (cfg.path == FusedPath::kDecode) return RunMatmulArDecode(p, group, cfg, S);
   CollectiveParams c;  // the all_reduce of the [m, n] partial, which the GEMM writes
   c.out = p.out;
@@ -36,7 +37,11 @@ Status RunMatmulArCuda(const MatmulArParams& p, const TpGroup& group, const Comm
     plan.a = p.x;
     plan.d = partial;
     plan.alpha_ptr = ws.alpha;  // NaN once a wait of this device timed out: NaN, never wrong
-    FLUX_JAX_RETURN_IF_ERROR(ChooseGemmInstance(cfg, p.dtype, p.w_transposed, p.m, p.n, ws.sm_count, &plan));
+    if (p.fp8.on) {
+      FLUX_JAX_RETURN_IF_ERROR(ChooseFp8GemmInstance(cfg, p.fp8, p.m, p.n, &plan));
+    } else {
+      FLUX_JAX_RETURN_IF_ERROR(ChooseGemmInstance(cfg, p.dtype, p.w_transposed, p.m, p.n, ws.sm_count, &plan));
+    }
     return RunGemm(plan, p.dtype, S, device, ws.sm_count);
   };
   return EnqueueAllReduce(c, group, cfg, S, gemm);

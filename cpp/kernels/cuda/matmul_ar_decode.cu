@@ -26,22 +26,24 @@ namespace flux_jax::cuda {
 
 bool MatmulArDecodeSupported(const MatmulArParams& p, const TpGroup& group) {
   return group.size >= 1 && group.size <= kDecodeMaxRanks && p.m <= limits::kDecodeArMaxRows &&
-         group.size * p.m * p.n <= limits::kDecodeArMaxElements && HasDecodeGemm(p.dtype, p.w_transposed, p.m);
+         group.size * p.m * p.n <= limits::kDecodeArMaxElements && HasDecodeGemm(p.dtype, p.w_transposed, p.m, p.fp8);
 }
 
 Status RunMatmulArDecode(const MatmulArParams& p, const TpGroup& group, const CommConfig& cfg, cudaStream_t S) {
   const int tp = group.size;
   if (!MatmulArDecodeSupported(p, group)) {
-    return Status::InvalidArgument("flux_jax: matmul_ar's decode path takes bfloat16, the untransposed weight, 1.." +
-                                   std::to_string(kDecodeMaxRanks) + " ranks, 1.." +
-                                   std::to_string(limits::kDecodeArMaxRows) +
-                                   " rows and ranks x rows x N <= " + std::to_string(limits::kDecodeArMaxElements) +
-                                   "; got m=" + std::to_string(p.m) + ", n=" + std::to_string(p.n) + ", " +
-                                   std::to_string(tp) + " ranks (use fused_path=\"latency\")");
+    return Status::InvalidArgument(
+        "flux_jax: matmul_ar's decode path takes bfloat16 with the untransposed weight "
+        "(or float8_e4m3fn rows with the transposed weight), 1.." +
+        std::to_string(kDecodeMaxRanks) + " ranks, 1.." + std::to_string(limits::kDecodeArMaxRows) +
+        " rows and ranks x rows x N <= " + std::to_string(limits::kDecodeArMaxElements) +
+        "; got m=" + std::to_string(p.m) + ", n=" + std::to_string(p.n) + ", " + std::to_string(tp) +
+        " ranks (use fused_path=\"latency\")");
   }
   ExchangingDecodeCall c;
   c.x = p.x, c.w = p.w, c.out = p.out;
   c.m = p.m, c.k = p.k, c.n = p.n, c.dtype = p.dtype;
+  c.fp8 = p.fp8;
   c.reduced_rows = p.m;
   c.all_reduce = true;
   return RunExchangingDecode(c, group, cfg, S);

@@ -38,7 +38,7 @@ Status RunMatmulRsCuda(const MatmulRsParams& p, const TpGroup& group, const Comm
   const int tp = group.size, r = group.rank;
   const int device = group.ordinals[r];
   DeviceGuard guard(device);
-  if (p.fp8.on) FLUX_JAX_RETURN_IF_ERROR(CheckFp8Call("matmul_rs", cfg, p.w_transposed, p.k));
+  if (p.fp8.on) FLUX_JAX_RETURN_IF_ERROR(CheckFp8Call("matmul_rs", cfg, p.w_transposed, p.k, /*fp8_decode=*/true));
   if (cfg.path == FusedPath::kDecode && tp > 1) return RunMatmulRsDecode(p, group, cfg, S);
   const size_t elt = DTypeBytes(p.dtype);  // out and the partial sums
   const size_t x_row_bytes = static_cast<size_t>(p.k) * OperandBytes(p.dtype, p.fp8);

@@ -23,20 +23,22 @@
 namespace flux_jax::cuda {
 bool MatmulRsDecodeSupported(const MatmulRsParams& p, const TpGroup& group) {
   return group.size >= 2 && group.size <= kDecodeMaxRanks && p.m % group.size == 0 && p.m <= kDecodeExchangeMaxRows &&
-         p.n <= limits::kDecodeRsMaxN && HasDecodeGemm(p.dtype, p.w_transposed, p.m);
+         p.n <= limits::kDecodeRsMaxN && HasDecodeGemm(p.dtype, p.w_transposed, p.m, p.fp8);
 }
 
 Status RunMatmulRsDecode(const MatmulRsParams& p, const TpGroup& group, const CommConfig& cfg, cudaStream_t S) {
   const int tp = group.size;
   if (!MatmulRsDecodeSupported(p, group)) {
     return Status::InvalidArgument(
-        "flux_jax: matmul_rs's decode path takes bfloat16, the untransposed weight, 2.." +
+        "flux_jax: matmul_rs's decode path takes bfloat16 with the untransposed weight (or float8_e4m3fn rows "
+        "with the transposed weight), 2.." +
         std::to_string(kDecodeMaxRanks) + " ranks and at most " + std::to_string(kDecodeExchangeMaxRows) +
         " rows, divisible by the ranks; got m=" + std::to_string(p.m) + " (use fused_path=\"latency\")");
   }
   ExchangingDecodeCall c;
   c.x = p.x, c.w = p.w, c.out = p.out;
   c.m = p.m, c.k = p.k, c.n = p.n, c.dtype = p.dtype;
+  c.fp8 = p.fp8;
   c.reduced_rows = p.m / tp;
   return RunExchangingDecode(c, group, cfg, S);
 }

@@ -167,11 +167,13 @@ inline Status ChooseFp8GemmInstance(const CommConfig& cfg, const Fp8Operands& fp
   return Status::Ok();
 }
 
-// Checks the FP8 form of a call can run on the GPU kernels: the overlap path, the transposed
-// weight, K a multiple of 16 (16-byte rows for TMA).
-inline Status CheckFp8Call(const char* op, const CommConfig& cfg, bool w_transposed, int64_t k) {
-  if (cfg.path != FusedPath::kOverlap) {
-    return Status::InvalidArgument(std::string("flux_jax: ") + op + " with FP8 operands runs the overlap path only");
+// Checks the FP8 form of a call can run on the GPU kernels: the overlap path (or the decode path,
+// where the op has an FP8 one), the transposed weight, K a multiple of 16 (16-byte rows for TMA).
+inline Status CheckFp8Call(const char* op, const CommConfig& cfg, bool w_transposed, int64_t k,
+                           bool fp8_decode = false) {
+  if (cfg.path != FusedPath::kOverlap && !(fp8_decode && cfg.path == FusedPath::kDecode)) {
+    return Status::InvalidArgument(std::string("flux_jax: ") + op + " with FP8 operands runs the overlap path" +
+                                   (fp8_decode ? " or the decode path" : "") + " only");
   }
   if (!w_transposed || k % 16 != 0) {
     return Status::InvalidArgument(std::string("flux_jax: ") + op +

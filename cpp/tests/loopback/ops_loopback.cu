@@ -576,7 +576,7 @@ class RankThread {
       UploadOperands(b.w, in.w[rank_], c, stream_, &staging);
     }
     std::vector<float> row_scale[kInputSets];
-    if (c.fp8) {  // ag_matmul: every rank's rows' scales; matmul_rs: this rank's
+    if (c.fp8) {  // ag_matmul: every rank's rows' scales; matmul_rs, matmul_ar: this rank's
       for (int s = 0; s < kInputSets; ++s) {
         for (int q = 0; q < tp_; ++q) {
           if (c.op == Op::kAgMatmul || q == rank_)
@@ -640,6 +640,9 @@ class RankThread {
       MatmulArParams p;
       p.x = b.x[set], p.w = b.w, p.out = b.out;
       p.m = c.m, p.k = c.k, p.n = c.n, p.dtype = c.dtype, p.w_transposed = c.w_transposed;
+      p.fp8.on = c.fp8;
+      p.fp8.row_scale = static_cast<const float*>(b.row_scale[set]);
+      p.fp8.col_scale = static_cast<const float*>(b.col_scale);
       return g_cpu ? RunMatmulArCpu(p, group_, cfg) : RunMatmulArCuda(p, group_, cfg, stream_);
     }
     CollectiveParams p;
@@ -748,7 +751,7 @@ class RankThread {
           for (int64_t col = 0; col < c.n; ++col) {
             Ref sum;
             for (int q = 0; q < tp_; ++q) {
-              const Ref r = Dot(c, xf[q], row, in.wt[q], col);
+              const Ref r = ScaledDot(c, in, set, q, row, q, col);
               sum.value += r.value, sum.partials += r.partials, sum.magnitude += r.magnitude;
             }
             expect(row * c.n + col, ToFloat(out[row * c.n + col], c.dtype), sum.value,
@@ -791,8 +794,8 @@ class RankThread {
 
 // Cases (indices into CasesFor) rerun with a silent rank: each path's bounded waits, and the
 // gathered output of both ag_matmul paths (4, 7, and FP8 28: NaN or right, never an earlier call's
-// rows); 33: matmul_ar's decode path, both row blocks.
-const std::vector<size_t> kDropCases = {0, 4, 5, 7, 8, 13, 14, 16, 18, 20, 23, 28, 33};
+// rows); 33: matmul_ar's decode path, both row blocks; 37 and 40: the FP8 decode GEMM's exchanges.
+const std::vector<size_t> kDropCases = {0, 4, 5, 7, 8, 13, 14, 16, 18, 20, 23, 28, 33, 37, 40};
 // The case whose first call on a fresh group meets a failing workspace growth.
 constexpr size_t kGrowthCase = 8;
 
@@ -827,7 +830,7 @@ std::vector<Case> CasesFor(int tp) {
       {Op::kMatmulAr, Path::kOverlap, 64, 512, 1024, DType::kF16},
       {Op::kMatmulAr, Path::kOverlap, 96, 520, 1032},  // a partial row tile, K and N tails
       {Op::kMatmulAr, Path::kOverlap, 128, 768, 512, DType::kBF16, /*w_transposed=*/true},
-      // FP8 (e4m3 x and w^T, row and column scales, bf16 out): overlap only.
+      // FP8 (e4m3 x and w^T, row and column scales, bf16 out).
       {Op::kAgMatmul, Path::kOverlap, ag_m, 1024, 768, DType::kBF16, true, false, /*fp8=*/true},
       {Op::kAgMatmul, Path::kOverlap, ag_m, 768, 512, DType::kBF16, true, /*gathered=*/true, /*fp8=*/true},
       {Op::kAgMatmul, Path::kOverlap, 200, 512, 520, DType::kBF16, true, false, /*fp8=*/true},  // 200: no 128-row tiles
@@ -840,6 +843,16 @@ std::vector<Case> CasesFor(int tp) {
       {Op::kMatmulAr, Path::kDecode, 64, 2048, 1024},
       {Op::kMatmulAr, Path::kDecode, 128, 512, 512},   // two blocks of 64 rows
       {Op::kMatmulAr, Path::kDecode, 100, 776, 1544},  // 64 + 36 rows, K and N tails
+      // FP8 decode GEMM (e4m3 x and w^T, w's scales along the tile's M, x's along its N): matmul_rs's
+      // reduce-scatter and matmul_ar's all-reduce in its epilogue; x staged where its rows are not
+      // whole tiles, the row scales predicated past the last row.
+      {Op::kMatmulRs, Path::kDecode, 64, 1024, 2048, DType::kBF16, true, false, /*fp8=*/true},
+      {Op::kMatmulRs, Path::kDecode, 104, 784, 1544, DType::kBF16, true, false, /*fp8=*/true},  // 64 + 40 rows
+      {Op::kMatmulAr, Path::kDecode, 1, 1024, 2048, DType::kBF16, true, false, /*fp8=*/true},
+      {Op::kMatmulAr, Path::kDecode, 128, 512, 512, DType::kBF16, true, false, /*fp8=*/true},
+      {Op::kMatmulAr, Path::kDecode, 100, 784, 1544, DType::kBF16, true, false, /*fp8=*/true},
+      // matmul_ar's overlap path on FP8 operands: the FP8 GEMM, then the all_reduce kernel.
+      {Op::kMatmulAr, Path::kOverlap, 96, 528, 1032, DType::kBF16, true, false, /*fp8=*/true},
   };
   return cases;
 }
