@@ -201,8 +201,8 @@ def _plan_fp8(p: Problem, config: Config, must_fuse: bool) -> Plan:
             )
         return Plan(
             "latency",
-            "the FP8 decode kernels serve matmul_rs and matmul_ar with e4m3 rows within the decode "
-            f'limits only (Config.fused_path="decode"): {latency}',
+            "the FP8 decode kernels serve e4m3 rows, a bfloat16 output and the decode path's limits "
+            f'only (Config.fused_path="decode"): {latency}',
             "config",
         )
     if config.fused_path == "latency":
@@ -227,13 +227,11 @@ def _plan_fp8(p: Problem, config: Config, must_fuse: bool) -> Plan:
 
 
 def fp8_decode_supported(p: Problem) -> bool:
-    """Whether the FP8 decode kernels serve this call: matmul_rs's or matmul_ar's GEMM with rows in
-    e4m3 (the forward), a bfloat16 output, per-rank K a multiple of 16 and N of 8, within the bf16
-    decode path's limits (the same kernels with the FP8 GEMM). ag_matmul has none: its push
-    kernel moves rows, not the row scales its GEMM's epilogue would read."""
+    """Whether the FP8 decode kernels serve this call: a GEMM with rows in e4m3 (the forward), a
+    bfloat16 output, per-rank K a multiple of 16 and N of 8, within the bf16 decode path's limits
+    (the same kernels with the FP8 GEMM; ag_matmul's push kernel moves the row scales too)."""
     return (
-        p.op in ("matmul_rs", "matmul_ar")
-        and p.fp8 == "float8_e4m3fn"
+        p.fp8 == "float8_e4m3fn"
         and np.dtype(p.dtype) == _BF16
         and p.k % 16 == 0
         and p.n % 8 == 0

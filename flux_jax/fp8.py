@@ -248,18 +248,32 @@ def gathered_matmul(
 
 
 def fused_gathered_matmul(
-    x, w, recipe: Fp8, gather: Callable, fused: Callable, tp: int, *, transpose_w, grad, return_gathered
+    x,
+    w,
+    recipe: Fp8,
+    gather: Callable,
+    fused: Callable,
+    tp: int,
+    *,
+    transpose_w,
+    grad,
+    return_gathered,
+    scales_travel: bool = False,
 ):
-    """AG(x) @ op(w) through FP8 in the fused overlap kernel: the row scales gathered first (one
-    small collective), then `fused(xq, wq [n, k], row_scales [tp * rows], col_scales [n])` gathers
-    the FP8 rows inside the GEMM and applies the scales in its epilogue. Returns [out] or [out,
+    """AG(x) @ op(w) through FP8 in a fused kernel: the overlap path gathers the row scales first
+    (one small collective), then `fused(xq, wq [n, k], row_scales [tp * rows], col_scales [n])`
+    gathers the FP8 rows inside the GEMM and applies the scales in its epilogue. With
+    `scales_travel` (the decode path) `fused` takes this rank's row scales, [rows], and moves them
+    with the rows; the scales are gathered here only to dequantize AG(x). Returns [out] or [out,
     AG(x) dequantized]; `fused` returns [out] or [out, AG(xq)]."""
     xq, xs = quantize_rows(x, recipe, grad)
     wq, ws = kmajor_weight(w, recipe, transpose_w)
-    xs_full = gather_scales(gather, xs, tp)
-    outs = fused(xq, wq, xs_full.reshape(-1), ws)
+    xs_full = None if scales_travel else gather_scales(gather, xs, tp)
+    outs = fused(xq, wq, (xs if scales_travel else xs_full).reshape(-1), ws)
     if not return_gathered:
         return [outs[0]]
+    if xs_full is None:
+        xs_full = gather_scales(gather, xs, tp)
     return [outs[0], dequantize(outs[1], xs_full, x.dtype)]
 
 

@@ -462,11 +462,12 @@ def test_quantize_helpers():
     assert s2.shape == (1, 1) and np.max(np.abs(to64(q2))) == 57344.0 / 8
 
 
-@pytest.mark.parametrize("op", ["rs", "ar"])
+@pytest.mark.parametrize("op", ["ag", "rs", "ar"])
 def test_decode_path_runs_the_ops_own_call_on_fp8_operands(op):
-    """fused_path="decode" with FP8 (matmul_rs, matmul_ar): the op's own custom call on the FP8
-    operands with the decode path's attribute, its row scales local (no collective besides it);
-    the same numbers as the latency composition (XLA's FP8 GEMM) up to the output's rounding."""
+    """fused_path="decode" with FP8: the op's own custom call on the FP8 operands with the decode
+    path's attribute and this rank's row scales (ag_matmul's travel with its rows: no collective
+    besides the call); the same numbers as the latency composition (XLA's FP8 GEMM) up to the
+    output's rounding."""
     import re
 
     rng = np.random.default_rng()
@@ -480,10 +481,11 @@ def test_decode_path_runs_the_ops_own_call_on_fp8_operands(op):
         hlo = fused.lower(*args).as_text()
         got = to64(fused(*args))
     assert [site.plan.path for site in sites] == ["decode"], sites
-    target = {"rs": "flux_jax_matmul_rs", "ar": "flux_jax_matmul_ar"}[op]
+    target = {"ag": "flux_jax_ag_matmul", "rs": "flux_jax_matmul_rs", "ar": "flux_jax_matmul_ar"}[op]
     calls = re.findall(rf"custom_call @{target}\((.*?)\).*?: \((.*?)\) ->", hlo)
     assert len(calls) == 1, hlo
     assert calls[0][1].count("f8E4M3FN") == 2 and calls[0][1].count("xf32>") == 2, calls[0][1]
+    assert f"tensor<{2 if op == 'ag' else 8}xf32>" in calls[0][1], calls[0][1]  # this rank's rows' scales
     assert re.search(r"path = 1 : i32", hlo), hlo  # FusedPath::kDecode
     assert not re.search(r"flux_jax_(all_gather|reduce_scatter|all_reduce)", hlo)
     with flux_jax.config(fused_path="latency"):
@@ -517,16 +519,15 @@ def test_plans_and_explain():
     unaligned = _plan.plan(dataclasses.replace(gpu, n=252), "fused", pinned, on_hopper=True)
     assert unaligned.path == "latency" and "does not serve" in unaligned.reason
     decode_cfg = flux_jax.Config(fused_path="decode")
-    decode = _plan.plan(gpu, "fused", decode_cfg, on_hopper=True)  # ag_matmul: no FP8 decode kernel
-    assert decode.path == "latency" and "FP8 decode kernels serve matmul_rs and matmul_ar" in decode.reason
-    for op in ("matmul_rs", "matmul_ar"):
+    for op in ("ag_matmul", "matmul_rs", "matmul_ar"):
         small = dataclasses.replace(gpu, op=op, transpose_w=True)
         assert _plan.plan(small, "fused", decode_cfg, on_hopper=True).path == "decode"
         assert _plan.plan(small, "fused", cfg, on_hopper=True).path == "latency"  # only where asked for
         e5m2_rows = _plan.plan(dataclasses.replace(small, fp8="float8_e5m2"), "fused", decode_cfg, on_hopper=True)
-        assert e5m2_rows.path == "latency"  # the backward's rows: no e5m2 decode kernel
-        assert _plan.plan(dataclasses.replace(small, rows=256), "fused", decode_cfg, on_hopper=True).path == "latency"
-        assert _plan.plan(dataclasses.replace(small, n=40000), "fused", decode_cfg, on_hopper=True).path == "latency"
+        assert e5m2_rows.path == "latency" and "serve e4m3 rows" in e5m2_rows.reason  # no e5m2 decode kernel
+        assert _plan.plan(dataclasses.replace(small, rows=512), "fused", decode_cfg, on_hopper=True).path == "latency"
+        wide = _plan.plan(dataclasses.replace(small, n=40000), "fused", decode_cfg, on_hopper=True)
+        assert wide.path == ("decode" if op == "ag_matmul" else "latency")  # RS, AR: the exchange's limits
     odd_k = dataclasses.replace(gpu, k=200)
     assert "multiple of 16" in _plan.unavailable_on_hopper(odd_k)
     rs32 = dataclasses.replace(gpu, op="matmul_rs", dtype=np.dtype("float32"))

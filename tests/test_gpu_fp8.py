@@ -88,11 +88,12 @@ def test_fused_matches_twin(gpus, op, shape):
     _check(gpus, 2, op, shape)
 
 
-@pytest.mark.parametrize("op", ["rs", "ar"])
+@pytest.mark.parametrize("op", ["ag", "rs", "ar"])
 @pytest.mark.parametrize("shape", [(64, 4096, 2048), (104, 1568, 784)], ids=lambda s: "x".join(map(str, s)))
 def test_fp8_decode_path_matches_twin(gpus, op, shape):
-    """TP=2, fused_path="decode": one FP8 decode GEMM per rank whose epilogue scales and
-    reduce-scatters (all-reduces) each tile; no collective besides it."""
+    """TP=2, fused_path="decode": ag_matmul's push kernel moves the e4m3 rows and their scales,
+    its FP8 decode GEMM scales them in its epilogue; matmul_rs's (matmul_ar's) FP8 decode GEMM
+    scales and reduce-scatters (all-reduces) each tile in its epilogue; no collective besides."""
     M, K, N = shape
     mesh = gpu_mesh(gpus, (2,))
     rng = np.random.default_rng()
@@ -102,7 +103,7 @@ def test_fp8_decode_path_matches_twin(gpus, op, shape):
         xs, ws = place(mesh, x, specs[0]), place(mesh, w, specs[1])
         hlo = fused.lower(xs, ws).as_text()
         outs = [fused(xs, ws) for _ in range(3)]  # both parities of the workspace
-    assert f"custom_call @flux_jax_{'matmul_rs' if op == 'rs' else 'matmul_ar'}" in hlo
+    assert f"custom_call @flux_jax_{ {'ag': 'ag_matmul', 'rs': 'matmul_rs', 'ar': 'matmul_ar'}[op] }" in hlo
     assert not any(f"@flux_jax_{c}" in hlo for c in ("all_gather", "reduce_scatter", "all_reduce"))
     twin, _ = _fn(op, mesh, "xla")
     twin_out = twin(xs, ws)

@@ -24,8 +24,11 @@ Status MakeParams(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::RemainingArgs& scales
   if ((p->w_transposed ? wd[1] : wd[0]) != p->k) {
     return Status::InvalidArgument("ag_matmul: contraction sizes of x and w differ");
   }
-  FLUX_JAX_RETURN_IF_ERROR(DecodeOperandTypes("ag_matmul", x, w, *out, scales, p->w_transposed, group.size * p->m_local,
-                                              p->n, &p->dtype, &p->fp8));
+  // FP8 row scales: every gathered row's, or this rank's rows' on the decode path (they travel
+  // with the rows there).
+  const int64_t scaled_rows = attrs.path == FusedPath::kDecode ? p->m_local : group.size * p->m_local;
+  FLUX_JAX_RETURN_IF_ERROR(
+      DecodeOperandTypes("ag_matmul", x, w, *out, scales, p->w_transposed, scaled_rows, p->n, &p->dtype, &p->fp8));
   p->x = x.untyped_data();
   p->w = w.untyped_data();
   p->out = out->untyped_data();

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax.numpy as jnp
@@ -40,7 +41,10 @@ def _latency(x, w, call: Call, collective):
     return gathered_gemm(x, w, call, lambda a: collective("all_gather", a, (call.tp * a.shape[0], *a.shape[1:])))
 
 
-def _fp8_overlap(x, w, call: Call, collective, fused):
+def _fp8_fused(x, w, call: Call, collective, fused, *, scales_travel=False):
+    """The FP8 overlap path (the row scales gathered first) and decode path (they travel with
+    the rows, pushed by the decode kernel's push kernel)."""
+
     def gather(a):
         return collective("all_gather", a, (call.tp * a.shape[0], *a.shape[1:]))
 
@@ -54,6 +58,7 @@ def _fp8_overlap(x, w, call: Call, collective, fused):
         transpose_w=call.transpose_w,
         grad=call.backward,
         return_gathered=call.return_gathered,
+        scales_travel=scales_travel,
     )
 
 
@@ -73,7 +78,19 @@ def _bwd(call: Call, residuals, cotangents):
     return dx, _autodiff.weight_grad(x_full, dy, w, call.transpose_w)
 
 
-SPEC = define(OpSpec(NAME, _out_shapes, _gemm, _twin, _latency, _fwd, _bwd, fp8_overlap=_fp8_overlap))
+SPEC = define(
+    OpSpec(
+        NAME,
+        _out_shapes,
+        _gemm,
+        _twin,
+        _latency,
+        _fwd,
+        _bwd,
+        fp8_overlap=_fp8_fused,
+        fp8_decode=functools.partial(_fp8_fused, scales_travel=True),
+    )
+)
 
 
 def ag_matmul(x, w, *, axis_name: str, axis: int = 0, impl: str = "auto", return_gathered: bool = False, fp8=None):

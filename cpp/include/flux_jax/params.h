@@ -89,7 +89,8 @@ struct CommConfig {
 // FP8 operands of a fused GEMM op: x and w in float8_e4m3fn (w transposed, [n, k]: FP8 GEMMs
 // read both operands K-major), the output in `dtype`,
 //   out[i, j] = row_scale[i] * col_scale[j] * sum_k x[i, k] * w[j, k]   (float32 accumulation).
-// row_scale covers the GEMM's rows (ag_matmul: all tp*m_local gathered rows, rank order).
+// row_scale covers the GEMM's rows (ag_matmul: all tp*m_local gathered rows, rank order; on its
+// decode path only this rank's m_local rows, whose scales travel with them).
 struct Fp8Operands {
   bool on = false;
   bool x_e5m2 = false;  // x in float8_e5m2 (a backward's dy rows), else float8_e4m3fn; w is e4m3fn

@@ -9,7 +9,8 @@
 //   out[chunk 3] = slot[3] @ w      after arrived[3] >= epoch
 //   out[chunk 0] = slot[0] @ w      after arrived[0] >= epoch
 //
-// See channel.h for the flag protocol.
+// FP8 on the decode path: each rank holds only its own rows' scales, which travel in the slot
+// after the rows (as the GPU push kernel moves them). See channel.h for the flag protocol.
 #include <cstring>
 #include <vector>
 
@@ -25,11 +26,13 @@ Status RunAgMatmulCpu(const AgMatmulParams& p, const TpGroup& group, const CommC
   const size_t elt = DTypeBytes(p.dtype);  // out
   const size_t chunk_bytes = static_cast<size_t>(p.m_local * p.k) * OperandBytes(p.dtype, p.fp8);
   const int64_t chunk_out = p.m_local * p.n;  // output elements per chunk
+  const bool local_scales = p.fp8.on && cfg.path == FusedPath::kDecode;
+  const size_t scale_bytes = local_scales ? static_cast<size_t>(p.m_local) * sizeof(float) : 0;
 
-  const uint64_t signature =
-      cpu::HashInts({1, p.m_local, p.k, p.n, static_cast<int64_t>(p.dtype), p.w_transposed, p.fp8.on, p.fp8.x_e5m2});
+  const uint64_t signature = cpu::HashInts(
+      {1, p.m_local, p.k, p.n, static_cast<int64_t>(p.dtype), p.w_transposed, p.fp8.on, p.fp8.x_e5m2, local_scales});
   cpu::ChannelCall call;
-  FLUX_JAX_RETURN_IF_ERROR(call.Open(group, cfg, chunk_bytes, signature));
+  FLUX_JAX_RETURN_IF_ERROR(call.Open(group, cfg, chunk_bytes + scale_bytes, signature));
   cpu::Channel& channel = call.channel();
   const uint64_t epoch = call.epoch();
   const int parity = call.parity();
@@ -43,7 +46,9 @@ Status RunAgMatmulCpu(const AgMatmulParams& p, const TpGroup& group, const CommC
     const int peer = (rank + i) % tp;
     FLUX_JAX_RETURN_IF_ERROR(channel.Wait(rank, cpu::FlagKind::kFreed, parity, peer, epoch >= 2 ? epoch - 2 : 0, epoch,
                                           cfg, {"ag_matmul", peer, rank}));
-    if (chunk_bytes) std::memcpy(channel.Slot(peer, parity, rank), p.x, chunk_bytes);
+    std::byte* slot = channel.Slot(peer, parity, rank);
+    if (chunk_bytes) std::memcpy(slot, p.x, chunk_bytes);
+    if (scale_bytes) std::memcpy(slot + chunk_bytes, p.fp8.row_scale, scale_bytes);
     if (rank != cfg.drop_rank) {
       channel.Signal(peer, cpu::FlagKind::kArrived, parity, rank, epoch, cfg);
     }
@@ -53,17 +58,22 @@ Status RunAgMatmulCpu(const AgMatmulParams& p, const TpGroup& group, const CommC
   const std::vector<float> w = p.fp8.on ? cpu::Fp8WeightAsFloat(p.w, p.k, p.n, p.fp8.col_scale)
                                         : cpu::WeightAsFloat(p.w, p.dtype, p.k, p.n, p.w_transposed);
   std::vector<float> acc(static_cast<size_t>(chunk_out));
+  std::vector<float> received_scales(local_scales ? static_cast<size_t>(p.m_local) : 0);
   for (int i = 0; i < tp; ++i) {
     const int src = (rank + i) % tp;
     const void* rows = p.x;
+    const float* row_scale = p.fp8.on ? p.fp8.row_scale + (local_scales ? 0 : src * p.m_local) : nullptr;
     if (src != rank) {
       FLUX_JAX_RETURN_IF_ERROR(
           channel.Wait(rank, cpu::FlagKind::kArrived, parity, src, epoch, epoch, cfg, {"ag_matmul", src, src}));
       rows = channel.Slot(rank, parity, src);
+      if (local_scales) {
+        std::memcpy(received_scales.data(), channel.Slot(rank, parity, src) + chunk_bytes, scale_bytes);
+        row_scale = received_scales.data();
+      }
     }
     if (p.fp8.on) {
-      cpu::GemmRowsFp8(rows, p.fp8.x_e5m2, p.m_local, p.k, w.data(), p.n, p.fp8.row_scale + src * p.m_local,
-                       acc.data());
+      cpu::GemmRowsFp8(rows, p.fp8.x_e5m2, p.m_local, p.k, w.data(), p.n, row_scale, acc.data());
     } else {
       cpu::GemmRows(rows, p.dtype, p.m_local, p.k, w.data(), p.n, acc.data());
     }

@@ -28,7 +28,7 @@ Status RunAgMatmulCuda(const AgMatmulParams& p, const TpGroup& group, const Comm
   const int tp = group.size, r = group.rank;
   const int device = group.ordinals[r];
   DeviceGuard guard(device);
-  if (p.fp8.on) FLUX_JAX_RETURN_IF_ERROR(CheckFp8Call("ag_matmul", cfg, p.w_transposed, p.k));
+  if (p.fp8.on) FLUX_JAX_RETURN_IF_ERROR(CheckFp8Call("ag_matmul", cfg, p.w_transposed, p.k, /*fp8_decode=*/true));
   if (cfg.path == FusedPath::kDecode && tp > 1) return RunAgMatmulDecode(p, group, cfg, S);
   const int64_t rows = tp * p.m_local;
   const size_t row_bytes = static_cast<size_t>(p.k) * OperandBytes(p.dtype, p.fp8);

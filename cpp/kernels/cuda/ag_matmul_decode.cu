@@ -7,7 +7,8 @@
 //
 //   rank r, stream S (XLA's)
 //   push kernel, blocks i < P:  x[slice i] -> G_q[b][chunk r][slice i] on every rank q
-//                               (own G included; NVLink stores to peers),
+//                               (own G included; NVLink stores to peers; FP8: block 0
+//                               also x's row scales -> S_q[b][chunk r]),
 //                               bar.sync, one fence.acq_rel.sys; flag_q[r][i] = e
 //                               on every rank q
 //                               (above 128 rows: own copy + own flag first)
@@ -15,7 +16,7 @@
 //   decode GEMM (decode_gemm.cuh): each CTA issues its first S stages of W
 //     loads, waits flag[q][i] >= e for the senders q of its tile's rows (all
 //     of them up to 128 rows; one warp, bounded), then loads its rows of G[b];
-//     out = G[b] @ w
+//     out = G[b] @ w (FP8: its epilogue scales rows by S[b], after the same waits)
 //
 // Above 128 rows (two row tiles) the tiles of this rank's own rows start once
 // the local copy is flagged, while the peers' rows cross NVLink:
@@ -54,12 +55,21 @@ struct PushArgs {
   const uint4* x;
   uint4* dst[kDecodeMaxRanks];      // chunk r of G[b] on rank q (own included)
   uint64_t* flag[kDecodeMaxRanks];  // block_arrived[r][.] on rank q
+  const float* scales;              // FP8: x's row scales (block 0 pushes them), else null
+  float* scale_dst[kDecodeMaxRanks];
+  int32_t scale_count;
   int64_t chunk_vecs;
   int32_t tp, rank;
   bool signal_peers;  // false: debug_drop_rank (tests the timeout path): no rows, no flags to peers
   bool local_first;   // own copy and flag before the peers' (GEMM row tiles per sender)
   uint64_t epoch;
 };
+
+// FP8: block 0 copies x's row scales to rank q's scale area (before the block's flag to q).
+__device__ __forceinline__ void PushScales(const PushArgs& a, int q) {
+  if (a.scales == nullptr || blockIdx.x != 0) return;
+  for (int i = threadIdx.x; i < a.scale_count; i += kThreads) a.scale_dst[q][i] = a.scales[i];
+}
 
 __global__ void __launch_bounds__(kThreads) PushRowsKernel(PushArgs a) {
   // The GEMM may launch now: it waits for our flags, not for our end.
@@ -70,6 +80,10 @@ __global__ void __launch_bounds__(kThreads) PushRowsKernel(PushArgs a) {
   if (a.local_first) {
     // The GEMM's tiles of this rank's rows start as soon as the local copy is flagged.
     BatchedCopy<kThreads, /*kBatch=*/4>(lo, hi, load, [&](int64_t v, uint4 val) { a.dst[a.rank][v] = val; });
+#pragma unroll
+    for (int q = 0; q < kDecodeMaxRanks; ++q) {
+      if (q == a.rank) PushScales(a, q);
+    }
     __syncthreads();
     if (threadIdx.x == 0) {
       FenceAcqRelSys();  // no NVLink stores outstanding yet: cheap
@@ -83,6 +97,11 @@ __global__ void __launch_bounds__(kThreads) PushRowsKernel(PushArgs a) {
       if (q == a.rank || a.signal_peers) a.dst[q][v] = val;  // drop_rank (tests): no data to peers either
     }
   });
+#pragma unroll
+  for (int q = 0; q < kDecodeMaxRanks; ++q) {  // compile-time indices: the tables stay in parameter space
+    if (q >= a.tp || (a.local_first && q == a.rank)) continue;
+    if (q == a.rank || a.signal_peers) PushScales(a, q);
+  }
   __syncthreads();
   if (threadIdx.x == 0) {
     FenceAcqRelSys();  // one fence for the whole block (nvlink_stores.cuh)
@@ -98,32 +117,37 @@ __global__ void __launch_bounds__(kThreads) PushRowsKernel(PushArgs a) {
 
 bool AgMatmulDecodeSupported(const AgMatmulParams& p, const TpGroup& group) {
   return group.size >= 2 && group.size <= kDecodeMaxRanks &&
-         HasDecodeGemm(p.dtype, p.w_transposed, group.size * p.m_local);
+         HasDecodeGemm(p.dtype, p.w_transposed, group.size * p.m_local, p.fp8);
 }
 
 Status RunAgMatmulDecode(const AgMatmulParams& p, const TpGroup& group, const CommConfig& cfg, cudaStream_t S) {
   const int tp = group.size, r = group.rank;
   if (!AgMatmulDecodeSupported(p, group)) {
-    return Status::InvalidArgument("flux_jax: ag_matmul's decode path takes bfloat16, the untransposed weight, 2.." +
-                                   std::to_string(kDecodeMaxRanks) + " ranks and at most " +
-                                   std::to_string(kDecodeMaxRows) + " rows in all; got " +
-                                   std::to_string(tp * p.m_local) + " rows (use fused_path=\"latency\")");
+    return Status::InvalidArgument(
+        "flux_jax: ag_matmul's decode path takes bfloat16 with the untransposed weight "
+        "(or float8_e4m3fn rows with the transposed weight), 2.." +
+        std::to_string(kDecodeMaxRanks) + " ranks and at most " + std::to_string(kDecodeMaxRows) +
+        " rows in all; got " + std::to_string(tp * p.m_local) + " rows (use fused_path=\"latency\")");
   }
   const int device = group.ordinals[r];
-  const size_t elt = DTypeBytes(p.dtype);
+  const size_t elt = DTypeBytes(p.dtype), x_elt = OperandBytes(p.dtype, p.fp8);
   const int64_t rows = tp * p.m_local;
-  const size_t chunk_bytes = static_cast<size_t>(p.m_local * p.k) * elt;  // k % 8 == 0: whole vectors
+  const size_t chunk_bytes = static_cast<size_t>(p.m_local * p.k) * x_elt;  // 16-byte rows: whole vectors
   if (cfg.poison_outputs) {
     FLUX_CUDA_TRY(cudaMemsetAsync(p.out, 0xFF, rows * p.n * elt, S));
-    if (p.gathered) FLUX_CUDA_TRY(cudaMemsetAsync(p.gathered, 0xFF, rows * p.k * elt, S));
+    if (p.gathered) FLUX_CUDA_TRY(cudaMemsetAsync(p.gathered, 0xFF, rows * p.k * x_elt, S));
   }
   // The GEMM reads whole row tiles of G[b] (DecodeRowsReadable): the tail past the gathered rows
-  // is read, never used, and stays inside the parity half.
-  const size_t half_bytes = std::max(tp * chunk_bytes, static_cast<size_t>(DecodeRowsReadable(rows) * p.k) * elt);
+  // is read, never used, and stays inside the parity half. FP8: the row scales S[b] (every
+  // rank's, rank order) follow G[b], on a 128-byte line of their own.
+  const size_t rows_bytes = std::max(tp * chunk_bytes, static_cast<size_t>(DecodeRowsReadable(rows) * p.k) * x_elt);
+  const size_t scales_offset = (rows_bytes + 127) / 128 * 128;
+  const size_t half_bytes =
+      p.fp8.on ? scales_offset + (static_cast<size_t>(rows) * sizeof(float) + 127) / 128 * 128 : rows_bytes;
   GroupWorkspace* ws = nullptr;
   FLUX_JAX_RETURN_IF_ERROR(AcquireWorkspace(group, 0, cfg, S, &ws, 2 * half_bytes));
   ws->epoch += 1;  // every rank counts every fused call of the group: epochs agree
-  const size_t parity_offset = (ws->epoch & 1) * (ws->slots_capacity / 2);  // >= half_bytes
+  const size_t parity_offset = (ws->epoch & 1) * (ws->slots_capacity / 2);  // >= half_bytes, 128-byte aligned
 
   const int64_t want = (static_cast<int64_t>(chunk_bytes) + kBytesPerBlock - 1) / kBytesPerBlock;
   const int blocks = static_cast<int>(std::clamp<int64_t>(want, 1, std::min(kMaxBlocks, kMaxGateFlags / tp)));
@@ -132,7 +156,10 @@ Status RunAgMatmulDecode(const AgMatmulParams& p, const TpGroup& group, const Co
   for (int q = 0; q < tp; ++q) {
     a.dst[q] = reinterpret_cast<uint4*>(ws->peers[q].slots + parity_offset + r * chunk_bytes);
     a.flag[q] = ws->peers[q].block_arrived + r * kMaxLatencyBlocks;
+    a.scale_dst[q] = reinterpret_cast<float*>(ws->peers[q].slots + parity_offset + scales_offset) + r * p.m_local;
   }
+  a.scales = p.fp8.on ? p.fp8.row_scale : nullptr;  // this rank's rows' (the FFI's decode-path form)
+  a.scale_count = static_cast<int32_t>(p.m_local);
   a.chunk_vecs = static_cast<int64_t>(chunk_bytes / sizeof(uint4));
   a.tp = tp;
   a.rank = r;
@@ -152,6 +179,13 @@ Status RunAgMatmulDecode(const AgMatmulParams& p, const TpGroup& group, const Co
   plan.w = p.w;
   plan.d = p.out;
   plan.alpha_ptr = ws->alpha;
+  plan.fp8 = p.fp8.on;
+  if (p.fp8.on) {
+    // Read by the epilogue of a tile after its producer's waits for the tile's senders (block 0's
+    // flag among them): the scales of every row the tile stores have landed.
+    plan.row_scale = reinterpret_cast<const float*>(ws->slots + parity_offset + scales_offset);
+    plan.col_scale = p.fp8.col_scale;
+  }
   plan.gate.flags = ws->block_arrived;
   plan.gate.senders = tp;
   plan.gate.blocks = blocks;

@@ -576,10 +576,11 @@ class RankThread {
       UploadOperands(b.w, in.w[rank_], c, stream_, &staging);
     }
     std::vector<float> row_scale[kInputSets];
-    if (c.fp8) {  // ag_matmul: every rank's rows' scales; matmul_rs, matmul_ar: this rank's
+    if (c.fp8) {  // ag_matmul's overlap path: every rank's rows' scales; otherwise this rank's
+      const bool every_rank = c.op == Op::kAgMatmul && c.path != Path::kDecode;
       for (int s = 0; s < kInputSets; ++s) {
         for (int q = 0; q < tp_; ++q) {
-          if (c.op == Op::kAgMatmul || q == rank_)
+          if (every_rank || q == rank_)
             row_scale[s].insert(row_scale[s].end(), in.row_scale[s][q].begin(), in.row_scale[s][q].end());
         }
         b.row_scale[s] = Alloc(row_scale[s].size() * 4);
@@ -794,8 +795,9 @@ class RankThread {
 
 // Cases (indices into CasesFor) rerun with a silent rank: each path's bounded waits, and the
 // gathered output of both ag_matmul paths (4, 7, and FP8 28: NaN or right, never an earlier call's
-// rows); 33: matmul_ar's decode path, both row blocks; 37 and 40: the FP8 decode GEMM's exchanges.
-const std::vector<size_t> kDropCases = {0, 4, 5, 7, 8, 13, 14, 16, 18, 20, 23, 28, 33, 37, 40};
+// rows); 33: matmul_ar's decode path; 37 and 40: the FP8 decode GEMM's exchanges; 44: the FP8
+// decode push (rows and their scales, own rows first), gathered rows NaN or right.
+const std::vector<size_t> kDropCases = {0, 4, 5, 7, 8, 13, 14, 16, 18, 20, 23, 28, 33, 37, 40, 44};
 // The case whose first call on a fresh group meets a failing workspace growth.
 constexpr size_t kGrowthCase = 8;
 
@@ -845,7 +847,8 @@ std::vector<Case> CasesFor(int tp) {
       {Op::kMatmulAr, Path::kDecode, 100, 776, 1544},  // 64 + 36 rows, K and N tails
       // FP8 decode GEMM (e4m3 x and w^T, w's scales along the tile's M, x's along its N): matmul_rs's
       // reduce-scatter and matmul_ar's all-reduce in its epilogue; x staged where its rows are not
-      // whole tiles, the row scales predicated past the last row.
+      // whole tiles, the row scales predicated past the last row; ag_matmul's push kernel moves
+      // each rank's row scales with its rows.
       {Op::kMatmulRs, Path::kDecode, 64, 1024, 2048, DType::kBF16, true, false, /*fp8=*/true},
       {Op::kMatmulRs, Path::kDecode, 104, 784, 1544, DType::kBF16, true, false, /*fp8=*/true},  // 64 + 40 rows
       {Op::kMatmulAr, Path::kDecode, 1, 1024, 2048, DType::kBF16, true, false, /*fp8=*/true},
@@ -853,6 +856,9 @@ std::vector<Case> CasesFor(int tp) {
       {Op::kMatmulAr, Path::kDecode, 100, 784, 1544, DType::kBF16, true, false, /*fp8=*/true},
       // matmul_ar's overlap path on FP8 operands: the FP8 GEMM, then the all_reduce kernel.
       {Op::kMatmulAr, Path::kOverlap, 96, 528, 1032, DType::kBF16, true, false, /*fp8=*/true},
+      {Op::kAgMatmul, Path::kDecode, 64 / tp, 1024, 2048, DType::kBF16, true, false, /*fp8=*/true},
+      {Op::kAgMatmul, Path::kDecode, 256 / tp, 2048, 1024, DType::kBF16, true, /*gathered=*/true, /*fp8=*/true},
+      {Op::kAgMatmul, Path::kDecode, 8, 784, 1544, DType::kBF16, true, false, /*fp8=*/true},
   };
   return cases;
 }
