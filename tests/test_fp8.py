@@ -497,6 +497,39 @@ def test_decode_path_runs_the_ops_own_call_on_fp8_operands(op):
     assert np.all(np.abs(got - want) <= 2 * tp * EPS["bfloat16"] * ab + 1e-30)
 
 
+def test_ag_decode_path_gathered_rows_and_gradients():
+    """ag_matmul's FP8 decode path with return_gathered (and so under value_and_grad): the
+    gathered rows are the e4m3 rows dequantized with every rank's scales, which are then gathered
+    (the one collective), and the gradients equal the latency composition's."""
+    rng = np.random.default_rng()
+    tp = 4
+    mesh = cpu_mesh((tp,), ("tp",))
+    x, w = _operands(rng, "ag", tp, 2, 32, 16, jnp.bfloat16)
+    runs = {}
+    for path in ("decode", "latency"):
+        with flux_jax.config(fused_path=path):
+            fused, specs = _fn("ag", mesh, 2, "fused", True, return_gathered=True)
+            args = _placed(mesh, specs, x, w)
+            out, gathered = fused(*args)
+            loss = lambda x, w, f=fused: jnp.sum(jnp.tanh(f(x, w)[0].astype(jnp.float32)))  # noqa: E731
+            grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(*args)
+            hlo = fused.lower(*args).as_text()
+        runs[path] = (to64(out), to64(gathered), [to64(g) for g in grads], hlo)
+    (out, gathered, grads, hlo), (want, want_gathered, want_grads, _) = runs["decode"], runs["latency"]
+    assert hlo.count("custom_call @flux_jax_all_gather") == 1 and "flux_jax_ag_matmul" in hlo  # the scales
+    np.testing.assert_array_equal(gathered, want_gathered)
+    x64 = to64(x)
+    gathered = gathered[:, : x64.shape[1]]  # every rank's copy, side by side (out_specs)
+    floor = FLOOR["float8_e4m3fn"] * np.max(np.abs(x64), axis=-1, keepdims=True)
+    assert np.all(np.abs(gathered - x64) <= (U["float8_e4m3fn"] + EPS["bfloat16"]) * np.abs(x64) + floor)
+    assert np.max(np.abs(gathered - x64)) > 0  # visibly the e4m3 rows
+    ab = np.tensordot(np.abs(x64), np.abs(to64(w)), axes=1)
+    assert np.all(np.abs(out - want) <= 2 * tp * EPS["bfloat16"] * ab + 1e-30)
+    for g, t in zip(grads, want_grads):
+        assert np.all(np.isfinite(g))
+        np.testing.assert_allclose(g, t, rtol=0, atol=2**-6 * np.max(np.abs(t)))
+
+
 def test_plans_and_explain():
     cfg = flux_jax.Config()
     cpu = _plan.Problem("ag_matmul", 64, 256, 256, np.dtype("bfloat16"), 2, "cpu", fp8="float8_e4m3fn")
