@@ -187,11 +187,17 @@ def _explicit_spec(aval, auto):
     return P(*[tuple(a for a in names(e) if a in auto) or None for e in dims])
 
 
-def _callsite(ctx, op: str, avals, detail: str) -> int:
+def _callsite(ctx, op: str, avals, detail: str, call) -> int:
+    """The call site's id, the same in every process: the CPU backend pairs the calls of a TP
+    group by it, so two different protocols must never share one. Programs of the same name
+    (eager ops, `jit` of functions of one name) count their sites alike, so the key also holds
+    everything that shapes the call's messages besides its operands: the weight's layout, the
+    direction, the gathered output and the FP8 recipe."""
     ordinal = next(ctx.module_context.channel_iterator)  # per-module counter, same in every process
     attrs = ctx.module_context.module.operation.attributes
     module = str(attrs["sym_name"]) if "sym_name" in attrs else ""
-    key = "|".join([module, op, detail, str(ordinal)] + [f"{a.dtype}{list(a.shape)}" for a in avals])
+    protocol = f"w_t={call.transpose_w},bwd={call.backward},gathered={call.return_gathered},fp8={call.fp8!r}"
+    key = "|".join([module, op, detail, str(ordinal), protocol] + [f"{a.dtype}{list(a.shape)}" for a in avals])
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") >> 1
 
 
@@ -281,7 +287,7 @@ def register(spec) -> None:
         rows = int(np.prod(ctx.avals_in[0].shape[:-1]))
         if plan.path == "overlap" and _plan.composed_overlap(spec.name, rows, call.tp, platform):
             return _lower_composed_overlap(spec, ctx, x, w, rank, call, groups, pass_rank)
-        attrs = _common_attrs(groups, call, _callsite(ctx, spec.name, ctx.avals_in[:2], plan.path))
+        attrs = _common_attrs(groups, call, _callsite(ctx, spec.name, ctx.avals_in[:2], plan.path, call))
         attrs.update(_gemm_attrs(call, plan.path))
         operands = (x, w, rank)
         if not pass_rank:
@@ -304,7 +310,7 @@ def register(spec) -> None:
 
 def _lower_latency(spec, ctx, x, w, rank, call, groups, pass_rank):
     """The latency path: XLA's GEMM next to our one-kernel collective custom call(s)."""
-    callsite = _callsite(ctx, spec.name, ctx.avals_in[:2], "latency")
+    callsite = _callsite(ctx, spec.name, ctx.avals_in[:2], "latency", call)
     attrs = tuple(
         (k, tuple(v.tolist()) if isinstance(v, np.ndarray) else v)
         for k, v in _common_attrs(groups, call, callsite).items()
@@ -334,7 +340,7 @@ def _lower_fp8_fused(spec, ctx, x, w, rank, call, groups, pass_rank, path):
     """The FP8 overlap or decode path: quantize (XLA), then the op's custom call on the FP8
     operands with their scales (cpp Fp8Operands); anything moved first (ag_matmul: the row scales)
     goes through our collectives, each with its own call-site id."""
-    callsite = _callsite(ctx, spec.name, ctx.avals_in[:2], f"fp8-{path}")
+    callsite = _callsite(ctx, spec.name, ctx.avals_in[:2], f"fp8-{path}", call)
     common = _common_attrs(groups, call, callsite)
     gemm_attrs = _hashable_attrs({**common, **_gemm_attrs(dataclasses.replace(call, transpose_w=True), path)})
     count = [1]  # index 0 is the fused call's own id
@@ -377,7 +383,7 @@ def _registry() -> dict:
 def _lower_composed_overlap(spec, ctx, x, w, rank, call, groups, pass_rank):
     """An overlap path composed of other ops' custom calls (`spec.composed_overlap`; matmul_ar:
     matmul_rs's overlap call, then our all_gather), each with its own call-site id."""
-    callsite = _callsite(ctx, spec.name, ctx.avals_in[:2], "composed-overlap")
+    callsite = _callsite(ctx, spec.name, ctx.avals_in[:2], "composed-overlap", call)
     common = _common_attrs(groups, call, callsite)
     count = [0]
 

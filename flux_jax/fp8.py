@@ -51,8 +51,7 @@ from jax import lax
 FORMATS = ("float8_e4m3fn", "float8_e5m2")
 _ALIASES = {"e4m3": "float8_e4m3fn", "e4m3fn": "float8_e4m3fn", "e5m2": "float8_e5m2"}
 WEIGHT_SCALINGS = ("tensor", "column")
-# The latency collectives move 16-byte vectors: a rank's float32 row scales are padded to a
-# multiple of 4 before they are gathered.
+# The latency collectives move 16-byte vectors: each float32 row scale travels padded to 4 floats.
 _SCALE_ALIGN = 4
 
 
@@ -209,18 +208,13 @@ def input_grad(dy, w, recipe: Fp8 | None, *, transpose_w: bool = False):
     return matmul(dy, w, recipe, transpose_w=not transpose_w, grad=True)
 
 
-def gather_scales(gather: Callable, scale, tp: int):
-    """Gathers row scales [rows, ..., 1] with `gather` (dimension 0, rank order) as one
-    [rows * ..., 1] float32 column padded to a multiple of 4 rows (16 bytes), -> [tp * rows, ..., 1]."""
-    flat = scale.reshape(-1)
-    count = flat.shape[0]
-    pad = -count % _SCALE_ALIGN
-    if pad:
-        flat = jnp.concatenate([flat, jnp.ones((pad,), flat.dtype)])
-    gathered = gather(flat.reshape(-1, 1)).reshape(tp, count + pad)
-    if pad:
-        gathered = gathered[:, :count]
-    return gathered.reshape(tp * scale.shape[0], *scale.shape[1:])
+def gather_scales(gather: Callable, scale):
+    """Gathers row scales [rows, ..., 1] with `gather` (dimension 0, rank order) -> [tp * rows,
+    ..., 1]. Each row's float32 travels padded to 16 bytes (the latency collectives move 16-byte
+    vectors); padding the last dimension, not flattening the rows, keeps any other mesh axis's
+    sharding of the middle dimensions as it is."""
+    pad = [(0, 0)] * (scale.ndim - 1) + [(0, _SCALE_ALIGN - 1)]
+    return gather(jnp.pad(scale, pad, constant_values=1))[..., :1]
 
 
 def gathered_matmul(
@@ -228,7 +222,6 @@ def gathered_matmul(
     w,
     recipe: Fp8,
     gather: Callable,
-    tp: int,
     *,
     transpose_w: bool = False,
     grad: bool = False,
@@ -240,7 +233,7 @@ def gathered_matmul(
     xq, xs = quantize_rows(x, recipe, grad)
     wq, ws = quantize_weight(w, recipe, transpose_w)
     xq_full = gather(xq)
-    xs_full = gather_scales(gather, xs, tp)
+    xs_full = gather_scales(gather, xs)
     out = scaled_dot(xq_full, xs_full, wq, ws, transpose_w, x.dtype)
     if not return_gathered:
         return [out]
@@ -253,7 +246,6 @@ def fused_gathered_matmul(
     recipe: Fp8,
     gather: Callable,
     fused: Callable,
-    tp: int,
     *,
     transpose_w,
     grad,
@@ -268,12 +260,12 @@ def fused_gathered_matmul(
     AG(x) dequantized]; `fused` returns [out] or [out, AG(xq)]."""
     xq, xs = quantize_rows(x, recipe, grad)
     wq, ws = kmajor_weight(w, recipe, transpose_w)
-    xs_full = None if scales_travel else gather_scales(gather, xs, tp)
+    xs_full = None if scales_travel else gather_scales(gather, xs)
     outs = fused(xq, wq, (xs if scales_travel else xs_full).reshape(-1), ws)
     if not return_gathered:
         return [outs[0]]
     if xs_full is None:
-        xs_full = gather_scales(gather, xs, tp)
+        xs_full = gather_scales(gather, xs)
     return [outs[0], dequantize(outs[1], xs_full, x.dtype)]
 
 

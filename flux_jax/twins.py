@@ -120,13 +120,11 @@ def _scatter(a, axis_name):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def _ag_matmul_fp8(x, w, axis_name, recipe, return_gathered):
-    return _fp8.gathered_matmul(
-        x, w, recipe, _gather(axis_name), lax.axis_size(axis_name), return_gathered=return_gathered
-    )
+    return _fp8.gathered_matmul(x, w, recipe, _gather(axis_name), return_gathered=return_gathered)
 
 
 def _ag_matmul_fp8_fwd(x, w, axis_name, recipe, return_gathered):
-    out, x_full = _fp8.gathered_matmul(x, w, recipe, _gather(axis_name), lax.axis_size(axis_name), return_gathered=True)
+    out, x_full = _fp8.gathered_matmul(x, w, recipe, _gather(axis_name), return_gathered=True)
     return ([out, x_full] if return_gathered else [out]), (x_full, w)
 
 
@@ -154,7 +152,7 @@ def _matmul_rs_fp8_fwd(x, w, axis_name, recipe):
 def _matmul_rs_fp8_bwd(axis_name, recipe, residuals, dy):
     x, w = residuals
     dx, dy_full = _fp8.gathered_matmul(
-        dy, w, recipe, _gather(axis_name), lax.axis_size(axis_name), transpose_w=True, grad=True, return_gathered=True
+        dy, w, recipe, _gather(axis_name), transpose_w=True, grad=True, return_gathered=True
     )
     return dx, _autodiff.weight_grad(x, dy_full, w, False)
 

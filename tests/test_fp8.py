@@ -346,6 +346,29 @@ def test_2d_mesh_with_middle_dims_and_gradients(op, axis_type):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.max(np.abs(want)))
 
 
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
+def test_shard_map_manual_over_tp_only(axis_type):
+    """shard_map(axis_names={"tp"}) on a dp x tp mesh, x [batch over dp, seq over tp, K]: the FP8
+    twin gathers the row scales without merging the dp-sharded batch into the rows, and the fused
+    op (its own manual region over dp) matches it."""
+    rng = np.random.default_rng()
+    mesh = cpu_mesh((2, 4), ("dp", "tp"), axis_type)
+    x, w = random_array(rng, (2, 8, 32), jnp.float32), random_array(rng, (32, 64), jnp.float32)
+    xs, ws = place(mesh, x, P("dp", "tp")), place(mesh, w, P(None, "tp"))
+    outs = {}
+    for impl in ("fused", "xla"):
+        body = functools.partial(flux_jax.ag_matmul, axis_name="tp", axis=1, impl=impl, fp8=True)
+        f = jax.shard_map(
+            body, mesh=mesh, in_specs=(P(None, "tp"), P(None, "tp")), out_specs=P(None, None, "tp"), axis_names={"tp"}
+        )
+        outs[impl] = to64(jax.jit(f)(xs, ws))
+    x64, w64 = to64(x), to64(w)
+    assert np.all(
+        np.abs(outs["fused"] - np.einsum("bsk,kn->bsn", x64, w64)) <= _fp8_bound(x64, w64, "float32", "ag", 4)
+    )
+    np.testing.assert_allclose(outs["fused"], outs["xla"], rtol=1e-5, atol=1e-5 * np.max(np.abs(outs["xla"])))
+
+
 def test_return_gathered_is_the_dequantized_fp8_rows():
     rng = np.random.default_rng()
     tp = 4

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import flux_jax
@@ -144,3 +145,50 @@ def test_missing_peer_times_out_with_diagnostic_then_reset_recovers(op):
         jax.shard_map(functools.partial(fn, axis_name="tp", impl="xla"), mesh=mesh, in_specs=specs, out_specs=out)
     )
     np.testing.assert_allclose(np.asarray(good(x, w)), np.asarray(twin(x, w)), rtol=1e-5, atol=1e-5)
+
+
+def _mlp(fp8=None):
+    """ag_matmul -> tanh -> matmul_rs over tp: the forward's ag and the backward's ag (dy, w2^T)
+    have operands of the same shapes when F / tp == D."""
+
+    def body(x, w1, w2):
+        h = flux_jax.ag_matmul(x, w1, axis_name="tp", impl="fused", fp8=fp8)
+        return flux_jax.matmul_rs(jnp.tanh(h), w2, axis_name="tp", impl="fused", fp8=fp8)
+
+    return body
+
+
+def test_same_named_programs_with_different_protocols_get_their_own_call_sites():
+    """Call sites count alike in programs of one name (eager ops; jit of functions named alike),
+    so their ids also hold the weight's layout, the direction and the FP8 recipe: an eager
+    gradient (the backward's ag_matmul reads w2 transposed, with the forward's shapes) and two
+    jitted gradients that differ only in the recipe run, each right, one after the other."""
+    tp = 4
+    mesh = cpu_mesh((tp,), ("tp",), AxisType.Auto)
+    rng = np.random.default_rng()
+    d, f = 32, 4 * 32
+    x = random_array(rng, (16, d), jnp.bfloat16)
+    w1, w2 = random_array(rng, (d, f), jnp.bfloat16, d**-0.5), random_array(rng, (f, d), jnp.bfloat16, f**-0.5)
+    specs = (P("tp", None), P(None, "tp"), P("tp", None))
+    args = tuple(place(mesh, a, s) for a, s in zip((x, w1, w2), specs))
+
+    def grad(body, jit=True):
+        f = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P("tp", None))
+        g = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))
+        return jax.jit(g) if jit else g
+
+    eager, twin = grad(_mlp(), jit=False)(*args), grad(_twin_mlp)(*args)
+    for g, t in zip(eager, twin):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(t, np.float32), rtol=2e-2, atol=2e-2)
+    default, e4m3 = grad(_mlp(flux_jax.Fp8())), grad(_mlp(flux_jax.Fp8(backward_format="e4m3")))
+    first = default(*args)
+    e4m3(*args)
+    again = default(*args)  # the first program's call sites are still usable
+    for a, b in zip(first, again):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert not flux_jax.device_errors()
+
+
+def _twin_mlp(x, w1, w2):
+    h = flux_jax.ag_matmul(x, w1, axis_name="tp", impl="xla")
+    return flux_jax.matmul_rs(jnp.tanh(h), w2, axis_name="tp", impl="xla")

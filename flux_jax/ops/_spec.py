@@ -138,7 +138,6 @@ def gathered_gemm(x, w, call: Call, gather) -> list:
             w,
             call.fp8,
             gather,
-            call.tp,
             transpose_w=call.transpose_w,
             grad=call.backward,
             return_gathered=call.return_gathered,

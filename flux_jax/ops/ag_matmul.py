@@ -54,7 +54,6 @@ def _fp8_fused(x, w, call: Call, collective, fused, *, scales_travel=False):
         call.fp8,
         gather,
         fused,
-        call.tp,
         transpose_w=call.transpose_w,
         grad=call.backward,
         return_gathered=call.return_gathered,
