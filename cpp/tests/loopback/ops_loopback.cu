@@ -696,7 +696,6 @@ class RankThread {
   int Compare(const Case& c, const Inputs& in, int set, const std::vector<uint16_t>& out,
               const std::vector<uint16_t>& gathered, uint64_t call, bool nan_ok = false) const {
     const auto& xs = in.x[set];
-    const auto& xf = in.xf[set];
     const double eps = c.dtype == DType::kF16 ? std::ldexp(1.0, -10) : std::ldexp(1.0, -7);
     int64_t bad = 0, first = -1;
     double got_first = 0, want_first = 0;
