@@ -304,8 +304,10 @@ def register(spec) -> None:
             )
         return rule(ctx, *operands, call=call)
 
-    mlir.register_lowering(spec.primitive, rule, platform="cpu")
-    mlir.register_lowering(spec.primitive, cuda_rule, platform="cuda")
+    # Not cacheable: JAX lowers identical equations of a module once and reuses the result, which
+    # would give same-shape calls (q, k and v projections) one call-site id; each needs its own.
+    mlir.register_lowering(spec.primitive, rule, platform="cpu", cacheable=False)
+    mlir.register_lowering(spec.primitive, cuda_rule, platform="cuda", cacheable=False)
 
 
 def _lower_latency(spec, ctx, x, w, rank, call, groups, pass_rank):

@@ -192,3 +192,29 @@ def test_same_named_programs_with_different_protocols_get_their_own_call_sites()
 def _twin_mlp(x, w1, w2):
     h = flux_jax.ag_matmul(x, w1, axis_name="tp", impl="xla")
     return flux_jax.matmul_rs(jnp.tanh(h), w2, axis_name="tp", impl="xla")
+
+
+def test_same_shape_calls_in_one_program_get_their_own_call_sites():
+    """Twelve independent ag_matmul calls of one shape in one program (q, k, v, ... projections):
+    JAX lowers identical equations once and reuses the result unless told not to; each call must
+    keep its own call-site id, or calls that XLA:CPU runs at once would meet on one channel."""
+    import re
+
+    tp, n = 4, 12
+    mesh = cpu_mesh((tp,), ("tp",), AxisType.Auto)
+    rng = np.random.default_rng()
+    xs = [random_array(rng, (4 * tp, 32), jnp.float32) for _ in range(n)]
+    ws = [random_array(rng, (32, 64), jnp.float32) for _ in range(n)]
+
+    def body(*a):
+        return [flux_jax.ag_matmul(a[i], a[n + i], axis_name="tp", impl="fused") for i in range(n)]
+
+    f = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P("tp"),) * n + (P(None, "tp"),) * n, out_specs=[P(None, "tp")] * n)
+    )
+    args = [place(mesh, x, P("tp")) for x in xs] + [place(mesh, w, P(None, "tp")) for w in ws]
+    ids = re.findall(r"callsite = (\d+)", f.lower(*args).as_text())
+    assert len(ids) == n and len(set(ids)) == n, ids
+    for _ in range(3):
+        for out, x, w in zip(f(*args), xs, ws):
+            np.testing.assert_allclose(np.asarray(out), np.asarray(x) @ np.asarray(w), rtol=1e-5, atol=1e-4)
