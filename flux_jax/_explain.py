@@ -60,9 +60,14 @@ def explain(fn, *args, **kwargs) -> Explanation:
     """Traces and lowers `fn(*args, **kwargs)` (as jax.jit would) and lists every flux_jax call
     site with its plan: the path that runs (or the twin) and why.
 
+    The plans are taken while `fn` is traced, and JAX does not trace again a function it traced
+    before with the same argument types, so this clears JAX's caches first
+    (`jax.clear_caches()`): functions that ran before compile again on their next call.
+
     Example:
       print(flux_jax.explain(train_step, state, batch))
     """
+    jax.clear_caches()
     with _collecting() as sites:
         jax.jit(fn).trace(*args, **kwargs).lower()
     return sites

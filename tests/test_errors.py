@@ -335,3 +335,10 @@ def test_explain_lists_every_call_site_with_its_plan():
         jax.grad(lambda *a: f(*a).sum(), argnums=1), _zeros((16, 8)), _zeros((8, 16)), _zeros((16, 8))
     )
     assert any(s.backward and s.op == "matmul_rs" for s in grads)  # ag_matmul's backward
+    assert any(not s.backward and s.op == "ag_matmul" for s in grads)  # and the forward, traced before
+    # A function that already ran (JAX traced and compiled it) is traced afresh.
+    jitted = jax.jit(f)
+    jitted(_zeros((16, 8)), _zeros((8, 16)), _zeros((16, 8)))
+    for _ in range(2):
+        again = flux_jax.explain(jitted, _zeros((16, 8)), _zeros((8, 16)), _zeros((16, 8)))
+        assert [s.op for s in again] == ["ag_matmul", "matmul_rs"], str(again)

@@ -553,8 +553,9 @@ Status Channel::Health() const {
   }
   const std::string failure = state == 2 ? std::string(layout_->failure, strnlen(layout_->failure, kFailureBytes))
                                          : "(a rank of the group failed it; its message is not available)";
-  return Status::Internal("flux_jax: this fused call site failed earlier and its TP group state is unusable: " +
-                          failure + " Call flux_jax.reset() (or re-jit) before running it again.");
+  return Status::Internal(
+      "flux_jax: this fused call site failed earlier and its TP group state is unusable: " + failure +
+      " Call flux_jax.reset() before running it again (a re-jit compiles the same call sites).");
 }
 
 Status Channel::BeginCall(int rank, uint64_t* epoch) {
