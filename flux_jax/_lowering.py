@@ -130,7 +130,9 @@ def _lower_in_manual_region(spec, ctx, x, w, rank, call, groups, auto):
     would gather every operand over the automatic axes and run the whole op on every device. So
     the call runs in a nested manual region over those axes: x's middle dimension that their
     devices can split evenly (a batch) is split over them, everything else is replicated; the TP
-    groups found here on the concrete mesh travel into the region with the call.
+    groups found here on the concrete mesh travel into the region with the call. matmul_ar
+    gathers and scatters no rows, so any of its row dimensions may be the split one (the first
+    that divides: a batch-first x keeps its layout).
     """
     from jax.sharding import PartitionSpec as P
 
@@ -138,12 +140,12 @@ def _lower_in_manual_region(spec, ctx, x, w, rank, call, groups, auto):
     sizes = dict(zip(context.mesh.axis_names, context.mesh.axis_sizes))
     split = int(np.prod([sizes[a] for a in auto]))
     x_aval = ctx.avals_in[0]
-    explicit = _explicit_spec(x_aval, auto)
+    explicit = _explicit_spec(x_aval, auto, spec.name, rows_free=spec.replicated)
     if explicit is not None:
         x_spec = explicit
     else:
         dims = [None] * len(x_aval.shape)
-        for d in range(1, len(x_aval.shape) - 1):
+        for d in range(0 if spec.replicated else 1, len(x_aval.shape) - 1):
             if x_aval.shape[d] % split == 0:
                 dims[d] = auto if len(auto) > 1 else auto[0]
                 break
@@ -162,9 +164,10 @@ def _lower_in_manual_region(spec, ctx, x, w, rank, call, groups, auto):
     return mlir.lower_fun(region, multiple_results=True)(ctx, x, w, rank)
 
 
-def _explicit_spec(aval, auto):
+def _explicit_spec(aval, auto, op: str, rows_free: bool):
     """x's partition spec over the automatic axes when they are Explicit (it is part of x's type
-    and must be kept), or None. The gathered / scattered rows and K cannot be split."""
+    and must be kept), or None. K cannot be split, nor the gathered / scattered rows (dimension 0)
+    unless `rows_free` (matmul_ar: no rows cross ranks)."""
     from jax.sharding import PartitionSpec as P
 
     sharding = getattr(aval, "sharding", None)
@@ -178,11 +181,16 @@ def _explicit_spec(aval, auto):
 
     if not any(a in names(e) for e in dims for a in auto):
         return None
-    if names(dims[0]) or names(dims[-1]):
+    if names(dims[-1]):
         raise FusedUnavailableError(
-            f"flux_jax: x is sharded {spec} over the automatic mesh axes {auto} on its gathered / "
-            "scattered or contraction dimension; the fused ops split only the middle (batch) "
-            "dimensions over them"
+            f"flux_jax.{op}: x is sharded {spec} over the automatic mesh axes {auto} on its "
+            "contraction dimension; the fused ops split only its row (batch) dimensions over them"
+        )
+    if names(dims[0]) and not rows_free:
+        raise FusedUnavailableError(
+            f"flux_jax.{op}: x is sharded {spec} over the automatic mesh axes {auto} on the "
+            "dimension it gathers / scatters over the TP axis; the fused op splits only the middle "
+            "(batch) dimensions over them"
         )
     return P(*[tuple(a for a in names(e) if a in auto) or None for e in dims])
 
@@ -276,7 +284,13 @@ def register(spec) -> None:
             return mlir.lower_fun(twin, multiple_results=True)(ctx, x, w, rank)
         auto = _automatic_axes(ctx)
         if auto:
-            return _lower_in_manual_region(spec, ctx, x, w, rank, call, groups, auto)
+            try:
+                return _lower_in_manual_region(spec, ctx, x, w, rank, call, groups, auto)
+            except FusedUnavailableError as err:
+                if call.forced:
+                    raise
+                _log_once(str(err))  # impl="auto": the twin serves any layout
+                return mlir.lower_fun(lambda x, w, rank: spec.twin(x, w, call), multiple_results=True)(ctx, x, w, rank)
 
         # The rank operand (lax.axis_index) is cross-checked by the CPU handlers only.
         pass_rank = platform == "cpu"

@@ -519,3 +519,25 @@ def test_gradients_without_type_checks_follow_the_twin(op):
     for want in wants:
         for g, t in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             np.testing.assert_allclose(np.asarray(g), np.asarray(t), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
+def test_batch_first_rows_over_dp_in_a_shard_map_manual_over_tp(axis_type):
+    """x [B, S, K] with B over dp (the usual GSPMD layout) in shard_map(axis_names={"tp"}):
+    matmul_ar moves no rows across ranks, so its own manual region over dp keeps B split there
+    (no resharding of B to S)."""
+    rng = np.random.default_rng()
+    mesh = cpu_mesh((2, 4), ("dp", "tp"), axis_type)
+    x, w = random_array(rng, (4, 6, 16), jnp.float32), random_array(rng, (16, 8), jnp.float32)
+    xs, ws = place(mesh, x, P("dp", None, "tp")), place(mesh, w, P("tp"))
+
+    def fn(impl):
+        body = functools.partial(flux_jax.matmul_ar, axis_name="tp", impl=impl)
+        specs = (P(None, None, "tp"), P("tp"))
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(), axis_names={"tp"}))
+
+    fused = fn("fused")
+    text = fused.lower(xs, ws).as_text()
+    assert "flux_jax_matmul_ar" in text and "all_to_all" not in text
+    ref = np.einsum("bsk,kn->bsn", to64(x), to64(w))
+    assert_matches(fused(xs, ws), ref, fn("xla")(xs, ws), "float32", f"batch over dp ({axis_type})")
