@@ -218,3 +218,25 @@ def test_same_shape_calls_in_one_program_get_their_own_call_sites():
     for _ in range(3):
         for out, x, w in zip(f(*args), xs, ws):
             np.testing.assert_allclose(np.asarray(out), np.asarray(x) @ np.asarray(w), rtol=1e-5, atol=1e-4)
+
+
+def test_a_failed_call_fails_every_rank_before_the_next_xla_collective():
+    """A silent rank: the ranks that got their rows must fail too (each call ends with an
+    agreement), or they would wait in the following lax.psum for the failed ones until XLA aborts
+    the process. Then flux_jax.reset() and the same program runs right."""
+    mesh = cpu_mesh((4,), ("tp",), AxisType.Auto)
+    rng = np.random.default_rng()
+    x, w = random_array(rng, (8, 16), jnp.float32), random_array(rng, (16, 8), jnp.float32)
+
+    def fn(impl):
+        def body(x, w):
+            return jax.lax.psum(flux_jax.ag_matmul(x, w, axis_name="tp", impl=impl), "tp")
+
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(None, "tp")), out_specs=P(None, "tp")))
+
+    f = fn("fused")
+    with flux_jax.config(timeout_s=0.3, debug_drop_rank=1):
+        with pytest.raises(Exception, match=r"timed out after 0.3 s waiting for chunk 1 from rank 1"):
+            np.asarray(f(x, w))
+    flux_jax.reset()
+    np.testing.assert_allclose(np.asarray(f(x, w)), np.asarray(fn("xla")(x, w)), rtol=1e-5, atol=1e-4)

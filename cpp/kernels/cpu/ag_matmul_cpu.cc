@@ -83,7 +83,7 @@ Status RunAgMatmulCpu(const AgMatmulParams& p, const TpGroup& group, const CommC
     }
     if (src != rank) channel.Signal(src, cpu::FlagKind::kFreed, parity, rank, epoch, cfg);
   }
-  return Status::Ok();
+  return call.Finish(cfg, "ag_matmul");
 }
 
 }  // namespace flux_jax

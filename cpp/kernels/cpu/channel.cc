@@ -35,7 +35,7 @@ namespace {
 
 constexpr int kMaxTp = 64;
 constexpr int kParities = 2;
-constexpr int kFlagKinds = 2;
+constexpr int kFlagKinds = 3;
 constexpr uint64_t kReady = 0x666c75786a617832ull;  // "fluxjax2": layout version 2
 constexpr size_t kAlign = 64;
 constexpr size_t kFailureBytes = 1536;
@@ -495,6 +495,8 @@ Status Channel::Wait(int me, FlagKind kind, int parity, int slot, uint64_t value
      << static_cast<double>(cfg.timeout_us) / 1e6 << " s waiting for ";
   if (kind == FlagKind::kArrived) {
     os << "chunk " << info.chunk << " from rank " << info.peer;
+  } else if (kind == FlagKind::kDone) {
+    os << "rank " << info.peer << " to finish the call";
   } else {
     os << "rank " << info.peer << " to release its receive slot (chunk " << info.chunk << ")";
   }
@@ -705,6 +707,24 @@ std::shared_ptr<Channel> GetChannel(const TpGroup& group, int64_t callsite, size
   }
   *status = Status::Ok();
   return entry.channel;
+}
+
+Status ChannelCall::Finish(const CommConfig& cfg, const char* op) {
+  const int tp = channel_->size();
+  if (rank_ != cfg.drop_rank) {  // drop_rank (tests): silent to the end
+    for (int q = 0; q < tp; ++q) {
+      if (q != rank_) channel_->Signal(q, FlagKind::kDone, parity(), rank_, epoch_, cfg);
+    }
+  }
+  // Twice the call's timeout: a peer's own wait that gives up fails the channel first, so its
+  // message (the rank that never sent) is the one every rank reports.
+  CommConfig twice = cfg;
+  twice.timeout_us = 2 * cfg.timeout_us;
+  for (int i = 1; i < tp; ++i) {
+    const int q = (rank_ + i) % tp;
+    FLUX_JAX_RETURN_IF_ERROR(channel_->Wait(rank_, FlagKind::kDone, parity(), q, epoch_, epoch_, twice, {op, q, -1}));
+  }
+  return Status::Ok();
 }
 
 }  // namespace flux_jax::cpu

@@ -8,6 +8,8 @@
 //   copy  chunk -> mailbox[r].slot[b][s]           wait mailbox[r].arrived[b][s] >= e  (local)
 //   write mailbox[r].arrived[b][s] = e  (remote)   use  mailbox[r].slot[b][s]
 //                                                  write mailbox[s].freed[b][r] = e    (remote)
+//   last, every rank q (ChannelCall::Finish): mailbox[p].done[b][q] = e on every peer p, then
+//   wait mailbox[q].done[b][p] >= e for every peer p: a rank that fails the call fails its peers too
 //
 // Every wait is on the waiter's own mailbox; remote operations are writes only.
 // Epochs increase by one per call and are compared with >=, so flags are never
@@ -50,7 +52,7 @@
 
 namespace flux_jax::cpu {
 
-enum class FlagKind { kArrived, kFreed };
+enum class FlagKind { kArrived, kFreed, kDone };
 
 // What a wait is for, to build the timeout diagnostic.
 struct WaitInfo {
@@ -147,6 +149,12 @@ class ChannelCall {
   Channel& channel() { return *channel_; }
   uint64_t epoch() const { return epoch_; }
   int parity() const { return static_cast<int>(epoch_ & 1); }
+
+  // The call's last step on every rank: tells every peer this rank finished the call and waits
+  // until every peer has (bounded). A rank whose own part succeeded still fails when a peer's
+  // failed, so no rank leaves a failed call with a success that strands it in the program's
+  // next collective (an XLA one would wait for the failed ranks until XLA aborts the process).
+  Status Finish(const CommConfig& cfg, const char* op);
 
  private:
   std::shared_ptr<Channel> channel_;

@@ -81,7 +81,7 @@ Status RunAllGatherCpu(const CollectiveParams& p, const TpGroup& group, const Co
     if (chunk_bytes) std::memcpy(out + src * chunk_bytes, channel.Slot(rank, parity, src), chunk_bytes);
     channel.Signal(src, cpu::FlagKind::kFreed, parity, rank, epoch, cfg);
   }
-  return Status::Ok();
+  return call.Finish(cfg, "all_gather");
 }
 
 Status RunReduceScatterCpu(const CollectiveParams& p, const TpGroup& group, const CommConfig& cfg) {
@@ -100,9 +100,10 @@ Status RunReduceScatterCpu(const CollectiveParams& p, const TpGroup& group, cons
   auto chunk = [&](int q) { return static_cast<const char*>(p.x) + q * chunk_bytes; };
 
   FLUX_JAX_RETURN_IF_ERROR(PushToPeers(channel, rank, tp, parity, epoch, chunk_bytes, cfg, "reduce_scatter", chunk));
-  return SumInRankOrder(
+  FLUX_JAX_RETURN_IF_ERROR(SumInRankOrder(
       channel, rank, tp, parity, epoch, chunk(rank), chunk_elems, p.dtype, cfg, "reduce_scatter",
-      [&](int) { return rank; }, p.out);
+      [&](int) { return rank; }, p.out));
+  return call.Finish(cfg, "reduce_scatter");
 }
 
 Status RunAllReduceCpu(const CollectiveParams& p, const TpGroup& group, const CommConfig& cfg) {
@@ -121,8 +122,9 @@ Status RunAllReduceCpu(const CollectiveParams& p, const TpGroup& group, const Co
   FLUX_JAX_RETURN_IF_ERROR(
       PushToPeers(channel, rank, tp, parity, epoch, bytes, cfg, "all_reduce", [&](int) { return p.x; }));
   // Rank order on every rank: the same sum everywhere.
-  return SumInRankOrder(
-      channel, rank, tp, parity, epoch, p.x, elems, p.dtype, cfg, "all_reduce", [](int src) { return src; }, p.out);
+  FLUX_JAX_RETURN_IF_ERROR(SumInRankOrder(
+      channel, rank, tp, parity, epoch, p.x, elems, p.dtype, cfg, "all_reduce", [](int src) { return src; }, p.out));
+  return call.Finish(cfg, "all_reduce");
 }
 
 }  // namespace flux_jax

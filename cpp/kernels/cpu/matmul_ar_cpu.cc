@@ -64,7 +64,7 @@ Status RunMatmulArCpu(const MatmulArParams& p, const TpGroup& group, const CommC
     if (src != rank) channel.Signal(src, cpu::FlagKind::kFreed, parity, rank, epoch, cfg);
   }
   cpu::FromFloat(acc.data(), elems, p.dtype, p.out);
-  return Status::Ok();
+  return call.Finish(cfg, "matmul_ar");
 }
 
 }  // namespace flux_jax

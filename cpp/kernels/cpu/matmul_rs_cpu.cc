@@ -76,7 +76,7 @@ Status RunMatmulRsCpu(const MatmulRsParams& p, const TpGroup& group, const CommC
     if (src != rank) channel.Signal(src, cpu::FlagKind::kFreed, parity, rank, epoch, cfg);
   }
   cpu::FromFloat(acc.data(), chunk_out, p.dtype, p.out);
-  return Status::Ok();
+  return call.Finish(cfg, "matmul_rs");
 }
 
 }  // namespace flux_jax
