@@ -1,6 +1,6 @@
 """Our FP8 GEMM against XLA's on one GPU: the fused ops' FP8 overlap kernel at tp = 1.
 
-    python -m benchmarks.fp8_gemm [--out FILE] [--rounds 10] [--shapes MxKxN,...] [--backward]
+    python -m benchmarks.fp8_gemm [--out FILE] [--rounds 10] [--shapes MxKxN,...] [--backward | --decode]
 
 Per shape (bfloat16 x [M, K] and w [K, N], the recipe `flux_jax.Fp8()`: e4m3, x per row, w per
 tensor), two programs over a mesh axis of size 1:
@@ -18,17 +18,26 @@ quantized per row to float8_e5m2, so ours is the e5m2 x e4m3 GEMM (ping-pong 128
 e5m2 instance: no forced variants) inside matmul_rs at tp = 1, the twin XLA's FP8 GEMM of the same
 formats. The programs take dx alone (the weight gradient and the forward are dead code).
 
+`--decode` times matmul_ar at decode sizes (M = 16-256 rows) instead, the whole call:
+
+  xla           the FP8 twin: quantize, XLA's FP8 GEMM, psum (nothing to sum at tp = 1)
+  flux:latency  matmul_ar(fp8=True) on the latency path: XLA's FP8 GEMM, then our all_reduce
+  flux:decode   the FP8 decode path: one launch of our FP8 decode GEMM (swap-AB, the scales and
+                the all-reduce in its epilogue, with no peer)
+  bf16:decode   the bfloat16 decode path on the same operands, unquantized (for scale)
+
 Both are checked first against a float32 GEMM of the unquantized operands, so the error is mostly
 FP8's rounding (outputs poisoned for ours; bound: 4x the twin's own error, at least 1e-2; the
 exact check against the quantized operands is tests/test_gpu_one.py). Times are device times from CUPTI, one
 profiled call per round, variants interleaved in shuffled order: `gemm_us` is the GEMM kernel
-alone (the costliest kernel of the call), `total_us` every kernel of the call (the quantize
+alone (the costliest kernel named like a GEMM), `total_us` every kernel of the call (the quantize
 fusions are the same XLA code in both). Medians over the rounds.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import random
@@ -97,6 +106,29 @@ def _program(impl: str, mesh, kernel: str = "auto", backward: bool = False):
     return call
 
 
+# (name, impl, fused_path, fp8) of --decode: the twin first.
+DECODE_VARIANTS = (
+    ("xla", "xla", "auto", True),
+    ("flux:latency", "fused", "latency", True),
+    ("flux:decode", "fused", "decode", True),
+    ("bf16:decode", "fused", "decode", False),
+)
+# matmul_ar's decode GEMMs of the TP = 2 presets' row-parallel layers at decode sizes.
+DECODE_SHAPES = tuple((m, k, n) for m in (16, 64, 128, 256) for k, n in ((2048, 4096), (7168, 8192), (14336, 4096)))
+
+
+def _decode_program(impl: str, path: str, fp8: bool, mesh):
+    """matmul_ar over a mesh axis of size 1: x [M, K] and w [K, N] -> x @ w, on `path`."""
+    body = functools.partial(flux_jax.matmul_ar, axis_name=AXIS, impl=impl, fp8=True if fp8 else None)
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, AXIS), P(AXIS, None)), out_specs=P()))
+
+    def call(*args):
+        with flux_jax.config(fused_path=path):
+            return fn(*args)
+
+    return call
+
+
 def _operands(m, k, n, seed, mesh, backward: bool = False):
     """(args, float32 reference): (x, w) and x @ w, or (x, w, dy) and dy @ w^T."""
     kx, kw, kd = jax.random.split(jax.random.PRNGKey(seed), 3)
@@ -134,25 +166,45 @@ def _kernels(fn, args) -> list[tuple[str, float]]:
     return [(name, ms * 1e3) for name, ms in kernels]
 
 
-def run_shape(m, k, n, rounds: int, seed: int, mesh, variants=VARIANTS, backward: bool = False) -> list[dict]:
+# Kernel names of GEMMs: cuBLASLt's nvjet, CUTLASS (ours, mangled), XLA's Triton GEMM fusions.
+_GEMM_NAMES = ("nvjet", "cutlass", "gemm", "xmma")
+
+
+def _gemm_kernel(kernels: list[tuple[str, float]]) -> tuple[str, float]:
+    """The call's GEMM: its costliest kernel named like one (at decode sizes the weight's
+    quantization costs more than the GEMM), else its costliest kernel."""
+    gemms = [kv for kv in kernels if any(g in kv[0].lower() for g in _GEMM_NAMES)]
+    return max(gemms or kernels, key=lambda kv: kv[1])
+
+
+def run_shape(
+    m, k, n, rounds: int, seed: int, mesh, variants=VARIANTS, backward: bool = False, decode: bool = False
+) -> list[dict]:
     args, ref = _operands(m, k, n, seed, mesh, backward)
+    if decode:  # matmul_ar's operands: x split along K, w along its rows (one shard each at tp = 1)
+        args = tuple(jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, (P(None, AXIS), P(AXIS, None))))
     rows, programs = {}, {}
-    gemm = "dx" if backward else "forward"
+    gemm = "dx" if backward else "matmul_ar" if decode else "forward"
+
+    def make(variant):
+        if decode:
+            return _decode_program(*variant[1:], mesh)
+        _, impl, kernel = variant
+        return _program(impl, mesh, kernel, backward)
+
     with flux_jax.config(fused_path="overlap"):
-        for name, impl, kernel in variants:
+        for variant in variants:
+            name, impl = variant[:2]
             row = rows[name] = dict(M=m, K=k, N=n, gemm=gemm, variant=name, status="ok", gemm_us=None, total_us=None)
             try:
-                if impl == "fused":
-                    with flux_jax.config(debug_poison_outputs=True):
-                        err = float(_rel_err(_program(impl, mesh, kernel, backward)(*args), ref))
-                else:
-                    err = float(_rel_err(_program(impl, mesh, backward=backward)(*args), ref))
+                with flux_jax.config(debug_poison_outputs=impl == "fused"):
+                    err = float(_rel_err(make(variant)(*args), ref))
                 row["max_rel_err"] = err
                 bound = max(ERROR_FACTOR * rows["xla"].get("max_rel_err", 0.0), ERROR_FLOOR)
                 if not err <= bound:
                     row["status"] = f"WRONG: relative error {err:.3e} > {bound:.3e}"
                     continue
-                programs[name] = _program(impl, mesh, kernel, backward)
+                programs[name] = make(variant)
                 _kernels(programs[name], args)  # warm: compiled, workspace allocated
             except Exception as e:  # noqa: BLE001 -- any failure is this variant's status
                 row["status"] = f"unavailable: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
@@ -164,14 +216,14 @@ def run_shape(m, k, n, rounds: int, seed: int, mesh, variants=VARIANTS, backward
                 samples[name].append(_kernels(programs[name], args))
     for name, runs in samples.items():
         row = rows[name]
-        gemm = [max(us for _, us in kernels) for kernels in runs]
+        gemm = [_gemm_kernel(kernels)[1] for kernels in runs]
         total = [sum(us for _, us in kernels) for kernels in runs]
         row.update(
             gemm_us=statistics.median(gemm),
             gemm_us_min=min(gemm),
             gemm_us_max=max(gemm),
             total_us=statistics.median(total),
-            gemm_kernel=max(runs[-1], key=lambda kv: kv[1])[0][:160],
+            gemm_kernel=_gemm_kernel(runs[-1])[0][:160],
             kernels=[(name[:100], round(us, 2)) for name, us in runs[-1]],
             tflops=2.0 * m * k * n / (statistics.median(gemm) * 1e-6) / 1e12,
         )
@@ -189,23 +241,27 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shapes", help="MxKxN,... (default: the preset's forward GEMMs at M >= 2048)")
     ap.add_argument("--no-forced", action="store_true", help="only the rule's instance (no forced flux:<instance>)")
-    ap.add_argument("--backward", action="store_true", help="time dx = dy @ w^T (dy in e5m2: our e5m2 x e4m3 GEMM)")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--backward", action="store_true", help="time dx = dy @ w^T (dy in e5m2: our e5m2 x e4m3 GEMM)")
+    mode.add_argument("--decode", action="store_true", help="time matmul_ar's FP8 decode path at M = 16-256")
     args = ap.parse_args(argv)
-    shapes = SHAPES
+    shapes = DECODE_SHAPES if args.decode else SHAPES
     if args.shapes:
         shapes = tuple(tuple(int(v) for v in s.split("x")) for s in args.shapes.split(","))
     variants = VARIANTS[:2] if args.no_forced or args.backward else VARIANTS
+    if args.decode:
+        variants = DECODE_VARIANTS
     mesh = _mesh()
     rows = []
     meta = dict(
         device=jax.devices()[0].device_kind,
         jax=jax.__version__,
         flux_jax=flux_jax.build_info(),
-        gemm="dx = dy @ w^T (dy e5m2)" if args.backward else "forward",
+        gemm="dx = dy @ w^T (dy e5m2)" if args.backward else "matmul_ar, decode sizes" if args.decode else "forward",
     )
     print("shape, then per variant: GEMM us (ours / XLA's), whole call ours / twin, status")
     for i, (m, k, n) in enumerate(shapes):
-        got = run_shape(m, k, n, args.rounds, args.seed + i, mesh, variants, args.backward)
+        got = run_shape(m, k, n, args.rounds, args.seed + i, mesh, variants, args.backward, args.decode)
         rows += got
         if args.out:  # after every shape: a stopped run keeps what it measured
             args.out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1, default=str))
@@ -219,11 +275,13 @@ def main(argv=None) -> list[dict]:
             )
             cells.append(f"{r['variant']} {us}{ratio} {r['status']} [{r.get('gemm_kernel', '-')[:40]}]")
         print(f"{m}x{k}x{n}: " + "; ".join(cells), flush=True)
-    for name, _, _ in variants[1:]:
-        ratios = [r["gemm_ratio_vs_xla"] for r in rows if r["variant"] == name and r.get("gemm_ratio_vs_xla")]
+    key = "total_ratio_vs_xla" if args.decode else "gemm_ratio_vs_xla"
+    for name, *_ in variants[1:]:
+        ratios = [r[key] for r in rows if r["variant"] == name and r.get(key)]
         if ratios:
             median, low, high = statistics.median(ratios), min(ratios), max(ratios)
-            print(f"{name}: FP8 GEMM alone / XLA's: median {median:.3f}, range {low:.3f}-{high:.3f}")
+            what = "whole call / the twin's" if args.decode else "FP8 GEMM alone / XLA's"
+            print(f"{name}: {what}: median {median:.3f}, range {low:.3f}-{high:.3f}")
     return rows
 
 
