@@ -33,6 +33,7 @@
 #include "decode_exchange.cuh"
 #include "decode_gemm.h"
 #include "device_sync.cuh"
+#include "fp8_scale_epilogue.cuh"
 #include "launch_params_cache.h"
 
 namespace flux_jax::cuda {
@@ -213,19 +214,11 @@ struct DecodeGemmInstanceFp8 {
   using TileShape = cute::Shape<cute::_64, cute::Int<kRowsPerTile>, cute::_128>;
   using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
 
-  template <class... Ts>
-  using EVT = cutlass::epilogue::fusion::Sm90EVT<Ts...>;
-  using Multiply = cutlass::epilogue::fusion::Sm90Compute<cutlass::multiplies, float, float,
-                                                          cutlass::FloatRoundStyle::round_to_nearest>;
-  using WeightScale = cutlass::epilogue::fusion::Sm90ColBroadcast<0, TileShape, float, float,
-                                                                  cute::Stride<cute::_1, cute::_0, int64_t>, 1>;
-  using RowScale = cutlass::epilogue::fusion::Sm90RowBroadcast<0, TileShape, float, float,
-                                                               cute::Stride<cute::_0, cute::_1, int64_t>, 1>;
-  using Alpha = cutlass::epilogue::fusion::Sm90ScalarBroadcast<float, cute::Stride<cute::_0, cute::_0, int64_t>>;
-  using Fusion =
-      EVT<cutlass::epilogue::fusion::Sm90Compute<cutlass::multiplies, ElementD, float,
-                                                 cutlass::FloatRoundStyle::round_to_nearest>,
-          Alpha, EVT<Multiply, WeightScale, EVT<Multiply, RowScale, cutlass::epilogue::fusion::Sm90AccFetch>>>;
+  using Scale = Fp8ScaleTree<TileShape, 1>;
+  using Fusion = cutlass::epilogue::fusion::Sm90EVT<
+      cutlass::epilogue::fusion::Sm90Compute<cutlass::multiplies, ElementD, float,
+                                             cutlass::FloatRoundStyle::round_to_nearest>,
+      typename Scale::Alpha, typename Scale::Vectors>;
 
   using BaseEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
@@ -246,21 +239,11 @@ struct DecodeGemmInstanceFp8 {
 
   static constexpr const char* kRequirement = "K must be a multiple of 16 and N of 8";
 
-  // The visitor tree's arguments, children first (Sm90EVT<Node, Children...>: op_0.. the
-  // children, the node last): {alpha, {w_scale, {row_scale, acc, *}, *}, *}. alpha is read per
-  // tile, as in DecodeGemmInstance.
+  // The visitor tree's arguments: {alpha, {w_scale, {row_scale, acc, *}, *}, *} (in the kernel's
+  // orientation w's column scales run along M, x's row scales along N).
   template <class EpilogueArguments>
   static void SetEpilogue(EpilogueArguments& ep, const DecodeGemmPlan& p) {
-    auto& fusion = ep.thread;
-    fusion.op_0.scalars[0] = 1.0f;
-    fusion.op_0.scalar_ptrs[0] = p.alpha_ptr;
-    fusion.op_0.dScalar[0] = {cute::_0{}, cute::_0{}, 1};
-    auto& weight_scaled = fusion.op_1;
-    weight_scaled.op_0.ptr_col = p.col_scale;
-    weight_scaled.op_0.dCol = {cute::_1{}, cute::_0{}, 0};
-    auto& row_scaled = weight_scaled.op_1;
-    row_scaled.op_0.ptr_row = p.row_scale;
-    row_scaled.op_0.dRow = {cute::_0{}, cute::_1{}, 0};
+    Scale::Set(ep.thread, p.alpha_ptr, p.col_scale, p.row_scale);
   }
 };
 

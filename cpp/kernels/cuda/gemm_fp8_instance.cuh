@@ -14,6 +14,7 @@
 #pragma once
 
 #include "cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp"
+#include "fp8_scale_epilogue.cuh"
 #include "gemm_instance.cuh"
 
 namespace flux_jax::cuda {
@@ -26,18 +27,11 @@ struct GemmInstanceFp8 {
   static constexpr int kAlignmentAB = 16;  // 16 bytes: K a multiple of 16
   static constexpr int kAlignmentCD = 8;   // N a multiple of 8
 
-  using Multiply = cutlass::epilogue::fusion::Sm90Compute<cutlass::multiplies, float, float,
-                                                          cutlass::FloatRoundStyle::round_to_nearest>;
+  using Scale = Fp8ScaleTree<TileShape, 4>;
   template <class... Ts>
   using EVT = cutlass::epilogue::fusion::Sm90EVT<Ts...>;
-  using RowScale = cutlass::epilogue::fusion::Sm90ColBroadcast<0, TileShape, float, float,
-                                                               cute::Stride<cute::_1, cute::_0, int64_t>, 1>;
-  using ColScale = cutlass::epilogue::fusion::Sm90RowBroadcast<0, TileShape, float, float,
-                                                               cute::Stride<cute::_0, cute::_1, int64_t>, 4>;
-  using Alpha = cutlass::epilogue::fusion::Sm90ScalarBroadcast<float, cute::Stride<cute::_0, cute::_0, int64_t>>;
   using Beta = cutlass::epilogue::fusion::Sm90ScalarBroadcast<float>;
-  using Scaled =
-      EVT<Multiply, Alpha, EVT<Multiply, RowScale, EVT<Multiply, ColScale, cutlass::epilogue::fusion::Sm90AccFetch>>>;
+  using Scaled = EVT<typename Scale::Multiply, typename Scale::Alpha, typename Scale::Vectors>;
   using Fusion = EVT<cutlass::epilogue::fusion::Sm90Compute<cutlass::homogeneous_multiply_add, ElementD, float,
                                                             cutlass::FloatRoundStyle::round_to_nearest>,
                      Beta, cutlass::epilogue::fusion::Sm90SrcFetch<ElementD>, Scaled>;
@@ -65,21 +59,11 @@ struct GemmInstanceFp8 {
   static typename Kernel::Arguments Arguments(const GemmPlan& p, int device, int sm_count) {
     auto args = GemmArguments<Kernel>(p, device, sm_count);
     // The visitor tree's arguments, children first (Sm90EVT<Node, Children...>: op_0.. the
-    // children, the node last): {beta, C, {alpha, {row_scale, {col_scale, acc, *}, *}, *},
-    // multiply_add}. alpha's nonzero batch stride makes every tile read it (as in
-    // gemm_instance.cuh).
+    // children, the node last): {beta, C, scaled, multiply_add}; in the kernel's orientation
+    // x's row scales run along M, w's column scales along N.
     auto& fusion = args.epilogue.thread;
     fusion.op_0.scalars[0] = p.beta;
-    auto& scaled = fusion.op_2;
-    scaled.op_0.scalars[0] = 1.0f;
-    scaled.op_0.scalar_ptrs[0] = p.alpha_ptr;
-    scaled.op_0.dScalar[0] = {cute::_0{}, cute::_0{}, 1};
-    auto& row_scaled = scaled.op_1;
-    row_scaled.op_0.ptr_col = p.row_scale;
-    row_scaled.op_0.dCol = {cute::_1{}, cute::_0{}, 0};
-    auto& col_scaled = row_scaled.op_1;
-    col_scaled.op_0.ptr_row = p.col_scale;
-    col_scaled.op_0.dRow = {cute::_0{}, cute::_1{}, 0};
+    Scale::Set(fusion.op_2, p.alpha_ptr, p.row_scale, p.col_scale);
     return args;
   }
 };
