@@ -485,6 +485,33 @@ def test_quantize_helpers():
     assert s2.shape == (1, 1) and np.max(np.abs(to64(q2))) == 57344.0 / 8
 
 
+@pytest.mark.parametrize("path", ["overlap", "latency", "decode"])
+@pytest.mark.parametrize("op", ["ag", "rs", "ar"])
+def test_tiny_rows_stay_finite_and_nonfinite_inputs_show(op, path):
+    """A row of tiny but normal magnitudes (amax below e4m3's max times float32's smallest normal:
+    its scale would be subnormal, and a device that flushes subnormals divides by 0) comes out
+    finite and within FP8 rounding; a NaN in w (one scale per rank's shard) makes every output
+    that scale touches NaN, never finite numbers from a made-up scale."""
+    tp, m_local, k, n = 2, 4, 32, 16
+    mesh = cpu_mesh((tp,), ("tp",))
+    rng = np.random.default_rng()
+    x, w = _operands(rng, op, tp, m_local, k, n, jnp.float32)
+    x = x.at[1].multiply(1e-37).at[1, 0].set(0.0)
+    recipe = fp8.Fp8()
+    fn, specs = _fn(op, mesh, 2, "fused", recipe)
+    with flux_jax.config(fused_path=path):
+        out = to64(fn(*_placed(mesh, specs, x, w)))
+        x64, w64 = to64(x), to64(w)
+        ref = x64 @ w64
+        assert np.isfinite(out).all(), f"{op} {path}: a tiny row gave non-finite output"
+        assert np.all(np.abs(out - ref) <= _fp8_bound(x64, w64, "float32", op, tp, recipe))
+        bad = to64(fn(*_placed(mesh, specs, x, w.at[3, 2].set(jnp.nan))))
+    # The NaN is in rank 0's shard: ag_matmul's columns of that shard (each rank scales its own
+    # shard), every output of the others (their sums take rank 0's part).
+    touched = bad[:, :n] if op == "ag" else bad
+    assert np.isnan(touched).all(), f"{op} {path}: a NaN in w must show in every output its scale touches"
+
+
 @pytest.mark.parametrize("op", ["ag", "rs", "ar"])
 def test_decode_path_runs_the_ops_own_call_on_fp8_operands(op):
     """fused_path="decode" with FP8: the op's own custom call on the FP8 operands with the decode
