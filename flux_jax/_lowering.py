@@ -260,15 +260,7 @@ def register(spec) -> None:
         platform = platform_name(ctx.module_context.platforms[0])
         plan = call.plan
         if platform != call.platform:  # lowered for another platform than it was traced on
-            problem = spec.problem(
-                ctx.avals_in[0].shape,
-                ctx.avals_in[1].shape,
-                ctx.avals_in[0].dtype,
-                call.tp,
-                platform,
-                call.transpose_w,
-                call.fp8_format,
-            )
+            problem = _lowered_problem(spec, ctx, call, platform)
             # Lowered for a GPU on a host without one (export): plan for the GPU the built-in
             # tables describe (Hopper).
             on_hopper = platform == "cuda" and not _plan.local_gpus()
@@ -297,6 +289,10 @@ def register(spec) -> None:
         if plan.path == "latency":
             return _lower_latency(spec, ctx, x, w, rank, call, groups, pass_rank)
         if call.fp8 is not None:
+            if plan.path == "overlap" and not _plan.fp8_overlap_supported(_lowered_problem(spec, ctx, call, platform)):
+                # A manual region over other mesh axes split matmul_ar's rows so that tp no
+                # longer divides them (the two-shot sums one chunk of rows per rank).
+                return _lower_latency(spec, ctx, x, w, rank, call, groups, pass_rank)
             return _lower_fp8_fused(spec, ctx, x, w, rank, call, groups, pass_rank, plan.path)
         rows = int(np.prod(ctx.avals_in[0].shape[:-1]))
         if plan.path == "overlap" and _plan.composed_overlap(spec.name, rows, call.tp, platform):
@@ -322,6 +318,13 @@ def register(spec) -> None:
     # would give same-shape calls (q, k and v projections) one call-site id; each needs its own.
     mlir.register_lowering(spec.primitive, rule, platform="cpu", cacheable=False)
     mlir.register_lowering(spec.primitive, cuda_rule, platform="cuda", cacheable=False)
+
+
+def _lowered_problem(spec, ctx, call, platform: str):
+    """The planner's view of the call on the operands being lowered (inside a manual region over
+    other mesh axes, x's shard: fewer rows than at trace time)."""
+    x_aval, w_aval = ctx.avals_in[:2]
+    return spec.problem(x_aval.shape, w_aval.shape, x_aval.dtype, call.tp, platform, call.transpose_w, call.fp8_format)
 
 
 def _lower_latency(spec, ctx, x, w, rank, call, groups, pass_rank):

@@ -369,6 +369,25 @@ def test_shard_map_manual_over_tp_only(axis_type):
     np.testing.assert_allclose(outs["fused"], outs["xla"], rtol=1e-5, atol=1e-5 * np.max(np.abs(outs["xla"])))
 
 
+@pytest.mark.parametrize("rows", [6, 2])
+def test_matmul_ar_two_shot_when_the_region_splits_rows(rows):
+    """FP8 matmul_ar in a shard_map manual over tp only, with dp automatic: the fused op's own
+    manual region splits x's rows over dp, so tp no longer divides them (6 -> 3 rows per dp
+    shard): the planned two-shot cannot sum one chunk per rank, and the call takes the latency
+    path there instead of failing at run time."""
+    rng = np.random.default_rng()
+    mesh = cpu_mesh((2, 2), ("dp", "tp"), AxisType.Auto)
+    x = random_array(rng, (rows, 128), jnp.bfloat16)
+    w = random_array(rng, (128, 32), jnp.bfloat16)
+    body = functools.partial(flux_jax.matmul_ar, axis_name="tp", impl="fused", fp8=True)
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)), out_specs=P(), axis_names={"tp"})
+    with jax.set_mesh(mesh), flux_jax.config(fused_path="overlap"):
+        assert [site.plan.path for site in flux_jax.explain(f, x, w)] == ["overlap"]
+        out = to64(jax.jit(f)(x, w))
+    x64, w64 = to64(x), to64(w)
+    assert np.all(np.abs(out - x64 @ w64) <= _fp8_bound(x64, w64, "bfloat16", "ar", 2))
+
+
 def test_return_gathered_is_the_dequantized_fp8_rows():
     rng = np.random.default_rng()
     tp = 4
