@@ -18,9 +18,18 @@ from flux_jax.ops import ag_matmul, column_matmul, matmul_ar, matmul_rs
 
 
 def _place(x, mesh, spec):
-    if any(t == AxisType.Explicit for t in mesh.axis_types):
-        return jax.sharding.reshard(x, NamedSharding(mesh, spec))
-    return x
+    """x resharded to `spec` over the mesh's Explicit axes (shard_map moves it over the Auto
+    ones; reshard refuses to name them)."""
+    explicit = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit}
+    if not explicit:
+        return x
+
+    def keep(entry):
+        names = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+        kept = tuple(a for a in names if a in explicit)
+        return kept[0] if len(kept) == 1 else (kept or None)
+
+    return jax.sharding.reshard(x, NamedSharding(mesh, P(*(keep(e) for e in spec))))
 
 
 def ag_matmul_sharded(x, w, *, mesh, axis_name: str, impl: str = "auto", return_gathered: bool = False, fp8=None):

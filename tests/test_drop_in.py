@@ -245,3 +245,25 @@ def test_gspmd_model_with_a_flux_jax_mlp():
     np.testing.assert_allclose(float(loss_f), float(loss_x), rtol=1e-5)
     for a, b in zip(g_f, g_x):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+HELPERS = [
+    flux_jax.ag_matmul_sharded,
+    flux_jax.matmul_rs_sharded,
+    flux_jax.matmul_ar_sharded,
+    flux_jax.column_matmul_sharded,
+]
+
+
+@pytest.mark.parametrize("op", HELPERS, ids=lambda f: f.__name__)
+def test_sharded_helpers_on_a_mesh_of_explicit_dp_and_auto_tp(op):
+    """The global-view helpers reshard only over the mesh's Explicit axes (reshard refuses to name
+    an Auto one; shard_map moves x over those)."""
+    mesh = jax.sharding.Mesh(
+        np.array(jax.devices()[:8]).reshape(2, 4), ("dp", "tp"), axis_types=(AxisType.Explicit, AxisType.Auto)
+    )
+    rng = np.random.default_rng()
+    x, w = random_array(rng, (64, 128), jnp.float32), random_array(rng, (128, 64), jnp.float32)
+    with jax.set_mesh(mesh):
+        out = to64(jax.jit(lambda a, b: op(a, b, mesh=mesh, axis_name="tp", impl="fused"))(x, w))
+    np.testing.assert_allclose(out, to64(x) @ to64(w), rtol=1e-4, atol=1e-4 * np.max(np.abs(out)))
