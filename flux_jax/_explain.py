@@ -46,31 +46,55 @@ def record(op: str, problem: _plan.Problem, plan: _plan.Plan, backward: bool) ->
         sites.append(CallSite(op, problem, plan, backward))
 
 
+def amend(planned: _plan.Plan, lowered: _plan.Plan) -> None:
+    """Called by the lowering where it runs another plan than the one traced (the mesh rules the
+    fused kernels out, a manual region's layout, rows a shard no longer divides)."""
+    amendments = getattr(_local, "amendments", None)
+    if amendments is not None and lowered != planned:
+        amendments.append((planned, lowered))
+
+
+def _amended(sites: Explanation, amendments: list) -> Explanation:
+    """Each amendment replaces the plan of the first site not yet amended that was traced with
+    it (the lowering meets the sites in program order; identical sites share a plan)."""
+    out = Explanation(sites)
+    done = set()
+    for planned, lowered in amendments:
+        for i, site in enumerate(out):
+            if i not in done and site.plan is planned:
+                out[i] = dataclasses.replace(site, plan=lowered)
+                done.add(i)
+                break
+    return out
+
+
 @contextlib.contextmanager
 def _collecting():
-    previous = getattr(_local, "sites", None)
-    _local.sites = Explanation()
+    previous = getattr(_local, "sites", None), getattr(_local, "amendments", None)
+    _local.sites, _local.amendments = Explanation(), []
     try:
-        yield _local.sites
+        yield _local.sites, _local.amendments
     finally:
-        _local.sites = previous
+        _local.sites, _local.amendments = previous
 
 
 def explain(fn, *args, **kwargs) -> Explanation:
     """Traces and lowers `fn(*args, **kwargs)` (as jax.jit would) and lists every flux_jax call
     site with its plan: the path that runs (or the twin) and why.
 
-    The plans are taken while `fn` is traced, and JAX does not trace again a function it traced
-    before with the same argument types, so this clears JAX's caches first
-    (`jax.clear_caches()`): functions that ran before compile again on their next call.
+    The plans are taken while `fn` is traced and amended where the lowering runs another one
+    (the twin where the mesh rules the fused kernels out, the latency path where a manual region
+    leaves rows the two-shot cannot split). JAX does not trace again a function it traced before
+    with the same argument types, so this clears JAX's caches first (`jax.clear_caches()`):
+    functions that ran before compile again on their next call.
 
     Example:
       print(flux_jax.explain(train_step, state, batch))
     """
     jax.clear_caches()
-    with _collecting() as sites:
+    with _collecting() as (sites, amendments):
         jax.jit(fn).trace(*args, **kwargs).lower()
-    return sites
+    return _amended(sites, amendments)
 
 
 def explain_auto(op: str, M: int, K: int, N: int, tp: int, dtype="bfloat16", fp8: bool = False) -> str:

@@ -30,7 +30,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from flux_jax import _distributed, _ipc, _plan
+from flux_jax import _distributed, _explain, _ipc, _plan
 from flux_jax._config import GEMM_KERNELS
 from flux_jax._errors import FusedUnavailableError
 from flux_jax._validation import platform_name
@@ -271,6 +271,7 @@ def register(spec) -> None:
             plan = _plan.for_topology(plan, spec.name, reason, call.forced)
             if not plan.fused:
                 _log_once(reason)
+        _explain.amend(call.plan, plan)
         if not plan.fused:
             twin = lambda x, w, rank: spec.twin(x, w, call)  # noqa: E731
             return mlir.lower_fun(twin, multiple_results=True)(ctx, x, w, rank)
@@ -282,6 +283,7 @@ def register(spec) -> None:
                 if call.forced:
                     raise
                 _log_once(str(err))  # impl="auto": the twin serves any layout
+                _explain.amend(call.plan, _plan.Plan("twin", str(err), "the manual region's layout"))
                 return mlir.lower_fun(lambda x, w, rank: spec.twin(x, w, call), multiple_results=True)(ctx, x, w, rank)
 
         # The rank operand (lax.axis_index) is cross-checked by the CPU handlers only.
@@ -292,6 +294,9 @@ def register(spec) -> None:
             if plan.path == "overlap" and not _plan.fp8_overlap_supported(_lowered_problem(spec, ctx, call, platform)):
                 # A manual region over other mesh axes split matmul_ar's rows so that tp no
                 # longer divides them (the two-shot sums one chunk of rows per rank).
+                rows = int(np.prod(ctx.avals_in[0].shape[:-1]))
+                why = f"the two-shot needs rows divisible by tp; the manual region leaves {rows} per shard"
+                _explain.amend(call.plan, _plan.Plan("latency", why, "the manual region's layout"))
                 return _lower_latency(spec, ctx, x, w, rank, call, groups, pass_rank)
             return _lower_fp8_fused(spec, ctx, x, w, rank, call, groups, pass_rank, plan.path)
         rows = int(np.prod(ctx.avals_in[0].shape[:-1]))

@@ -267,3 +267,25 @@ def test_sharded_helpers_on_a_mesh_of_explicit_dp_and_auto_tp(op):
     with jax.set_mesh(mesh):
         out = to64(jax.jit(lambda a, b: op(a, b, mesh=mesh, axis_name="tp", impl="fused"))(x, w))
     np.testing.assert_allclose(out, to64(x) @ to64(w), rtol=1e-4, atol=1e-4 * np.max(np.abs(out)))
+
+
+def test_explain_reports_the_twin_the_lowering_falls_back_to():
+    """A plan the lowering cannot run (here x's gathered dimension also sharded over the dp axis
+    the partial shard_map leaves automatic) runs the twin under impl="auto"; explain says so, with
+    the reason, instead of the traced plan."""
+    mesh = cpu_mesh((2, 4), ("dp", "tp"))
+    x, w = jnp.ones((4, 16, 64)), jnp.ones((64, 32))
+    body = functools.partial(flux_jax.ag_matmul, axis_name="tp", axis=1, impl="auto")
+    f = jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=(P(None, "tp"), P(None, "tp")), out_specs=P(None, None, "tp"), axis_names={"tp"}
+        )
+    )
+    xs = jax.device_put(x, NamedSharding(mesh, P(None, ("tp", "dp"))))
+    ws = jax.device_put(w, NamedSharding(mesh, P(None, "tp")))
+    with flux_jax.config(fused_path="overlap"), jax.set_mesh(mesh):
+        sites = flux_jax.explain(f, xs, ws)
+        text = f.lower(xs, ws).as_text()
+    assert "flux_jax_ag_matmul" not in text
+    assert [site.plan.path for site in sites] == ["twin"], str(sites)
+    assert "automatic mesh axes" in sites[0].plan.reason

@@ -382,7 +382,9 @@ def test_matmul_ar_two_shot_when_the_region_splits_rows(rows):
     body = functools.partial(flux_jax.matmul_ar, axis_name="tp", impl="fused", fp8=True)
     f = jax.shard_map(body, mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)), out_specs=P(), axis_names={"tp"})
     with jax.set_mesh(mesh), flux_jax.config(fused_path="overlap"):
-        assert [site.plan.path for site in flux_jax.explain(f, x, w)] == ["overlap"]
+        sites = flux_jax.explain(f, x, w)
+        assert [site.plan.path for site in sites] == ["latency"], str(sites)
+        assert "rows divisible by tp" in sites[0].plan.reason
         out = to64(jax.jit(f)(x, w))
     x64, w64 = to64(x), to64(w)
     assert np.all(np.abs(out - x64 @ w64) <= _fp8_bound(x64, w64, "bfloat16", "ar", 2))
