@@ -188,9 +188,9 @@ def _explicit_spec(aval, auto, op: str, rows_free: bool):
         )
     if names(dims[0]) and not rows_free:
         raise FusedUnavailableError(
-            f"flux_jax.{op}: x is sharded {spec} over the automatic mesh axes {auto} on the "
-            "dimension it gathers / scatters over the TP axis; the fused op splits only the middle "
-            "(batch) dimensions over them"
+            f"flux_jax.{op}: x (its gathered / scattered dimension moved first: {spec}) is sharded "
+            f"over the automatic mesh axes {auto} on the dimension it gathers / scatters over the TP "
+            "axis; the fused op splits only the other row (batch) dimensions over them"
         )
     return P(*[tuple(a for a in names(e) if a in auto) or None for e in dims])
 

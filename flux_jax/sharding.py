@@ -14,7 +14,34 @@ import jax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from flux_jax import _validation
 from flux_jax.ops import ag_matmul, column_matmul, matmul_ar, matmul_rs
+
+# What each helper splits over the axis: (name, global dimension as (operand, index)).
+_SPLITS = {
+    "ag_matmul_sharded": (("M", "x", 0), ("N", "w", 1)),
+    "matmul_rs_sharded": (("M", "x", 0), ("K", "w", 0)),
+    "matmul_ar_sharded": (("K", "w", 0),),
+    "column_matmul_sharded": (("N", "w", 1),),
+}
+
+
+def _check_global(op: str, x, w, mesh, axis_name) -> None:
+    """The global operands and the mesh, checked before the shard_map (whose errors would show
+    per-shard shapes the caller never passed)."""
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"flux_jax.{op}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if axis_name not in mesh.axis_names:
+        raise ValueError(f"flux_jax.{op}: axis_name {axis_name!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
+    _validation.check_operands(op, x, w)
+    tp = dict(zip(mesh.axis_names, mesh.axis_sizes))[axis_name]
+    for name, operand, dim in _SPLITS[op]:
+        a = x if operand == "x" else w
+        if a.shape[dim] % tp:
+            raise ValueError(
+                f"flux_jax.{op}: {name} = {a.shape[dim]} ({operand} {jax.numpy.dtype(a.dtype).name}"
+                f"{list(a.shape)}) must be divisible by the size of axis {axis_name!r} ({tp})"
+            )
 
 
 def _place(x, mesh, spec):
@@ -46,6 +73,7 @@ def ag_matmul_sharded(x, w, *, mesh, axis_name: str, impl: str = "auto", return_
       with `return_gathered`, also x itself replicated over `axis_name`.
     M must be divisible by the axis size.
     """
+    _check_global("ag_matmul_sharded", x, w, mesh, axis_name)
     x_spec = P(axis_name, *([None] * (x.ndim - 1)))
     w_spec = P(None, axis_name)
     out_spec = P(*([None] * (x.ndim - 1)), axis_name)
@@ -70,6 +98,7 @@ def matmul_rs_sharded(x, w, *, mesh, axis_name: str, impl: str = "auto", fp8=Non
       x @ w, global [M, ..., N], row-sharded over `axis_name`: P(axis_name, None, ...).
     M must be divisible by the axis size.
     """
+    _check_global("matmul_rs_sharded", x, w, mesh, axis_name)
     x_spec = P(*([None] * (x.ndim - 1)), axis_name)
     w_spec = P(axis_name, None)
     out_spec = P(axis_name, *([None] * (x.ndim - 1)))
@@ -90,6 +119,7 @@ def matmul_ar_sharded(x, w, *, mesh, axis_name: str, impl: str = "auto", fp8=Non
     Returns:
       x @ w, global [M, ..., N], replicated over `axis_name`: P(None, ...).
     """
+    _check_global("matmul_ar_sharded", x, w, mesh, axis_name)
     x_spec = P(*([None] * (x.ndim - 1)), axis_name)
     w_spec = P(axis_name, None)
     out_spec = P(*([None] * x.ndim))
@@ -110,6 +140,7 @@ def column_matmul_sharded(x, w, *, mesh, axis_name: str, impl: str = "auto", fp8
     Returns:
       x @ w, global [M, ..., N], column-sharded over `axis_name`: P(None, ..., axis_name).
     """
+    _check_global("column_matmul_sharded", x, w, mesh, axis_name)
     x_spec = P(*([None] * x.ndim))
     w_spec = P(None, axis_name)
     out_spec = P(*([None] * (x.ndim - 1)), axis_name)

@@ -289,3 +289,19 @@ def test_explain_reports_the_twin_the_lowering_falls_back_to():
     assert "flux_jax_ag_matmul" not in text
     assert [site.plan.path for site in sites] == ["twin"], str(sites)
     assert "automatic mesh axes" in sites[0].plan.reason
+
+
+def test_sharded_helpers_check_the_global_operands_first():
+    """Errors name the caller's global shapes and the mesh, not the per-shard ones."""
+    mesh = cpu_mesh((4,), ("tp",))
+    x, w = jnp.ones((64, 128)), jnp.ones((64, 256))
+    with pytest.raises(ValueError, match=r"x float32\[64, 128\] has K=128 but w float32\[64, 256\]"):
+        flux_jax.ag_matmul_sharded(x, w, mesh=mesh, axis_name="tp")
+    with pytest.raises(ValueError, match=r"rank >= 2.*float32\[128\]"):
+        flux_jax.matmul_ar_sharded(jnp.ones(128), jnp.ones((128, 8)), mesh=mesh, axis_name="tp")
+    with pytest.raises(ValueError, match=r"N = 30 \(w float32\[128, 30\]\) must be divisible by .* \(4\)"):
+        flux_jax.column_matmul_sharded(jnp.ones((8, 128)), jnp.ones((128, 30)), mesh=mesh, axis_name="tp")
+    with pytest.raises(ValueError, match="not an axis of the mesh"):
+        flux_jax.matmul_rs_sharded(jnp.ones((8, 128)), jnp.ones((128, 8)), mesh=mesh, axis_name="model")
+    with pytest.raises(TypeError, match="must be a jax.sharding.Mesh"):
+        flux_jax.matmul_ar_sharded(jnp.ones((8, 128)), jnp.ones((128, 8)), mesh=None, axis_name="tp")
