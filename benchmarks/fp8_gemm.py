@@ -26,6 +26,11 @@ formats. The programs take dx alone (the weight gradient and the forward are dea
                 the all-reduce in its epilogue, with no peer)
   bf16:decode   the bfloat16 decode path on the same operands, unquantized (for scale)
 
+With `--steps S` each program is a generation loop instead: S calls in a lax.fori_loop, each fed
+the last one's output, w the same every step. XLA hoists w's quantization out of the loop, so
+`step_us` (every kernel of the program / S) is what a decode step costs: the FP8 twin and decode
+path against the bfloat16 twin (bf16:xla) and decode path. Checked against the loop in float32.
+
 Both are checked first against a float32 GEMM of the unquantized operands, so the error is mostly
 FP8's rounding (outputs poisoned for ours; bound: 4x the twin's own error, at least 1e-2; the
 exact check against the quantized operands is tests/test_gpu_one.py). Times are device times from CUPTI, one
@@ -117,9 +122,36 @@ DECODE_VARIANTS = (
 DECODE_SHAPES = tuple((m, k, n) for m in (16, 64, 128, 256) for k, n in ((2048, 4096), (7168, 8192), (14336, 4096)))
 
 
-def _decode_program(impl: str, path: str, fp8: bool, mesh):
-    """matmul_ar over a mesh axis of size 1: x [M, K] and w [K, N] -> x @ w, on `path`."""
-    body = functools.partial(flux_jax.matmul_ar, axis_name=AXIS, impl=impl, fp8=True if fp8 else None)
+# --decode --steps S: the variants of a decode loop (the bfloat16 twin too: the baseline FP8 must beat).
+DECODE_LOOP_VARIANTS = (
+    ("xla", "xla", "auto", True),
+    ("flux:decode", "fused", "decode", True),
+    ("bf16:xla", "xla", "auto", False),
+    ("bf16:decode", "fused", "decode", False),
+)
+
+
+def _next_rows(y, k: int):
+    """A decode loop's next input from this step's output: [M, N] -> [M, k] (tiled, tanh-bounded)."""
+    reps = -(-k // y.shape[-1])
+    return jnp.tanh(jnp.tile(y, (1, reps))[:, :k].astype(jnp.float32)).astype(y.dtype)
+
+
+def _decode_program(impl: str, path: str, fp8: bool, mesh, steps: int = 1):
+    """matmul_ar over a mesh axis of size 1: x [M, K] and w [K, N] -> x @ w, on `path`; with
+    steps > 1 a lax.fori_loop of that many calls, each fed the last one's output (w the same
+    every step, as in a generation loop: XLA hoists its quantization out of the loop)."""
+    one = functools.partial(flux_jax.matmul_ar, axis_name=AXIS, impl=impl, fp8=True if fp8 else None)
+
+    def body(x, w):
+        if steps == 1:
+            return one(x, w)
+
+        def step(_, h):
+            return lax.pcast(_next_rows(one(h, w), h.shape[-1]), (AXIS,), to="varying")
+
+        return one(lax.fori_loop(0, steps - 1, step, x), w)
+
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, AXIS), P(AXIS, None)), out_specs=P()))
 
     def call(*args):
@@ -127,6 +159,15 @@ def _decode_program(impl: str, path: str, fp8: bool, mesh):
             return fn(*args)
 
     return call
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _decode_loop_reference(x, w, steps: int):
+    """The decode loop in float32 (HIGHEST precision)."""
+    x32, w32 = x.astype(jnp.float32), w.astype(jnp.float32)
+    for _ in range(steps - 1):
+        x32 = _next_rows(jnp.dot(x32, w32, precision=lax.Precision.HIGHEST), x.shape[-1])
+    return jnp.dot(x32, w32, precision=lax.Precision.HIGHEST)
 
 
 def _operands(m, k, n, seed, mesh, backward: bool = False):
@@ -178,17 +219,21 @@ def _gemm_kernel(kernels: list[tuple[str, float]]) -> tuple[str, float]:
 
 
 def run_shape(
-    m, k, n, rounds: int, seed: int, mesh, variants=VARIANTS, backward: bool = False, decode: bool = False
+    m, k, n, rounds: int, seed: int, mesh, variants=VARIANTS, backward: bool = False, decode_steps: int = 0
 ) -> list[dict]:
+    """One shape's rows. decode_steps: 0 for the overlap GEMM, else matmul_ar at decode sizes,
+    that many calls in a loop (1: one call)."""
     args, ref = _operands(m, k, n, seed, mesh, backward)
-    if decode:  # matmul_ar's operands: x split along K, w along its rows (one shard each at tp = 1)
+    if decode_steps:  # matmul_ar's operands: x split along K, w along its rows (one shard each at tp = 1)
         args = tuple(jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, (P(None, AXIS), P(AXIS, None))))
+    if decode_steps > 1:
+        ref = _decode_loop_reference(*(jax.device_put(a, NamedSharding(mesh, P())) for a in args), decode_steps)
     rows, programs = {}, {}
-    gemm = "dx" if backward else "matmul_ar" if decode else "forward"
+    gemm = "dx" if backward else f"matmul_ar x{decode_steps}" if decode_steps else "forward"
 
     def make(variant):
-        if decode:
-            return _decode_program(*variant[1:], mesh)
+        if decode_steps:
+            return _decode_program(*variant[1:], mesh, decode_steps)
         _, impl, kernel = variant
         return _program(impl, mesh, kernel, backward)
 
@@ -223,6 +268,7 @@ def run_shape(
             gemm_us_min=min(gemm),
             gemm_us_max=max(gemm),
             total_us=statistics.median(total),
+            step_us=statistics.median(total) / max(decode_steps, 1),
             gemm_kernel=_gemm_kernel(runs[-1])[0][:160],
             kernels=[(name[:100], round(us, 2)) for name, us in runs[-1]],
             tflops=2.0 * m * k * n / (statistics.median(gemm) * 1e-6) / 1e12,
@@ -244,24 +290,32 @@ def main(argv=None) -> list[dict]:
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--backward", action="store_true", help="time dx = dy @ w^T (dy in e5m2: our e5m2 x e4m3 GEMM)")
     mode.add_argument("--decode", action="store_true", help="time matmul_ar's FP8 decode path at M = 16-256")
+    ap.add_argument("--steps", type=int, default=1, help="--decode: calls per program, in a lax.fori_loop if > 1")
     args = ap.parse_args(argv)
+    if args.steps < 1 or (args.steps > 1 and not args.decode):
+        ap.error("--steps takes a positive count, and only with --decode")
     shapes = DECODE_SHAPES if args.decode else SHAPES
     if args.shapes:
         shapes = tuple(tuple(int(v) for v in s.split("x")) for s in args.shapes.split(","))
     variants = VARIANTS[:2] if args.no_forced or args.backward else VARIANTS
     if args.decode:
-        variants = DECODE_VARIANTS
+        variants = DECODE_LOOP_VARIANTS if args.steps > 1 else DECODE_VARIANTS
     mesh = _mesh()
     rows = []
     meta = dict(
         device=jax.devices()[0].device_kind,
         jax=jax.__version__,
         flux_jax=flux_jax.build_info(),
-        gemm="dx = dy @ w^T (dy e5m2)" if args.backward else "matmul_ar, decode sizes" if args.decode else "forward",
+        gemm="dx = dy @ w^T (dy e5m2)"
+        if args.backward
+        else f"matmul_ar, decode sizes, {args.steps} calls"
+        if args.decode
+        else "forward",
     )
     print("shape, then per variant: GEMM us (ours / XLA's), whole call ours / twin, status")
     for i, (m, k, n) in enumerate(shapes):
-        got = run_shape(m, k, n, args.rounds, args.seed + i, mesh, variants, args.backward, args.decode)
+        decode_steps = args.steps if args.decode else 0
+        got = run_shape(m, k, n, args.rounds, args.seed + i, mesh, variants, args.backward, decode_steps)
         rows += got
         if args.out:  # after every shape: a stopped run keeps what it measured
             args.out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1, default=str))

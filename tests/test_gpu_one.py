@@ -242,18 +242,29 @@ def _check_matmul_ar_fp8(one_gpu, shape, path):
 
 
 @pytest.mark.parametrize("path", ["overlap", "latency"])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", SHAPES + [(1024, 14336, 1024)], ids=lambda s: "x".join(map(str, s)))
 def test_one_gpu_matmul_ar_fp8_matches_the_quantized_product(one_gpu, shape, path):
     """FP8 matmul_ar at tp = 1: overlap is the two-shot's first half, matmul_rs's FP8 overlap GEMM
     (no all_gather with one rank); latency is XLA's FP8 GEMM and our all_reduce."""
     _check_matmul_ar_fp8(one_gpu, shape, path)
 
 
-@pytest.mark.parametrize("shape", [(1, 1024, 2048), (64, 4096, 3072), (100, 784, 1544), (128, 2048, 4096)])
+DECODE_FP8_SHAPES = [
+    (1, 1024, 2048),
+    (64, 4096, 3072),
+    (100, 784, 1544),
+    (128, 2048, 4096),
+    (16, 7168, 8192),
+    (64, 14336, 4096),
+]
+
+
+@pytest.mark.parametrize("shape", DECODE_FP8_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_one_gpu_matmul_ar_fp8_decode_matches_the_quantized_product(one_gpu, shape):
     """FP8 matmul_ar's decode path at tp = 1: the FP8 decode GEMM (w's column scales along its
     tile's M, x's row scales along its N, predicated past the last row; x staged where its rows are
-    not whole tiles; two blocks of rows above 64) with its all-reducing epilogue and no peer."""
+    not whole tiles; two blocks of rows above 64) with its all-reducing epilogue and no peer. The
+    long-K shapes hold its accumulation to the twin's error."""
     _check_matmul_ar_fp8(one_gpu, shape, "decode")
 
 

@@ -22,6 +22,8 @@
 // before the rows did simply completes later; no MMA reads a stage early.
 #pragma once
 
+#include <type_traits>
+
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
@@ -37,6 +39,17 @@
 #include "launch_params_cache.h"
 
 namespace flux_jax::cuda {
+
+// B's element type as the mainloop's TMA reads it: CUTLASS's FP8 mainloop with
+// promotion names it ElementB, the others InternalElementB.
+template <class Mainloop, class = void>
+struct LoadedElementB {
+  using type = typename Mainloop::ElementB;
+};
+template <class Mainloop>
+struct LoadedElementB<Mainloop, std::void_t<typename Mainloop::InternalElementB>> {
+  using type = typename Mainloop::InternalElementB;
+};
 
 // Mainloop whose first tile of each CTA issues the weight (A) loads of every
 // pipeline stage, then waits for the pushed rows (PushGate), then loads X (B).
@@ -72,7 +85,7 @@ struct DeferredRowsMainloop : Base {
     params.gate = args.gate;
     auto [M, N, K, L] = append<4>(problem_shape, 1);
     if (args.b_rows_readable > static_cast<int32_t>(N)) {
-      auto ptr = reinterpret_cast<typename Base::InternalElementB const*>(args.ptr_B);
+      auto ptr = reinterpret_cast<typename LoadedElementB<Base>::type const*>(args.ptr_B);
       Tensor tensor = make_tensor(ptr, make_layout(make_shape(args.b_rows_readable, K, L), args.dB));
       params.tma_load_b = make_tma_copy_B_sm90(typename Base::GmemTiledCopyB{}, tensor, SmemLayoutB{}(_, _, Int<0>{}),
                                                TileShape{}, ClusterShape{});
@@ -205,6 +218,10 @@ struct DecodeGemmInstance {
 //
 // w's column scales run along the tile's M (a column broadcast), x's row scales along its N (a row
 // broadcast, predicated past the last row). 128 bytes of K per stage, as the FP8 overlap GEMM.
+// The accumulator is promoted to float32 every 128 elements of K (CUTLASS's FP8 mainloop without
+// fast accumulation): the tensor cores' own FP8 accumulation lost precision with K (one H200,
+// against the exact product of the quantized operands: 11x the twin's error at K = 28672), and
+// this memory-bound GEMM has the issue slots to spare.
 template <int kRowsPerTile>
 struct DecodeGemmInstanceFp8 {
   using Element = cutlass::float_e4m3_t;
@@ -230,7 +247,7 @@ struct DecodeGemmInstanceFp8 {
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::RowMajor, kAlignmentAB, Element,
       cutlass::layout::ColumnMajor, kAlignmentAB, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8FastAccum>::CollectiveOp;
+      cutlass::gemm::KernelTmaWarpSpecializedPingpong>::CollectiveOp;
 
   using Kernel =
       cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, DeferredRowsMainloop<BaseMainloop>,
