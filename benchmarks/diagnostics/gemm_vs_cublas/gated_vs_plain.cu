@@ -65,6 +65,12 @@ flux_jax::cuda::GemmPlan Instance(int block_n, int cluster_m, bool pingpong, boo
 }  // namespace
 
 int main(int argc, char** argv) {
+  // The GEMM instances set their shared-memory size when loaded (as the workspace does); a launch
+  // before that fails and every configuration of ours would read as rejected.
+  if (!flux_jax::cuda::PreloadGemmKernels().ok()) {
+    std::printf("loading the GEMM instances failed\n");
+    return 1;
+  }
   std::vector<Shape> parsed = {
       {2048, 2560, 5120, ""}, {2048, 8192, 5120, ""}, {2048, 6912, 5120, ""}, {2048, 4096, 3072, ""},
       {4096, 3072, 4608, ""}, {8192, 2048, 4096, ""}, {8192, 8192, 8192, ""},

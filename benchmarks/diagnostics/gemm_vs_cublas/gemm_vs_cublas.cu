@@ -52,6 +52,12 @@ bool RunOurs(int m, int n, int k, const E* a, const E* b, E* d, const float* one
 }  // namespace
 
 int main(int argc, char** argv) {
+  // The GEMM instances set their shared-memory size when loaded (as the workspace does); a launch
+  // before that fails and every configuration of ours would read as rejected.
+  if (!flux_jax::cuda::PreloadGemmKernels().ok()) {
+    std::printf("loading the GEMM instances failed\n");
+    return 1;
+  }
   // Per-GPU GEMMs (M x K x N) at TP = 2: AG layers compute all M rows against N / 2 columns,
   // RS layers all M rows against K / 2. The held-out shapes (M = 3000 and the Qwen / Phi-3 layers)
   // are where our GEMM trails cuBLAS most.
