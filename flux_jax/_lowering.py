@@ -291,12 +291,9 @@ def register(spec) -> None:
         if plan.path == "latency":
             return _lower_latency(spec, ctx, x, w, rank, call, groups, pass_rank)
         if call.fp8 is not None:
-            if plan.path == "overlap" and not _plan.fp8_overlap_supported(_lowered_problem(spec, ctx, call, platform)):
-                # A manual region over other mesh axes split matmul_ar's rows so that tp no
-                # longer divides them (the two-shot sums one chunk of rows per rank).
-                rows = int(np.prod(ctx.avals_in[0].shape[:-1]))
-                why = f"the two-shot needs rows divisible by tp; the manual region leaves {rows} per shard"
-                _explain.amend(call.plan, _plan.Plan("latency", why, "the manual region's layout"))
+            lowered = _plan.for_lowered_shape(plan, _lowered_problem(spec, ctx, call, platform))
+            if lowered is not plan:
+                _explain.amend(call.plan, lowered)
                 return _lower_latency(spec, ctx, x, w, rank, call, groups, pass_rank)
             return _lower_fp8_fused(spec, ctx, x, w, rank, call, groups, pass_rank, plan.path)
         rows = int(np.prod(ctx.avals_in[0].shape[:-1]))

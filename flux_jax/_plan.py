@@ -373,6 +373,19 @@ def _decide(p: Problem, impl: str, config: Config, *, backward: bool = False, on
     return Plan(path, adjusted or why, tuned.source)
 
 
+def for_lowered_shape(plan: Plan, p: Problem) -> Plan:
+    """The plan on the operands being lowered. A manual region over other mesh axes may leave an
+    op fewer rows than traced (matmul_ar's may split its rows), which tp may then not divide: the
+    FP8 two-shot sums one chunk of rows per rank, so such a call takes the latency path."""
+    if p.fp8 is not None and plan.path == "overlap" and not fp8_overlap_supported(p):
+        return Plan(
+            "latency",
+            f"the FP8 two-shot needs rows divisible by tp; the manual region leaves {p.rows} rows per shard",
+            "the manual region's layout",
+        )
+    return plan
+
+
 def for_topology(plan: Plan, op: str, reason: str | None, forced: bool) -> Plan:
     """The plan once the lowering knows the mesh: `reason` says why the TP group cannot run
     fused (spans hosts, no IPC between its processes, ...), or is None."""
