@@ -203,12 +203,26 @@ def gpu_tuning(**overrides) -> Iterator[GpuTuning]:
 _TUNING_PREFIX = "gpu_"
 
 
+def _parse_value(value: str):
+    """An override's value: int, float, bool, None, else the string itself."""
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    if value.lower() == "none":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
+
+
 def parse_overrides(text: str) -> tuple[dict, dict]:
     """(Config fields, GpuTuning fields) from "name=value,name=value" (tools and test runs).
 
     GPU tuning fields are spelled with a `gpu_` prefix (`gpu_tile_n=192`). Integers become ints,
-    true/false (any case) become bools, anything else stays a string; the dataclasses validate
-    names and values.
+    other numbers floats, true/false (any case) bools, none (any case) None, anything else stays a
+    string; the dataclasses validate names and values.
     """
     public, tuning = {}, {}
     tuning_fields = {f.name for f in dataclasses.fields(GpuTuning)}
@@ -216,12 +230,7 @@ def parse_overrides(text: str) -> tuple[dict, dict]:
         name, sep, value = (s.strip() for s in item.partition("="))
         if not sep or not name:
             raise ValueError(f"expected name=value, got {item!r} in {text!r}")
-        if value.lstrip("-").isdigit():
-            parsed = int(value)
-        elif value.lower() in ("true", "false"):
-            parsed = value.lower() == "true"
-        else:
-            parsed = value
+        parsed = _parse_value(value)
         bare = name[len(_TUNING_PREFIX) :] if name.startswith(_TUNING_PREFIX) else None
         if bare in tuning_fields:
             tuning[bare] = parsed

@@ -107,6 +107,11 @@ def explain_auto(op: str, M: int, K: int, N: int, tp: int, dtype="bfloat16", fp8
     """
     if op not in ("ag_matmul", "matmul_rs", "matmul_ar"):
         raise ValueError(f'op must be "ag_matmul", "matmul_rs" or "matmul_ar", got {op!r}')
+    for name, value in (("M", M), ("K", K), ("N", N), ("tp", tp)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"explain_auto: {name} must be an int, got {value!r}")
+    if not isinstance(fp8, bool):
+        raise TypeError(f"explain_auto: fp8 must be a bool, got {fp8!r}")
     if min(M, K, N, tp) < 1:
         raise ValueError(f"M, K, N and tp must be >= 1, got M={M} K={K} N={N} tp={tp}")
     sharded = N if op == "ag_matmul" else K

@@ -214,6 +214,9 @@ def test_parse_overrides_for_tools_and_test_tuning():
     assert parse_overrides("debug_poison_outputs=false")[0] == {"debug_poison_outputs": False}
     with pytest.raises(ValueError, match="expected name=value"):
         parse_overrides("gpu_tile_group_m")
+    public, _ = parse_overrides("timeout_s=0.5,tuning=None")
+    assert public == {"timeout_s": 0.5, "tuning": None}
+    assert flux_jax.Config(**public).timeout_s == 0.5
 
 
 def test_build_info_reports_the_build():
@@ -317,6 +320,12 @@ def test_explain_auto_names_the_choice_and_the_reason():
         flux_jax.explain_auto("matmul_rs", 4096, 8191, 8192, 2)
     with pytest.raises(ValueError, match="op must be"):
         flux_jax.explain_auto("matmul", 4096, 8192, 8192, 2)
+    with pytest.raises(TypeError, match="M must be an int, got '4096'"):
+        flux_jax.explain_auto("ag_matmul", "4096", 8192, 8192, 2)
+    with pytest.raises(TypeError, match="tp must be an int, got True"):
+        flux_jax.explain_auto("ag_matmul", 4096, 8192, 8192, True)
+    with pytest.raises(TypeError, match="fp8 must be a bool"):
+        flux_jax.explain_auto("ag_matmul", 4096, 8192, 8192, 2, fp8="yes")
 
 
 def test_explain_lists_every_call_site_with_its_plan():

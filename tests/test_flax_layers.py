@@ -509,6 +509,16 @@ def test_layer_shapes_that_cannot_shard_raise():
         RowParallelLinear(30, HIDDEN, mesh=mesh, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="axis 'model' is not one of them"):
         ColumnParallelLinear(HIDDEN, FFN, mesh=mesh, tp_axis="model", rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="RowParallelLinear: in_features must be a positive int, got '8'"):
+        RowParallelLinear("8", HIDDEN, mesh=mesh, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="out_features must be a positive int, got 8.0"):
+        ColumnParallelLinear(HIDDEN, 8.0, mesh=mesh, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="non-empty sequence"):
+        ColumnParallelLinear(HIDDEN, (), mesh=mesh, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh, got NoneType"):
+        ColumnParallelLinear(HIDDEN, FFN, mesh=None, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match="dtype must be a JAX dtype"):
+        RowParallelLinear(HIDDEN, FFN, mesh=mesh, dtype="bf16", rngs=nnx.Rngs(0))
 
 
 FP8_LAYERS = {  # constructor, in and out features, x's and the output's specs

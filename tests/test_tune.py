@@ -403,3 +403,33 @@ def test_shapes_of_a_function_and_of_a_model_preset():
     assert ours == theirs
     preset = flux_jax.tune.model_shapes("llama3-70b", [64, 4096], [2, 4], ["bfloat16"])
     assert len(preset) == 2 * 4 * 2 and {s.tp for s in preset} == {2, 4}
+
+
+def test_a_table_the_tool_writes_loads_again(tmp_path):
+    """The device's link figures are kept as the file stores them (3 decimals): a shape class
+    computed from the measured values equals the one a reader recomputes, even next to a class
+    boundary (10.7060796 us rounds across one)."""
+    device = _tuning.Device("cpu", "cpu", 2, 1.0, 10.7060796)
+    entry = _table.make_entry(device, 2, 2, "float32", "ag_matmul", 8, 8, 8, {"overlap": 1.5})
+    path = tmp_path / "table.json"
+    _table.write(path, _table.merged(None, device, [entry]))
+    (loaded,) = _tuning.load(str(path)).entries
+    assert loaded.shape_class == entry.shape_class
+
+
+def test_table_and_tool_errors_name_the_problem(tmp_path):
+    bad_text = tmp_path / "latin1.json"
+    bad_text.write_bytes(b"\xff\xfe{}")
+    with pytest.raises(_tuning.TuningTableError, match=r"latin1.json: is not UTF-8 text"):
+        _tuning.load(str(bad_text))
+    device = _tuning.Device("cpu", "cpu", 2, 1.0, 10.0)
+    entry = _table.make_entry(device, 2, 2, "float32", "ag_matmul", 8, 8, 8, {"overlap": 1.5})
+    table = tmp_path / "table.json"
+    _table.write(table, _table.merged(None, device, [entry]))
+    data = json.loads(table.read_text())
+    data["entries"][0]["op"] = "ag_matmull"
+    table.write_text(json.dumps(data))
+    with pytest.raises(_tuning.TuningTableError, match=r"field 'op' must be one of"):
+        _tuning.load(str(table))
+    rc, _, err = _tool("--shapes", ",", "--tp", "2", *FAST, "--out", str(tmp_path / "out.json"))
+    assert rc == 2 and "no shapes to measure" in err

@@ -59,6 +59,7 @@ _STEP_LOG2 = 8  # coordinates in log2 are rounded to 1/8
 _STEP_WAVES = 8  # waves are rounded up to 1/8
 _MAX_WAVES = 4.0  # decode_waves beyond 4: the decode path is long out of its region
 RADIUS = 2.0  # the farthest an entry may lie from a call and still count as its neighbour
+OPS = ("ag_matmul", "matmul_rs", "matmul_ar")  # the ops a table's entries may describe
 
 
 class TuningTableError(ValueError):
@@ -74,6 +75,12 @@ class Device:
     sms: int  # streaming multiprocessors (CPU: cores), for the waves coordinates
     link_gbps: float  # per-GPU all-gather bandwidth the tool measured, GB/s
     link_latency_us: float  # the time of the smallest all-gather the tool measured, us
+
+    def __post_init__(self):
+        # Kept as the table writes them (3 decimals), so that shape classes computed from a
+        # measured device equal those a reader recomputes from the file.
+        object.__setattr__(self, "link_gbps", round(float(self.link_gbps), 3))
+        object.__setattr__(self, "link_latency_us", round(float(self.link_latency_us), 3))
 
     def to_json(self) -> dict:
         return {
@@ -274,7 +281,7 @@ def parse(data, where: str, *, builtin: bool = False) -> Table:
             _fail(at, f"field 'note' must be a string, got {note!r}")
         tp = _field(at, e, "tp", int, lambda v: v >= 2, "an int >= 2")
         dtype = _field(at, e, "dtype", str, lambda v: v in DTYPES, f"one of {DTYPES}")
-        op = _field(at, e, "op", str)
+        op = _field(at, e, "op", str, lambda v: v in OPS, f"one of {OPS}")
         # The class follows from the shape and the device; a stored one must agree (hand edits).
         computed = shape_class(op, *shape, dtype, tp, devices[kind])
         if "shape_class" in e:
@@ -312,9 +319,11 @@ def parse(data, where: str, *, builtin: bool = False) -> Table:
 
 def _read(path: str, *, builtin: bool = False) -> Table:
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as err:
         _fail(path, f"cannot be read ({err.strerror or err})")
+    except UnicodeDecodeError as err:
+        _fail(path, f"is not UTF-8 text ({err.reason} at byte {err.start})")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as err:

@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 import flux_jax
@@ -74,6 +75,24 @@ def check_fsdp_axis(mesh: jax.sharding.Mesh, fsdp_axis: str | None, tp_axis: str
     if fsdp_axis not in mesh.axis_names:
         raise ValueError(f"mesh axes are {tuple(mesh.axis_names)}; the FSDP axis {fsdp_axis!r} is not one of them")
     check_divisible(what, value, fsdp_axis, int(mesh.shape[fsdp_axis]), "FSDP shards the hidden dimension")
+
+
+def check_layer_args(layer: str, in_features, out_shape: tuple, mesh, dtype) -> None:
+    """The constructor's sizes, mesh and dtype, with errors naming the argument."""
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"{layer}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    names = ["in_features"]
+    names += ["out_features"] if len(out_shape) == 1 else [f"out_features[{i}]" for i in range(len(out_shape))]
+    if not out_shape:
+        raise ValueError(f"{layer}: out_features must be a positive int or a non-empty sequence of them, got ()")
+    for name, value in zip(names, (in_features, *out_shape)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise TypeError(f"{layer}: {name} must be a positive int, got {value!r}")
+    if dtype is not None:
+        try:
+            jnp.dtype(dtype)
+        except TypeError:
+            raise TypeError(f"{layer}: dtype must be a JAX dtype (or None), got {dtype!r}") from None
 
 
 def check_fp8(layer: str, fp8) -> None:
@@ -139,7 +158,8 @@ class ColumnParallelLinear(nnx.Module):
         check_fp8("ColumnParallelLinear", fp8)
         self.fp8 = fp8
         self.seq_axis = seq_axis
-        out_shape = (out_features,) if isinstance(out_features, int) else tuple(out_features)
+        out_shape = tuple(out_features) if isinstance(out_features, (list, tuple)) else (out_features,)
+        check_layer_args("ColumnParallelLinear", in_features, out_shape, mesh, dtype)
         tp = axis_size(mesh, tp_axis)
         check_divisible(
             "out_features" if len(out_shape) == 1 else "out_features[0]",
@@ -221,6 +241,7 @@ class RowParallelLinear(nnx.Module):
     ):
         check_impl(impl)
         check_fp8("RowParallelLinear", fp8)
+        check_layer_args("RowParallelLinear", in_features, (out_features,), mesh, dtype)
         self.fp8 = fp8
         self.seq_axis = seq_axis
         tp = axis_size(mesh, tp_axis)

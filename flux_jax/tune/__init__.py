@@ -451,6 +451,8 @@ def run(
             requested = model_shapes(model, _ints(ms, "--m") if ms is not None else _models.DEFAULT_MS, tps, dtypes)
         else:
             requested = parse_shapes(shapes, tps, dtypes)
+    if not requested:
+        raise TuneError("no shapes to measure: --shapes, --model or --from-function named none")
     params = _timing.GPU if platform == "cuda" else _timing.CPU
     params = dataclasses.replace(
         params, **{k: v for k, v in (("repeats", repeats), ("target_ms", target_ms)) if v is not None}
