@@ -27,8 +27,9 @@ formats. The programs take dx alone (the weight gradient and the forward are dea
   bf16:decode   the bfloat16 decode path on the same operands, unquantized (for scale)
 
 With `--steps S` each program is a generation loop instead: S calls in a lax.fori_loop, each fed
-the last one's output, w the same every step. XLA hoists w's quantization out of the loop, so
-`step_us` (every kernel of the program / S) is what a decode step costs: the FP8 twin and decode
+the last one's output, w the same every step (whether XLA hoists w's quantization out of the
+loop shows in the kernel list: on one H200 it did not). `step_us` (every kernel of the program /
+S) is what a decode step costs: the FP8 twin and decode
 path against the bfloat16 twin (bf16:xla) and decode path. Checked against the loop in float32.
 
 Both are checked first against a float32 GEMM of the unquantized operands, so the error is mostly
@@ -140,7 +141,7 @@ def _next_rows(y, k: int):
 def _decode_program(impl: str, path: str, fp8: bool, mesh, steps: int = 1):
     """matmul_ar over a mesh axis of size 1: x [M, K] and w [K, N] -> x @ w, on `path`; with
     steps > 1 a lax.fori_loop of that many calls, each fed the last one's output (w the same
-    every step, as in a generation loop: XLA hoists its quantization out of the loop)."""
+    every step, as in a generation loop)."""
     one = functools.partial(flux_jax.matmul_ar, axis_name=AXIS, impl=impl, fp8=True if fp8 else None)
 
     def body(x, w):

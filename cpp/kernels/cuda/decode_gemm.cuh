@@ -220,8 +220,8 @@ struct DecodeGemmInstance {
 // broadcast, predicated past the last row). 128 bytes of K per stage, as the FP8 overlap GEMM.
 // The accumulator is promoted to float32 every 128 elements of K (CUTLASS's FP8 mainloop without
 // fast accumulation): the tensor cores' own FP8 accumulation lost precision with K (one H200,
-// against the exact product of the quantized operands: 11x the twin's error at K = 28672), and
-// this memory-bound GEMM has the issue slots to spare.
+// against the exact product of the quantized operands: 11x the twin's error at K = 28672). It
+// costs time: 5% at 64 rows, 62% with 128-row tiles (docs/decisions/2026-12-02-fp8-decode-accumulation.md).
 template <int kRowsPerTile>
 struct DecodeGemmInstanceFp8 {
   using Element = cutlass::float_e4m3_t;
