@@ -2,9 +2,13 @@
 // scheduler, with nothing to wait for) against plain CUTLASS of the same configuration, in one process on one GPU
 // with tile_sweep's driver (check first, outputs poisoned; best of 7 loops, two passes in opposite column order).
 //
-//   bf16   reference cuBLAS; ping-pong 128x128 in 2x1 clusters (B N-major), plain and ours; ours 128x256
+//   bf16   reference cuBLAS; ping-pong 128x128 in 2x1 clusters (B N-major), plain, unhooked and ours; ours 128x256
 //   fp8    reference plain CUTLASS ping-pong 128x128 2x1 with fast accumulation (raster AlongN, no swizzle), so the
-//          ratio is ours / plain; ours with its row and column scales (all 1) in the epilogue
+//          ratio is ours / plain; unhooked and ours with their row and column scales (all 1) in the epilogue
+//
+// Unhooked: our instance's CUTLASS mainloop and epilogue (alpha read per tile; FP8: the scale tree) in a plain kernel
+// with CUTLASS's persistent scheduler, none of our hooks: plain -> unhooked prices our epilogue, unhooked -> ours the
+// hooks. SWEEP_PROFILE=<n> times by profiler instead of loops (tile_sweep.cuh).
 //
 // Plain configurations run tile_sweep's four scheduler variants. Ours reads them as:
 //
@@ -23,6 +27,8 @@
 // cuBLAS: as tile_sweep (FLUX_PROBE_CUBLAS). Build: build.sh <build-dir> <out-dir> (links the CUDA backend).
 #include <vector>
 
+#include "gemm_fp8_instance.cuh"
+#include "gemm_instance.cuh"
 #include "gemm_plan.h"
 #include "tile_sweep.cuh"
 
@@ -32,6 +38,58 @@ using F8 = cutlass::float_e4m3_t;
 using PS = cutlass::gemm::PersistentScheduler;
 using PlainBf16Pp = PlainGemmT<E, RM, RM, RM, 128, 128, 2, 1, PS, true>;
 using PlainFp8Pp = PlainGemmT<F8, RM, CM, RM, 128, 128, 2, 1, PS, true, true>;
+
+// Our instance's own mainloop and epilogue (CUTLASS's, before our hooks wrap them) in a plain GemmUniversal with
+// CUTLASS's persistent scheduler: the product's kernel less the gated mainloop, gated epilogue and rotated scheduler.
+// Against the plain configuration it prices the epilogue (FP8: the scale tree); against ours, the hooks.
+template <class Instance>
+struct Unhooked {
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, typename Instance::BaseMainloop,
+                                                      typename Instance::BaseEpilogue, PS>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+};
+using UnhookedBf16Pp = Unhooked<flux_jax::cuda::GemmInstance<E, false, 128, 2, true>>;
+using UnhookedFp8Pp = Unhooked<flux_jax::cuda::GemmInstanceFp8<F8, E, 128, 2, true>>;
+
+// A runner of an Unhooked instance; the epilogue's arguments as the product sets them (alpha read per tile from
+// `one`, beta 0, FP8: every row and column scale `one`).
+template <class U, bool kFp8>
+Runner MakeUnhooked(const SweepShape& s, const void* x, const void* w, E* d, const float* one, void* ws,
+                    size_t ws_bytes, Variant v) {
+  using K = typename U::Kernel;
+  typename K::Arguments args{};
+  args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
+  args.problem_shape = {s.m, s.n, s.k, 1};
+  args.mainloop.ptr_A = static_cast<typename K::ElementA const*>(x);
+  args.mainloop.dA = cutlass::make_cute_packed_stride(typename K::StrideA{}, {s.m, s.k, 1});
+  args.mainloop.ptr_B = static_cast<typename K::ElementB const*>(w);
+  args.mainloop.dB = cutlass::make_cute_packed_stride(typename K::StrideB{}, {s.n, s.k, 1});
+  args.epilogue.ptr_C = d;
+  args.epilogue.dC = cutlass::make_cute_packed_stride(typename K::StrideC{}, {s.m, s.n, 1});
+  args.epilogue.ptr_D = d;
+  args.epilogue.dD = cutlass::make_cute_packed_stride(typename K::StrideD{}, {s.m, s.n, 1});
+  auto& fusion = args.epilogue.thread;
+  if constexpr (kFp8) {
+    fusion.op_0.scalars[0] = 0.f;
+    flux_jax::cuda::GemmInstanceFp8<F8, E, 128, 2, true>::Scale::Set(fusion.op_2, one, one, one);
+  } else {
+    fusion.alpha = 1.f;
+    fusion.alpha_ptr = one;
+    fusion.dAlpha = {cute::_0{}, cute::_0{}, 1};
+    fusion.beta = 0.f;
+  }
+  cudaDeviceProp prop;
+  cudaGetDeviceProperties(&prop, 0);
+  args.hw_info.sm_count = prop.multiProcessorCount;
+  args.scheduler.max_swizzle_size = v.swizzle;
+  using R = typename K::TileScheduler::RasterOrderOptions;
+  args.scheduler.raster_order = v.heuristic ? R::Heuristic : R::AlongN;
+  auto g = std::make_shared<typename U::Gemm>();
+  if (g->can_implement(args) != cutlass::Status::kSuccess || U::Gemm::get_workspace_size(args) > ws_bytes ||
+      g->initialize(args, ws) != cutlass::Status::kSuccess)
+    return {};
+  return [g] { g->run(); };
+}
 
 // Our instance of `base` (block_n, cluster, schedule; FP8 or not) on s, its variant read as the header says.
 Runner MakeOurs(flux_jax::cuda::GemmPlan base, const SweepShape& s, const void* x, const void* w, E* d,
@@ -112,6 +170,10 @@ int main(int argc, char** argv) {
        [&](const SweepShape& s, Variant v) {
          return MakePlain<PlainBf16Pp>(s.m, s.n, s.k, x, w, buf.d, buf.ws, kWsBytes, v);
        }},
+      {"unhooked_pp_128x128_c2x1",
+       [&](const SweepShape& s, Variant v) {
+         return MakeUnhooked<UnhookedBf16Pp, false>(s, x, w, buf.d, scales, buf.ws, kWsBytes, v);
+       }},
       ours("ours_pp_128x128_c2x1", Instance(128, 2, true, false, scales), x, w),
       ours("ours_coop_128x256", Instance(256, 1, false, false, scales), x, w),
   };
@@ -135,6 +197,10 @@ int main(int argc, char** argv) {
       {"plain_pp_128x128_c2x1_fastaccum",
        [&](const SweepShape& s, Variant v) {
          return MakePlain<PlainFp8Pp>(s.m, s.n, s.k, xf, wf, buf.d, buf.ws, kWsBytes, v);
+       }},
+      {"unhooked_pp_128x128_c2x1",
+       [&](const SweepShape& s, Variant v) {
+         return MakeUnhooked<UnhookedFp8Pp, true>(s, xf, wf, buf.d, scales, buf.ws, kWsBytes, v);
        }},
       ours("ours_pp_128x128_c2x1", Instance(128, 2, true, true, scales), xf, wf),
       ours("ours_coop_128x256", Instance(256, 1, false, true, scales), xf, wf),

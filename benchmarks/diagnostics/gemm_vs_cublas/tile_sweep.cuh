@@ -4,9 +4,13 @@
 #pragma once
 
 #include <cmath>
+#include <cstdlib>
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
+
+#include <cuda_profiler_api.h>
 
 #include "cublas_loader.cuh"
 
@@ -57,6 +61,41 @@ struct Config {
   std::function<Runner(const SweepShape&, Variant)> make;
 };
 
+// Profile mode (SWEEP_PROFILE=<n> in the environment): instead of the timing loops, each column runs once unprofiled,
+// then n times between cudaProfilerStart and cudaProfilerStop, and prints `PROFILED <section> <MxKxN> <column> <n>`,
+// columns in order. Under `ncu --profile-from-start off` (or any profiler that honours those calls) the profile then
+// holds exactly the timed columns' GEMM kernels, n per column, in the order of the PROFILED lines: a kernel-time
+// method for each configuration, the reference included, that needs no kernel names.
+inline int ProfileLaunches() {
+  const char* v = std::getenv("SWEEP_PROFILE");
+  return v == nullptr ? 0 : std::max(0, std::atoi(v));
+}
+
+inline void ProfileColumn(const char* section, const char* mkn, const char* ref_name,
+                          const std::function<Runner(const SweepShape&, E*)>& make_ref,
+                          const std::vector<Config>& configs, const SweepShape& s, E* ref_d, int col, int launches) {
+  Runner r;
+  std::string name = ref_name;
+  if (col == 0) {
+    r = make_ref(s, ref_d);
+  } else {
+    const int c = (col - 1) / kNumVariants;
+    const Variant& v = kVariants[(col - 1) % kNumVariants];
+    r = configs[c].make(s, v);
+    name = std::string(configs[c].name) + "[" + v.name + "]";
+  }
+  if (!r) return;
+  r();
+  if (cudaDeviceSynchronize() != cudaSuccess) return;
+  cudaProfilerStart();
+  for (int i = 0; i < launches; ++i) r();
+  const cudaError_t err = cudaDeviceSynchronize();
+  cudaProfilerStop();
+  printf("PROFILED %s %s %s %d%s\n", section, mkn, name.c_str(), launches,
+         err == cudaSuccess ? "" : cudaGetErrorString(err));
+  fflush(stdout);
+}
+
 // Checks and times, on every shape, the reference (writes D into its argument) and every configuration in every
 // variant. Check: the reference into ref_d and each variant into d, both poisoned first (0xff bytes: NaN), max |diff|
 // / max |value| over all variants of a configuration, FAILED above 2e-2. Timing: BestUsPerCall with iterations for
@@ -98,6 +137,12 @@ void RunSweep(const char* section, const char* ref_name, const std::vector<Sweep
           diff[c] = std::max(diff[c], std::isnan(rd) ? INFINITY : rd);
         }
       }
+    }
+
+    if (const int launches = ProfileLaunches(); launches > 0) {
+      for (int col = 0; col < ncol; ++col)
+        ProfileColumn(section, mkn, ref_name, make_ref, configs, s, ref_d, col, launches);
+      continue;
     }
 
     std::vector<float> t(ncol, 1e30f);
