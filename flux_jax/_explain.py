@@ -103,7 +103,8 @@ def explain_auto(op: str, M: int, K: int, N: int, tp: int, dtype="bfloat16", fp8
 
     `op` is "ag_matmul" (x [M, K] row-sharded, w [K, N] column-sharded), "matmul_rs" or
     "matmul_ar" (x [M, K] and w [K, N] sharded on K). Shapes are global, as in the benchmarks.
-    `fp8`: the call with fp8=True (the default recipe's e4m3 operands).
+    `fp8`: the call with fp8=True (the default recipe's e4m3 operands). At tp=1 auto takes the
+    twin: nothing moves between devices, so there is nothing to overlap or to tune.
     """
     if op not in ("ag_matmul", "matmul_rs", "matmul_ar"):
         raise ValueError(f'op must be "ag_matmul", "matmul_rs" or "matmul_ar", got {op!r}')

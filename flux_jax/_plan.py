@@ -217,6 +217,8 @@ def _plan_fp8(p: Problem, config: Config, must_fuse: bool) -> Plan:
             rows = "e4m3" if p.fp8 == "float8_e4m3fn" else "e5m2"
             return Plan("overlap", f"{overlap} (the row operand in {rows}, bfloat16 out)", where)
         return Plan("latency", latency, where)
+    if p.tp == 1:
+        return _single_device(p)
     if p.platform == "cpu":
         return Plan("twin", "the CPU backend is a protocol reference, slower than XLA:CPU's dot", "platform")
     return Plan(
@@ -286,6 +288,17 @@ def _default_fused(p: Problem) -> str:
     return "overlap" if p.rows >= 1024 else "latency"
 
 
+def _single_device(p: Problem) -> Plan:
+    """impl="auto" on a mesh axis of one device: nothing moves between devices, so no fused path
+    can hide a transfer and there is nothing to measure (the tuning tool refuses TP=1)."""
+    return Plan(
+        "twin",
+        f"tp={p.tp}: the mesh axis has one device, so there is no communication to overlap; the twin is "
+        'XLA\'s GEMM alone (impl="fused" still runs the fused kernels, e.g. to measure their cost)',
+        "TP size",
+    )
+
+
 def _unmeasured(p: Problem) -> str:
     if p.op in _UNMEASURED_ON_GPUS:
         return _UNMEASURED_ON_GPUS[p.op]
@@ -332,7 +345,8 @@ def _decide(p: Problem, impl: str, config: Config, *, backward: bool = False, on
     """The plan for one call.
 
     impl="xla" is the twin; impl="fused" is a fused path or FusedUnavailableError; impl="auto"
-    is a fused path only where a tuning table measured one faster, else the twin.
+    is a fused path only where a tuning table measured one faster, else the twin (always at
+    tp=1, where there is no communication to overlap).
     `backward=True` plans the paired op of a fused op's backward pass: a fused path wherever one
     can run. `on_hopper=True` plans as on a Hopper GPU with a CUDA build, whatever this process
     has (explain_auto).
@@ -354,6 +368,8 @@ def _decide(p: Problem, impl: str, config: Config, *, backward: bool = False, on
     if config.fused_path != "auto":
         path, why = _feasible(p, config.fused_path)
         return Plan(path, why or f'Config.fused_path="{config.fused_path}"', "config")
+    if p.tp == 1 and not must_fuse:
+        return _single_device(p)
     tuned = _tuning.lookup(p, config.tuning, on_hopper=on_hopper)
     if tuned is None:
         if p.platform == "cpu" and not on_hopper:

@@ -328,6 +328,29 @@ def test_explain_auto_names_the_choice_and_the_reason():
         flux_jax.explain_auto("ag_matmul", 4096, 8192, 8192, 2, fp8="yes")
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs", "matmul_ar"])
+def test_explain_auto_at_tp_1_says_there_is_nothing_to_overlap(op, fp8):
+    """A mesh axis of size 1 moves no data: auto takes the twin, says why, and does not send the
+    user to the tuner (which refuses TP=1)."""
+    for rows in (8, 4096):
+        text = flux_jax.explain_auto(op, rows, 4096, 4096, 1, fp8=fp8)
+        assert "the XLA twin" in text and "no communication to overlap" in text, text
+        assert "flux_jax.tune" not in text and "not been measured" not in text and "tp > 1" not in text, text
+
+
+def test_auto_at_tp_1_takes_the_twin_and_fused_still_runs():
+    cfg = flux_jax.Config()
+    for platform in ("cpu", "cuda"):
+        problem = _problem("ag_matmul", 64, 64, 64, platform=platform, tp=1)
+        plan = _plan.plan(problem, "auto", cfg, on_hopper=platform == "cuda")
+        assert plan.path == "twin" and plan.decided_by == "TP size", plan
+    cpu = _problem("matmul_rs", 64, 64, 64, platform="cpu", tp=1)
+    assert _plan.plan(cpu, "fused", cfg).path == "overlap"  # the kernels' cost without peers
+    assert _plan.plan(cpu, "auto", cfg, backward=True).path == "overlap"
+    assert _plan.plan(cpu, "auto", flux_jax.Config(fused_path="latency")).path == "latency"
+
+
 def test_explain_lists_every_call_site_with_its_plan():
     mesh = cpu_mesh((8,), ("tp",), AxisType.Auto)
 
