@@ -188,8 +188,18 @@ def get_gpu_tuning() -> GpuTuning:
     return _TUNING.value
 
 
+def _checked_tuning(tuning) -> GpuTuning:
+    """`tuning` with its fields checked as GpuTuning(...) checks them (a frozen instance can
+    still be altered with object.__setattr__)."""
+    if not isinstance(tuning, GpuTuning):
+        raise TypeError(f"set_gpu_tuning expects a flux_jax._config.GpuTuning, got {type(tuning).__name__} {tuning!r}")
+    return dataclasses.replace(tuning)
+
+
 def set_gpu_tuning(tuning: GpuTuning) -> None:
-    _TUNING.set_global(tuning)
+    """Private: replace the process-wide GPU tuning (functions traced under another one
+    retrace). A value GpuTuning(...) would refuse is an error here, not in a later lowering."""
+    _TUNING.set_global(_checked_tuning(tuning))
 
 
 @contextlib.contextmanager

@@ -351,6 +351,22 @@ def test_auto_at_tp_1_takes_the_twin_and_fused_still_runs():
     assert _plan.plan(cpu, "auto", flux_jax.Config(fused_path="latency")).path == "latency"
 
 
+def test_set_gpu_tuning_checks_what_it_installs():
+    """The process-wide GPU tuning gets the checks of GpuTuning(...): anything else is an error
+    when it is set, not a failure in a later lowering."""
+    before = _config.get_gpu_tuning()
+    for bad in ({"tile_n": 192}, "tile_n=192", None):
+        with pytest.raises(TypeError, match=r"set_gpu_tuning expects a flux_jax._config.GpuTuning, got"):
+            _config.set_gpu_tuning(bad)
+    altered = _config.GpuTuning()
+    object.__setattr__(altered, "tile_n", 100)  # frozen, yet alterable
+    with pytest.raises(ValueError, match=r"GpuTuning.tile_n must be 0 \(by waves\), 192 or 256, got 100"):
+        _config.set_gpu_tuning(altered)
+    assert _config.get_gpu_tuning() == before  # nothing was installed
+    _config.set_gpu_tuning(_config.GpuTuning(tile_n=192))
+    assert _config.get_gpu_tuning() == _config.GpuTuning(tile_n=192)
+
+
 def test_explain_lists_every_call_site_with_its_plan():
     mesh = cpu_mesh((8,), ("tp",), AxisType.Auto)
 
