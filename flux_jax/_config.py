@@ -46,10 +46,11 @@ class Config:
         that moves the rows itself: decode sizes; FP8 calls of matmul_rs and matmul_ar too;
         calls its kernels cannot serve take "latency"), or "auto" (the planner's choice, flux_jax/_plan.py; see
         `flux_jax.explain`).
-      tuning: the path of a tuning table (written by `python -m flux_jax.tune`; docs/tuning.md)
-        that impl="auto" follows before this GPU kind's table in the user cache and the built-in
-        one; e.g. one file on a shared file system for a whole cluster. None: those two only.
-        CPU calls follow a table only when it is given here.
+      tuning: the path (a str or os.PathLike such as pathlib.Path; kept as a str) of a tuning
+        table (written by `python -m flux_jax.tune`; docs/tuning.md) that impl="auto" follows
+        before this GPU kind's table in the user cache and the built-in one; e.g. one file on a
+        shared file system for a whole cluster. None: those two only. CPU calls follow a table
+        only when it is given here.
       debug_drop_rank: tests only: this TP rank never signals its peers, so they hit the
         timeout path. -1 disables it; must be below the TP size of every fused call.
       debug_jitter_us: tests only, CPU backend: sleep a random 0..N microseconds before every
@@ -75,7 +76,7 @@ class Config:
             raise ValueError(
                 'Config.fused_path must be one of "' + '", "'.join(FUSED_PATHS) + f'", got {self.fused_path!r}'
             )
-        _tuning.validate_path(self.tuning)
+        object.__setattr__(self, "tuning", _tuning.checked_path(self.tuning))
         _check_int("Config.debug_drop_rank", self.debug_drop_rank, -1, 1 << 20)
         _check_int("Config.debug_jitter_us", self.debug_jitter_us, 0, 10_000_000)
         if not isinstance(self.debug_poison_outputs, bool):

@@ -321,6 +321,19 @@ def test_table_errors_are_clear(tmp_path):
     assert len(_tuning.load(lean).entries) == len(good["entries"])
 
 
+def test_config_tuning_takes_a_path_like(tmp_path):
+    table = pathlib.Path(_write(tmp_path, [_entry(256, "overlap", {"overlap": 1.3})]))
+    cfg = flux_jax.Config(tuning=table)
+    assert cfg.tuning == str(table) and type(cfg.tuning) is str  # hashable, one jit cache key
+    assert cfg == flux_jax.Config(tuning=str(table)) and hash(cfg) == hash(flux_jax.Config(tuning=str(table)))
+    with flux_jax.config(tuning=table) as inner:
+        assert inner.tuning == str(table)
+    assert _plan_cpu(256, table).decided_by == f"tuning table {table}"
+    for bad in (3, b"table.json", "", [str(table)]):
+        with pytest.raises(ValueError, match=r"Config.tuning must be None or the path of a tuning table \(a str or"):
+            flux_jax.Config(tuning=bad)
+
+
 def test_only_the_planner_calls_the_table_lookup():
     package = pathlib.Path(flux_jax.__file__).parent
     callers = {

@@ -352,13 +352,19 @@ def builtin() -> Table:
     return load(BUILTIN_PATH, builtin=True)
 
 
-def validate_path(value) -> None:
-    """Config.tuning: None, or the path of a readable, valid table (else ValueError)."""
+def checked_path(value) -> str | None:
+    """Config.tuning: None, or the path (a str or os.PathLike) of a readable, valid table, as a
+    str (the Config stays hashable: it is part of the jit cache key); else ValueError."""
     if value is None:
-        return
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"Config.tuning must be None or the path (str) of a tuning table, got {value!r}")
-    load(value)
+        return None
+    path = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
+    if not isinstance(path, str) or not path:
+        raise ValueError(
+            "Config.tuning must be None or the path of a tuning table (a str or os.PathLike such as "
+            f"pathlib.Path), got {value!r}"
+        )
+    load(path)
+    return path
 
 
 def write(path, table: Table) -> None:
