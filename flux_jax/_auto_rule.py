@@ -8,8 +8,8 @@ flux_jax/_tuning/h200_tp2.json, written by the tuning tool's table code (`write_
 `python -m flux_jax._auto_rule` rewrites it); impl="auto" reads the table through
 flux_jax/_plan.py like any measured one, and interpolates between these points the same way
 (flux_jax/_tuning/__init__.py). float16 runs the same kernels on 2-byte elements as bfloat16
-but has no decode kernels: its entries are the bfloat16 points with the decode path's points
-taking the latency path.
+but has no decode kernels: its entries are the bfloat16 points, where the decode path won with
+the tool's choice among the other paths measured (the latency path where none was).
 
 `choose` and `best_fused_path` answer what the planner runs under this table on a Hopper GPU.
 """
@@ -231,6 +231,20 @@ POINTS = (
 )
 
 
+def _float16(path: str, speedup: dict, note: str) -> dict:
+    """A point's float16 entry: the bfloat16 one, but where the decode path won (no float16
+    decode kernel) the tool's choice among the other paths measured, or the latency path where
+    none was (the decode region's small-M calls, where latency is the measured winner)."""
+    if path != "decode":
+        return {"path": path, "speedup": speedup, "note": f"{note}; the bfloat16 measurement"}
+    from flux_jax.tune import _table
+
+    rest = {p: s for p, s in speedup.items() if p != "decode"}
+    chosen = _table.choose(rest) if rest else "latency"
+    why = "" if chosen != "twin" else ", and no other path beat the twin"
+    return {"path": chosen, "speedup": rest, "note": f"the bfloat16 measurement; no float16 decode kernel{why}"}
+
+
 def entries():
     """The built-in table's entries: POINTS in bfloat16, and in float16 without the decode path."""
     from flux_jax.tune import _table
@@ -238,13 +252,7 @@ def entries():
     device = _table.Device(DEVICE_KIND, "gpu", SMS, LINK_GBPS, LINK_LATENCY_US)
     out = {}
     for op, rows, k, n, path, speedup, note in POINTS:
-        f16 = {"path": path, "speedup": speedup, "note": f"{note}; the bfloat16 measurement"}
-        if path == "decode":
-            f16 = {
-                "path": "latency",
-                "speedup": {p: s for p, s in speedup.items() if p != "decode"},
-                "note": "the bfloat16 measurement; no float16 decode kernel",
-            }
+        f16 = _float16(path, speedup, note)
         for dtype, chosen in (("bfloat16", {"path": path, "speedup": speedup, "note": note}), ("float16", f16)):
             entry = _table.make_entry(
                 device,

@@ -63,10 +63,13 @@ def _auto_fn(op, mesh, impl="auto"):
 
 
 def _rewritten(src: pathlib.Path, dst: pathlib.Path, path: str) -> str:
-    """A copy of the table at `src` whose every entry chose `path`."""
+    """A copy of the table at `src` whose every entry chose `path` (a fused one with a speedup
+    that agrees: the CPU backend's measured one is slower than the twin)."""
     data = json.loads(src.read_text())
     for entry in data["entries"]:
         entry["path"] = path
+        if path != "twin":
+            entry["speedup"] = dict(entry["speedup"], **{path: 1.5})
     dst.write_text(json.dumps(data))
     return str(dst)
 
@@ -332,6 +335,51 @@ def test_config_tuning_takes_a_path_like(tmp_path):
     for bad in (3, b"table.json", "", [str(table)]):
         with pytest.raises(ValueError, match=r"Config.tuning must be None or the path of a tuning table \(a str or"):
             flux_jax.Config(tuning=bad)
+
+
+def test_an_entry_whose_path_contradicts_its_speedup_is_refused(tmp_path):
+    """A fused path measured slower than the twin beyond the timing's spread is an error where a
+    table is loaded, naming the file and the entry; the tool's table code never writes one."""
+    good = [_entry(256, "overlap", {"overlap": 1.3}), _entry(1024, "latency", {"latency": 1.1})]
+    path = pathlib.Path(_write(tmp_path, good))
+    data = json.loads(path.read_text())
+    data["entries"][1]["speedup"] = {"latency": 0.9, "overlap": 1.2}
+    path.write_text(json.dumps(data))
+    message = rf"{re.escape(str(path))}, entry 1: path 'latency' contradicts its speedup 0.9 \(the twin was faster"
+    with pytest.raises(_tuning.TuningTableError, match=message):
+        _tuning.load(path)
+    with pytest.raises(_tuning.TuningTableError, match=message):
+        flux_jax.Config(tuning=str(path))
+    with pytest.raises(ValueError, match=r"ag_matmul rows=1024 k=64 n=64 .*path 'overlap' contradicts its speedup 0.5"):
+        _entry(1024, "overlap", {"overlap": 0.5})
+    with pytest.raises(ValueError, match=r"min_speedup must be a number >= 1 .*, got 0.4"):
+        _table.choose({"overlap": 0.5}, min_speedup=0.4)
+    slower = dataclasses_replace(good[1], speedup={"latency": 0.9})
+    with pytest.raises(ValueError, match="contradicts its speedup"):
+        _table.write(tmp_path / "never.json", _table.merged(None, _cpu_device(), [slower]))
+    assert not (tmp_path / "never.json").exists()
+
+
+def test_legitimate_path_and_speedup_combinations_load(tmp_path):
+    """The twin where fused paths beat it by less than the --min-speedup the user asked for; a
+    fused path within the timing's spread of the twin or not the fastest (a tie settled by other
+    runs); a fused path without a measurement (a hand-settled choice)."""
+    table = _write(
+        tmp_path,
+        [
+            _entry(256, "twin", {"overlap": 1.5}),
+            _entry(1024, "overlap", {"overlap": 0.99, "latency": 1.1}),
+            _entry(4096, "decode", {}),
+        ],
+    )
+    assert len(_tuning.load(table).entries) == 3
+    plan = _plan_cpu(256, table)
+    assert plan.path == "twin", plan
+    assert "by the margin required to be chosen (the best, overlap, measured 1.50x)" in plan.reason
+    # The built-in table's float16 entries of decode points take the tool's choice among the
+    # paths float16 has: at this point latency measured 0.94x, so the twin.
+    assert _auto_rule.choose("ag_matmul", 2, 96, 3072, 8192, np.dtype(np.float16)) == "xla"
+    assert _auto_rule.choose("ag_matmul", 2, 96, 3072, 4608, np.dtype(np.float16)) == "latency"  # 1.05x
 
 
 def test_only_the_planner_calls_the_table_lookup():

@@ -59,6 +59,9 @@ _STEP_LOG2 = 8  # coordinates in log2 are rounded to 1/8
 _STEP_WAVES = 8  # waves are rounded up to 1/8
 _MAX_WAVES = 4.0  # decode_waves beyond 4: the decode path is long out of its region
 RADIUS = 2.0  # the farthest an entry may lie from a call and still count as its neighbour
+# The timing method's run-to-run spread (about 1-2%, benchmarks/README.md): a speedup within this
+# factor of 1 is a tie with the twin.
+SPREAD = 1.02
 OPS = ("ag_matmul", "matmul_rs", "matmul_ar")  # the ops a table's entries may describe
 
 
@@ -159,7 +162,7 @@ class Entry:
     op: str
     shape_class: ShapeClass
     shape: tuple  # (rows, k, n) of the per-rank GEMM that was measured
-    path: str  # "twin" or the fused path that won
+    path: str  # "twin" or the fused path that won (consistent with speedup: path_contradiction)
     speedup: dict  # fused path -> twin time / its time (the paths measured)
     note: str = ""
 
@@ -215,6 +218,27 @@ class Table:
 
 def _entry_order(e: Entry):
     return (e.device_kind, e.gpu_count, e.tp, e.dtype, e.op, e.shape_class)
+
+
+def path_contradiction(path: str, speedup: dict) -> str | None:
+    """Why an entry's `path` contradicts its `speedup`, or None.
+
+    A fused path whose own speedup is below 1 / SPREAD measured slower than the twin by more
+    than the timing's spread: auto would run it where XLA is faster. The other combinations are
+    consistent with what the numbers mean: "twin" next to fused speedups above 1 (none beat the
+    twin by the tool's --min-speedup, a margin the user may raise; the twin is never slower than
+    XLA); a fused path that is not the fastest measured, or within the spread of the twin (a tie
+    settled by other runs, as in the built-in table); a fused path without a speedup (a choice
+    made elsewhere, e.g. a decision record the entry's note names).
+    """
+    measured = speedup.get(path)
+    if path == "twin" or measured is None or measured >= 1 / SPREAD:
+        return None
+    return (
+        f"path {path!r} contradicts its speedup {measured:g} (the twin was faster: a fused path must "
+        f'measure at least {1 / SPREAD:.3f}x, the timing\'s spread of the twin; use path "twin" or '
+        "correct the speedup)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -305,6 +329,9 @@ def parse(data, where: str, *, builtin: bool = False) -> Table:
             {p: float(s) for p, s in speedup.items()},
             note,
         )
+        contradiction = path_contradiction(entry.path, entry.speedup)
+        if contradiction:
+            _fail(at, contradiction)
         if entry.key in seen:
             _fail(at, f"a second entry for {entry.describe()}'s key (one entry per shape class)")
         seen.add(entry.key)
@@ -367,8 +394,18 @@ def checked_path(value) -> str | None:
     return path
 
 
+def _check_writable(path, table: Table) -> None:
+    """TuningTableError where `table` has an entry a reader would refuse."""
+    for e in table.entries:
+        contradiction = path_contradiction(e.path, e.speedup)
+        if contradiction:
+            raise TuningTableError(f"flux_jax tuning table {path}: not written: entry {e.describe()}: {contradiction}")
+
+
 def write(path, table: Table) -> None:
-    """Writes `table` to `path` atomically (a reader never sees half a file)."""
+    """Writes `table` to `path` atomically (a reader never sees half a file); a table with an
+    entry a reader would refuse is a TuningTableError and leaves the file as it was."""
+    _check_writable(path, table)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -465,6 +502,15 @@ def _agreement(near: list) -> tuple[str, str]:
     return "twin", f"the measured points nearest this shape disagree ({where})"
 
 
+def _twin_result(e: Entry) -> str:
+    """Why an entry with fused speedups chose the twin: none was faster, or none by the margin
+    the tool requires (--min-speedup, default 1.02)."""
+    best = e.best_fused()
+    measured = e.speedup[best]
+    margin = " by the margin required to be chosen" if measured >= 1 else ""
+    return f"no fused path beat the twin{margin} (the best, {best}, measured {measured:.2f}x)"
+
+
 def _decide(table: Table, entries: list, query: ShapeClass) -> Decision | None:
     exact = [e for e in entries if e.shape_class == query]
     if exact:
@@ -473,8 +519,7 @@ def _decide(table: Table, entries: list, query: ShapeClass) -> Decision | None:
         if e.path in e.speedup:
             result = f"{e.path} {e.speedup[e.path]:.2f}x over the twin"
         elif e.path == "twin" and e.speedup:
-            best = e.best_fused()
-            result = f"no fused path beat the twin (the best, {best}, measured {e.speedup[best]:.2f}x)"
+            result = _twin_result(e)
         else:
             result = e.path
         what = f"measured at this shape class: {e.op} rows={rows} k={k} n={n}, {result}"

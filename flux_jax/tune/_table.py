@@ -13,12 +13,14 @@ from flux_jax import _tuning
 from flux_jax._tuning import Device, Entry, Table
 
 # A fused path must beat the twin by this factor to be chosen: the timing method's run-to-run
-# spread is about 1-2% (benchmarks/README.md), and auto must never be slower than XLA.
-MIN_SPEEDUP = 1.02
+# spread (benchmarks/README.md), and auto must never be slower than XLA.
+MIN_SPEEDUP = _tuning.SPREAD
 
 
 def choose(speedup: dict, min_speedup: float = MIN_SPEEDUP) -> str:
-    """The fastest fused path where it beat the twin by `min_speedup`, else "twin"."""
+    """The fastest fused path where it beat the twin by `min_speedup` (>= 1), else "twin"."""
+    if isinstance(min_speedup, bool) or not isinstance(min_speedup, (int, float)) or not min_speedup >= 1:
+        raise ValueError(f"min_speedup must be a number >= 1 (auto never runs a slower path), got {min_speedup!r}")
     if not speedup:
         return "twin"
     best = max(sorted(speedup), key=speedup.get)
@@ -40,8 +42,13 @@ def make_entry(
     note: str = "",
     min_speedup: float = MIN_SPEEDUP,
 ) -> Entry:
-    """The entry of one measured per-rank GEMM (rows x k x n). `path` defaults to `choose`'s."""
+    """The entry of one measured per-rank GEMM (rows x k x n). `path` defaults to `choose`'s; a
+    `path` its speedup contradicts (_tuning.path_contradiction) is a ValueError."""
     dtype = np.dtype(dtype).name
+    path = path or choose(speedup, min_speedup)
+    contradiction = _tuning.path_contradiction(path, speedup)
+    if contradiction:
+        raise ValueError(f"tuning table entry {op} rows={rows} k={k} n={n} ({dtype}, tp={tp}): {contradiction}")
     shape_class = _tuning.shape_class(op, rows, k, n, dtype, tp, device)
     return Entry(
         device.kind,
@@ -51,7 +58,7 @@ def make_entry(
         op,
         shape_class,
         (rows, k, n),
-        path or choose(speedup, min_speedup),
+        path,
         dict(speedup),
         note,
     )
