@@ -9,7 +9,8 @@ Per-shard ops (inside jax.shard_map):
   flux_jax.matmul_rs(x, w, axis_name=..., impl="auto")
   flux_jax.matmul_ar(x, w, axis_name=..., impl="auto")
   flux_jax.column_matmul(x, w, axis_name=..., impl="auto")  (its backward is a fused matmul_ar)
-  fp8=True / fp8=flux_jax.Fp8(...) on ag_matmul and matmul_rs: FP8 operands, current scaling
+  fp8=True / fp8=flux_jax.Fp8(...) on every op: FP8 operands, current scaling
+  w=flux_jax.Fp8Weight.quantize(w, recipe): a weight quantized once (load time), for any op's w
 Global-view helpers: flux_jax.<op>_sharded for each op above.
 """
 
@@ -23,7 +24,7 @@ from flux_jax._errors import FusedUnavailableError  # noqa: E402
 from flux_jax._explain import explain, explain_auto  # noqa: E402
 from flux_jax._native import build_info  # noqa: E402
 from flux_jax._state import HandlerHostTime, device_errors, handler_host_time, reset, workspace_bytes  # noqa: E402
-from flux_jax.fp8 import Fp8  # noqa: E402
+from flux_jax.fp8 import Fp8, Fp8Weight  # noqa: E402
 from flux_jax.ops import ag_matmul, column_matmul, matmul_ar, matmul_rs  # noqa: E402
 from flux_jax.sharding import ag_matmul_sharded, column_matmul_sharded, matmul_ar_sharded, matmul_rs_sharded  # noqa: E402
 from flux_jax.twins import ag_matmul_xla, column_matmul_xla, matmul_ar_xla, matmul_rs_xla  # noqa: E402
@@ -42,6 +43,7 @@ def __getattr__(name):
 __all__ = [
     "Config",
     "Fp8",
+    "Fp8Weight",
     "FusedUnavailableError",
     "HandlerHostTime",
     "ag_matmul",

@@ -123,7 +123,17 @@ def _automatic_axes(ctx) -> tuple[str, ...]:
     return auto if any(sizes[a] > 1 for a in auto) else ()
 
 
-def _lower_in_manual_region(spec, ctx, x, w, rank, call, groups, auto):
+def _lower_fun(fn, ctx, x, w_ops, rank, call):
+    """mlir.lower_fun of fn(x, w, rank) on the primitive's operands, w rebuilt from its
+    operands (one array, or a pre-quantized weight's leaves)."""
+
+    def flat(x, *operands):
+        return fn(x, _weight_of(call, operands[:-1]), operands[-1])
+
+    return mlir.lower_fun(flat, multiple_results=True)(ctx, x, *w_ops, rank)
+
+
+def _lower_in_manual_region(spec, ctx, x, w_ops, rank, call, groups, auto):
     """The custom call inside a manual region over the automatic axes `auto`.
 
     XLA's partitioner cannot split an opaque custom call: left in a partially manual region it
@@ -155,13 +165,18 @@ def _lower_in_manual_region(spec, ctx, x, w, rank, call, groups, auto):
     procs = tuple(int(d.process_index) for d in groups.ravel())
     inner_call = dataclasses.replace(call, groups=(ids, procs))
 
-    def body(x, w, rank):
-        return tuple(spec.primitive.bind(x, w, rank, call=inner_call))
+    def body(x, *operands):  # the weight's leaves, then the rank
+        return tuple(spec.primitive.bind(x, *operands, call=inner_call))
 
+    operands = (*w_ops, rank)
     region = jax.shard_map(
-        body, in_specs=(x_spec, P(), P()), out_specs=out_specs, axis_names=set(auto), check_vma=False
+        body,
+        in_specs=(x_spec, *(P() for _ in operands)),
+        out_specs=out_specs,
+        axis_names=set(auto),
+        check_vma=False,
     )
-    return mlir.lower_fun(region, multiple_results=True)(ctx, x, w, rank)
+    return mlir.lower_fun(region, multiple_results=True)(ctx, x, *operands)
 
 
 def _explicit_spec(aval, auto, op: str, rows_free: bool):
@@ -256,7 +271,8 @@ def _log_once(message: str) -> None:
 def register(spec) -> None:
     """Registers the CPU and CUDA lowerings of `spec.primitive`."""
 
-    def rule(ctx, x, w, rank, *, call):
+    def rule(ctx, x, *operands, call):
+        w_ops, rank = operands[:-1], operands[-1]  # the weight's leaves (one array, or q and scale)
         platform = platform_name(ctx.module_context.platforms[0])
         plan = call.plan
         if platform != call.platform:  # lowered for another platform than it was traced on
@@ -272,30 +288,31 @@ def register(spec) -> None:
             if not plan.fused:
                 _log_once(reason)
         _explain.amend(call.plan, plan)
+        twin = lambda x, w, rank: spec.twin(x, w, call)  # noqa: E731
         if not plan.fused:
-            twin = lambda x, w, rank: spec.twin(x, w, call)  # noqa: E731
-            return mlir.lower_fun(twin, multiple_results=True)(ctx, x, w, rank)
+            return _lower_fun(twin, ctx, x, w_ops, rank, call)
         auto = _automatic_axes(ctx)
         if auto:
             try:
-                return _lower_in_manual_region(spec, ctx, x, w, rank, call, groups, auto)
+                return _lower_in_manual_region(spec, ctx, x, w_ops, rank, call, groups, auto)
             except FusedUnavailableError as err:
                 if call.forced:
                     raise
                 _log_once(str(err))  # impl="auto": the twin serves any layout
                 _explain.amend(call.plan, _plan.Plan("twin", str(err), "the manual region's layout"))
-                return mlir.lower_fun(lambda x, w, rank: spec.twin(x, w, call), multiple_results=True)(ctx, x, w, rank)
+                return _lower_fun(twin, ctx, x, w_ops, rank, call)
 
         # The rank operand (lax.axis_index) is cross-checked by the CPU handlers only.
         pass_rank = platform == "cpu"
         if plan.path == "latency":
-            return _lower_latency(spec, ctx, x, w, rank, call, groups, pass_rank)
-        if call.fp8 is not None:
+            return _lower_latency(spec, ctx, x, w_ops, rank, call, groups, pass_rank)
+        if call.fp8 is not None:  # (every pre-quantized weight's call: it comes with a recipe)
             lowered = _plan.for_lowered_shape(plan, _lowered_problem(spec, ctx, call, platform))
             if lowered is not plan:
                 _explain.amend(call.plan, lowered)
-                return _lower_latency(spec, ctx, x, w, rank, call, groups, pass_rank)
-            return _lower_fp8_fused(spec, ctx, x, w, rank, call, groups, pass_rank, plan.path)
+                return _lower_latency(spec, ctx, x, w_ops, rank, call, groups, pass_rank)
+            return _lower_fp8_fused(spec, ctx, x, w_ops, rank, call, groups, pass_rank, plan.path)
+        (w,) = w_ops
         rows = int(np.prod(ctx.avals_in[0].shape[:-1]))
         if plan.path == "overlap" and _plan.composed_overlap(spec.name, rows, call.tp, platform):
             return _lower_composed_overlap(spec, ctx, x, w, rank, call, groups, pass_rank)
@@ -325,13 +342,13 @@ def register(spec) -> None:
 def _lowered_problem(spec, ctx, call, platform: str):
     """The planner's view of the call on the operands being lowered (inside a manual region over
     other mesh axes, x's shard: fewer rows than at trace time)."""
-    x_aval, w_aval = ctx.avals_in[:2]
+    x_aval, w_aval = ctx.avals_in[0], _weight_of(call, ctx.avals_in[1:-1])
     return spec.problem(x_aval.shape, w_aval.shape, x_aval.dtype, call.tp, platform, call.transpose_w, call.fp8_format)
 
 
-def _lower_latency(spec, ctx, x, w, rank, call, groups, pass_rank):
+def _lower_latency(spec, ctx, x, w_ops, rank, call, groups, pass_rank):
     """The latency path: XLA's GEMM next to our one-kernel collective custom call(s)."""
-    callsite = _callsite(ctx, spec.name, ctx.avals_in[:2], "latency", call)
+    callsite = _callsite(ctx, spec.name, ctx.avals_in[:-1], "latency", call)
     attrs = tuple(
         (k, tuple(v.tolist()) if isinstance(v, np.ndarray) else v)
         for k, v in _common_attrs(groups, call, callsite).items()
@@ -350,18 +367,19 @@ def _lower_latency(spec, ctx, x, w, rank, call, groups, pass_rank):
     def latency(x, w, rank):
         return spec.latency(x, w, call, lambda name, operand, shape: collective(name, operand, shape, rank))
 
-    return mlir.lower_fun(latency, multiple_results=True)(ctx, x, w, rank)
+    return _lower_fun(latency, ctx, x, w_ops, rank, call)
 
 
 def _hashable_attrs(attrs: dict) -> tuple:
     return tuple((k, tuple(v.tolist()) if isinstance(v, np.ndarray) else v) for k, v in attrs.items())
 
 
-def _lower_fp8_fused(spec, ctx, x, w, rank, call, groups, pass_rank, path):
-    """The FP8 overlap or decode path: quantize (XLA), then the op's custom call on the FP8
-    operands with their scales (cpp Fp8Operands); anything moved first (ag_matmul: the row scales)
-    goes through our collectives, each with its own call-site id."""
-    callsite = _callsite(ctx, spec.name, ctx.avals_in[:2], f"fp8-{path}", call)
+def _lower_fp8_fused(spec, ctx, x, w_ops, rank, call, groups, pass_rank, path):
+    """The FP8 overlap or decode path: quantize (XLA; a pre-quantized weight is used as it is),
+    then the op's custom call on the FP8 operands with their scales (cpp Fp8Operands); anything
+    moved first (ag_matmul: the row scales) goes through our collectives, each with its own
+    call-site id."""
+    callsite = _callsite(ctx, spec.name, ctx.avals_in[:-1], f"fp8-{path}", call)
     common = _common_attrs(groups, call, callsite)
     gemm_attrs = _hashable_attrs({**common, **_gemm_attrs(dataclasses.replace(call, transpose_w=True), path)})
     count = [1]  # index 0 is the fused call's own id
@@ -392,7 +410,13 @@ def _lower_fp8_fused(spec, ctx, x, w, rank, call, groups, pass_rank, path):
         body = spec.fp8_decode if path == "decode" else spec.fp8_overlap
         return body(x, w, call, lambda name, a, shape: collective(name, a, shape, rank), fused)
 
-    return mlir.lower_fun(lowered, multiple_results=True)(ctx, x, w, rank)
+    return _lower_fun(lowered, ctx, x, w_ops, rank, call)
+
+
+def _weight_of(call, leaves):
+    from flux_jax.ops._spec import weight_of  # the ops' module imports this one
+
+    return weight_of(call, leaves)
 
 
 def _registry() -> dict:

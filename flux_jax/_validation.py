@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flux_jax.fp8 import Fp8Weight, check_weight
+
 IMPLS = ("auto", "fused", "xla")
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -56,12 +58,20 @@ def check_axis(op: str, axis_name) -> AxisInfo:
 
 
 def check_operands(op: str, x, w) -> None:
-    """Ranks, dtypes and the contraction dimension (shared by both ops)."""
+    """Ranks, dtypes and the contraction dimension (shared by both ops). `w` may be a
+    pre-quantized flux_jax.Fp8Weight: its leaves are checked, and its logical [K, N] is what x
+    must match (x keeps a high-precision dtype, the output's)."""
+    prequantized = isinstance(w, Fp8Weight)
+    if prequantized:
+        check_weight(op, w)
     for name, a in (("x", x), ("w", w)):
         if not hasattr(a, "shape") or not hasattr(a, "dtype"):
             raise TypeError(f"flux_jax.{op}: {name} must be an array, got {type(a).__name__}")
     if len(x.shape) < 2:
         raise ValueError(f"flux_jax.{op}: x must have rank >= 2 ([rows, ..., K]), got x {_describe(x)}")
+    if prequantized:
+        _check_prequantized(op, x, w)
+        return
     if len(w.shape) != 2:
         raise ValueError(f"flux_jax.{op}: w must have rank 2 ([K, N]), got w {_describe(w)}")
     if jnp.dtype(x.dtype) != jnp.dtype(w.dtype):
@@ -76,6 +86,19 @@ def check_operands(op: str, x, w) -> None:
         raise ValueError(
             f"flux_jax.{op}: contraction mismatch: x {_describe(x)} has K={x.shape[-1]} but w "
             f"{_describe(w)} has K={w.shape[0]} (w must be [K, N])"
+        )
+
+
+def _check_prequantized(op: str, x, w) -> None:
+    if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
+        names = ", ".join(d.name for d in SUPPORTED_DTYPES)
+        raise TypeError(
+            f"flux_jax.{op}: with a pre-quantized w, x must be {names} (the output's dtype), got x {_describe(x)}"
+        )
+    if x.shape[-1] != w.shape[0]:
+        raise ValueError(
+            f"flux_jax.{op}: contraction mismatch: x {_describe(x)} has K={x.shape[-1]} but the "
+            f"pre-quantized w is [K, N] = {list(w.shape)} (w.q {_describe(w.q)} stores it as [N, K])"
         )
 
 

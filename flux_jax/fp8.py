@@ -26,6 +26,21 @@ dimension the per-row scales live on, and a GEMM can apply scales after accumula
 along its output's rows and columns; an FP8 dw would need x and dy quantized a second time
 per column (a second rounding, and another pass over the gathered rows).
 
+Pre-quantized weights. Current scaling reads w twice on every call (its amax, then the
+transposing quantization); at decode sizes that is most of the call (94-96 us of a 120-134 us
+matmul_ar at 7168 x 8192 on one H200, benchmarks/RESULTS.md "FP8 at decode sizes"), and XLA does
+not hoist it out of a generation loop. `Fp8Weight.quantize(w, recipe)` runs it once (at load
+time) and every op takes the resulting `Fp8Weight` as its `w`: the FP8 values K-major, [n, k], as
+the fused FP8 GEMMs read them, and their float32 scales (fp8=None then means the default recipe
+with the weight's scaling). No path quantizes it again, except the backward of a per-column
+weight (below). A pre-quantized weight is frozen: its cotangent is zero.
+dx still flows, straight-through as above:
+
+  per-tensor scale: dx's FP8 GEMM reads q transposed with the same scale (no requantization);
+  per-column scales: they sit on dx's contraction dimension, where no epilogue can apply them,
+              so dx's GEMM takes w dequantized (float32) and quantized again per its own output
+              column, as the recipe's high-precision weight would be.
+
 Two fused forms. The FP8 overlap path (`fused_gathered_matmul`, `fused_matmul`) hands the FP8
 operands and their scales to the op's own kernel: our FP8 GEMM gathers (or scatters) inside the
 GEMM and applies the scales in its epilogue (matmul_rs's and matmul_ar's FP8 decode path,
@@ -41,9 +56,11 @@ kernel. docs/design.md says which runs where.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -127,8 +144,26 @@ class Fp8:
         return jnp.dtype(self.forward_format)
 
 
-def resolve(op: str, fp8) -> Fp8 | None:
-    """The recipe of an op's `fp8=` argument: None / False -> None, True -> Fp8(), an Fp8 as is."""
+def resolve(op: str, fp8, w=None) -> Fp8 | None:
+    """The recipe of an op's `fp8=` argument: None / False -> None, True -> Fp8(), an Fp8 as is.
+
+    With a pre-quantized weight (`w` an Fp8Weight): None / True -> the default recipe with the
+    weight's scaling, an Fp8 as is if its weight_scaling is the weight's (else ValueError),
+    False -> TypeError (the weight is FP8; there is no unquantized GEMM to run)."""
+    if isinstance(w, Fp8Weight):
+        if fp8 is None or fp8 is True:
+            return w.recipe
+        if fp8 is False:
+            raise TypeError(
+                f"flux_jax.{op}: w is a pre-quantized flux_jax.Fp8Weight but fp8=False; pass fp8=None "
+                "(or True, or an Fp8 recipe) to run it, or the high-precision weight to run without FP8"
+            )
+        if isinstance(fp8, Fp8) and fp8.weight_scaling != w.scaling:
+            raise ValueError(
+                f"flux_jax.{op}: the recipe's weight_scaling={fp8.weight_scaling!r} conflicts with the "
+                f"pre-quantized weight's scaling {w.scaling!r} (its scales are fixed); pass "
+                f"fp8=Fp8(weight_scaling={w.scaling!r}, ...) or quantize the weight with this recipe"
+            )
     if fp8 is None or fp8 is False:
         return None
     if fp8 is True:
@@ -181,10 +216,158 @@ def quantize_weight(w, recipe: Fp8, transpose_w: bool = False):
 
 def kmajor_weight(w, recipe: Fp8, transpose_w: bool = False):
     """w quantized for the fused FP8 GEMM: (q [n, k], scale [n] float32), both operands of an FP8
-    GEMM being K-major on Hopper (a per-tensor scale is repeated per column)."""
-    q, scale = quantize_weight(w, recipe, transpose_w)
-    q = q if transpose_w else q.T
+    GEMM being K-major on Hopper (a per-tensor scale is repeated per column). `w` may be an
+    Fp8Weight (see `gemm_weight`)."""
+    q, scale, q_transposed = gemm_weight(w, recipe, transpose_w)
+    q = q if q_transposed else q.T
     return q, jnp.broadcast_to(scale.astype(jnp.float32), (q.shape[0],))
+
+
+def gemm_weight(w, recipe: Fp8, transpose_w: bool = False):
+    """The weight operand of the FP8 GEMM x @ op(w): (q, scale of op(w)'s columns ([n] or []),
+    whether q holds op(w) transposed, i.e. [n, k]).
+
+    A high-precision w is quantized per the recipe (q in w's layout). An Fp8Weight is used as
+    stored: q [n, k] with its scales in the forward; in the backward (`transpose_w`: op(w) =
+    w^T) q read untransposed with its per-tensor scale, or, for per-column scales (they sit on
+    this GEMM's contraction dimension), w dequantized and quantized again per this GEMM's
+    output column."""
+    if not isinstance(w, Fp8Weight):
+        q, scale = quantize_weight(w, recipe, transpose_w)
+        return q, scale, transpose_w
+    if not transpose_w:
+        return w.q, w.scale, True
+    if w.scaling == "tensor":
+        return w.q, w.scale, False
+    q, scale = quantize_weight(w.dequantize(jnp.float32), recipe, transpose_w=True)
+    return q, scale, True
+
+
+# ---- pre-quantized weights -------------------------------------------------------------------
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("q", "scale"), meta_fields=("scaling",))
+@dataclasses.dataclass(frozen=True)
+class Fp8Weight:
+    """A weight quantized to FP8 once, for the ops' `w` (a pytree: jit, shard_map, device_put).
+
+    The op sees the logical weight w [k, n] (`shape`), stored as the fused FP8 GEMMs read it:
+
+    Attributes:
+      q: float8_e4m3fn [n, k], w^T: K-major, one row per output column (`kmajor_weight`).
+      scale: float32, w ~= (q * scale)^T: shape [] for scaling "tensor" (one scale), [n] for
+        "column" (one per output column).
+      scaling: "tensor" or "column" (static: part of the pytree's structure), the recipe's
+        `weight_scaling` it was quantized with.
+
+    Build it with `Fp8Weight.quantize(w, recipe)`; under sharding, map the logical weight's
+    PartitionSpec with `partition_spec`. The constructor does not check its fields (JAX rebuilds
+    pytrees with placeholders); the ops check them before tracing.
+    """
+
+    q: Any
+    scale: Any
+    scaling: str = "tensor"
+
+    @classmethod
+    def quantize(cls, w, recipe: Fp8 | None = None, *, transpose_w: bool = False) -> Fp8Weight:
+        """w [k, n] (or [n, k] with `transpose_w`: w^T is the op's weight) quantized once with the
+        recipe's weight_scaling and margin (default `Fp8()`): the amax and the transposing
+        quantization an op's `fp8=` runs on every call. Works on global (sharded) arrays and
+        inside jit / shard_map (a shard quantized alone gets its own per-tensor scale)."""
+        if recipe is None:
+            recipe = Fp8()
+        if not isinstance(recipe, Fp8):
+            raise TypeError(f"flux_jax.Fp8Weight.quantize: recipe must be a flux_jax.Fp8 (or None), got {recipe!r}")
+        if not isinstance(transpose_w, bool):
+            raise TypeError(f"flux_jax.Fp8Weight.quantize: transpose_w must be a bool, got {transpose_w!r}")
+        if isinstance(w, Fp8Weight):
+            raise TypeError("flux_jax.Fp8Weight.quantize: w is already an Fp8Weight")
+        if not hasattr(w, "shape") or not hasattr(w, "dtype"):
+            raise TypeError(f"flux_jax.Fp8Weight.quantize: w must be an array, got {type(w).__name__}")
+        dtype = jnp.dtype(w.dtype)
+        if not jnp.issubdtype(dtype, jnp.floating) or dtype.name in FORMATS or dtype.itemsize == 1:
+            raise TypeError(
+                f"flux_jax.Fp8Weight.quantize: w must be a high-precision float array (float32, bfloat16, "
+                f"float16), got {dtype.name}{list(w.shape)}"
+            )
+        if len(w.shape) != 2:
+            layout = "[n, k]" if transpose_w else "[k, n]"
+            raise ValueError(f"flux_jax.Fp8Weight.quantize: w must have rank 2 ({layout}), got {list(w.shape)}")
+        q, scale = quantize_weight(jnp.asarray(w), recipe, transpose_w)
+        return cls(q if transpose_w else q.T, scale.astype(jnp.float32), recipe.weight_scaling)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The logical weight's shape, [k, n], as the op sees it."""
+        return (self.q.shape[1], self.q.shape[0])
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The FP8 values' dtype (the op's output takes x's dtype)."""
+        return jnp.dtype(self.q.dtype)
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    @property
+    def recipe(self) -> Fp8:
+        """The recipe an op runs with fp8=None / True: the default one with this weight's scaling."""
+        return Fp8(weight_scaling=self.scaling)
+
+    def dequantize(self, dtype=jnp.float32):
+        """The logical weight, [k, n] = (q * scale)^T in `dtype` (w up to the FP8 rounding)."""
+        scale = self.scale if jnp.ndim(self.scale) == 0 else self.scale[:, None]
+        return dequantize(self.q, scale, dtype).T
+
+    def partition_spec(self, spec) -> Fp8Weight:
+        """The PartitionSpecs of this weight's leaves (a pytree of the same structure, for
+        shard_map's in_specs or NamedShardings), from the logical weight's spec over [k, n]:
+        q [n, k] takes it transposed, the per-column scale [n] the n entry, a per-tensor scale
+        is replicated. E.g. column-parallel P(None, "tp") -> q P("tp", None), scale P("tp") or P();
+        row-parallel P("tp", None) -> q P(None, "tp"), scale P() (every rank needs every column's)."""
+        return weight_spec(spec, self.scaling)
+
+
+def weight_spec(spec, scaling: str = "tensor") -> Fp8Weight:
+    """`Fp8Weight.partition_spec` for a weight not built yet: `scaling` is its recipe's
+    weight_scaling ("tensor" or "column")."""
+    from jax.sharding import PartitionSpec
+
+    if scaling not in WEIGHT_SCALINGS:
+        raise ValueError(f"flux_jax.fp8.weight_spec: scaling must be one of {WEIGHT_SCALINGS}, got {scaling!r}")
+    if not isinstance(spec, PartitionSpec):
+        raise TypeError(f"flux_jax.fp8.weight_spec: spec must be a PartitionSpec over [k, n], got {spec!r}")
+    if len(spec) > 2:
+        raise ValueError(f"flux_jax.fp8.weight_spec: the weight has rank 2 ([k, n]), got the spec {spec}")
+    k_entry, n_entry = (*spec, None, None)[:2]
+    scale = PartitionSpec() if scaling == "tensor" else PartitionSpec(n_entry)
+    return Fp8Weight(PartitionSpec(n_entry, k_entry), scale, scaling)
+
+
+def check_weight(op: str, w) -> None:
+    """An Fp8Weight's leaves, checked before an op traces anything (the constructor cannot)."""
+    q, scale = w.q, w.scale
+    for name, a in (("q", q), ("scale", scale)):
+        if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+            raise TypeError(f"flux_jax.{op}: w.{name} (an Fp8Weight's) must be an array, got {type(a).__name__}")
+    if w.scaling not in WEIGHT_SCALINGS:
+        raise ValueError(f"flux_jax.{op}: w.scaling must be one of {WEIGHT_SCALINGS}, got {w.scaling!r}")
+    described = f"{jnp.dtype(q.dtype).name}{list(q.shape)}"
+    if jnp.dtype(q.dtype) != jnp.dtype(Fp8().w_dtype):
+        raise TypeError(
+            f"flux_jax.{op}: w.q must be float8_e4m3fn (the weight's format in every FP8 GEMM), got "
+            f"{described}; build the weight with flux_jax.Fp8Weight.quantize"
+        )
+    if len(q.shape) != 2:
+        raise ValueError(f"flux_jax.{op}: w.q must have rank 2 ([n, k], K-major), got {described}")
+    want = () if w.scaling == "tensor" else (q.shape[0],)
+    if jnp.dtype(scale.dtype) != jnp.dtype(jnp.float32) or tuple(scale.shape) != want:
+        raise ValueError(
+            f"flux_jax.{op}: w.scale must be float32{list(want)} for scaling {w.scaling!r} and w.q "
+            f"{described} ([n, k]), got {jnp.dtype(scale.dtype).name}{list(scale.shape)}"
+        )
 
 
 # ---- the FP8 GEMM --------------------------------------------------------------------------
@@ -200,10 +383,11 @@ def scaled_dot(xq, x_scale, wq, w_scale, transpose_w: bool, out_dtype):
 
 def matmul(x, w, recipe: Fp8, *, transpose_w: bool = False, grad: bool = False):
     """x @ op(w) through FP8: x [rows, ..., k] per row (in the backward format with `grad`), w per
-    the recipe; returns x's dtype. The GEMM of the GEMM-first ops (matmul_rs, matmul_ar)."""
+    the recipe (or an Fp8Weight, see `gemm_weight`); returns x's dtype. The GEMM of the GEMM-first
+    ops (matmul_rs, matmul_ar)."""
     xq, xs = quantize_rows(x, recipe, grad)
-    wq, ws = quantize_weight(w, recipe, transpose_w)
-    return scaled_dot(xq, xs, wq, ws, transpose_w, x.dtype)
+    wq, ws, wq_transposed = gemm_weight(w, recipe, transpose_w)
+    return scaled_dot(xq, xs, wq, ws, wq_transposed, x.dtype)
 
 
 def input_grad(dy, w, recipe: Fp8 | None, *, transpose_w: bool = False):
@@ -237,10 +421,10 @@ def gathered_matmul(
     per row, gather the FP8 rows and (alongside) their scales, FP8 GEMM. Returns [out] or
     [out, AG(x) dequantized in x's dtype]."""
     xq, xs = quantize_rows(x, recipe, grad)
-    wq, ws = quantize_weight(w, recipe, transpose_w)
+    wq, ws, wq_transposed = gemm_weight(w, recipe, transpose_w)
     xq_full = gather(xq)
     xs_full = gather_scales(gather, xs)
-    out = scaled_dot(xq_full, xs_full, wq, ws, transpose_w, x.dtype)
+    out = scaled_dot(xq_full, xs_full, wq, ws, wq_transposed, x.dtype)
     if not return_gathered:
         return [out]
     return [out, dequantize(xq_full, xs_full, x.dtype)]

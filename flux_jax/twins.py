@@ -6,7 +6,8 @@ functions, for use inside jax.shard_map.
 
 With `fp8` (True or a flux_jax.Fp8 recipe) a twin quantizes as the fused FP8 ops do
 (flux_jax/fp8.py) and runs XLA's FP8 GEMM next to lax's collective; its custom_vjp is the
-straight-through backward of flux_jax/fp8.py, on lax's collectives.
+straight-through backward of flux_jax/fp8.py, on lax's collectives. `w` may be a pre-quantized
+flux_jax.Fp8Weight (fp8=None then means its recipe): no quantization of it, a zero cotangent.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from flux_jax import fp8 as _fp8
 
 def ag_matmul_xla(x, w, *, axis_name: str, axis: int = 0, return_gathered: bool = False, fp8=None):
     """all_gather(x over dimension `axis`) @ w, optionally with the gathered x."""
-    recipe = _fp8.resolve("ag_matmul_xla", fp8)
+    recipe = _fp8.resolve("ag_matmul_xla", fp8, w)
     if recipe is not None:
         x_front, w = _unify(axis_name, jnp.moveaxis(x, axis, 0), w)
         outs = _ag_matmul_fp8(x_front, w, axis_name, recipe, return_gathered)
@@ -36,7 +37,7 @@ def ag_matmul_xla(x, w, *, axis_name: str, axis: int = 0, return_gathered: bool 
 
 def matmul_rs_xla(x, w, *, axis_name: str, scatter_dimension: int = 0, fp8=None):
     """psum_scatter(x @ w over dimension `scatter_dimension`)."""
-    recipe = _fp8.resolve("matmul_rs_xla", fp8)
+    recipe = _fp8.resolve("matmul_rs_xla", fp8, w)
     if recipe is not None:
         x_front, w = _unify(axis_name, jnp.moveaxis(x, scatter_dimension, 0), w)
         return jnp.moveaxis(_matmul_rs_fp8(x_front, w, axis_name, recipe), 0, scatter_dimension)
@@ -45,7 +46,7 @@ def matmul_rs_xla(x, w, *, axis_name: str, scatter_dimension: int = 0, fp8=None)
 
 def matmul_ar_xla(x, w, *, axis_name: str, fp8=None):
     """psum(x @ w): every rank gets the whole sum."""
-    recipe = _fp8.resolve("matmul_ar_xla", fp8)
+    recipe = _fp8.resolve("matmul_ar_xla", fp8, w)
     if recipe is not None:
         x, w = _unify(axis_name, x, w)
         return lax.psum(_local_fp8(x, w, recipe), axis_name)
@@ -61,7 +62,7 @@ def column_matmul_xla(x, w, *, axis_name: str, fp8=None):
     as for a plain jnp.dot. With `fp8` the forward is XLA's FP8 GEMM (x per row, w per the
     recipe) and dx's GEMM takes dy per row in the backward format (straight-through).
     """
-    recipe = _fp8.resolve("column_matmul_xla", fp8)
+    recipe = _fp8.resolve("column_matmul_xla", fp8, w)
     # Both operands vary over every other manual axis either varies over (x stays as typed over
     # `axis_name`), so the custom_vjp's cotangents type-check; pcast's transpose sums them there.
     others = (_varying(x) | _varying(w)) - {axis_name}
@@ -82,20 +83,26 @@ def _column_matmul_bwd(axis_name, recipe, residuals, dy):
     dx = _fp8.input_grad(dy, w, recipe)
     if axis_name in _varying(w):  # types checked (w was cast to vary over the axis)
         dx = lax.psum(dx, axis_name)
+    if isinstance(w, _fp8.Fp8Weight):  # frozen: a zero cotangent
+        return _typed_like(dx, _varying(x)), None
     lead = tuple(range(x.ndim - 1))
     dw = lax.dot_general(x, dy, ((lead, lead), ((), ())))
     return _typed_like(dx, _varying(x)), _typed_like(dw.astype(w.dtype), _varying(w))
 
 
 def _typed_like(a, axes: frozenset):
-    """`a` cast to vary over every manual axis in `axes` it does not vary over yet."""
-    missing = tuple(sorted(frozenset(axes) - _varying(a)))
-    return lax.pcast(a, missing, to="varying") if missing else a
+    """`a` (each leaf of a pre-quantized weight) cast to vary over every manual axis in `axes` it
+    does not vary over yet."""
+    from flux_jax.ops._spec import pcast_to
+
+    return pcast_to(a, axes)
 
 
 def _varying(a) -> frozenset:
-    mat = getattr(jax.typeof(a), "manual_axis_type", None)
-    return frozenset(mat.varying) if mat is not None else frozenset()
+    """The manual axes `a` varies over (any leaf's, for a pre-quantized weight)."""
+    from flux_jax.ops._spec import _varying
+
+    return _varying(a)
 
 
 _column_matmul.defvjp(_column_matmul_fwd, _column_matmul_bwd)
@@ -172,7 +179,7 @@ def _local_fp8_fwd(x, w, recipe):
 
 def _local_fp8_bwd(recipe, residuals, dy):
     x, w = residuals
-    return _fp8.input_grad(dy, w, recipe), _autodiff.weight_grad(x, dy, w, False).astype(w.dtype)
+    return _fp8.input_grad(dy, w, recipe), _autodiff.weight_grad(x, dy, w, False)
 
 
 _local_fp8.defvjp(_local_fp8_fwd, _local_fp8_bwd)

@@ -29,6 +29,12 @@ sequence between blocks:
                          backward: local GEMMs                    (flux_jax.matmul_ar)
 
 one fused op in each direction of a block.
+
+Inference with pre-quantized kernels: `layer.quantize_kernel(recipe)` (or `quantize_kernels(model)`
+for every layer of a model) quantizes each kernel to FP8 once, into a flux_jax.Fp8Weight held as
+two `Fp8Kernel` variables (its FP8 values, transposed to [out, in], and its scales) annotated for
+the mesh like the kernel; the layer then passes that weight to its op, and no call quantizes the
+kernel again (x still is, per row). The kernel is frozen from then on: its gradient is zero.
 """
 
 from __future__ import annotations
@@ -98,6 +104,70 @@ def check_layer_args(layer: str, in_features, out_shape: tuple, mesh, dtype) -> 
 def check_fp8(layer: str, fp8) -> None:
     """fp8 must be what the flux_jax ops take: None, a bool or a flux_jax.Fp8."""
     fp8_lib.resolve(layer, fp8)
+
+
+class Fp8Kernel(nnx.Variable):
+    """A leaf of a layer's pre-quantized kernel (`quantize_kernel`): its FP8 values [out, in] or
+    their float32 scales. Not an nnx.Param: optimizers and nnx.grad (wrt Param) leave it alone."""
+
+
+def _kernel_recipe(layer: str, fp8, recipe) -> fp8_lib.Fp8:
+    """The recipe `quantize_kernel` quantizes with: `recipe`, else the layer's own (fp8=Fp8(...)),
+    else the default; a recipe whose weight_scaling differs from the layer's is an error."""
+    if recipe is not None and not isinstance(recipe, fp8_lib.Fp8):
+        raise TypeError(f"{layer}.quantize_kernel: recipe must be a flux_jax.Fp8 (or None), got {recipe!r}")
+    own = fp8 if isinstance(fp8, fp8_lib.Fp8) else None
+    if recipe is not None and own is not None and recipe.weight_scaling != own.weight_scaling:
+        raise ValueError(
+            f"{layer}.quantize_kernel: recipe.weight_scaling={recipe.weight_scaling!r} conflicts with the "
+            f"layer's fp8 recipe (weight_scaling={own.weight_scaling!r})"
+        )
+    return recipe or own or fp8_lib.Fp8()
+
+
+def _quantized_kernel(layer: str, module, w, recipe, q_axes: tuple, keep_kernel: bool) -> None:
+    """Stores the Fp8Weight of w [in, n] (global) on `module` as its Fp8Kernel variables, placed
+    and annotated as q [n, in] over `q_axes` and the scales over q_axes[0] (or replicated)."""
+    if not isinstance(keep_kernel, bool):
+        raise TypeError(f"{layer}.quantize_kernel: keep_kernel must be a bool, got {keep_kernel!r}")
+    weight = fp8_lib.Fp8Weight.quantize(w, recipe)
+    scale_axes = () if weight.scaling == "tensor" else (q_axes[0],)
+    mesh = getattr(getattr(w, "sharding", None), "mesh", None)
+    mesh = mesh if isinstance(mesh, jax.sharding.Mesh) else None  # None: traced (nnx.jit)
+    leaves = []
+    for value, axes in ((weight.q, q_axes), (weight.scale, scale_axes)):
+        if mesh is not None:
+            value = jax.device_put(value, jax.NamedSharding(mesh, jax.sharding.PartitionSpec(*axes)))
+        # placed here; the annotation is what sharded_call's in_specs read
+        leaves.append(Fp8Kernel(value, out_sharding=axes, mesh=mesh, eager_sharding=False))
+    module.kernel_q, module.kernel_scale = leaves
+    module.kernel_scaling = weight.scaling
+    if not keep_kernel:
+        module.kernel = nnx.data(None)
+
+
+def _prequantized(module):
+    """The layer's pre-quantized kernel as a flux_jax.Fp8Weight, or None."""
+    if module.kernel_q is None:
+        return None
+    return fp8_lib.Fp8Weight(module.kernel_q[...], module.kernel_scale[...], module.kernel_scaling)
+
+
+def _no_kernel(layer: str, module) -> None:
+    if module.kernel is None:
+        raise ValueError(f"{layer}.quantize_kernel: the kernel was dropped (keep_kernel=False); nothing to quantize")
+
+
+def quantize_kernels(module: nnx.Module, recipe: fp8_lib.Fp8 | None = None, *, keep_kernel: bool = True) -> int:
+    """Calls `quantize_kernel(recipe, keep_kernel=...)` on every ColumnParallelLinear and
+    RowParallelLinear in `module` (a layer, a block, a GPT); returns how many. For inference:
+    the kernels are frozen FP8 from then on."""
+    count = 0
+    for _, sub in nnx.iter_modules(module):
+        if isinstance(sub, (ColumnParallelLinear, RowParallelLinear)):
+            sub.quantize_kernel(recipe, keep_kernel=keep_kernel)
+            count += 1
+    return count
 
 
 def _fan_in_init(ndim: int) -> Callable:
@@ -177,25 +247,43 @@ class ColumnParallelLinear(nnx.Module):
         tail = (None,) * (len(out_shape) - 1)
         init = nnx.with_partitioning(kernel_init, (fsdp_axis, tp_axis, *tail), mesh=mesh)
         self.kernel = nnx.Param(init(rngs.params(), kernel_shape, param_dtype))
+        self.fsdp_axis = fsdp_axis
         bias = None
         if use_bias:
             init = nnx.with_partitioning(bias_init, (tp_axis, *tail), mesh=mesh)
             bias = nnx.Param(init(rngs.params(), out_shape, param_dtype))
         self.bias = nnx.data(bias)
+        self.kernel_q, self.kernel_scale = nnx.data(None), nnx.data(None)  # set by quantize_kernel
+        self.kernel_scaling = None
+
+    def quantize_kernel(self, recipe: fp8_lib.Fp8 | None = None, *, keep_kernel: bool = True) -> None:
+        """Quantizes the kernel to FP8 once, for inference (flux_jax.Fp8Weight.quantize on the
+        global kernel [in_features, prod(out_features)]): from then on every call passes that
+        weight to its op and none quantizes the kernel again. `recipe`: the layer's own Fp8
+        recipe, else flux_jax.Fp8(); a per-tensor scale is one for the whole global kernel. The
+        FP8 kernel is frozen (its gradient is zero; x's still flows). keep_kernel=False drops the
+        high-precision kernel (its memory); the layer then only runs quantized."""
+        _no_kernel("ColumnParallelLinear", self)
+        recipe = _kernel_recipe("ColumnParallelLinear", self.fp8, recipe)
+        kernel = self.kernel[...]  # global [in, out0, *rest]: out0 outermost, so q's rows split over tp as it does
+        w = kernel.reshape(kernel.shape[0], -1)
+        _quantized_kernel("ColumnParallelLinear", self, w, recipe, (self.tp_axis, self.fsdp_axis), keep_kernel)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """Per shard: [S/tp, ..., in_features] -> [S, ..., *out_local] (S at `seq_axis`; without
         sequence parallelism: [S, ..., in_features] -> [S, ..., *out_local])."""
         dtype = self.dtype or x.dtype
-        kernel = self.kernel[...]  # local shard [in, out0/tp, *rest]
-        w = kernel.reshape(kernel.shape[0], -1).astype(dtype)
+        w, fp8 = _prequantized(self), self.fp8 or None  # fp8=None: the pre-quantized weight's recipe
+        if w is None:
+            kernel = self.kernel[...]  # local shard [in, out0/tp, *rest]
+            w, fp8 = kernel.reshape(kernel.shape[0], -1).astype(dtype), self.fp8
         if self.sequence_parallel:
             y = flux_jax.ag_matmul(
-                x.astype(dtype), w, axis_name=self.tp_axis, axis=self.seq_axis, impl=self.impl, fp8=self.fp8
+                x.astype(dtype), w, axis_name=self.tp_axis, axis=self.seq_axis, impl=self.impl, fp8=fp8
             )
         else:
-            y = flux_jax.column_matmul(x.astype(dtype), w, axis_name=self.tp_axis, impl=self.impl, fp8=self.fp8)
-        y = y.reshape(*y.shape[:-1], *kernel.shape[1:])
+            y = flux_jax.column_matmul(x.astype(dtype), w, axis_name=self.tp_axis, impl=self.impl, fp8=fp8)
+        y = y.reshape(*y.shape[:-1], -1, *self.out_shape[1:])
         if self.bias is not None:
             y = y + self.bias[...].astype(dtype)
         return y
@@ -255,17 +343,32 @@ class RowParallelLinear(nnx.Module):
         kernel_init = kernel_init or _fan_in_init(2)
         init = nnx.with_partitioning(kernel_init, (tp_axis, fsdp_axis), mesh=mesh)
         self.kernel = nnx.Param(init(rngs.params(), (in_features, out_features), param_dtype))
+        self.fsdp_axis = fsdp_axis
         bias = None
         if use_bias:
             init = nnx.with_partitioning(bias_init, (None,), mesh=mesh)
             bias = nnx.Param(init(rngs.params(), (out_features,), param_dtype))
         self.bias = nnx.data(bias)
+        self.kernel_q, self.kernel_scale = nnx.data(None), nnx.data(None)  # set by quantize_kernel
+        self.kernel_scaling = None
+
+    def quantize_kernel(self, recipe: fp8_lib.Fp8 | None = None, *, keep_kernel: bool = True) -> None:
+        """Quantizes the kernel to FP8 once, for inference: as ColumnParallelLinear.quantize_kernel
+        (q [out, in] sharded (fsdp_axis, tp) like the kernel transposed; per-column scales, one
+        per output feature over the whole K, replicated over tp)."""
+        _no_kernel("RowParallelLinear", self)
+        recipe = _kernel_recipe("RowParallelLinear", self.fp8, recipe)
+        _quantized_kernel(
+            "RowParallelLinear", self, self.kernel[...], recipe, (self.fsdp_axis, self.tp_axis), keep_kernel
+        )
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """Per shard: [S, ..., in_features/tp] -> [S/tp, ..., out_features] (S at `seq_axis`;
         without sequence parallelism: -> [S, ..., out_features], replicated)."""
         dtype = self.dtype or x.dtype
-        w = self.kernel[...].astype(dtype)
+        w, fp8 = _prequantized(self), self.fp8 or None  # fp8=None: the pre-quantized weight's recipe
+        if w is None:
+            w, fp8 = self.kernel[...].astype(dtype), self.fp8
         if self.sequence_parallel:
             y = flux_jax.matmul_rs(
                 x.astype(dtype),
@@ -273,10 +376,10 @@ class RowParallelLinear(nnx.Module):
                 axis_name=self.tp_axis,
                 scatter_dimension=self.seq_axis,
                 impl=self.impl,
-                fp8=self.fp8,
+                fp8=fp8,
             )
         else:
-            y = flux_jax.matmul_ar(x.astype(dtype), w, axis_name=self.tp_axis, impl=self.impl, fp8=self.fp8)
+            y = flux_jax.matmul_ar(x.astype(dtype), w, axis_name=self.tp_axis, impl=self.impl, fp8=fp8)
         if self.bias is not None:
             y = y + self.bias[...].astype(dtype)
         return y

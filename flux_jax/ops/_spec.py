@@ -7,6 +7,10 @@ custom_vjp core (flux_jax/_autodiff.py). Inside the primitive x is [rows, ..., k
 gathered / scattered dimension first and w [k, n] (or [n, k] with `transpose_w`); the kernels see
 x as [rows * ..., k] (the same bytes). The middle dimensions stay visible so the partitioner can
 shard them over the mesh axes a partially manual shard_map leaves to it.
+
+w may also be a pre-quantized flux_jax.Fp8Weight (a pytree): the primitive's operands are then x,
+its leaves (q, scale) and the rank, `Call.w_prequantized` rebuilds it, and everything that reads the
+weight's shape reads its logical [k, n] (`Fp8Weight.shape`).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from jax.interpreters import batching
 from flux_jax import fp8 as _fp8
 from flux_jax._config import Config, GpuTuning
 from flux_jax._plan import Plan, Problem
-from flux_jax.fp8 import Fp8
+from flux_jax.fp8 import Fp8, Fp8Weight
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +52,9 @@ class Call:
     # FP8 operands (flux_jax/fp8.py): the recipe, or None. The row operand is x in the forward
     # and dy in a backward call (`backward`), quantized in the recipe's backward format.
     fp8: Fp8 | None = None
+    # A pre-quantized weight (Fp8Weight): its scaling, "tensor" or "column"; None for an array.
+    # Set by `bind`, which flattens the weight into the primitive's operands (q, scale).
+    w_prequantized: str | None = None
 
     @property
     def forced(self) -> bool:
@@ -120,6 +127,12 @@ def weight_2d(w, transpose_w: bool):
     return w.T if transpose_w else w
 
 
+def weight_of(call: Call, leaves):
+    """The weight rebuilt from the primitive's weight operands (arrays, avals or IR values)."""
+    leaves = tuple(leaves)
+    return leaves[0] if call.w_prequantized is None else Fp8Weight(*leaves, call.w_prequantized)
+
+
 def local_gemm(x, w, call: Call):
     """x @ op(w), the GEMM of the GEMM-first ops (matmul_rs, ...): XLA's dot, or with `call.fp8`
     the FP8 GEMM on x and w quantized per the recipe (x's dtype out either way)."""
@@ -154,8 +167,8 @@ def define(spec: OpSpec) -> OpSpec:
     prim = Primitive(spec.target)
     prim.multiple_results = True
 
-    def abstract_eval(x, w, rank, *, call: Call):
-        del rank
+    def abstract_eval(x, *operands, call: Call):
+        w = weight_of(call, operands[:-1])  # the last operand is the rank
         outs = [x.update(shape=s) for s in spec.out_shapes(x.shape, w.shape, call)]
         return [invariant_over(o, call.axis_name) for o in outs] if spec.replicated else outs
 
@@ -169,26 +182,35 @@ def define(spec: OpSpec) -> OpSpec:
 
 
 def bind(spec: OpSpec, x, w, call: Call) -> list:
-    """Binds the primitive on operands already cast to a common manual-axis type."""
+    """Binds the primitive on operands already cast to a common manual-axis type: x, the
+    weight's leaves (one array, or a pre-quantized weight's q and scale), the rank."""
     rank = unify_varying(call.axis_name, jax.lax.axis_index(call.axis_name))[0]
-    return spec.primitive.bind(x, w, rank, call=call)
+    prequantized = w.scaling if isinstance(w, Fp8Weight) else None
+    if prequantized != call.w_prequantized:
+        call = dataclasses.replace(call, w_prequantized=prequantized)
+    leaves = (w.q, w.scale) if prequantized else (w,)
+    return spec.primitive.bind(x, *leaves, rank, call=call)
 
 
 def _batch_rows(prim, args, dims, *, call: Call):
     """vmap over x only: the batch axis becomes a middle dimension (rows stay first)."""
-    x, w, rank = args
-    x_dim, w_dim, rank_dim = dims
-    if w_dim is not None or rank_dim is not None:
+    x, *operands = args
+    x_dim, *operand_dims = dims
+    if any(d is not None for d in operand_dims):
         raise NotImplementedError(
             f"flux_jax: vmap of {prim.name} over the weight is not supported (vmap over x only; "
             "for a batch of weights use the XLA twin, impl='xla')"
         )
-    outs = prim.bind(jnp.moveaxis(x, x_dim, 1), w, rank, call=call)
+    outs = prim.bind(jnp.moveaxis(x, x_dim, 1), *operands, call=call)
     return outs, [1] * len(outs)
 
 
 def _varying(x) -> frozenset:
-    t = jax.typeof(x)
+    """The manual axes x varies over; for a pytree (a pre-quantized weight), any of its leaves."""
+    leaves = jax.tree.leaves(x)
+    if len(leaves) != 1:
+        return frozenset().union(*(_varying(leaf) for leaf in leaves))
+    t = jax.typeof(leaves[0])
     mat = getattr(t, "manual_axis_type", None)
     if mat is not None:
         return frozenset(mat.varying)
@@ -204,15 +226,23 @@ def invariant_over(aval, axis_name: str):
 
 
 def unify_varying(axis_name: str, *xs):
-    """pcast every operand to vary over the union of their manual axes and `axis_name`.
+    """pcast every operand (each leaf of a pre-quantized weight) to vary over the union of their
+    manual axes and `axis_name`.
 
     The primitive's results then carry the right manual-axis type, and pcast's transpose adds
     the psums that invariant operands need in the backward pass (e.g. a weight replicated over a
     data-parallel axis).
     """
     target = frozenset({axis_name}).union(*(_varying(x) for x in xs))
-    out = []
-    for x in xs:
-        missing = tuple(sorted(target - _varying(x)))
-        out.append(jax.lax.pcast(x, missing, to="varying") if missing else x)
-    return out
+    return [pcast_to(x, target) for x in xs]
+
+
+def pcast_to(a, axes: frozenset):
+    """`a` (an array or a pytree of them) cast to vary over every manual axis in `axes` it does
+    not vary over yet."""
+
+    def cast(leaf):
+        missing = tuple(sorted(frozenset(axes) - _varying(leaf)))
+        return jax.lax.pcast(leaf, missing, to="varying") if missing else leaf
+
+    return jax.tree.map(cast, a)

@@ -106,7 +106,9 @@ def ag_matmul(x, w, *, axis_name: str, axis: int = 0, impl: str = "auto", return
     With `return_gathered=True` also returns the gathered x.
 
     Args:
-      x, w: float32, bfloat16 or float16 arrays of the same dtype.
+      x, w: float32, bfloat16 or float16 arrays of the same dtype; or w a pre-quantized
+        `flux_jax.Fp8Weight` of this rank's [K, n_local] (its leaves sharded by
+        `Fp8Weight.partition_spec`), run as with `fp8` but never quantized again.
       axis_name: the mesh axis to gather over (the tensor-parallel axis).
       axis: the dimension of x to gather (any but the last; negative counts from the end).
       impl: "fused" (the FFI kernel: CPU backend or CUDA; an error where it cannot run),
@@ -124,17 +126,21 @@ def ag_matmul(x, w, *, axis_name: str, axis: int = 0, impl: str = "auto", return
         Config.fused_path="latency", our all_gather next to XLA's FP8 GEMM; impl="xla" is the
         same quantization with lax.all_gather; impl="auto" takes the latter on GPU (the fused
         FP8 paths are not measured at tp > 1 yet). See flux_jax/fp8.py and docs/design.md.
+        With an Fp8Weight w: None or True runs the default recipe with the weight's scaling, an
+        Fp8 recipe must have the weight's weight_scaling (else ValueError), False is a TypeError.
 
     Differentiable (custom_vjp): the input gradient is a fused matmul_rs(dy, w^T) and the
     weight gradient reuses the gathered x. With `fp8` the quantization is straight-through:
     dx = matmul_rs(dy, w^T) runs as an FP8 GEMM (dy in float8_e5m2, one scale per row, w in
     e4m3) before its reduce-scatter; dw = AG(x)^T dy runs in x's dtype on the dequantized
     gathered rows, because its contraction runs over the rows, where the per-row scales live
-    (an epilogue can only scale the output's rows and columns).
+    (an epilogue can only scale the output's rows and columns). A pre-quantized w is frozen
+    (zero cotangent); dx is as above, w's q read transposed with its per-tensor scale, or (per
+    column scales, on dx's contraction) w dequantized and quantized again per row of w.
     """
     _validation.check_impl(NAME, impl)
     _validation.check_operands(NAME, x, w)
-    recipe = _fp8.resolve(NAME, fp8)
+    recipe = _fp8.resolve(NAME, fp8, w)
     axis = _validation.check_dimension(NAME, x, axis, "axis")
     info = _validation.check_axis(NAME, axis_name)
     x_front = jnp.moveaxis(x, axis, 0)

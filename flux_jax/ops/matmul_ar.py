@@ -31,7 +31,17 @@ from flux_jax import _autodiff, _explain, _plan, _validation, twins
 from flux_jax import fp8 as _fp8
 from flux_jax._config import get_config, get_gpu_tuning
 from flux_jax.ops import _common
-from flux_jax.ops._spec import Call, OpSpec, _varying, bind, define, local_gemm, unify_varying, weight_2d
+from flux_jax.ops._spec import (
+    Call,
+    OpSpec,
+    _varying,
+    bind,
+    define,
+    local_gemm,
+    pcast_to,
+    unify_varying,
+    weight_2d,
+)
 
 NAME = "matmul_ar"
 
@@ -101,7 +111,7 @@ def _bwd(call: Call, residuals, cotangents):
         dy = lax.psum(dy, call.axis_name)
     dy = unify_varying(call.axis_name, dy, x)[0]  # typed as x: varying over the axis
     dx = _fp8.input_grad(dy, w, call.fp8, transpose_w=call.transpose_w)
-    return dx.astype(x.dtype), _autodiff.weight_grad(x, dy, w, call.transpose_w).astype(w.dtype)
+    return dx.astype(x.dtype), _autodiff.weight_grad(x, dy, w, call.transpose_w)
 
 
 SPEC = define(
@@ -135,7 +145,8 @@ def matmul_ar(x, w, *, axis_name: str, impl: str = "auto", fp8=None):
       invariant over it, as lax.psum's output).
 
     Args:
-      x, w: float32, bfloat16 or float16 arrays of the same dtype.
+      x, w: float32, bfloat16 or float16 arrays of the same dtype; or w a pre-quantized
+        `flux_jax.Fp8Weight` (see `ag_matmul`).
       axis_name: the mesh axis to all-reduce over (the tensor-parallel axis).
       impl: "fused", "xla" or "auto" (see `ag_matmul`). It has not been measured at tp > 1 on
         GPUs yet: "auto" takes the twin there; "fused" takes the decode kernel where it serves
@@ -156,7 +167,7 @@ def matmul_ar(x, w, *, axis_name: str, impl: str = "auto", fp8=None):
     """
     _validation.check_impl(NAME, impl)
     _validation.check_operands(NAME, x, w)
-    recipe = _fp8.resolve(NAME, fp8)
+    recipe = _fp8.resolve(NAME, fp8, w)
     info = _validation.check_axis(NAME, axis_name)
     call = _common.plan_call(SPEC, x, w, info, impl, fp8=recipe)
     if call is None:
@@ -182,7 +193,8 @@ def column_matmul(x, w, *, axis_name: str, impl: str = "auto", fp8=None):
       returns [M, ..., n_local].
 
     Args:
-      x, w: float32, bfloat16 or float16 arrays of the same dtype.
+      x, w: float32, bfloat16 or float16 arrays of the same dtype; or w a pre-quantized
+        `flux_jax.Fp8Weight` (see `ag_matmul`).
       axis_name: the mesh axis the weight's columns are split over.
       impl: what the backward's all-reduce runs: "fused", "xla" or "auto", with the meaning
         they have for `matmul_ar` (its plan is made, and `flux_jax.explain` lists it, when the
@@ -193,7 +205,7 @@ def column_matmul(x, w, *, axis_name: str, impl: str = "auto", fp8=None):
     """
     _validation.check_impl("column_matmul", impl)
     _validation.check_operands("column_matmul", x, w)
-    recipe = _fp8.resolve("column_matmul", fp8)
+    recipe = _fp8.resolve("column_matmul", fp8, w)
     info = _validation.check_axis("column_matmul", axis_name)
     call = _backward_call(x, w, info, impl, recipe)
     if call is None:
@@ -201,8 +213,8 @@ def column_matmul(x, w, *, axis_name: str, impl: str = "auto", fp8=None):
     # x stays typed as it comes (replicated: invariant over the axis); both operands vary over
     # every other manual axis either of them varies over, so the cotangents type-check.
     others = (_varying(x) | _varying(w)) - {axis_name}
-    x = _pcast_to(x, others)
-    w = _pcast_to(w, others | {axis_name})
+    x = pcast_to(x, others)
+    w = pcast_to(w, others | {axis_name})
     return _column_core(x, w, call)
 
 
@@ -245,11 +257,11 @@ def _column_bwd(call: Call, residuals, dy):
         # shard_map(check_vma=False): the sum of dx over the axis is JAX's (the shard_map boundary
         # or the transpose of whatever replicated x), as for jnp.dot and the twin: dx stays local.
         dx = _fp8.input_grad(dy, w, call.fp8)
-        return dx.astype(x.dtype), _autodiff.weight_grad(x, dy, w, False).astype(w.dtype)
+        return dx.astype(x.dtype), _autodiff.weight_grad(x, dy, w, False)
     dy, w_u = unify_varying(call.axis_name, dy, w)
     (dx,) = SPEC.core(dy, w_u, call)  # [M, ..., K] = sum over ranks of dy @ w^T, replicated
     dw = _autodiff.weight_grad(x, dy, w, False)
-    return _pcast_to(dx, _varying(x)), _pcast_to(dw.astype(w.dtype), _varying(w))
+    return pcast_to(dx, _varying(x)), None if dw is None else pcast_to(dw, _varying(w))
 
 
 _column_core = _autodiff.make_core(_column_primal, _column_fwd, _column_bwd)
@@ -259,8 +271,3 @@ def _types_checked(w, axis_name: str) -> bool:
     """Whether the enclosing shard_map checks manual-axis types (check_vma=True): the weight was
     cast to vary over the axis when the op was called, which leaves no trace without checking."""
     return axis_name in _varying(w)
-
-
-def _pcast_to(a, axes: frozenset):
-    missing = tuple(sorted(frozenset(axes) - _varying(a)))
-    return lax.pcast(a, missing, to="varying") if missing else a

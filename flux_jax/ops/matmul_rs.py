@@ -71,7 +71,8 @@ def matmul_rs(x, w, *, axis_name: str, scatter_dimension: int = 0, impl: str = "
       block of the sum over ranks of x @ w) and the last one N. M must be divisible by tp.
 
     Args:
-      x, w: float32, bfloat16 or float16 arrays of the same dtype.
+      x, w: float32, bfloat16 or float16 arrays of the same dtype; or w a pre-quantized
+        `flux_jax.Fp8Weight` (see `ag_matmul`).
       axis_name: the mesh axis to reduce-scatter over (the tensor-parallel axis).
       scatter_dimension: the dimension of the result to scatter (any but the last).
       impl: "fused", "xla" or "auto" (see `ag_matmul`).
@@ -91,7 +92,7 @@ def matmul_rs(x, w, *, axis_name: str, scatter_dimension: int = 0, impl: str = "
     """
     _validation.check_impl(NAME, impl)
     _validation.check_operands(NAME, x, w)
-    recipe = _fp8.resolve(NAME, fp8)
+    recipe = _fp8.resolve(NAME, fp8, w)
     dim = _validation.check_dimension(NAME, x, scatter_dimension, "scatter_dimension")
     info = _validation.check_axis(NAME, axis_name)
     _validation.check_divisible(NAME, x, dim, info.tp_size, axis_name)
