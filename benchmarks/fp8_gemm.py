@@ -25,6 +25,10 @@ formats. The programs take dx alone (the weight gradient and the forward are dea
   flux:decode   the FP8 decode path: one launch of our FP8 decode GEMM (swap-AB, the scales and
                 the all-reduce in its epilogue, with no peer)
   bf16:decode   the bfloat16 decode path on the same operands, unquantized (for scale)
+  xla:prequantized, flux:decode:prequantized
+                the twin and the decode path with w quantized once, outside the timed call
+                (`flux_jax.Fp8Weight.quantize`): what a generation loop with weights
+                quantized at load time runs
 
 With `--steps S` each program is a generation loop instead: S calls in a lax.fori_loop, each fed
 the last one's output, w the same every step (whether XLA hoists w's quantization out of the
@@ -118,6 +122,8 @@ DECODE_VARIANTS = (
     ("flux:latency", "fused", "latency", True),
     ("flux:decode", "fused", "decode", True),
     ("bf16:decode", "fused", "decode", False),
+    ("xla:prequantized", "xla", "auto", "prequantized"),
+    ("flux:decode:prequantized", "fused", "decode", "prequantized"),
 )
 # matmul_ar's decode GEMMs of the TP = 2 presets' row-parallel layers at decode sizes.
 DECODE_SHAPES = tuple((m, k, n) for m in (16, 64, 128, 256) for k, n in ((2048, 4096), (7168, 8192), (14336, 4096)))
@@ -129,6 +135,8 @@ DECODE_LOOP_VARIANTS = (
     ("flux:decode", "fused", "decode", True),
     ("bf16:xla", "xla", "auto", False),
     ("bf16:decode", "fused", "decode", False),
+    ("xla:prequantized", "xla", "auto", "prequantized"),
+    ("flux:decode:prequantized", "fused", "decode", "prequantized"),
 )
 
 
@@ -138,10 +146,12 @@ def _next_rows(y, k: int):
     return jnp.tanh(jnp.tile(y, (1, reps))[:, :k].astype(jnp.float32)).astype(y.dtype)
 
 
-def _decode_program(impl: str, path: str, fp8: bool, mesh, steps: int = 1):
+def _decode_program(impl: str, path: str, fp8, mesh, steps: int = 1):
     """matmul_ar over a mesh axis of size 1: x [M, K] and w [K, N] -> x @ w, on `path`; with
     steps > 1 a lax.fori_loop of that many calls, each fed the last one's output (w the same
-    every step, as in a generation loop)."""
+    every step, as in a generation loop). fp8: True (w quantized in the call), False (bfloat16)
+    or "prequantized" (w quantized once, before the first call, and reused)."""
+    prequantized = fp8 == "prequantized"
     one = functools.partial(flux_jax.matmul_ar, axis_name=AXIS, impl=impl, fp8=True if fp8 else None)
 
     def body(x, w):
@@ -153,11 +163,19 @@ def _decode_program(impl: str, path: str, fp8: bool, mesh, steps: int = 1):
 
         return one(lax.fori_loop(0, steps - 1, step, x), w)
 
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, AXIS), P(AXIS, None)), out_specs=P()))
+    w_spec = flux_jax.fp8.weight_spec(P(AXIS, None)) if prequantized else P(AXIS, None)
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, AXIS), w_spec), out_specs=P()))
+    quantize = jax.jit(flux_jax.Fp8Weight.quantize)
+    quantized = {}  # id(w) -> (w, its Fp8Weight): quantized on the first call only
 
-    def call(*args):
+    def call(x, w):
+        if prequantized:
+            if id(w) not in quantized:
+                quantized.clear()
+                quantized[id(w)] = (w, jax.block_until_ready(quantize(w)))
+            w = quantized[id(w)][1]
         with flux_jax.config(fused_path=path):
-            return fn(*args)
+            return fn(x, w)
 
     return call
 

@@ -11,6 +11,7 @@ import glob
 import json
 import os
 import random
+import re
 import select
 import shutil
 import signal
@@ -315,6 +316,8 @@ def test_stopped_peer_fails_the_survivor_within_the_timeout(tmp_path):
     results = {0: json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])}
     r = results[0]
     assert r.get("error") is not None, f"no error:\n{(out + err)[-3000:]}"
-    assert "timed out after 3 s" in r["error"], r["error"]
-    assert r["failing_call_s"] < 3 + 5, r
+    # Stopped inside a call's data wait: the call's timeout; inside its closing agreement (the
+    # peers' "done"), which waits twice the timeout so that a peer's own failure is reported first.
+    assert re.search(r"timed out after (3|6) s", r["error"]), r["error"]
+    assert r["failing_call_s"] < 2 * 3 + 5, r
     _assert_no_segments_left(results)

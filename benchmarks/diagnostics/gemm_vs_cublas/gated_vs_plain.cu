@@ -8,7 +8,9 @@
 //
 // Unhooked: our instance's CUTLASS mainloop and epilogue (alpha read per tile; FP8: the scale tree) in a plain kernel
 // with CUTLASS's persistent scheduler, none of our hooks: plain -> unhooked prices our epilogue, unhooked -> ours the
-// hooks. SWEEP_PROFILE=<n> times by profiler instead of loops (tile_sweep.cuh).
+// hooks. FP8 also puts them back one at a time (mainloop_hook, epilogue_hook, scheduler_hook) and all three
+// (all_hooks: the product's kernel built from this checkout's headers, next to `ours` from the linked library).
+// SWEEP_PROFILE=<n> times by profiler instead of loops (tile_sweep.cuh): the way to read differences of a few percent.
 //
 // Plain configurations run tile_sweep's four scheduler variants. Ours reads them as:
 //
@@ -20,9 +22,9 @@
 //   gated_vs_plain                      # tile_sweep's built-in shapes
 //   gated_vs_plain 2048x2560x5120 ...   # per-GPU MxKxN shapes instead
 //
-// Caveat (docs/decisions/2026-12-02-cluster-shape-and-tile-groups.md): these loops read our FP8 kernel 10-20% slower
-// than CUPTI's kernel time in benchmarks/fp8_gemm.py, and the variants' differences here (groups of 16: 7-13%) did
-// not show in the kernel times there, so read this as a lead, not a measurement of kernel time.
+// Caveat (docs/decisions/2026-12-02-cluster-shape-and-tile-groups.md): the event-timed loops read our FP8 kernel
+// 10-20% slower than CUPTI's kernel time in benchmarks/fp8_gemm.py, and the variants' differences there (groups of
+// 16: 7-13%) did not show in the kernel times, so time by profiler (SWEEP_PROFILE) for anything under ~10%.
 //
 // cuBLAS: as tile_sweep (FLUX_PROBE_CUBLAS). Build: build.sh <build-dir> <out-dir> (links the CUDA backend).
 #include <vector>
@@ -41,15 +43,29 @@ using PlainFp8Pp = PlainGemmT<F8, RM, CM, RM, 128, 128, 2, 1, PS, true, true>;
 
 // Our instance's own mainloop and epilogue (CUTLASS's, before our hooks wrap them) in a plain GemmUniversal with
 // CUTLASS's persistent scheduler: the product's kernel less the gated mainloop, gated epilogue and rotated scheduler.
-// Against the plain configuration it prices the epilogue (FP8: the scale tree); against ours, the hooks.
-template <class Instance>
+// Against the plain configuration it prices the epilogue (FP8: the scale tree); against ours, the hooks. kHooks puts
+// some of them back, one at a time, to price each (nothing to wait for, no tile signal: as at TP = 1).
+enum Hooks { kNoHooks = 0, kMainloopHook = 1, kEpilogueHook = 2, kSchedulerHook = 4 };
+template <class Instance, int kHooks = kNoHooks>
 struct Unhooked {
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, typename Instance::BaseMainloop,
-                                                      typename Instance::BaseEpilogue, PS>;
+  using Mainloop =
+      std::conditional_t<(kHooks & kMainloopHook) != 0, flux_jax::cuda::GatedMainloop<typename Instance::BaseMainloop>,
+                         typename Instance::BaseMainloop>;
+  using Epilogue =
+      std::conditional_t<(kHooks & kEpilogueHook) != 0, flux_jax::cuda::GatedEpilogue<typename Instance::BaseEpilogue>,
+                         typename Instance::BaseEpilogue>;
+  using Scheduler = std::conditional_t<(kHooks & kSchedulerHook) != 0, flux_jax::cuda::RotatedSchedulerTag, PS>;
+  static constexpr bool kRotated = (kHooks & kSchedulerHook) != 0;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue, Scheduler>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 using UnhookedBf16Pp = Unhooked<flux_jax::cuda::GemmInstance<E, false, 128, 2, true>>;
-using UnhookedFp8Pp = Unhooked<flux_jax::cuda::GemmInstanceFp8<F8, E, 128, 2, true>>;
+using Fp8PpInstance = flux_jax::cuda::GemmInstanceFp8<F8, E, 128, 2, true>;
+using UnhookedFp8Pp = Unhooked<Fp8PpInstance>;
+using MainloopHookFp8Pp = Unhooked<Fp8PpInstance, kMainloopHook>;
+using EpilogueHookFp8Pp = Unhooked<Fp8PpInstance, kEpilogueHook>;
+using SchedulerHookFp8Pp = Unhooked<Fp8PpInstance, kSchedulerHook>;
+using AllHooksFp8Pp = Unhooked<Fp8PpInstance, kMainloopHook | kEpilogueHook | kSchedulerHook>;
 
 // A runner of an Unhooked instance; the epilogue's arguments as the product sets them (alpha read per tile from
 // `one`, beta 0, FP8: every row and column scale `one`).
@@ -84,6 +100,7 @@ Runner MakeUnhooked(const SweepShape& s, const void* x, const void* w, E* d, con
   args.scheduler.max_swizzle_size = v.swizzle;
   using R = typename K::TileScheduler::RasterOrderOptions;
   args.scheduler.raster_order = v.heuristic ? R::Heuristic : R::AlongN;
+  if constexpr (U::kRotated) args.scheduler.group_m_tiles = v.swizzle == 1 ? 1 : 8;  // sw1: plain raster along N
   auto g = std::make_shared<typename U::Gemm>();
   if (g->can_implement(args) != cutlass::Status::kSuccess || U::Gemm::get_workspace_size(args) > ws_bytes ||
       g->initialize(args, ws) != cutlass::Status::kSuccess)
@@ -201,6 +218,22 @@ int main(int argc, char** argv) {
       {"unhooked_pp_128x128_c2x1",
        [&](const SweepShape& s, Variant v) {
          return MakeUnhooked<UnhookedFp8Pp, true>(s, xf, wf, buf.d, scales, buf.ws, kWsBytes, v);
+       }},
+      {"mainloop_hook_pp_128x128_c2x1",
+       [&](const SweepShape& s, Variant v) {
+         return MakeUnhooked<MainloopHookFp8Pp, true>(s, xf, wf, buf.d, scales, buf.ws, kWsBytes, v);
+       }},
+      {"epilogue_hook_pp_128x128_c2x1",
+       [&](const SweepShape& s, Variant v) {
+         return MakeUnhooked<EpilogueHookFp8Pp, true>(s, xf, wf, buf.d, scales, buf.ws, kWsBytes, v);
+       }},
+      {"scheduler_hook_pp_128x128_c2x1",
+       [&](const SweepShape& s, Variant v) {
+         return MakeUnhooked<SchedulerHookFp8Pp, true>(s, xf, wf, buf.d, scales, buf.ws, kWsBytes, v);
+       }},
+      {"all_hooks_pp_128x128_c2x1",
+       [&](const SweepShape& s, Variant v) {
+         return MakeUnhooked<AllHooksFp8Pp, true>(s, xf, wf, buf.d, scales, buf.ws, kWsBytes, v);
        }},
       ours("ours_pp_128x128_c2x1", Instance(128, 2, true, true, scales), xf, wf),
       ours("ours_coop_128x256", Instance(256, 1, false, true, scales), xf, wf),
