@@ -6,6 +6,7 @@ overlap), would show here without a GPU.
 """
 
 import itertools
+import random
 
 import pytest
 
@@ -91,3 +92,18 @@ def test_column_clusters_cover_every_padded_tile_once_and_share_m(tiles_m, tiles
 def test_clustered_order_rejects_two_dimensional_clusters():
     with pytest.raises(ValueError, match="one of the cluster"):
         clustered(4, 4, 2, 0, 2, 2)
+
+
+def test_fast_division_is_exact():
+    """The schedulers divide by multiply-and-shift (no integer division on the GPU): exact for every
+    numerator in [0, 2^31) and divisor in [1, 2^31), checked at the edges and at random."""
+    divide = _native.extension().fast_divide
+    rng = random.Random(0)
+    divisors = [1, 2, 3, 5, 7, 8, 12, 56, 160, 255, 256, 257, 1000, 4097, 65535, 65536, 65537]
+    divisors += [2**30 - 1, 2**30, 2**30 + 1, 2**31 - 1] + [rng.randrange(1, 2**31) for _ in range(200)]
+    for d in divisors:
+        numerators = [0, 1, d - 1, d, d + 1, 2 * d - 1, 2**31 - 1, 2**31 - 2] + [
+            rng.randrange(0, 2**31) for _ in range(200)
+        ]
+        numerators = [n for n in numerators if 0 <= n < 2**31]
+        assert divide(numerators, d) == [n // d for n in numerators], d

@@ -159,16 +159,32 @@ NB_MODULE(_flux_jax_ffi, m) {
           throw std::invalid_argument(
               "grouped_tile_order: need tiles_m, tiles_n, group >= 1 and 0 <= rotate < tiles_m");
         }
+        const flux_jax::GroupedTileOrder grouped(tiles_m, tiles_n, group, rotate);
         std::vector<std::pair<int, int>> order;
         order.reserve(static_cast<size_t>(tiles_m) * tiles_n);
         for (int t = 0; t < tiles_m * tiles_n; ++t) {
-          const flux_jax::TileCoord c = flux_jax::GroupedTile(t, tiles_m, tiles_n, group, rotate);
+          const flux_jax::TileCoord c = grouped.At(t);
           order.emplace_back(c.m, c.n);
         }
         return order;
       },
       nb::arg("tiles_m"), nb::arg("tiles_n"), nb::arg("group"), nb::arg("rotate"),
       "The overlap GEMM's (m, n) tile order (flux_jax/tile_order.h), for tests.");
+  m.def(
+      "fast_divide",
+      [](const std::vector<int>& numerators, int divisor) {
+        if (divisor < 1) throw std::invalid_argument("fast_divide: need divisor >= 1");
+        const flux_jax::FastDivisor d(divisor);
+        std::vector<int> out;
+        out.reserve(numerators.size());
+        for (int n : numerators) {
+          if (n < 0) throw std::invalid_argument("fast_divide: need numerators >= 0");
+          out.push_back(d.Div(n));
+        }
+        return out;
+      },
+      nb::arg("numerators"), nb::arg("divisor"),
+      "n // divisor for each n by the schedulers' multiply-and-shift division (flux_jax/tile_order.h), for tests.");
   // The CUDA backend's diagnostics and setup checks, host-only: tested on CPU
   // (tests/test_gpu_diagnostics.py) with the code the GPU build runs.
   m.def(
@@ -211,12 +227,12 @@ NB_MODULE(_flux_jax_ffi, m) {
         // The scheduler's order: cluster ids t, then the CTAs of each cluster.
         const int ctas = cluster_m * cluster_n;
         const int clusters = (tiles_m + cluster_m - 1) / cluster_m * ((tiles_n + cluster_n - 1) / cluster_n);
+        const flux_jax::ClusteredTileOrder clustered(tiles_m, tiles_n, group, rotate, cluster_m, cluster_n);
         std::vector<std::pair<int, int>> order;
         order.reserve(static_cast<size_t>(clusters) * ctas);
         for (int t = 0; t < clusters; ++t) {
           for (int cta = 0; cta < ctas; ++cta) {
-            const flux_jax::TileCoord c =
-                flux_jax::ClusteredTile(t, cta, tiles_m, tiles_n, group, rotate, cluster_m, cluster_n);
+            const flux_jax::TileCoord c = clustered.At(t, cta);
             order.emplace_back(c.m, c.n);
           }
         }

@@ -43,7 +43,7 @@ namespace flux_jax::cuda {
 // Tile order: grouped raster, then the M index rotated by a per-launch offset.
 //
 // The base scheduler hands out linear tile ids t = 0, 1, ... (raster along N,
-// no swizzle, so no padded tiles); flux_jax::GroupedTile (flux_jax/tile_order.h,
+// no swizzle, so no padded tiles); flux_jax::ClusteredTileOrder (flux_jax/tile_order.h,
 // tested on CPU) maps t to a tile of a group of `group_m` M tiles swept
 // together across N, so the ~132 tiles in flight share ~group_m row blocks of A and ~132/group_m
 // column blocks of B, which stay in L2 (plain raster along N streams the whole
@@ -54,7 +54,7 @@ namespace flux_jax::cuda {
 struct RotatedSchedulerTag {};
 
 // kClusterM, kClusterN: the cluster shape (one of them 1), compile-time constants so that 1x1
-// clusters remap exactly as GroupedTile (no extra registers in any warp).
+// clusters remap exactly as GroupedTileOrder (no extra registers in any warp).
 template <int kClusterM = 1, int kClusterN = 1>
 class RotatedScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
   using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
@@ -65,10 +65,7 @@ class RotatedScheduler : public cutlass::gemm::kernel::detail::PersistentTileSch
     int32_t group_m_tiles = 1;
   };
   struct Params : Base::Params {
-    int32_t rotate_m_tiles = 0;
-    int32_t tiles_m = 1;
-    int32_t tiles_n = 1;
-    int32_t group_m_tiles = 1;
+    ClusteredTileOrder order;  // divisors precomputed here: no integer division per tile
   };
 
   template <class ProblemShapeMNKL, class TileShape, class ClusterShape>
@@ -86,22 +83,19 @@ class RotatedScheduler : public cutlass::gemm::kernel::detail::PersistentTileSch
                                       epilogue_subtile, ktile_start_alignment_count);
     const int m = static_cast<int>(cute::get<0>(problem_shape_mnkl));
     const int n = static_cast<int>(cute::get<1>(problem_shape_mnkl));
-    params.tiles_m = (m + cute::size<0>(tile_shape) - 1) / cute::size<0>(tile_shape);
-    params.tiles_n = (n + cute::size<1>(tile_shape) - 1) / cute::size<1>(tile_shape);
-    params.rotate_m_tiles = params.tiles_m > 0 ? args.rotate_m_tiles % params.tiles_m : 0;
-    params.group_m_tiles = args.group_m_tiles < 1 ? 1 : args.group_m_tiles;
+    const int tiles_m = (m + cute::size<0>(tile_shape) - 1) / cute::size<0>(tile_shape);
+    const int tiles_n = (n + cute::size<1>(tile_shape) - 1) / cute::size<1>(tile_shape);
+    const int rotate = tiles_m > 0 ? args.rotate_m_tiles % tiles_m : 0;
+    const int group = args.group_m_tiles < 1 ? 1 : args.group_m_tiles;
+    params.order =
+        ClusteredTileOrder(tiles_m > 0 ? tiles_m : 1, tiles_n > 0 ? tiles_n : 1, group, rotate, kClusterM, kClusterN);
     static_assert(cute::size<0>(ClusterShape{}) == kClusterM && cute::size<1>(ClusterShape{}) == kClusterN,
                   "RotatedScheduler: cluster shape mismatch");
     return params;
   }
 
   CUTLASS_HOST_DEVICE RotatedScheduler() {}
-  CUTLASS_DEVICE explicit RotatedScheduler(Params const& params)
-      : Base(params),
-        rotate_(params.rotate_m_tiles),
-        tiles_m_(params.tiles_m),
-        tiles_n_(params.tiles_n),
-        group_(params.group_m_tiles) {}
+  CUTLASS_DEVICE explicit RotatedScheduler(Params const& params) : Base(params), order_(params.order) {}
 
   template <class ClusterShape>
   CUTLASS_DEVICE WorkTileInfo initial_work_tile_info(ClusterShape) {
@@ -120,34 +114,21 @@ class RotatedScheduler : public cutlass::gemm::kernel::detail::PersistentTileSch
   CUTLASS_DEVICE WorkTileInfo get_current_work() const { return Remap(Base::get_current_work()); }
 
  private:
+  // The base rasters plainly along N, one cluster at a time (tiles padded to whole clusters):
+  // cluster id t = (m / cluster_m) * cluster columns + n / cluster_n, this CTA at m % cluster_m
+  // (cluster_m x 1) or n % cluster_n (1 x cluster_n) of it. Only compile-time divisions here.
   CUTLASS_DEVICE WorkTileInfo Remap(WorkTileInfo w) const {
     if (!w.is_valid()) return w;
-    // The base rasters plainly along N, one cluster at a time (tiles padded to whole clusters):
-    // cluster_m x 1: cluster t = (m / cluster_m) * tiles_n + n, this CTA at m % cluster_m of it;
-    // 1 x cluster_n: t = m * ceil(tiles_n / cluster_n) + n / cluster_n, this CTA at n % cluster_n.
     static_assert(kClusterM == 1 || kClusterN == 1, "RotatedScheduler: clusters along M or N");
-    TileCoord c;
-    if constexpr (kClusterN > 1) {
-      const int cluster_col = w.N_idx / kClusterN;
-      const int cluster_cols = (tiles_n_ + kClusterN - 1) / kClusterN;
-      c = ClusteredTile(w.M_idx * cluster_cols + cluster_col, w.N_idx - cluster_col * kClusterN, tiles_m_, tiles_n_,
-                        group_, rotate_, 1, kClusterN);
-    } else if constexpr (kClusterM == 1) {
-      c = GroupedTile(w.M_idx * tiles_n_ + w.N_idx, tiles_m_, tiles_n_, group_, rotate_);
-    } else {
-      const int cluster_row = w.M_idx / kClusterM;
-      c = ClusteredTile(cluster_row * tiles_n_ + w.N_idx, w.M_idx - cluster_row * kClusterM, tiles_m_, tiles_n_, group_,
-                        rotate_, kClusterM);
-    }
+    const int t = w.M_idx / kClusterM * order_.cluster_cols + w.N_idx / kClusterN;
+    const int cta = kClusterN > 1 ? w.N_idx % kClusterN : w.M_idx % kClusterM;
+    const TileCoord c = order_.At(t, cta);
     w.M_idx = c.m;
     w.N_idx = c.n;
     return w;
   }
 
-  int32_t rotate_ = 0;
-  int32_t tiles_m_ = 1;
-  int32_t tiles_n_ = 1;
-  int32_t group_ = 1;
+  ClusteredTileOrder order_;
 };
 
 // ---------------------------------------------------------------------------
@@ -222,12 +203,10 @@ struct GatedMainloop : Base {
     const int tile_m = static_cast<int>(m_coord);
     const int local_tile_m = tile_m - params.local_first_tile;
     const bool local = params.local_tiles > 0 && local_tile_m >= 0 && local_tile_m < params.local_tiles;
-    if (!local) {
-      if (cute::elect_one_sync()) WaitRows(params.gate, tile_m * kBlockM, kBlockM);
-      __syncwarp();
-    }
 
+    // One lane waits for the rows and issues the tile's loads (no warp barrier between the two).
     if (cute::elect_one_sync()) {
+      if (!local) WaitRows(params.gate, tile_m * kBlockM, kBlockM);
       Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
       Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
       Tensor gB = get<1>(load_inputs)(_, _, n_coord, _, l_coord);  // (BLK_N,BLK_K,k)
