@@ -67,6 +67,11 @@ using EpilogueHookFp8Pp = Unhooked<Fp8PpInstance, kEpilogueHook>;
 using SchedulerHookFp8Pp = Unhooked<Fp8PpInstance, kSchedulerHook>;
 using AllHooksFp8Pp = Unhooked<Fp8PpInstance, kMainloopHook | kEpilogueHook | kSchedulerHook>;
 
+template <class T>
+struct Tag {
+  using type = T;
+};
+
 // A runner of an Unhooked instance; the epilogue's arguments as the product sets them (alpha read per tile from
 // `one`, beta 0, FP8: every row and column scale `one`).
 template <class U, bool kFp8>
@@ -210,31 +215,23 @@ int main(int argc, char** argv) {
   auto plain_ref = [&](const SweepShape& s, E* out) -> Runner {
     return MakePlain<PlainFp8Pp>(s.m, s.n, s.k, xf, wf, out, buf.ws, kWsBytes, kVariants[0]);
   };
+  // An Unhooked FP8 instance (its type as Tag<U>) as a configuration.
+  auto unhooked_fp8 = [&](const char* name, auto tag) {
+    using U = typename decltype(tag)::type;
+    return Config{name, [=, d = buf.d, ws = buf.ws](const SweepShape& s, Variant v) {
+                    return MakeUnhooked<U, true>(s, xf, wf, d, scales, ws, kWsBytes, v);
+                  }};
+  };
   const std::vector<Config> fp8 = {
       {"plain_pp_128x128_c2x1_fastaccum",
        [&](const SweepShape& s, Variant v) {
          return MakePlain<PlainFp8Pp>(s.m, s.n, s.k, xf, wf, buf.d, buf.ws, kWsBytes, v);
        }},
-      {"unhooked_pp_128x128_c2x1",
-       [&](const SweepShape& s, Variant v) {
-         return MakeUnhooked<UnhookedFp8Pp, true>(s, xf, wf, buf.d, scales, buf.ws, kWsBytes, v);
-       }},
-      {"mainloop_hook_pp_128x128_c2x1",
-       [&](const SweepShape& s, Variant v) {
-         return MakeUnhooked<MainloopHookFp8Pp, true>(s, xf, wf, buf.d, scales, buf.ws, kWsBytes, v);
-       }},
-      {"epilogue_hook_pp_128x128_c2x1",
-       [&](const SweepShape& s, Variant v) {
-         return MakeUnhooked<EpilogueHookFp8Pp, true>(s, xf, wf, buf.d, scales, buf.ws, kWsBytes, v);
-       }},
-      {"scheduler_hook_pp_128x128_c2x1",
-       [&](const SweepShape& s, Variant v) {
-         return MakeUnhooked<SchedulerHookFp8Pp, true>(s, xf, wf, buf.d, scales, buf.ws, kWsBytes, v);
-       }},
-      {"all_hooks_pp_128x128_c2x1",
-       [&](const SweepShape& s, Variant v) {
-         return MakeUnhooked<AllHooksFp8Pp, true>(s, xf, wf, buf.d, scales, buf.ws, kWsBytes, v);
-       }},
+      unhooked_fp8("unhooked_pp_128x128_c2x1", Tag<UnhookedFp8Pp>{}),
+      unhooked_fp8("mainloop_hook_pp_128x128_c2x1", Tag<MainloopHookFp8Pp>{}),
+      unhooked_fp8("epilogue_hook_pp_128x128_c2x1", Tag<EpilogueHookFp8Pp>{}),
+      unhooked_fp8("scheduler_hook_pp_128x128_c2x1", Tag<SchedulerHookFp8Pp>{}),
+      unhooked_fp8("all_hooks_pp_128x128_c2x1", Tag<AllHooksFp8Pp>{}),
       ours("ours_pp_128x128_c2x1", Instance(128, 2, true, true, scales), xf, wf),
       ours("ours_coop_128x256", Instance(256, 1, false, true, scales), xf, wf),
   };
