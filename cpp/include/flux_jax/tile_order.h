@@ -29,8 +29,8 @@ struct TileCoord {
 // n / d for 0 <= n < 2^31 and 1 <= d < 2^31 by a multiply-high and a shift (the round-up method of
 // Granlund and Montgomery, as CUTLASS's FastDivmod), the multiplier computed once on the host. The
 // schedulers remap every tile with it: the GPU's integer division is a float-reciprocal sequence
-// that the compiler cannot keep on the uniform datapath, and with it in the consumer warps' path
-// the MMA loop's shared-memory descriptors moved to per-thread registers (one H200, 2026-12-02,
+// that the compiler cannot keep on the uniform datapath, and with it every warp's tile arithmetic
+// moved to per-thread registers (one H200, 2026-12-02,
 // docs/decisions/2026-12-02-gemm-hooks-uniform-datapath.md). Exact: m = ceil(2^(31 + p) / d) with
 // p = ceil(log2 d) errs by less than 1/d over n < 2^31.
 struct FastDivisor {
