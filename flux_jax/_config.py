@@ -7,14 +7,21 @@ compiled version was traced under another configuration, and a function traced
 inside the block keeps that configuration when called outside it (its compiled
 program holds the values as custom-call attributes). Nothing is read from
 environment variables inside the kernels.
+
+The process-wide values start from the environment variables FLUX_JAX_CONFIG and
+FLUX_JAX_GPU_TUNING where they are set: a JSON object of the dataclass's fields, e.g.
+FLUX_JAX_CONFIG='{"timeout_s": 5.0}', checked as the constructor checks them when flux_jax is
+imported (an empty value counts as unset).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 import numbers
+import os
 from collections.abc import Iterator
 
 from jax._src import config as _jax_config  # private: the only jit-key-aware configuration state
@@ -35,6 +42,10 @@ def _check_int(name: str, value, lo: int, hi: int) -> None:
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Settings of the fused ops.
+
+    The process-wide value (`set_config`) starts from the environment variable FLUX_JAX_CONFIG
+    where it is set: a JSON object of these fields, e.g. FLUX_JAX_CONFIG='{"timeout_s": 5.0}'
+    (docs/design.md, "Configuration").
 
     Attributes:
       timeout_s: bound on every wait, lock and rendezvous of the fused protocol, in seconds
@@ -138,23 +149,57 @@ class GpuTuning:
             raise ValueError(f"GpuTuning.gate_probe must be 0 or 1, got {self.gate_probe!r}")
 
 
-def _state(name: str, default, kind: type):
+def _from_environment(variable: str, text: str, kind: type):
+    """The `kind` instance that environment variable `variable` (its value `text`: a JSON object
+    of `kind`'s fields) describes; ValueError naming the variable and what is wrong."""
+    fields = [f.name for f in dataclasses.fields(kind)]
+    example = f"e.g. {variable}='{json.dumps({fields[0]: getattr(kind(), fields[0])})}'"
+    expected = f"a JSON object of flux_jax {kind.__name__} fields ({', '.join(fields)}), {example}"
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{variable} is not JSON ({err}): expected {expected}, got {text!r}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{variable} must be {expected}, got {text!r}")
+    unknown = [name for name in values if name not in fields]
+    if unknown:
+        raise ValueError(f"{variable}: unknown field {unknown[0]!r}: expected {expected}")
+    try:
+        return kind(**values)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{variable}: {err}") from None
+
+
+def _state(name: str, kind: type):
+    """A configuration state holding a `kind` instance: `kind()`, or what the environment
+    variable of the state's name (upper case) describes."""
+    variable = name.upper()
+    text = os.environ.get(variable, "")
+    initial = _from_environment(variable, text, kind) if text.strip() else kind()
+    registering = True
+
     def validate(value):
+        if registering and isinstance(value, str):
+            return  # JAX hands the variable's raw text over at registration; `initial` replaces it
         if not isinstance(value, kind):
             raise TypeError(f"{name} must be a {kind.__qualname__}, got {type(value).__name__}")
 
-    return _jax_config.string_or_object_state(
+    state = _jax_config.string_or_object_state(
         name,
-        default,
-        f"flux_jax {kind.__name__} (part of the jit cache key)",
+        initial,
+        f"flux_jax {kind.__name__} (part of the jit cache key; environment variable {variable}: "
+        "a JSON object of its fields)",
         validator=validate,
         include_in_jit_key=True,
         include_in_trace_context=True,
     )
+    registering = False
+    state.set_global(initial)
+    return state
 
 
-_CONFIG = _state("flux_jax_config", Config(), Config)
-_TUNING = _state("flux_jax_gpu_tuning", GpuTuning(), GpuTuning)
+_CONFIG = _state("flux_jax_config", Config)
+_TUNING = _state("flux_jax_gpu_tuning", GpuTuning)
 
 
 def get_config() -> Config:
@@ -163,11 +208,18 @@ def get_config() -> Config:
     return _CONFIG.value
 
 
-def set_config(cfg: Config) -> None:
-    """Replace the process-wide configuration (functions traced under another one retrace)."""
+def _checked_config(cfg) -> Config:
+    """`cfg` with its fields checked as Config(...) checks them (a frozen instance can still be
+    altered with object.__setattr__)."""
     if not isinstance(cfg, Config):
         raise TypeError(f"set_config expects a flux_jax.Config, got {type(cfg).__name__}")
-    _CONFIG.set_global(cfg)
+    return dataclasses.replace(cfg)
+
+
+def set_config(cfg: Config) -> None:
+    """Replace the process-wide configuration (functions traced under another one retrace). A
+    value Config(...) would refuse is an error here, not in a later lowering."""
+    _CONFIG.set_global(_checked_config(cfg))
 
 
 @contextlib.contextmanager
