@@ -123,6 +123,7 @@ def test_end_to_end_on_cpu_writes_a_table(measured):
         assert entry.path in _tuning.PATHS
     raw = json.loads(path.read_text())
     assert raw["format"] == "flux_jax.tuning" and raw["schema_version"] == _tuning.SCHEMA_VERSION
+    assert raw["min_speedup"] == _table.MIN_SPEEDUP == table.min_speedup  # the default, recorded
     for entry in raw["entries"]:
         assert {"ms", "max_rel_err", "shape", "shape_class", "global_shape"} <= set(entry)
         assert {"overlap", "latency"} <= set(entry["max_rel_err"])  # every fused path was checked
@@ -204,10 +205,10 @@ def _cpu_device(**kw):
     return _tuning.Device(kind, kw.get("platform", "cpu"), 8, 1.0, 1.0)
 
 
-def _write(tmp_path, entries, device=None, name="table.json"):
+def _write(tmp_path, entries, device=None, name="table.json", min_speedup=_table.MIN_SPEEDUP):
     device = device or _cpu_device()
     path = tmp_path / name
-    _table.write(path, _table.merged(None, device, entries))
+    _table.write(path, dataclasses_replace(_table.merged(None, device, entries), min_speedup=min_speedup))
     return str(path)
 
 
@@ -361,25 +362,83 @@ def test_an_entry_whose_path_contradicts_its_speedup_is_refused(tmp_path):
 
 
 def test_legitimate_path_and_speedup_combinations_load(tmp_path):
-    """The twin where fused paths beat it by less than the --min-speedup the user asked for; a
-    fused path within the timing's spread of the twin or not the fastest (a tie settled by other
-    runs); a fused path without a measurement (a hand-settled choice)."""
-    table = _write(
-        tmp_path,
-        [
-            _entry(256, "twin", {"overlap": 1.5}),
-            _entry(1024, "overlap", {"overlap": 0.99, "latency": 1.1}),
-            _entry(4096, "decode", {}),
-        ],
-    )
+    """The twin where fused paths beat it by less than the table's --min-speedup, or by more (a
+    choice made elsewhere); a fused path within the timing's spread of the twin or not the fastest
+    (a tie settled by other runs); a fused path without a measurement (a hand-settled choice)."""
+    entries = [
+        _entry(256, "twin", {"overlap": 1.5}),
+        _entry(1024, "overlap", {"overlap": 0.99, "latency": 1.1}),
+        _entry(4096, "decode", {}),
+    ]
+    table = _write(tmp_path, entries, min_speedup=2.0)
     assert len(_tuning.load(table).entries) == 3
     plan = _plan_cpu(256, table)
     assert plan.path == "twin", plan
-    assert "by the margin required to be chosen (the best, overlap, measured 1.50x)" in plan.reason
+    assert "no fused path beat the twin by the table's --min-speedup 2 (the best, overlap, measured 1.50x)" in (
+        plan.reason
+    )
+    plan = _plan_cpu(256, _write(tmp_path, entries, name="default.json"))
+    assert plan.path == "twin", plan
+    assert "the twin, although overlap measured 1.50x, not below the table's --min-speedup 1.02 (a choice" in (
+        plan.reason
+    )
     # The built-in table's float16 entries of decode points take the tool's choice among the
     # paths float16 has: at this point latency measured 0.94x, so the twin.
     assert _auto_rule.choose("ag_matmul", 2, 96, 3072, 8192, np.dtype(np.float16)) == "xla"
     assert _auto_rule.choose("ag_matmul", 2, 96, 3072, 4608, np.dtype(np.float16)) == "latency"  # 1.05x
+
+
+def test_a_table_records_the_min_speedup_it_was_made_with(tmp_path):
+    """The tool writes its --min-speedup into the table; a re-run adds to the table only with the
+    same one (the default: the table's own), since the entries chose their paths by it."""
+    path = tmp_path / "margin.json"
+    argv = ("--shapes", "ag_matmul:64x32x64", "--tp", "2", "--dtype", "float32", "--out", str(path), *FAST)
+    rc, _, err = _tool(*argv, "--min-speedup", "1.5")
+    assert rc == 0, err
+    assert json.loads(path.read_text())["min_speedup"] == 1.5
+    table = _tuning.load(path)
+    assert table.min_speedup == 1.5 and len(table.entries) == 1
+    (entry,) = table.entries
+    assert entry.path == _table.choose(entry.speedup, 1.5), entry
+    before = path.read_text()
+    rc, out, err = _tool(*argv)  # no --min-speedup: the table's
+    assert rc == 0 and "measured before, skipped" in out, err
+    assert path.read_text() == before
+    rc, _, err = _tool(*argv, "--min-speedup", "1.02")
+    assert rc == 2 and path.read_text() == before
+    assert f"--min-speedup 1.02 differs from the 1.5 that the table {path} was made with" in err, err
+    for bad in ("0.5", "inf", "nan"):
+        rc, _, err = _tool(*argv, "--min-speedup", bad)
+        assert rc == 2 and "--min-speedup must be a number >= 1 (auto never runs a slower path) and finite" in err
+
+
+def test_min_speedup_of_a_table_is_checked_and_optional(tmp_path):
+    """A table made before the field was recorded (the built-in table's former text) loads with
+    the tool's default; a recorded one must be what the tool accepts."""
+    good = json.loads(_tuning.dumps(_tuning.builtin()))
+    assert good["min_speedup"] == _table.MIN_SPEEDUP
+    del good["min_speedup"]
+    older = tmp_path / "older.json"
+    older.write_text(json.dumps(good))
+    table = _tuning.load(older)
+    assert table.min_speedup == _table.MIN_SPEEDUP and table.entries == _tuning.builtin().entries
+    for bad in (0.5, "1.02", True, None, float("nan"), float("inf")):
+        path = tmp_path / "bad.json"
+        path.write_text(json.dumps(dict(good, min_speedup=bad)))
+        message = (
+            rf"{re.escape(str(path))}: field 'min_speedup' \(the --min-speedup the table was made with\) must be a "
+            rf"number >= 1 \(auto never runs a slower path\) and finite, got {re.escape(repr(bad))}"
+        )
+        with pytest.raises(_tuning.TuningTableError, match=message):
+            _tuning.load(path)
+        with pytest.raises(_tuning.TuningTableError, match=message):
+            flux_jax.Config(tuning=str(path))
+    path.write_text(json.dumps(dict(good, min_speedup=1)))
+    assert _tuning.load(path).min_speedup == 1.0
+    unwritable = dataclasses_replace(_tuning.load(older), min_speedup=0.5)
+    with pytest.raises(_tuning.TuningTableError, match=r"not written: min_speedup must be a number >= 1"):
+        _table.write(tmp_path / "never.json", unwritable)
+    assert not (tmp_path / "never.json").exists()
 
 
 def test_only_the_planner_calls_the_table_lookup():
@@ -469,13 +528,15 @@ def test_shapes_of_a_function_and_of_a_model_preset():
 def test_a_table_the_tool_writes_loads_again(tmp_path):
     """The device's link figures are kept as the file stores them (3 decimals): a shape class
     computed from the measured values equals the one a reader recomputes, even next to a class
-    boundary (10.7060796 us rounds across one)."""
+    boundary (10.7060796 us rounds across one). The speedups are kept as the file stores them too
+    (4 decimals), so the path was chosen by the numbers a reader sees (1.019996 is 1.02 there)."""
     device = _tuning.Device("cpu", "cpu", 2, 1.0, 10.7060796)
-    entry = _table.make_entry(device, 2, 2, "float32", "ag_matmul", 8, 8, 8, {"overlap": 1.5})
+    entry = _table.make_entry(device, 2, 2, "float32", "ag_matmul", 8, 8, 8, {"overlap": 1.019996})
     path = tmp_path / "table.json"
     _table.write(path, _table.merged(None, device, [entry]))
     (loaded,) = _tuning.load(str(path)).entries
     assert loaded.shape_class == entry.shape_class
+    assert loaded == entry
 
 
 def test_table_and_tool_errors_name_the_problem(tmp_path):

@@ -62,6 +62,10 @@ RADIUS = 2.0  # the farthest an entry may lie from a call and still count as its
 # The timing method's run-to-run spread (about 1-2%, benchmarks/README.md): a speedup within this
 # factor of 1 is a tie with the twin.
 SPREAD = 1.02
+# The tool's --min-speedup by default (flux_jax/tune/_table.py): the margin by which a fused path
+# must beat the twin to be chosen, recorded in the table as "min_speedup". A table without the
+# field was made with this default.
+DEFAULT_MIN_SPEEDUP = SPREAD
 OPS = ("ag_matmul", "matmul_rs", "matmul_ar")  # the ops a table's entries may describe
 
 
@@ -206,11 +210,13 @@ class Table:
     entries: tuple
     builtin: bool = False
     extra: dict = dataclasses.field(default_factory=dict)  # entries' other fields, by key (kept on rewrite)
+    min_speedup: float = DEFAULT_MIN_SPEEDUP  # the tool's --min-speedup the entries' paths were chosen by
 
     def to_json(self) -> dict:
         return {
             "format": FORMAT,
             "schema_version": SCHEMA_VERSION,
+            "min_speedup": self.min_speedup,
             "devices": {kind: d.to_json() for kind, d in sorted(self.devices.items())},
             "entries": [dict(e.to_json(), **self.extra.get(e.key, {})) for e in sorted(self.entries, key=_entry_order)],
         }
@@ -220,16 +226,25 @@ def _entry_order(e: Entry):
     return (e.device_kind, e.gpu_count, e.tp, e.dtype, e.op, e.shape_class)
 
 
+def min_speedup_problem(value) -> str | None:
+    """What is wrong with `value` as a --min-speedup (the tool's and a table's), or None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1 <= value < math.inf:
+        return f"a number >= 1 (auto never runs a slower path) and finite, got {value!r}"
+    return None
+
+
 def path_contradiction(path: str, speedup: dict) -> str | None:
     """Why an entry's `path` contradicts its `speedup`, or None.
 
     A fused path whose own speedup is below 1 / SPREAD measured slower than the twin by more
-    than the timing's spread: auto would run it where XLA is faster. The other combinations are
-    consistent with what the numbers mean: "twin" next to fused speedups above 1 (none beat the
-    twin by the tool's --min-speedup, a margin the user may raise; the twin is never slower than
-    XLA); a fused path that is not the fastest measured, or within the spread of the twin (a tie
-    settled by other runs, as in the built-in table); a fused path without a speedup (a choice
-    made elsewhere, e.g. a decision record the entry's note names).
+    than the timing's spread: auto would run it where XLA is faster. The bound is the timing's,
+    not the table's min_speedup: a raised margin makes the tool choose fewer fused paths, it does
+    not make a slower one acceptable. The other combinations are consistent with what the numbers
+    mean: "twin" next to fused speedups above 1 (below the table's min_speedup, or a choice made
+    elsewhere above it; the twin is never slower than XLA); a fused path that is not the fastest
+    measured, or within the spread of the twin (a tie settled by other runs, as in the built-in
+    table); a fused path without a speedup (a choice made elsewhere, e.g. a decision record the
+    entry's note names).
     """
     measured = speedup.get(path)
     if path == "twin" or measured is None or measured >= 1 / SPREAD:
@@ -275,6 +290,10 @@ def parse(data, where: str, *, builtin: bool = False) -> Table:
             f"schema version {version!r}; this flux_jax reads version {SCHEMA_VERSION} "
             "(re-run python -m flux_jax.tune to measure again)",
         )
+    min_speedup = data.get("min_speedup", DEFAULT_MIN_SPEEDUP)  # absent in tables made before it was recorded
+    problem = min_speedup_problem(min_speedup)
+    if problem:
+        _fail(where, f"field 'min_speedup' (the --min-speedup the table was made with) must be {problem}")
     raw_devices = _field(where, data, "devices", dict, what="an object of device kinds")
     devices = {}
     for kind, d in raw_devices.items():
@@ -341,7 +360,7 @@ def parse(data, where: str, *, builtin: bool = False) -> Table:
         if rest:
             extra[entry.key] = rest
     source = BUILTIN_SOURCE if builtin else f"tuning table {where}"
-    return Table(source, devices, tuple(entries), builtin, extra)
+    return Table(source, devices, tuple(entries), builtin, extra, float(min_speedup))
 
 
 def _read(path: str, *, builtin: bool = False) -> Table:
@@ -395,7 +414,10 @@ def checked_path(value) -> str | None:
 
 
 def _check_writable(path, table: Table) -> None:
-    """TuningTableError where `table` has an entry a reader would refuse."""
+    """TuningTableError where `table` has a field or an entry a reader would refuse."""
+    problem = min_speedup_problem(table.min_speedup)
+    if problem:
+        raise TuningTableError(f"flux_jax tuning table {path}: not written: min_speedup must be {problem}")
     for e in table.entries:
         contradiction = path_contradiction(e.path, e.speedup)
         if contradiction:
@@ -502,12 +524,18 @@ def _agreement(near: list) -> tuple[str, str]:
     return "twin", f"the measured points nearest this shape disagree ({where})"
 
 
-def _twin_result(e: Entry) -> str:
-    """Why an entry with fused speedups chose the twin: none was faster, or none by the margin
-    the tool requires (--min-speedup, default 1.02)."""
+def _twin_result(e: Entry, min_speedup: float) -> str:
+    """Why an entry with fused speedups chose the twin: none was faster, none by the table's
+    min_speedup (the tool's --min-speedup), or the choice was made elsewhere (a fused path beat
+    the twin by the margin)."""
     best = e.best_fused()
     measured = e.speedup[best]
-    margin = " by the margin required to be chosen" if measured >= 1 else ""
+    if measured >= min_speedup:
+        return (
+            f"the twin, although {best} measured {measured:.2f}x, not below the table's --min-speedup "
+            f"{min_speedup:g} (a choice made elsewhere)"
+        )
+    margin = f" by the table's --min-speedup {min_speedup:g}" if measured >= 1 else ""
     return f"no fused path beat the twin{margin} (the best, {best}, measured {measured:.2f}x)"
 
 
@@ -519,7 +547,7 @@ def _decide(table: Table, entries: list, query: ShapeClass) -> Decision | None:
         if e.path in e.speedup:
             result = f"{e.path} {e.speedup[e.path]:.2f}x over the twin"
         elif e.path == "twin" and e.speedup:
-            result = _twin_result(e)
+            result = _twin_result(e, table.min_speedup)
         else:
             result = e.path
         what = f"measured at this shape class: {e.op} rows={rows} k={k} n={n}, {result}"

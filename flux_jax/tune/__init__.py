@@ -4,10 +4,10 @@ For each requested GEMM (a model preset, explicit shapes, or the flux_jax calls 
 TP size and dtype, the tool times every fused path against the XLA twin on this host's GPUs with
 the dispatch-free method (flux_jax/tune/_timing.py), checks every fused output against the
 twin's, and writes a tuning table entry keyed by (device kind, GPU count, TP, dtype, op, shape
-class): the path that beat the twin by `min_speedup`, else the twin. The table is written after
-every entry, so an interrupted or budget-limited run keeps what it measured and a re-run skips
-it. impl="auto" reads the table (flux_jax/_plan.py): by default it is written to this GPU kind's
-file in the user cache, which auto reads in every new process.
+class): the path that beat the twin by `min_speedup` (recorded in the table), else the twin. The
+table is written after every entry, so an interrupted or budget-limited run keeps what it
+measured and a re-run skips it. impl="auto" reads the table (flux_jax/_plan.py): by default it is
+written to this GPU kind's file in the user cache, which auto reads in every new process.
 
   python -m flux_jax.tune --model llama3-8b --tp 2
   python -m flux_jax.tune --shapes ag_matmul:4096x8192x28672,matmul_rs:4096x28672x8192
@@ -418,7 +418,7 @@ def run(
     allow_cpu: bool = False,
     repeats: int | None = None,
     target_ms: float | None = None,
-    min_speedup: float = MIN_SPEEDUP,
+    min_speedup: float | None = None,
     seed: int = 0,
     log=print,
     dtype=None,
@@ -429,15 +429,18 @@ def run(
     `from_function` ("module:function" or a callable returning (fn, args)) says what to measure;
     `ms` the M values of a model preset, `tp` the TP sizes (default: every local device),
     `dtypes` (or `dtype`) the dtypes. `out`: the table file (default: this device kind's in the user cache;
-    entries there are kept and skipped). Raises TuneError for a request it cannot run.
+    entries there are kept and skipped). `min_speedup`: the margin a fused path must beat the twin
+    by to be chosen, recorded in the table (None: the existing table's, else MIN_SPEEDUP; another
+    one than an existing table's is refused). Raises TuneError for a request it cannot run.
     """
     start = time.monotonic()
     if sum(v is not None for v in (model, shapes, from_function)) != 1:
         raise TuneError("say what to measure: exactly one of --model, --shapes and --from")
     if budget_minutes is not None and not (isinstance(budget_minutes, (int, float)) and budget_minutes > 0):
         raise TuneError(f"--budget-minutes must be a positive number, got {budget_minutes!r}")
-    if not (isinstance(min_speedup, (int, float)) and min_speedup >= 1.0):
-        raise TuneError(f"--min-speedup must be a number >= 1, got {min_speedup!r}")
+    problem = _tuning.min_speedup_problem(min_speedup) if min_speedup is not None else None
+    if problem:
+        raise TuneError(f"--min-speedup must be {problem}")
     platform = _platform(allow_cpu, log)
     devices = jax.local_devices()
     kind, count = devices[0].device_kind, len(devices)
@@ -462,6 +465,7 @@ def run(
 
     path = Path(out) if out is not None else cache_path(kind)
     table = _table.read_or_none(path)  # an invalid file stops the run: it is never overwritten
+    min_speedup = _min_speedup(min_speedup, table, path)
     device = table.devices.get(kind) if table is not None else None
     log(f"flux_jax.tune: {len(requested)} shape(s) on {count} x {kind}; table {path}")
     if device is None:
@@ -470,7 +474,7 @@ def run(
         sms = getattr(devices[0], "core_count", None) if platform == "cuda" else os.cpu_count()
         device = _tuning.Device(kind, "gpu" if platform == "cuda" else "cpu", int(sms or 1), gbps, latency_us)
         log(f"  {gbps:.1f} GB/s per device, {latency_us:.1f} us for the smallest all-gather, {device.sms} SMs")
-    table = _table.merged(table, device, [])
+    table = dataclasses.replace(_table.merged(table, device, []), min_speedup=min_speedup)
     _table.write(path, table)
 
     done_keys = {e.key for e in table.entries}
@@ -538,6 +542,20 @@ def run(
     else:
         log(f'impl="auto" follows this table with flux_jax.Config(tuning={str(path)!r}).')
     return Result(path, results, stopped, table)
+
+
+def _min_speedup(requested: float | None, table: _tuning.Table | None, path: Path) -> float:
+    """The --min-speedup of a run: `requested`, else the table's, else the default. The table's
+    entries chose their paths by its own, so another one is refused where it has entries."""
+    if requested is None:
+        return table.min_speedup if table is not None else MIN_SPEEDUP
+    if table is not None and table.entries and float(requested) != table.min_speedup:
+        raise TuneError(
+            f"--min-speedup {requested:g} differs from the {table.min_speedup:g} that the table {path} was made "
+            f"with (its entries chose their paths by it): run with --min-speedup {table.min_speedup:g}, or "
+            "write another table with --out"
+        )
+    return float(requested)
 
 
 def _entry_path(table: _tuning.Table, key) -> str | None:
@@ -619,9 +637,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--min-speedup",
         type=float,
-        default=MIN_SPEEDUP,
         metavar="X",
-        help=f"a fused path must beat the twin by this factor to be chosen (default {MIN_SPEEDUP})",
+        help="a fused path must beat the twin by this factor to be chosen; recorded in the table, and "
+        f"a table's entries all use one (default: the table's, else {MIN_SPEEDUP})",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs and of the round order")
     p.add_argument(

@@ -13,14 +13,16 @@ from flux_jax import _tuning
 from flux_jax._tuning import Device, Entry, Table
 
 # A fused path must beat the twin by this factor to be chosen: the timing method's run-to-run
-# spread (benchmarks/README.md), and auto must never be slower than XLA.
-MIN_SPEEDUP = _tuning.SPREAD
+# spread (benchmarks/README.md), and auto must never be slower than XLA. A table records the one
+# its entries were chosen by (Table.min_speedup).
+MIN_SPEEDUP = _tuning.DEFAULT_MIN_SPEEDUP
 
 
 def choose(speedup: dict, min_speedup: float = MIN_SPEEDUP) -> str:
     """The fastest fused path where it beat the twin by `min_speedup` (>= 1), else "twin"."""
-    if isinstance(min_speedup, bool) or not isinstance(min_speedup, (int, float)) or not min_speedup >= 1:
-        raise ValueError(f"min_speedup must be a number >= 1 (auto never runs a slower path), got {min_speedup!r}")
+    problem = _tuning.min_speedup_problem(min_speedup)
+    if problem:
+        raise ValueError(f"min_speedup must be {problem}")
     if not speedup:
         return "twin"
     best = max(sorted(speedup), key=speedup.get)
@@ -43,8 +45,10 @@ def make_entry(
     min_speedup: float = MIN_SPEEDUP,
 ) -> Entry:
     """The entry of one measured per-rank GEMM (rows x k x n). `path` defaults to `choose`'s; a
-    `path` its speedup contradicts (_tuning.path_contradiction) is a ValueError."""
+    `path` its speedup contradicts (_tuning.path_contradiction) is a ValueError. The speedups are
+    rounded as the file stores them, so that a reader sees the numbers the path was chosen by."""
     dtype = np.dtype(dtype).name
+    speedup = {p: round(float(s), 4) for p, s in speedup.items()}
     path = path or choose(speedup, min_speedup)
     contradiction = _tuning.path_contradiction(path, speedup)
     if contradiction:
@@ -59,7 +63,7 @@ def make_entry(
         shape_class,
         (rows, k, n),
         path,
-        dict(speedup),
+        speedup,
         note,
     )
 
