@@ -11,6 +11,7 @@
 
 #include <cstdint>
 
+#include "flux_jax/tile_order.h"
 #include "flux_jax/wait_record.h"
 
 namespace flux_jax::cuda {
@@ -62,10 +63,14 @@ struct PushGate {
 // grow; the host adds each launch's tiles per piece to the value it waits for.
 struct TileSignal {
   uint64_t* counters = nullptr;  // null: no signal
-  int32_t rows_per_piece = 0;
+  FastDivisor rows_per_piece;
   int32_t total_rows = 0;  // rows of D (the last tile may stop short)
   bool immediate = false;  // wait for a tile's stores right after them (else at the next tile)
 };
+
+// Every lane of a tile's storing warp raises the counters (SignalTileStored), so a tile adds
+// this much to each piece it touches.
+inline constexpr int32_t kTileSignalLanes = 32;
 
 #if defined(__CUDACC__)
 
@@ -208,18 +213,19 @@ __device__ __forceinline__ void WarpWaitPushes(const PushGate& g, int32_t q_lo, 
   asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 
-// After this thread's TMA stores (cp.async.bulk) of an output tile: wait until
-// they are written (not only read from shared memory), then raise the counter
-// of every piece that rows [row0, row0 + rows) touch. Release at GPU scope: the
-// copy engine that waits on the counter reads the rows from the same device.
+// After the warp's TMA stores (cp.async.bulk) of an output tile, in every lane of the
+// storing warp: wait until they are written (not only read from shared memory), then add 1 to
+// the counter of every piece that rows [row0, row0 + rows) touch (kTileSignalLanes per tile).
+// Each lane orders its own wait before its own add, so no lane waits for another: a warp
+// barrier here (or a lane-0-only signal behind one) moved the consumer's MMA descriptors into
+// per-thread registers. Release at GPU scope: the copy engine that waits on the counter reads
+// the rows from the same device.
 __device__ __forceinline__ void SignalTileStored(const TileSignal& s, int32_t row0, int32_t rows) {
   asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
   asm volatile("fence.proxy.async.global;" ::: "memory");
-  __syncwarp();
-  if ((threadIdx.x & 31) != 0) return;
   const int32_t last = (row0 + rows < s.total_rows ? row0 + rows : s.total_rows) - 1;
   if (last < row0) return;
-  for (int32_t q = row0 / s.rows_per_piece; q <= last / s.rows_per_piece; ++q) {
+  for (int32_t q = s.rows_per_piece.Div(row0); q <= s.rows_per_piece.Div(last); ++q) {
     asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(s.counters + q) : "memory");
   }
 }

@@ -125,13 +125,15 @@ Status RunMatmulRsCuda(const MatmulRsParams& p, const TpGroup& group, const Comm
       part.d = d_slot + row0 * out_row_bytes;
       const bool tile_signal = j == 0 && signal_mode != 0;
       if (tile_signal) {
-        part.signal_d = TileSignal{ws->tiles_done + q0, piece_rows, static_cast<int32_t>(part.m), signal_mode == 2};
+        part.signal_d =
+            TileSignal{ws->tiles_done + q0, FastDivisor(piece_rows), static_cast<int32_t>(part.m), signal_mode == 2};
       }
       FLUX_JAX_RETURN_IF_ERROR(RunGemm(part, p.dtype, S, device, ws->sm_count));
       if (tile_signal) {  // the launch raises every piece's counter, whatever fails below
         for (int q = q0; q < q1; ++q) {
           const int64_t p0 = static_cast<int64_t>(q) * piece_rows - row0;
           ws->tiles_done_expected[q] +=
+              kTileSignalLanes *
               TilesTouchingRows(p0, std::min<int64_t>(p0 + piece_rows, part.m), part.n, plan.block_n);
         }
       }

@@ -31,7 +31,9 @@
 // `--self-test` feeds the last rank a wrong input set and passes only if every check fails;
 // `--tp=N`, `--op=matmul_rs`, `--path=decode` pick cases; `--gemm-kernel=128x160_c2x1` (any forced
 // GpuTuning.gemm_kernel name) runs the overlap cases whose dtype and weight layout have that instance
-// with it (the A/B instances have to pass here before a rule may pick them).
+// with it (the A/B instances have to pass here before a rule may pick them); `--rs-tile-signal=N`
+// forces GpuTuning.rs_tile_signal (the cases' shapes take 2 by default; 1 signals each tile at the
+// next one).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -92,6 +94,8 @@ bool g_cpu = false;
 bool g_self_test = false;
 // --gemm-kernel: the overlap GEMM instance every picked case forces (GemmKernel; kAuto: none).
 GemmKernel g_gemm_kernel = GemmKernel::kAuto;
+// --rs-tile-signal: GpuTuning.rs_tile_signal of every call (-1: by shape).
+int g_rs_tile_signal = -1;
 
 // Streams each rank issues work on: its own (XLA's) and its workspace member's comm stream.
 constexpr int kStreamsPerRank = 2;
@@ -112,6 +116,7 @@ CommConfig MakeCommConfig(const Case& c, const CallOptions& o) {
   cfg.poison_outputs = o.poison_outputs;
   cfg.path = c.path == Path::kDecode ? FusedPath::kDecode : FusedPath::kOverlap;
   cfg.tuning.gemm_kernel = static_cast<int64_t>(g_gemm_kernel);
+  cfg.tuning.rs_tile_signal = g_rs_tile_signal;
   return cfg;
 }
 
@@ -931,6 +936,12 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "--gemm-kernel: 128x256, 128x192, 128x160_c2x1 or 128x128_pp_c2x1\n");
         return 2;
       }
+    } else if (std::strncmp(argv[i], "--rs-tile-signal=", 17) == 0) {
+      g_rs_tile_signal = std::atoi(argv[i] + 17);
+      if (g_rs_tile_signal < -1 || g_rs_tile_signal > 2) {
+        std::fprintf(stderr, "--rs-tile-signal: -1 (by shape), 0, 1 or 2\n");
+        return 2;
+      }
     } else if (std::strncmp(argv[i], "--tp=", 5) == 0) {
       tps = {std::atoi(argv[i] + 5)};
       if (tps[0] < 2 || tps[0] > 8) {
@@ -940,7 +951,7 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: %s [--cpu] [--self-test] [--tp=N] [--op=ag_matmul|matmul_rs|all_gather|reduce_scatter] "
-                   "[--path=overlap|decode|collective] [--gemm-kernel=NAME]\n",
+                   "[--path=overlap|decode|collective] [--gemm-kernel=NAME] [--rs-tile-signal=N]\n",
                    argv[0]);
       return 2;
     }
