@@ -57,10 +57,11 @@ struct PushGate {
 };
 
 // Counters a GEMM raises as its output rows are written, one per piece of
-// rows: each output tile adds 1 to the counter of every piece its rows touch,
-// once its stores are complete, so a stream waiting for counters[q] to reach
-// its expected value (cuStreamWaitValue64) may copy piece q. The counters only
-// grow; the host adds each launch's tiles per piece to the value it waits for.
+// rows: each output tile adds kTileSignalLanes to the counter of every piece its
+// rows touch, once its stores are complete, so a stream waiting for counters[q]
+// to reach its expected value (cuStreamWaitValue64) may copy piece q. The
+// counters only grow; the host adds kTileSignalLanes times each launch's tiles
+// per piece to the value it waits for.
 struct TileSignal {
   uint64_t* counters = nullptr;  // null: no signal
   FastDivisor rows_per_piece;

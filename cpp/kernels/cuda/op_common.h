@@ -203,7 +203,7 @@ inline int64_t ChooseRsTileSignal(const CommConfig& cfg, int64_t k_local, int64_
 }
 
 // Output tiles (kGemmBlockM x block_n) whose rows meet rows [row0, row1) of a launch:
-// what a TileSignal counter of that piece reaches once the launch has written them.
+// a TileSignal counter of that piece reaches kTileSignalLanes times this once the launch has written them.
 inline uint64_t TilesTouchingRows(int64_t row0, int64_t row1, int64_t n, int32_t block_n) {
   if (row1 <= row0) return 0;
   const int64_t row_tiles = (row1 - 1) / kGemmBlockM - row0 / kGemmBlockM + 1;

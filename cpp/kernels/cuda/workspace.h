@@ -69,7 +69,7 @@ struct GroupWorkspace {
   uint64_t* arrived = nullptr;        // [kMaxFlags]: row pieces of the current call
   uint64_t* cells = nullptr;          // [2]: cells[1] = epoch, the source of copy-engine flag writes
   uint64_t* block_arrived = nullptr;  // [kMaxTp][kMaxLatencyBlocks]: latency and decode paths
-  // [kMaxPieces]: output tiles written per piece of rows (TileSignal; only grow), and
+  // [kMaxPieces]: output tiles written per piece of rows, kTileSignalLanes each (TileSignal; only grow), and
   // the totals the launches enqueued so far will have raised them to (host side).
   uint64_t* tiles_done = nullptr;
   uint64_t tiles_done_expected[kMaxPieces] = {};
