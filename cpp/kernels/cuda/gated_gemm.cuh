@@ -95,7 +95,13 @@ class RotatedScheduler : public cutlass::gemm::kernel::detail::PersistentTileSch
   }
 
   CUTLASS_HOST_DEVICE RotatedScheduler() {}
-  CUTLASS_DEVICE explicit RotatedScheduler(Params const& params) : Base(params), order_(params.order) {}
+  CUTLASS_DEVICE explicit RotatedScheduler(Params const& params)
+      : Base(params), order_(params.order), tiles_(static_cast<int>(params.blocks_per_problem_)) {
+#if defined(__CUDA_ARCH__)
+    linear_ = static_cast<int>(blockIdx.x + blockIdx.y * gridDim.x);  // as the base's, which rasters along N
+    stride_ = static_cast<int>(gridDim.x * gridDim.y * gridDim.z);
+#endif
+  }
 
   template <class ClusterShape>
   CUTLASS_DEVICE WorkTileInfo initial_work_tile_info(ClusterShape) {
@@ -103,32 +109,38 @@ class RotatedScheduler : public cutlass::gemm::kernel::detail::PersistentTileSch
   }
 
   // The cooperative kernel steps with fetch_next_work (both overloads: advance one grid stride);
-  // the ping-pong kernel with the base's advance_to_next_work(count), then reads
-  // get_current_work(). Every tile handed out is remapped.
+  // the ping-pong kernel with advance_to_next_work(count), then reads get_current_work().
   template <class... Unused>
   CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo, Unused&&...) {
-    Base::advance_to_next_work();
+    advance_to_next_work();
     return cute::make_tuple(get_current_work(), true);
   }
 
-  CUTLASS_DEVICE WorkTileInfo get_current_work() const { return Remap(Base::get_current_work()); }
-
- private:
-  // The base rasters plainly along N, one cluster at a time (tiles padded to whole clusters):
-  // cluster id t = (m / cluster_m) * cluster columns + n / cluster_n, this CTA at m % cluster_m
-  // (cluster_m x 1) or n % cluster_n (1 x cluster_n) of it. Only compile-time divisions here.
-  CUTLASS_DEVICE WorkTileInfo Remap(WorkTileInfo w) const {
-    if (!w.is_valid()) return w;
-    static_assert(kClusterM == 1 || kClusterN == 1, "RotatedScheduler: clusters along M or N");
-    const int t = w.M_idx / kClusterM * order_.cluster_cols + w.N_idx / kClusterN;
-    const int cta = kClusterN > 1 ? w.N_idx % kClusterN : w.M_idx % kClusterM;
-    const TileCoord c = order_.At(t, cta);
-    w.M_idx = c.m;
-    w.N_idx = c.n;
-    return w;
+  CUTLASS_DEVICE void advance_to_next_work(uint32_t advance_count = 1) {
+    Base::advance_to_next_work(advance_count);  // the base's own index (is_last_tile reads it)
+    linear_ += stride_ * static_cast<int>(advance_count);
   }
 
+  // The base's linear index counts CTAs cluster by cluster (clusters padded whole), so the
+  // cluster's id in the plain order is linear / cluster size and the CTA's place in it the
+  // hardware's: no run-time division (the base's own mapping divides in 64 bits per tile).
+  CUTLASS_DEVICE WorkTileInfo get_current_work() const {
+    if (linear_ >= tiles_) return WorkTileInfo::invalid_work_tile();
+    static_assert(kClusterM == 1 || kClusterN == 1, "RotatedScheduler: clusters along M or N");
+    int cta = 0;
+    if constexpr (kClusterM * kClusterN > 1) {
+      auto [cta_m, cta_n, unused] = cute::block_id_in_cluster();
+      cta = static_cast<int>(kClusterN > 1 ? cta_n : cta_m);
+    }
+    const TileCoord c = order_.At(linear_ / (kClusterM * kClusterN), cta);
+    return {c.m, c.n, 0, true};
+  }
+
+ private:
   ClusteredTileOrder order_;
+  int tiles_ = 0;  // CTAs' tiles of the problem, padded to whole clusters
+  int linear_ = 0;
+  int stride_ = 0;
 };
 
 // ---------------------------------------------------------------------------
