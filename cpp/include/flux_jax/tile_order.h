@@ -119,16 +119,13 @@ struct ClusteredTileOrder {
   GroupedTileOrder clusters;
   int cluster_m = 1;
   int cluster_n = 1;
-  int cluster_cols = 1;  // the grouped order's columns (tiles_n, or cluster columns)
 
   ClusteredTileOrder() = default;
   ClusteredTileOrder(int tiles_m, int tiles_n, int group, int rotate, int cluster_m_, int cluster_n_ = 1)
       : cluster_m(cluster_m_), cluster_n(cluster_n_) {
     if (cluster_n_ > 1) {
-      cluster_cols = (tiles_n + cluster_n_ - 1) / cluster_n_;
-      clusters = GroupedTileOrder(tiles_m, cluster_cols, group, rotate);
+      clusters = GroupedTileOrder(tiles_m, (tiles_n + cluster_n_ - 1) / cluster_n_, group, rotate);
     } else {
-      cluster_cols = tiles_n;
       const int cluster_rows = (tiles_m + cluster_m_ - 1) / cluster_m_;
       const int cluster_group = group / cluster_m_ > 1 ? group / cluster_m_ : 1;
       clusters = GroupedTileOrder(cluster_rows, tiles_n, cluster_group, rotate / cluster_m_);

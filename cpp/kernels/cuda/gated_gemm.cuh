@@ -42,8 +42,9 @@ namespace flux_jax::cuda {
 // ---------------------------------------------------------------------------
 // Tile order: grouped raster, then the M index rotated by a per-launch offset.
 //
-// The base scheduler hands out linear tile ids t = 0, 1, ... (raster along N,
-// no swizzle, so no padded tiles); flux_jax::ClusteredTileOrder (flux_jax/tile_order.h,
+// The scheduler counts its CTAs' work as the base does (raster along N, no
+// swizzle, cluster by cluster), giving cluster ids t = 0, 1, ...;
+// flux_jax::ClusteredTileOrder (flux_jax/tile_order.h,
 // tested on CPU) maps t to a tile of a group of `group_m` M tiles swept
 // together across N, so the ~132 tiles in flight share ~group_m row blocks of A and ~132/group_m
 // column blocks of B, which stay in L2 (plain raster along N streams the whole
@@ -74,7 +75,7 @@ class RotatedScheduler : public cutlass::gemm::kernel::detail::PersistentTileSch
                                         Arguments const& args, void* workspace = nullptr,
                                         const uint32_t epilogue_subtile = 1,
                                         uint32_t ktile_start_alignment_count = 1u) {
-    Arguments base_args = args;  // the base must raster plainly: Remap relies on it
+    Arguments base_args = args;  // the base must raster plainly: get_current_work's index relies on it
     base_args.max_swizzle_size = 1;
     base_args.raster_order = Base::RasterOrderOptions::AlongN;
     Params params;
