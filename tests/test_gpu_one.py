@@ -190,6 +190,32 @@ def test_one_gpu_fp8_backward_e5m2_gemm_matches_the_quantized_product(one_gpu, o
     assert not flux_jax.device_errors()
 
 
+# (rows, K, N): the 64-row tile staged (8 rows), 64 and 128 rows, 100 (a partial 128-row tile),
+# 256 rows in two 128-row tiles (narrow N) and 192 / 256 in one 256-row tile (N / 64 = 128 tiles).
+DECODE_GEMM_SHAPES = [(8, 776, 1544), (64, 1024, 2048), (100, 520, 1032), (128, 2048, 4096), (256, 1024, 1024)]
+DECODE_GEMM_SHAPES += [(192, 520, 8192), (256, 1024, 8200)]
+
+
+@pytest.mark.parametrize("shape", DECODE_GEMM_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_one_gpu_decode_gemm_matches_oracle(one_gpu, shape):
+    """ag_matmul's decode GEMM alone at tp = 1 (GpuTuning.gemm_kernel="decode": no push, no flags),
+    bf16, each row tile it has (64, 128, 256 rows along the tile's N)."""
+    from flux_jax import _config
+
+    M, K, N = shape
+    mesh = _mesh(one_gpu)
+    rng = np.random.default_rng()
+    x, w = random_array(rng, (M, K), "bfloat16"), random_array(rng, (K, N), "bfloat16", scale=1 / np.sqrt(K))
+    fused, specs = _fn("ag", mesh, "fused")
+    xs, ws = place(mesh, x, specs[0]), place(mesh, w, specs[1])
+    with flux_jax.config(fused_path="overlap"), _config.gpu_tuning(gemm_kernel="decode"):
+        outs = [fused(xs, ws) for _ in range(2)]
+    twin, _ = _fn("ag", mesh, "xla")
+    for out in outs:
+        assert_matches(out, to64(x) @ to64(w), twin(xs, ws), "bfloat16", f"decode GEMM {shape}")
+    assert not flux_jax.device_errors()
+
+
 @pytest.mark.parametrize("path", ["decode", "overlap", "latency"])
 @pytest.mark.parametrize("shape", [(1, 1024, 2048), (64, 4096, 3072), (100, 776, 1544), (128, 2048, 4096)])
 def test_one_gpu_matmul_ar_matches_oracle(one_gpu, shape, path):

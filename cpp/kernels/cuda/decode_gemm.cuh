@@ -1,12 +1,12 @@
-// The decode path's GEMM (ag_matmul at M <= 128 rows): CUTLASS sm90 ping-pong
-// kernel in cuBLAS/nvjet's orientation, whose producer streams the weight
-// before the gathered rows have arrived; bfloat16, or FP8 with the scales in
-// its epilogue. Included only by the instantiation units gemm_decode_bf16.cu
-// and gemm_decode_e4m3.cu.
+// The decode paths' GEMM (ag_matmul at M <= 256 rows, matmul_rs and matmul_ar
+// at <= 128): CUTLASS sm90 ping-pong kernel in cuBLAS/nvjet's orientation,
+// whose producer streams the weight before the gathered rows have arrived;
+// bfloat16, or FP8 with the scales in its epilogue. Included only by the
+// instantiation units gemm_decode_bf16.cu and gemm_decode_e4m3.cu.
 //
 // Orientation: out[M, N] = X[M, K] W[K, N] is computed as out^T = W^T X^T, so
 // the weight's N columns run along the tile's 64-wide M and X's rows along
-// its N (64 or 128): at M = 64 no MMA row is wasted, and N / 64 tiles (80 at
+// its N (64, 128 or 256): at M = 64 no MMA row is wasted, and N / 64 tiles (80 at
 // N = 5120, 128 at 8192) put the weight stream on that many SMs. Measured
 // alone on one H200 (docs/decisions/2026-11-30-ag-decode-path.md):
 // 26.5 us at 64 x 8192 x 5120 against cuBLAS's 29.7, 28.2 vs 28.3 at 128 rows.
@@ -166,9 +166,11 @@ struct DeferredRowsMainloop : Base {
 
 // out^T[N, M] = W^T[N, K] X^T: CUTLASS problem (N, M, K). In CUTLASS 2.x layout
 // terms: A = W^T column-major (w[k, n] row-major as it comes), B = X K-major
-// (ColumnMajor), D = out^T column-major (out[m, n] row-major).
-template <class Element, int kRowsPerTile>
+// (ColumnMajor), D = out^T column-major (out[m, n] row-major). kExchange: the epilogue can also
+// reduce-scatter or all-reduce (DecodeExchange); an instance without it serves ag_matmul only.
+template <class Element, int kRowsPerTile, bool kExchange_ = true>
 struct DecodeGemmInstance {
+  static constexpr bool kExchange = kExchange_;
   using Layout = cutlass::layout::ColumnMajor;
   static constexpr int kAlignment = 8;  // 16 bytes: K and N multiples of 8
   using TileShape = cute::Shape<cute::_64, cute::Int<kRowsPerTile>, cute::_64>;
@@ -178,8 +180,9 @@ struct DecodeGemmInstance {
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, Element, Layout, kAlignment, Element, Layout,
       kAlignment, cutlass::epilogue::TmaWarpSpecialized>::CollectiveOp;
-  // One kernel for both decode paths: the exchange runs only when the plan has one (matmul_rs).
-  using Epilogue = ExchangingEpilogue<BaseEpilogue>;
+  // One kernel for every decode path: the exchange runs only when the plan has one (matmul_rs,
+  // matmul_ar).
+  using Epilogue = std::conditional_t<kExchange, ExchangingEpilogue<BaseEpilogue>, BaseEpilogue>;
 
   using BaseMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, Layout, kAlignment, Element, Layout, kAlignment,
@@ -224,6 +227,7 @@ struct DecodeGemmInstance {
 // costs time: 5% at 64 rows, 62% with 128-row tiles (docs/decisions/2026-12-02-fp8-decode-accumulation.md).
 template <int kRowsPerTile>
 struct DecodeGemmInstanceFp8 {
+  static constexpr bool kExchange = true;
   using Element = cutlass::float_e4m3_t;
   using ElementD = cutlass::bfloat16_t;
   static constexpr int kAlignmentAB = 16;  // 16 bytes: K a multiple of 16
@@ -298,7 +302,7 @@ typename Instance::Kernel::Arguments DecodeArguments(const DecodeGemmPlan& p, in
   Instance::SetEpilogue(ep, p);
   ep.ptr_D = static_cast<typename Kernel::ElementD*>(p.d);
   ep.dD = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, cute::make_shape(n, rows, 1));
-  ep.exchange = p.exchange;
+  if constexpr (Instance::kExchange) ep.exchange = p.exchange;
   args.hw_info.device_id = device;
   args.hw_info.sm_count = sm_count;
   return args;
@@ -308,6 +312,9 @@ template <class Instance>
 Status RunDecodeGemmInstance(const DecodeGemmPlan& p, cudaStream_t stream, int device, int sm_count) {
   using Kernel = typename Instance::Kernel;
   using Params = typename Kernel::Params;
+  if constexpr (!Instance::kExchange) {
+    if (p.exchange.tp > 0) return Status::Internal("flux_jax: this decode GEMM instance has no exchange");
+  }
   DecodeGemmKey key{};
   key.x = p.x;
   key.w = p.w;
@@ -343,8 +350,9 @@ Status RunDecodeGemmInstance(const DecodeGemmPlan& p, cudaStream_t stream, int d
                                    " n=" + std::to_string(p.n) + " k=" + std::to_string(p.k) + " (" +
                                    Instance::kRequirement + ")");
   }
-  params.mainloop.gate = p.gate;          // this call's epoch and timeout
-  params.epilogue.exchange = p.exchange;  // this call's epoch, output and receive slots
+  // This call's epoch and timeout (and, with an exchange, its output and receive slots).
+  params.mainloop.gate = p.gate;
+  if constexpr (Instance::kExchange) params.epilogue.exchange = p.exchange;
   // The kernel's shared-memory size was set once per device (PreloadDecodeGemmInstance).
   if (st == cutlass::Status::kSuccess) st = Instance::Gemm::run(params, stream, nullptr, p.early_launch);
   if (st != cutlass::Status::kSuccess) {

@@ -800,8 +800,9 @@ class RankThread {
 // Cases (indices into CasesFor) rerun with a silent rank: each path's bounded waits, and the
 // gathered output of both ag_matmul paths (4, 7, and FP8 28: NaN or right, never an earlier call's
 // rows); 33: matmul_ar's decode path; 37 and 40: the FP8 decode GEMM's exchanges; 44: the FP8
-// decode push (rows and their scales, own rows first), gathered rows NaN or right.
-const std::vector<size_t> kDropCases = {0, 4, 5, 7, 8, 13, 14, 16, 18, 20, 23, 28, 33, 37, 40, 44};
+// decode push (rows and their scales, own rows first), gathered rows NaN or right; 46: the decode
+// GEMM's 256-row tile.
+const std::vector<size_t> kDropCases = {0, 4, 5, 7, 8, 13, 14, 16, 18, 20, 23, 28, 33, 37, 40, 44, 46};
 // The case whose first call on a fresh group meets a failing workspace growth.
 constexpr size_t kGrowthCase = 8;
 
@@ -863,6 +864,9 @@ std::vector<Case> CasesFor(int tp) {
       {Op::kAgMatmul, Path::kDecode, 64 / tp, 1024, 2048, DType::kBF16, true, false, /*fp8=*/true},
       {Op::kAgMatmul, Path::kDecode, 256 / tp, 2048, 1024, DType::kBF16, true, /*gathered=*/true, /*fp8=*/true},
       {Op::kAgMatmul, Path::kDecode, 8, 784, 1544, DType::kBF16, true, false, /*fp8=*/true},
+      // 192 gathered rows, 64 weight-column tiles: 128 tiles of 128 rows exceed a rank's SMs at
+      // every tp here, so one 256-row tile per column tile runs (UseDecodeRowTile256); a K tail.
+      {Op::kAgMatmul, Path::kDecode, 192 / tp, 520, 4096},
   };
   return cases;
 }
