@@ -191,7 +191,8 @@ def test_one_gpu_fp8_backward_e5m2_gemm_matches_the_quantized_product(one_gpu, o
 
 
 # (rows, K, N): the 64-row tile staged (8 rows), 64 and 128 rows, 100 (a partial 128-row tile),
-# 256 rows in two 128-row tiles (narrow N) and 192 / 256 in one 256-row tile (N / 64 = 128 tiles).
+# 256 rows in two 128-row tiles (narrow N) and 192 / 256 in one 256-row tile (N >= 8192: 256
+# tiles of 128 rows would exceed the SMs).
 DECODE_GEMM_SHAPES = [(8, 776, 1544), (64, 1024, 2048), (100, 520, 1032), (128, 2048, 4096), (256, 1024, 1024)]
 DECODE_GEMM_SHAPES += [(192, 520, 8192), (256, 1024, 8200)]
 
