@@ -84,9 +84,9 @@ inline bool UseDecodeRowTile256(int64_t rows, int64_t n, bool exchange, int sm_c
   return rows > 128 && !exchange && 2 * column_tiles > sm_count;
 }
 
-// Rows of x the GEMM may read for `rows` rows: rounded up to whole row tiles (64, or 128 above
-// that: 256 for 129..256 rows, whole for the 256-row tile too), so no TMA box runs past the
-// tensor (a slow path). Rows past `rows` may hold anything.
+// Rows of x the GEMM may read for `rows` rows: rounded up to whole row tiles (64 rows, else a
+// multiple of 128, which 129..256 rows round to 256: one whole 256-row tile too), so no TMA box
+// runs past the tensor (a slow path). Rows past `rows` may hold anything.
 inline int64_t DecodeRowsReadable(int64_t rows) { return rows <= 64 ? 64 : (rows + 127) / 128 * 128; }
 
 // Whether the decode GEMM exists for this input: bfloat16 with the untransposed weight, or FP8
