@@ -87,6 +87,38 @@ def test_one_gpu_middle_dimensions_and_gradients(one_gpu, op):
     assert not flux_jax.device_errors()
 
 
+# (M, K, N) for the forced overlap instances: whole 128x320 tiles (N = 5120 and 2560, as the rule
+# picks them) and partial row, column and cluster tiles.
+FORCED_SHAPES = [(2048, 1024, 5120), (1000, 528, 784), (384, 2048, 2560)]
+
+
+@pytest.mark.parametrize("kernel", ["128x320_c2x1", "128x128_pp_c2x1"])
+@pytest.mark.parametrize("op", ["ag", "rs"])
+@pytest.mark.parametrize("shape", FORCED_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_one_gpu_forced_gemm_instance_matches_oracle(one_gpu, kernel, op, shape):
+    """One overlap GEMM instance forced (GpuTuning.gemm_kernel), bf16: the forward reads the [K, N]
+    weight, the backward's dx the transposed one (the instance's K-major twin)."""
+    from flux_jax import _config
+
+    M, K, N = shape
+    mesh = _mesh(one_gpu)
+    rng = np.random.default_rng()
+    x, w = random_array(rng, (M, K), "bfloat16"), random_array(rng, (K, N), "bfloat16", scale=1 / np.sqrt(K))
+    ct = jnp.asarray(rng.standard_normal((M, N)), jnp.float32)
+    fused, specs = _fn(op, mesh, "fused")
+    twin, _ = _fn(op, mesh, "xla")
+    xs, ws = place(mesh, x, specs[0]), place(mesh, w, specs[1])
+    with flux_jax.config(fused_path="overlap"), _config.gpu_tuning(gemm_kernel=kernel):
+        out = fused(xs, ws)
+        (dx, dw), (tdx, tdw) = _grads(fused, xs, ws, ct), _grads(twin, xs, ws, ct)
+    what = f"{kernel} {op} {shape}"
+    assert_matches(out, to64(x) @ to64(w), twin(xs, ws), "bfloat16", what)
+    ct64 = np.asarray(ct, np.float64)
+    assert_matches(dx, ct64 @ to64(w).T, tdx, "bfloat16", f"{what} dx")
+    assert_matches(dw, to64(x).T @ ct64, tdw, "bfloat16", f"{what} dw")
+    assert not flux_jax.device_errors()
+
+
 def _fp8_exact(x, w, recipe):
     """float64 product of the quantized operands (the quantization both the fused op and the
     twin run): what an exact FP8 GEMM would give before its output rounding."""
@@ -117,6 +149,29 @@ def test_one_gpu_fp8_overlap_matches_the_quantized_product(one_gpu, op, shape, w
     assert f"flux_jax_{'ag_matmul' if op == 'ag' else 'matmul_rs'}" in text and "f8E4M3FN" in text
     twin, _ = _fn(op, mesh, "xla", fp8=recipe)
     assert_matches(out, _fp8_exact(x, w, recipe), twin(xs, ws), "bfloat16", f"fp8 {op} {shape} {weight_scaling}")
+    assert not flux_jax.device_errors()
+
+
+@pytest.mark.parametrize("kernel", ["128x320_c2x1", "128x256"])
+@pytest.mark.parametrize("op", ["ag", "rs"])
+@pytest.mark.parametrize("shape", FORCED_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_one_gpu_fp8_forced_instance_matches_the_quantized_product(one_gpu, kernel, op, shape):
+    """One FP8 overlap instance forced (the forward's e4m3 GEMM; the backward's e5m2 GEMM has one
+    instance): against the float64 product of the quantized operands, as above."""
+    from flux_jax import _config
+
+    M, K, N = shape
+    mesh = _mesh(one_gpu)
+    rng = np.random.default_rng()
+    recipe = flux_jax.Fp8(weight_scaling="column")
+    x = random_array(rng, (M, K), "bfloat16")
+    w = random_array(rng, (K, N), "bfloat16", scale=1 / np.sqrt(K)) * jnp.linspace(0.1, 4, N, dtype=jnp.bfloat16)
+    fused, specs = _fn(op, mesh, "fused", fp8=recipe)
+    xs, ws = place(mesh, x, specs[0]), place(mesh, w, specs[1])
+    with flux_jax.config(fused_path="overlap"), _config.gpu_tuning(gemm_kernel=kernel):
+        out = fused(xs, ws)
+    twin, _ = _fn(op, mesh, "xla", fp8=recipe)
+    assert_matches(out, _fp8_exact(x, w, recipe), twin(xs, ws), "bfloat16", f"fp8 {kernel} {op} {shape}")
     assert not flux_jax.device_errors()
 
 

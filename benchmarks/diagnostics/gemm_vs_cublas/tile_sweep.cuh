@@ -96,6 +96,17 @@ inline void ProfileColumn(const char* section, const char* mkn, const char* ref_
   fflush(stdout);
 }
 
+// The configurations whose names appear in SWEEP_CONFIGS (a comma-separated list of exact names), or all of them.
+inline std::vector<Config> SelectedConfigs(const std::vector<Config>& configs) {
+  const char* list = std::getenv("SWEEP_CONFIGS");
+  if (list == nullptr || *list == '\0') return configs;
+  const std::string wanted = std::string(",") + list + ",";
+  std::vector<Config> selected;
+  for (const Config& c : configs)
+    if (wanted.find(std::string(",") + c.name + ",") != std::string::npos) selected.push_back(c);
+  return selected;
+}
+
 // Checks and times, on every shape, the reference (writes D into its argument) and every configuration in every
 // variant. Check: the reference into ref_d and each variant into d, both poisoned first (0xff bytes: NaN), max |diff|
 // / max |value| over all variants of a configuration, FAILED above 2e-2. Timing: BestUsPerCall with iterations for
@@ -104,8 +115,9 @@ inline void ProfileColumn(const char* section, const char* mkn, const char* ref_
 // reference's line, one SWEEP line per configuration (its best variant in brackets), one SWEEPV line with every
 // variant's time and a BEST line.
 void RunSweep(const char* section, const char* ref_name, const std::vector<SweepShape>& shapes, double tflops,
-              const std::function<Runner(const SweepShape&, E*)>& make_ref, const std::vector<Config>& configs, E* d,
-              E* ref_d, unsigned* acc) {
+              const std::function<Runner(const SweepShape&, E*)>& make_ref, const std::vector<Config>& all_configs,
+              E* d, E* ref_d, unsigned* acc) {
+  const std::vector<Config> configs = SelectedConfigs(all_configs);
   const int ncfg = static_cast<int>(configs.size());
   const int ncol = 1 + ncfg * kNumVariants;  // column 0: the reference; then configuration-major
   for (const SweepShape& s : shapes) {

@@ -2,6 +2,7 @@
 // configurations on the forward GEMM's layout, D[M, N] = X[M, K] W[K, N], all row-major (W N-major), bf16 with f32
 // accumulation, persistent tile scheduler. Cluster RxC: R CTAs along M share (multicast) their B tile, C CTAs along N
 // their A tile.
+#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED  // m64n160 atoms
 #include "tile_sweep.cuh"
 
 namespace {
@@ -33,7 +34,8 @@ void SweepBf16(const std::vector<SweepShape>& shapes) {
   };
   // 128x192 and 128x160: N tiles that divide N = 5120 / 4608 / 3072 into fewer partial waves than 256; 256x128 and
   // 2x1 clusters: the B tile (the weight) read once per two M tiles; ping-pong: the epilogue under the other
-  // warpgroup's mainloop.
+  // warpgroup's mainloop; 256x160 and 128x320 (two m64n160 MMAs per warpgroup and k-step): 1.9 waves of tiles at
+  // 2048 x N = 5120, as cuBLAS's 320x128 kernels.
   const std::vector<Config> configs = {
       Make<Bf16<128, 256, 1, 1>>("coop_128x256_c1x1", x, w, d, buf.ws, kWsBytes),
       Make<Bf16<128, 256, 1, 2>>("coop_128x256_c1x2", x, w, d, buf.ws, kWsBytes),
@@ -44,6 +46,9 @@ void SweepBf16(const std::vector<SweepShape>& shapes) {
       Make<Bf16<128, 128, 1, 2, true>>("pp_128x128_c1x2", x, w, d, buf.ws, kWsBytes),
       Make<Bf16<128, 128, 2, 1, true>>("pp_128x128_c2x1", x, w, d, buf.ws, kWsBytes),
       Make<Bf16<64, 256, 1, 1, true>>("pp_64x256_c1x1", x, w, d, buf.ws, kWsBytes),
+      Make<Bf16<256, 160, 2, 1>>("coop_256x160_c2x1", x, w, d, buf.ws, kWsBytes),
+      Make<PlainWideGemmT<E, RM, 128, 320, 160, 2>>("coop_128x320_c2x1", x, w, d, buf.ws, kWsBytes),
+      Make<PlainWideGemmT<E, RM, 128, 320, 160, 1>>("coop_128x320_c1x1", x, w, d, buf.ws, kWsBytes),
   };
   printf("bf16: us per call (best of 7 loops, min of 2 passes); ratio = config / cuBLAS\n");
   RunSweep("bf16", "cuBLAS", shapes, 650.0, make_ref, configs, d, buf.d2, buf.acc);

@@ -10,6 +10,7 @@
 // directory), else libcublasLt.so from the loader's search path.
 #include <string>
 
+#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED  // m64n160 atoms
 #include "tile_sweep.cuh"
 
 namespace {
@@ -199,6 +200,9 @@ void SweepFp8(const std::vector<SweepShape>& shapes) {
       Make<Fp8<256, 128, 1, 2, false, true>>("coop_256x128_c1x2_fastaccum", x, w, d, ws, kWsBytes),
       Make<Fp8<128, 128, 1, 2, true, true>>("pp_128x128_c1x2_fastaccum", x, w, d, ws, kWsBytes),
       Make<Fp8<64, 256, 1, 1, true, true>>("pp_64x256_c1x1_fastaccum", x, w, d, ws, kWsBytes),
+      Make<Fp8<128, 128, 2, 1, true, true>>("pp_128x128_c2x1_fastaccum", x, w, d, ws, kWsBytes),
+      Make<Fp8<256, 160, 2, 1, false, true>>("coop_256x160_c2x1_fastaccum", x, w, d, ws, kWsBytes),
+      Make<PlainWideGemmT<F8, CM, 128, 320, 160, 2>>("coop_128x320_c2x1_fastaccum", x, w, d, ws, kWsBytes),
   };
   printf("fp8: us per call (best of 7 loops, min of 2 passes); ratio = config / cuBLASLt (fast accumulation)\n");
   RunSweep("fp8", "cuBLASLt", shapes, 1200.0, make_ref, configs, d, ref_d, acc);

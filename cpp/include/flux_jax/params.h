@@ -54,6 +54,7 @@ enum class GemmKernel : int64_t {
   k128x160Cluster2x1 = 3,  // bf16, the transposed weight
   kDecode = 4,
   k128x128PingpongCluster2x1 = 5,  // bf16 and FP8: ping-pong schedule
+  k128x320Cluster2x1 = 6,          // bf16: cooperative, two m64n160 MMAs per warpgroup
 };
 
 // GPU tuning of the overlap and decode kernels. Every default is the product

@@ -16,6 +16,9 @@ Status RunGemm_bf16_nmajor_pp128_c2x1(const GemmPlan&, cudaStream_t, int, int);
 Status RunGemm_bf16_kmajor_pp128_c2x1(const GemmPlan&, cudaStream_t, int, int);
 Status RunGemm_e4m3_bf16_pp128_c2x1(const GemmPlan&, cudaStream_t, int, int);
 Status RunGemm_e5m2_bf16_pp128_c2x1(const GemmPlan&, cudaStream_t, int, int);
+Status RunGemm_bf16_nmajor_w320_c2x1(const GemmPlan&, cudaStream_t, int, int);
+Status RunGemm_bf16_kmajor_w320_c2x1(const GemmPlan&, cudaStream_t, int, int);
+Status RunGemm_e4m3_bf16_w320_c2x1(const GemmPlan&, cudaStream_t, int, int);
 Status Preload_RunGemm_bf16_nmajor();
 Status Preload_RunGemm_bf16_kmajor();
 Status Preload_RunGemm_f16_nmajor();
@@ -27,6 +30,9 @@ Status Preload_RunGemm_bf16_nmajor_pp128_c2x1();
 Status Preload_RunGemm_bf16_kmajor_pp128_c2x1();
 Status Preload_RunGemm_e4m3_bf16_pp128_c2x1();
 Status Preload_RunGemm_e5m2_bf16_pp128_c2x1();
+Status Preload_RunGemm_bf16_nmajor_w320_c2x1();
+Status Preload_RunGemm_bf16_kmajor_w320_c2x1();
+Status Preload_RunGemm_e4m3_bf16_w320_c2x1();
 
 Status PreloadGemmKernels() {
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_bf16_nmajor());
@@ -39,10 +45,14 @@ Status PreloadGemmKernels() {
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_bf16_kmajor_pp128_c2x1());
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_e4m3_bf16_pp128_c2x1());
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_e5m2_bf16_pp128_c2x1());
+  FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_bf16_nmajor_w320_c2x1());
+  FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_bf16_kmajor_w320_c2x1());
+  FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_e4m3_bf16_w320_c2x1());
   return Preload_RunGemm_f16_kmajor();
 }
 
-// The 2x1-cluster instances (ChooseGemmInstance): 128x160 (K-major B) and ping-pong 128x128.
+// The 2x1-cluster instances (ChooseGemmInstance): 128x160 (K-major B), ping-pong 128x128 and
+// cooperative 128x320.
 static Status RunClusteredGemm(const GemmPlan& plan, DType dtype, cudaStream_t stream, int device, int sm_count) {
   if (!HasGemmInstance(dtype, plan.b_kmajor, plan.block_n, plan.cluster_m, plan.pingpong)) {
     return Status::InvalidArgument("flux_jax: no overlap GEMM instance with 128x" + std::to_string(plan.block_n) +
@@ -54,6 +64,10 @@ static Status RunClusteredGemm(const GemmPlan& plan, DType dtype, cudaStream_t s
     return plan.b_kmajor ? RunGemm_bf16_kmajor_pp128_c2x1(plan, stream, device, sm_count)
                          : RunGemm_bf16_nmajor_pp128_c2x1(plan, stream, device, sm_count);
   }
+  if (plan.block_n == kGemmBlockN320) {
+    return plan.b_kmajor ? RunGemm_bf16_kmajor_w320_c2x1(plan, stream, device, sm_count)
+                         : RunGemm_bf16_nmajor_w320_c2x1(plan, stream, device, sm_count);
+  }
   return RunGemm_bf16_kmajor_n160_c2x1(plan, stream, device, sm_count);
 }
 
@@ -61,10 +75,11 @@ Status RunGemm(const GemmPlan& plan, DType dtype, cudaStream_t stream, int devic
   if (plan.fp8) {
     const bool wide = plan.block_n == kGemmBlockN && plan.cluster_m == 1 && !plan.pingpong;
     const bool pingpong = plan.block_n == kGemmBlockN128 && plan.cluster_m == 2 && plan.pingpong;
-    if (dtype != DType::kBF16 || !plan.b_kmajor || !(wide || pingpong)) {
+    const bool w320 = plan.block_n == kGemmBlockN320 && plan.cluster_m == 2 && !plan.pingpong;
+    if (dtype != DType::kBF16 || !plan.b_kmajor || !(wide || pingpong || w320)) {
       return Status::InvalidArgument(
-          "flux_jax: the FP8 GEMM instances are 128x256 (1x1 clusters) and ping-pong 128x128 (2x1), transposed "
-          "weight, bfloat16 out");
+          "flux_jax: the FP8 GEMM instances are 128x256 (1x1 clusters), ping-pong 128x128 and 128x320 (2x1), "
+          "transposed weight, bfloat16 out");
     }
     if (plan.fp8_a_e5m2) {
       if (!pingpong) {
@@ -72,10 +87,11 @@ Status RunGemm(const GemmPlan& plan, DType dtype, cudaStream_t stream, int devic
       }
       return RunGemm_e5m2_bf16_pp128_c2x1(plan, stream, device, sm_count);
     }
+    if (w320) return RunGemm_e4m3_bf16_w320_c2x1(plan, stream, device, sm_count);
     return wide ? RunGemm_e4m3_bf16(plan, stream, device, sm_count)
                 : RunGemm_e4m3_bf16_pp128_c2x1(plan, stream, device, sm_count);
   }
-  if (plan.cluster_m != 1 || plan.block_n == kGemmBlockN160 || plan.pingpong)
+  if (plan.cluster_m != 1 || plan.block_n == kGemmBlockN160 || plan.block_n == kGemmBlockN320 || plan.pingpong)
     return RunClusteredGemm(plan, dtype, stream, device, sm_count);
   switch (dtype) {
     case DType::kBF16:

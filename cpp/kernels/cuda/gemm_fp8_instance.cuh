@@ -7,11 +7,12 @@
 // alpha is the poison scalar every fused GEMM reads per tile (1.0f, NaN once a wait gave up);
 // row_scale is x's per-row scale (ag_matmul: every gathered row's, gathered before the call),
 // col_scale w's per-column (or broadcast per-tensor) scale. Otherwise the same kernel as
-// gemm_instance.cuh: persistent, warp-specialized, the gated mainloop, gated
-// epilogue and rotated scheduler of gated_gemm.cuh; cooperative 128x256x128 tiles (128 bytes of K per row) in
-// 1x1 clusters, or ping-pong 128x128 in 2x1 clusters sharing B; CUTLASS's FP8 fast accumulation (the wgmma
-// accumulator is not promoted every few k-blocks: 2x cuBLASLt's accumulation error from K = 7168 to 28672 on one
-// H200, docs/decisions/2026-12-02-fp8-decode-accumulation.md).
+// gemm_instance.cuh: persistent, warp-specialized, the gated mainloop, gated epilogue and rotated
+// scheduler of gated_gemm.cuh; cooperative 128x256x128 tiles (128 bytes of K per row) in 1x1
+// clusters, ping-pong 128x128 or cooperative 128x320 (wide_tile_mainloop.cuh) in 2x1 clusters
+// sharing B; CUTLASS's FP8 fast accumulation (the wgmma accumulator is not promoted every few
+// k-blocks: 2x cuBLASLt's accumulation error from K = 7168 to 28672 on one H200,
+// docs/decisions/2026-12-02-fp8-decode-accumulation.md).
 #pragma once
 
 #include "cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp"
@@ -25,8 +26,7 @@ struct GemmInstanceFp8 {
   using Element = cutlass::float_e4m3_t;  // B (the weight) in every instance
   using TileShape = cute::Shape<cute::_128, cute::Int<kBlockN>, cute::_128>;
   using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::_1, cute::_1>;
-  static constexpr int kAlignmentAB = 16;  // 16 bytes: K a multiple of 16
-  static constexpr int kAlignmentCD = 8;   // N a multiple of 8
+  static constexpr int kAlignmentCD = 8;  // N a multiple of 8
 
   using Scale = Fp8ScaleTree<TileShape, 4>;
   template <class... Ts>
@@ -43,11 +43,9 @@ struct GemmInstanceFp8 {
       ElementD, cutlass::layout::RowMajor, kAlignmentCD, typename GemmSchedule<kPingpong>::Epilogue,
       Fusion>::CollectiveOp;
 
-  using BaseMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, cutlass::layout::RowMajor, kAlignmentAB, Element,
-      cutlass::layout::ColumnMajor, kAlignmentAB, float, TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename BaseEpilogue::SharedStorage))>,
-      typename GemmSchedule<kPingpong>::MainloopFp8FastAccum>::CollectiveOp;
+  using BaseMainloop = typename OverlapMainloop<ElementA, Element, true, TileShape, ClusterShape,
+                                                typename GemmSchedule<kPingpong>::MainloopFp8FastAccum,
+                                                static_cast<int>(sizeof(typename BaseEpilogue::SharedStorage))>::type;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, GatedMainloop<BaseMainloop>,
                                                       GatedEpilogue<BaseEpilogue>, RotatedSchedulerTag>;

@@ -1,8 +1,8 @@
 // The one GEMM configuration every fused op instantiates (per dtype, B layout,
 // tile width, cluster and schedule): CUTLASS sm90 TMA warp-specialized persistent
 // kernel, cooperative 128x256x64 tiles (128x192x64 for the narrow instance),
-// cluster 1x1 (the 2x1-cluster instances share B by TMA multicast: 128x160, and
-// ping-pong 128x128), f32 accumulation, with the gated mainloop,
+// cluster 1x1 (the 2x1-cluster instances share B by TMA multicast: 128x160,
+// ping-pong 128x128 and cooperative 128x320), f32 accumulation, with the gated mainloop,
 // gated epilogue and rotated scheduler of gated_gemm.cuh. Included only by the
 // instantiation units (each costs ~1 minute of nvcc on 2 cores).
 #pragma once
@@ -21,6 +21,7 @@
 #include "gated_gemm.cuh"
 #include "gemm_plan.h"
 #include "launch_params_cache.h"
+#include "wide_tile_mainloop.cuh"
 
 namespace flux_jax::cuda {
 
@@ -78,10 +79,27 @@ typename Kernel::Arguments GemmArguments(const GemmPlan& p, int device, int sm_c
   return args;
 }
 
+// The overlap GEMM's mainloop (A row-major): CUTLASS's builder up to 256 columns, the wide-tile
+// collective (wide_tile_mainloop.cuh: two m64n160 MMAs per warpgroup) for 320.
+template <class ElementA, class ElementB, bool kBKMajor, class TileShape, class ClusterShape, class Schedule,
+          int kEpilogueSmemBytes, bool kWide = (cute::size<1>(TileShape{}) > 256)>
+struct OverlapMainloop {
+  static constexpr int kAlignA = 128 / cutlass::sizeof_bits<ElementA>::value;  // 16 bytes
+  static constexpr int kAlignB = 128 / cutlass::sizeof_bits<ElementB>::value;
+  using type = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, cutlass::layout::RowMajor, kAlignA, ElementB,
+      std::conditional_t<kBKMajor, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>, kAlignB, float, TileShape,
+      ClusterShape, cutlass::gemm::collective::StageCountAutoCarveout<kEpilogueSmemBytes>, Schedule>::CollectiveOp;
+};
+template <class ElementA, class ElementB, bool kBKMajor, class TileShape, class ClusterShape, class Schedule,
+          int kEpilogueSmemBytes>
+struct OverlapMainloop<ElementA, ElementB, kBKMajor, TileShape, ClusterShape, Schedule, kEpilogueSmemBytes, true> {
+  using type = typename WideTileMainloop<ElementA, ElementB, kBKMajor, TileShape, ClusterShape, 160, Schedule,
+                                         kEpilogueSmemBytes>::CollectiveOp;
+};
+
 template <class Element, bool kBKMajor, int kBlockN = kGemmBlockN, int kClusterM = 1, bool kPingpong = false>
 struct GemmInstance {
-  using LayoutA = cutlass::layout::RowMajor;
-  using LayoutB = std::conditional_t<kBKMajor, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
   using LayoutC = cutlass::layout::RowMajor;
   static constexpr int kAlignment = 8;  // 16 bytes: K and N multiples of 8
   using TileShape = cute::Shape<cute::Int<kGemmBlockM>, cute::Int<kBlockN>, cute::_64>;
@@ -92,11 +110,9 @@ struct GemmInstance {
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, Element, LayoutC, kAlignment, Element, LayoutC,
       kAlignment, typename GemmSchedule<kPingpong>::Epilogue>::CollectiveOp;
 
-  using BaseMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, kAlignment, Element, LayoutB, kAlignment,
-      float, TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename BaseEpilogue::SharedStorage))>,
-      typename GemmSchedule<kPingpong>::Mainloop>::CollectiveOp;
+  using BaseMainloop = typename OverlapMainloop<Element, Element, kBKMajor, TileShape, ClusterShape,
+                                                typename GemmSchedule<kPingpong>::Mainloop,
+                                                static_cast<int>(sizeof(typename BaseEpilogue::SharedStorage))>::type;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, GatedMainloop<BaseMainloop>,
                                                       GatedEpilogue<BaseEpilogue>, RotatedSchedulerTag>;

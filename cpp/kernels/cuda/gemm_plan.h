@@ -20,6 +20,7 @@ inline constexpr int kGemmBlockN = 256;        // tile columns of the default in
 inline constexpr int kGemmBlockNNarrow = 192;  // the narrow instance (bf16, N-major weight)
 inline constexpr int kGemmBlockN160 = 160;     // the 2x1-cluster 128x160 instance (bf16, K-major B)
 inline constexpr int kGemmBlockN128 = 128;     // the 2x1-cluster ping-pong 128x128 instances
+inline constexpr int kGemmBlockN320 = 320;     // the 2x1-cluster cooperative 128x320 instances (bf16)
 // M tiles swept together across N when the config says 0 (automatic); see the
 // tile order in gated_gemm.cuh and docs/decisions/2026-11-30-grouped-tile-order.md.
 inline constexpr int kDefaultTileGroupM = 8;
@@ -45,6 +46,7 @@ struct GemmPlan {
   int32_t block_n = kGemmBlockN;  // tile columns: kGemmBlockN, or kGemmBlockNNarrow where built
   int32_t cluster_m = 1;          // CTAs per cluster along M (2: B shared by TMA multicast)
   bool pingpong = false;          // the ping-pong schedule (128x128 in 2x1 clusters only)
+  // block_n 320: cooperative 128x320 tiles in 2x1 clusters (wide_tile_mainloop.cuh)
   // FP8 (gemm_fp8_instance.cuh): A and B float8_e4m3fn, B K-major, D = alpha * row_scale[m] *
   // col_scale[n] * A @ op(B) + beta * C in bfloat16.
   bool fp8 = false;
@@ -58,13 +60,15 @@ inline bool HasNarrowTile(DType dtype, bool b_kmajor) { return dtype == DType::k
 
 // Whether this build has the instance of (block_n, cluster_m, pingpong) for this input. Every
 // input has 128x256 in 1x1 clusters; the others are bf16 only: 128x192 (N-major), 128x160 in 2x1
-// clusters (K-major) and ping-pong 128x128 in 2x1 clusters (both weight layouts).
+// clusters (K-major), ping-pong 128x128 and cooperative 128x320 in 2x1 clusters (both weight
+// layouts).
 inline bool HasGemmInstance(DType dtype, bool b_kmajor, int32_t block_n, int32_t cluster_m, bool pingpong = false) {
   if (dtype != DType::kBF16 && dtype != DType::kF16) return false;
   if (pingpong) return dtype == DType::kBF16 && block_n == kGemmBlockN128 && cluster_m == 2;
   if (block_n == kGemmBlockN && cluster_m == 1) return true;
   if (dtype != DType::kBF16) return false;
   if (block_n == kGemmBlockNNarrow && cluster_m == 1) return !b_kmajor;
+  if (block_n == kGemmBlockN320) return cluster_m == 2;
   return block_n == kGemmBlockN160 && cluster_m == 2 && b_kmajor;
 }
 

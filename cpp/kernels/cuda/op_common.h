@@ -112,6 +112,10 @@ inline Status ChooseGemmInstance(const CommConfig& cfg, DType dtype, bool b_kmaj
       plan->cluster_m = 2;
       plan->pingpong = true;
       break;
+    case GemmKernel::k128x320Cluster2x1:
+      plan->block_n = kGemmBlockN320;
+      plan->cluster_m = 2;
+      break;
     case GemmKernel::kDecode:
       return Status::InvalidArgument(
           "flux_jax: GpuTuning.gemm_kernel='decode' runs the decode GEMM alone, in ag_matmul at tp = 1 only "
@@ -147,7 +151,12 @@ inline Status ChooseFp8GemmInstance(const CommConfig& cfg, const Fp8Operands& fp
         "flux_jax: e5m2 rows run the ping-pong 128x128 FP8 instance only (GpuTuning.gemm_kernel: auto or "
         "128x128_pp_c2x1)");
   }
-  if (kernel == GemmKernel::k128x128PingpongCluster2x1 || (kernel == GemmKernel::kAuto && (small || fp8.x_e5m2))) {
+  if (kernel == GemmKernel::k128x320Cluster2x1) {
+    plan->block_n = kGemmBlockN320;
+    plan->cluster_m = 2;
+    plan->pingpong = false;
+  } else if (kernel == GemmKernel::k128x128PingpongCluster2x1 ||
+             (kernel == GemmKernel::kAuto && (small || fp8.x_e5m2))) {
     plan->block_n = kGemmBlockN128;
     plan->cluster_m = 2;
     plan->pingpong = true;
@@ -157,8 +166,8 @@ inline Status ChooseFp8GemmInstance(const CommConfig& cfg, const Fp8Operands& fp
     plan->pingpong = false;
   } else {
     return Status::InvalidArgument(
-        "flux_jax: FP8 operands run the FP8 GEMM instances only (GpuTuning.gemm_kernel: auto, 128x256 or "
-        "128x128_pp_c2x1)");
+        "flux_jax: FP8 operands run the FP8 GEMM instances only (GpuTuning.gemm_kernel: auto, 128x256, "
+        "128x128_pp_c2x1 or 128x320_c2x1)");
   }
   plan->fp8 = true;
   plan->fp8_a_e5m2 = fp8.x_e5m2;
