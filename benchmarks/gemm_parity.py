@@ -116,9 +116,11 @@ def kernel_available(kernel: str, dtype: str, dx: bool, rows: int) -> bool:
     raise ValueError(f"unknown kernel {kernel!r}")
 
 
-def auto_kernel(dtype: str, dx: bool, m: int, n: int, sms: int) -> str:
-    """The instance GpuTuning.gemm_kernel="auto" runs (op_common.h PreferClustered and
-    ChooseBlockN, tile_n = 0)."""
+def auto_kernel(dtype: str, dx: bool, m: int, k: int, n: int, sms: int) -> str:
+    """The instance GpuTuning.gemm_kernel="auto" runs (op_common.h PreferWideTile,
+    PreferClustered and ChooseBlockN, tile_n = 0)."""
+    if dtype == "bfloat16" and 1024 < m <= 2048 and n % 320 == 0 and k >= 4096:
+        return "128x320_c2x1"
     if dtype == "bfloat16" and 1024 < m <= 2048 and n % 160 == 0:
         return "128x160_c2x1" if dx else "128x128_pp_c2x1"
     if dtype != "bfloat16" or dx:
@@ -298,7 +300,7 @@ def run_shape(
 ) -> list[dict]:
     x, w, ref = make_operands(shape, seed, index, mesh)
     rows = {v.name: _empty_row(shape, v) for v in variants}
-    auto = auto_kernel(shape.dtype, shape.dx, shape.M, shape.N, sms)
+    auto = auto_kernel(shape.dtype, shape.dx, shape.M, shape.K, shape.N, sms)
     entries = []  # (variant, timer, built)
     xla_err = None
     for v in variants:

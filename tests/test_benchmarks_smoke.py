@@ -459,13 +459,16 @@ def test_gemm_parity_variants_follow_the_build_and_the_auto_rule():
     ]
     assert names(200, 8192, 5120, False, "bfloat16") == ["xla", "flux:auto", "flux:128x256", "flux:decode"]
     assert names(64, 8192, 5120, False, "float16") == ["xla", "flux:auto", "flux:128x256"]
-    assert auto_kernel("bfloat16", False, 2048, 3072, 132) == "128x192"  # 8B qkv: the measured case
-    assert auto_kernel("bfloat16", False, 2048, 5120, 132) == "128x128_pp_c2x1"  # 70B qkv: N % 160 == 0
-    assert auto_kernel("bfloat16", True, 2048, 2560, 132) == "128x160_c2x1"  # the transposed weight
-    assert auto_kernel("bfloat16", False, 4096, 5120, 132) == "128x256"  # M > 2048
-    assert auto_kernel("bfloat16", False, 1024, 5120, 132) == "128x192"  # M <= 1024: the 1x1 rule
-    assert auto_kernel("float16", False, 2048, 5120, 132) == "128x256"  # bf16 only
-    assert auto_kernel("bfloat16", True, 2048, 3072, 132) == "128x256"
+    assert auto_kernel("bfloat16", False, 2048, 4096, 3072, 132) == "128x192"  # 8B qkv: the measured case
+    assert auto_kernel("bfloat16", False, 2048, 8192, 5120, 132) == "128x320_c2x1"  # 70B qkv: N % 320, long K
+    assert auto_kernel("bfloat16", True, 2048, 5120, 2560, 132) == "128x320_c2x1"  # the transposed weight too
+    assert auto_kernel("bfloat16", False, 2048, 2560, 5120, 132) == "128x128_pp_c2x1"  # K < 4096: N % 160 == 0
+    assert auto_kernel("bfloat16", True, 2048, 2048, 2560, 132) == "128x160_c2x1"  # the transposed weight
+    assert auto_kernel("bfloat16", False, 4096, 6912, 5120, 132) == "128x256"  # M > 2048
+    assert auto_kernel("bfloat16", False, 8192, 8192, 5120, 132) == "128x256"  # M > 4096
+    assert auto_kernel("bfloat16", False, 1024, 8192, 5120, 132) == "128x192"  # M <= 1024: the 1x1 rule
+    assert auto_kernel("float16", False, 2048, 8192, 5120, 132) == "128x256"  # bf16 only
+    assert auto_kernel("bfloat16", True, 2048, 4096, 3072, 132) == "128x256"
 
 
 def test_gemm_parity_preflight_child_reports_each_variant(capsys):
@@ -478,6 +481,7 @@ def test_gemm_parity_preflight_child_reports_each_variant(capsys):
         "flux:128x192",
         "flux:128x160_c2x1",
         "flux:128x128_pp_c2x1",
+        "flux:128x320_c2x1",
         "flux:auto+gate_probe",
         "flux:decode",
         "flux:ar_decode",

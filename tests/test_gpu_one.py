@@ -152,7 +152,7 @@ def test_one_gpu_fp8_overlap_matches_the_quantized_product(one_gpu, op, shape, w
     assert not flux_jax.device_errors()
 
 
-@pytest.mark.parametrize("kernel", ["128x320_c2x1", "128x256"])
+@pytest.mark.parametrize("kernel", ["128x256", "128x128_pp_c2x1"])
 @pytest.mark.parametrize("op", ["ag", "rs"])
 @pytest.mark.parametrize("shape", FORCED_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_one_gpu_fp8_forced_instance_matches_the_quantized_product(one_gpu, kernel, op, shape):

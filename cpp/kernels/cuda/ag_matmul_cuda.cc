@@ -36,7 +36,7 @@ Status RunAgMatmulCuda(const AgMatmulParams& p, const TpGroup& group, const Comm
   // The GEMM instance: by shape, forced by the tuning, or the FP8 one.
   auto choose = [&](int sm_count, GemmPlan* plan) {
     return p.fp8.on ? ChooseFp8GemmInstance(cfg, p.fp8, rows, p.n, plan)
-                    : ChooseGemmInstance(cfg, p.dtype, p.w_transposed, rows, p.n, sm_count, plan);
+                    : ChooseGemmInstance(cfg, p.dtype, p.w_transposed, rows, p.n, p.k, sm_count, plan);
   };
   if (cfg.poison_outputs) {
     FLUX_CUDA_TRY(cudaMemsetAsync(p.out, 0xFF, rows * p.n * DTypeBytes(p.dtype), S));

@@ -40,7 +40,7 @@ Status RunMatmulArCuda(const MatmulArParams& p, const TpGroup& group, const Comm
     if (p.fp8.on) {
       FLUX_JAX_RETURN_IF_ERROR(ChooseFp8GemmInstance(cfg, p.fp8, p.m, p.n, &plan));
     } else {
-      FLUX_JAX_RETURN_IF_ERROR(ChooseGemmInstance(cfg, p.dtype, p.w_transposed, p.m, p.n, ws.sm_count, &plan));
+      FLUX_JAX_RETURN_IF_ERROR(ChooseGemmInstance(cfg, p.dtype, p.w_transposed, p.m, p.n, p.k, ws.sm_count, &plan));
     }
     return RunGemm(plan, p.dtype, S, device, ws.sm_count);
   };

@@ -59,7 +59,8 @@ Status RunMatmulRsCuda(const MatmulRsParams& p, const TpGroup& group, const Comm
   if (p.fp8.on) {
     FLUX_JAX_RETURN_IF_ERROR(ChooseFp8GemmInstance(cfg, p.fp8, gemm_rows, p.n, &plan));
   } else {
-    FLUX_JAX_RETURN_IF_ERROR(ChooseGemmInstance(cfg, p.dtype, p.w_transposed, gemm_rows, p.n, ws->sm_count, &plan));
+    FLUX_JAX_RETURN_IF_ERROR(
+        ChooseGemmInstance(cfg, p.dtype, p.w_transposed, gemm_rows, p.n, p.k, ws->sm_count, &plan));
   }
   // FP8: the row scales of the launch's first row of x (row_scale covers all p.m rows).
   auto row_scales_at = [&](int64_t x_row) { return p.fp8.on ? p.fp8.row_scale + x_row : nullptr; };

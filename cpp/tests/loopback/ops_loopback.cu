@@ -135,10 +135,7 @@ GemmKernel ForcedKernel(const std::string& name) {
 bool HasForcedInstance(const Case& c, GemmKernel k) {
   if (k == GemmKernel::kAuto) return true;
   if (c.path != Path::kOverlap || (c.op != Op::kAgMatmul && c.op != Op::kMatmulRs)) return false;
-  if (c.fp8) {
-    return ((k == GemmKernel::k128x256 || k == GemmKernel::k128x320Cluster2x1) && !c.x_e5m2) ||
-           k == GemmKernel::k128x128PingpongCluster2x1;
-  }
+  if (c.fp8) return (k == GemmKernel::k128x256 && !c.x_e5m2) || k == GemmKernel::k128x128PingpongCluster2x1;
   if (k == GemmKernel::k128x256) return true;
   if (c.dtype != DType::kBF16) return false;
   if (k == GemmKernel::k128x160Cluster2x1) return c.w_transposed;
