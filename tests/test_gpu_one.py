@@ -119,6 +119,14 @@ def test_one_gpu_forced_gemm_instance_matches_oracle(one_gpu, kernel, op, shape)
     assert not flux_jax.device_errors()
 
 
+def _fp8_operands(rng, M, K, N):
+    """x [M, K] and w [K, N] in bf16 for the FP8 checks, w's columns spread over 0.1-4x in
+    magnitude (so per-column scales differ)."""
+    x = random_array(rng, (M, K), "bfloat16")
+    w = random_array(rng, (K, N), "bfloat16", scale=1 / np.sqrt(K)) * jnp.linspace(0.1, 4, N, dtype=jnp.bfloat16)
+    return x, w
+
+
 def _fp8_exact(x, w, recipe):
     """float64 product of the quantized operands (the quantization both the fused op and the
     twin run): what an exact FP8 GEMM would give before its output rounding."""
@@ -139,8 +147,7 @@ def test_one_gpu_fp8_overlap_matches_the_quantized_product(one_gpu, op, shape, w
     mesh = _mesh(one_gpu)
     rng = np.random.default_rng()
     recipe = flux_jax.Fp8(weight_scaling=weight_scaling)
-    x = random_array(rng, (M, K), "bfloat16")
-    w = random_array(rng, (K, N), "bfloat16", scale=1 / np.sqrt(K)) * jnp.linspace(0.1, 4, N, dtype=jnp.bfloat16)
+    x, w = _fp8_operands(rng, M, K, N)
     with flux_jax.config(fused_path="overlap"):
         fused, specs = _fn(op, mesh, "fused", fp8=recipe)
         xs, ws = place(mesh, x, specs[0]), place(mesh, w, specs[1])
@@ -164,8 +171,7 @@ def test_one_gpu_fp8_forced_instance_matches_the_quantized_product(one_gpu, kern
     mesh = _mesh(one_gpu)
     rng = np.random.default_rng()
     recipe = flux_jax.Fp8(weight_scaling="column")
-    x = random_array(rng, (M, K), "bfloat16")
-    w = random_array(rng, (K, N), "bfloat16", scale=1 / np.sqrt(K)) * jnp.linspace(0.1, 4, N, dtype=jnp.bfloat16)
+    x, w = _fp8_operands(rng, M, K, N)
     fused, specs = _fn(op, mesh, "fused", fp8=recipe)
     xs, ws = place(mesh, x, specs[0]), place(mesh, w, specs[1])
     with flux_jax.config(fused_path="overlap"), _config.gpu_tuning(gemm_kernel=kernel):
@@ -302,8 +308,7 @@ def _check_matmul_ar_fp8(one_gpu, shape, path):
     mesh = _mesh(one_gpu)
     rng = np.random.default_rng()
     recipe = flux_jax.Fp8(weight_scaling="column")
-    x = random_array(rng, (M, K), "bfloat16")
-    w = random_array(rng, (K, N), "bfloat16", scale=1 / np.sqrt(K)) * jnp.linspace(0.1, 4, N, dtype=jnp.bfloat16)
+    x, w = _fp8_operands(rng, M, K, N)
 
     def fn(impl):
         body = functools.partial(flux_jax.matmul_ar, axis_name="tp", impl=impl, fp8=recipe)
