@@ -86,8 +86,8 @@ inline bool PreferClustered(DType dtype, bool b_kmajor, int64_t m, int64_t n) {
 // 256: 2.4; ping-pong 128 x 128: 4.8 tiles per SM) and read 35-40% fewer L2 bytes per output than
 // ping-pong 128x128; a short K loop exposes their epilogue (cooperative: the tensor cores idle while
 // both warpgroups store). Kernel time under sustained load on one H200, ours / XLA's: 70B qkv
-// 2048 x 8192 x 5120 1.061 -> 1.026, Qwen-14B down 2048 x 6912 x 5120 1.060 -> 1.029 (ping-pong
-// 128x128 before), Qwen-14B out-proj dx 2048 x 5120 x 2560 1.075 -> 1.024 (128x160); at K = 2560
+// 2048 x 8192 x 5120 1.061 -> 1.027, Qwen-14B down 2048 x 6912 x 5120 1.060 -> 1.028 (ping-pong
+// 128x128 before), Qwen-14B out-proj dx 2048 x 5120 x 2560 1.076 -> 1.024 (128x160); at K = 2560
 // ping-pong stays ahead by 1% (docs/decisions/2026-12-03-wide-tile-128x320.md). Above 2048 rows
 // not measured against 128x256.
 inline bool PreferWideTile(DType dtype, bool b_kmajor, int64_t m, int64_t n, int64_t k) {
