@@ -15,6 +15,7 @@
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
+#include "wide_tile_mainloop.cuh"
 
 using E = cutlass::bfloat16_t;
 using RM = cutlass::layout::RowMajor;
@@ -54,48 +55,24 @@ struct PlainGemmT {
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 
-// A cooperative tile wider than one MMA instruction: each consumer warpgroup owns TM / 2 rows and issues
-// TN / kAtomN m(TM/2)n(kAtomN) MMAs per k-step along N, e.g. 128x320 tiles from m64n160 atoms (the tile of
-// cuBLAS's "320x128 coopB" nvjet kernels on N = 5120 problems: 1.9 waves of tiles at 2048 rows where 128x128
-// tiles make 4.8 and 128x256 make 2.4). The collective is assembled from CUTLASS's parts because its builder
-// takes one MMA atom as wide as the tile (at most 256). An N-major B is stored in 64-byte swizzled rows, so that
-// each atom's columns start on a swizzle atom (160 columns are 2.5 of the 128-byte atom). m64n160 needs
-// CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED before the first CUTLASS include. FP8 runs with fast accumulation only.
+// A cooperative tile wider than one MMA instruction, e.g. 128x320 from m64n160 atoms (cuBLAS's "320x128 coopB"
+// tile on N = 5120 problems): the product's WideTileMainloop (cpp/kernels/cuda/wide_tile_mainloop.cuh) in a plain
+// kernel with CUTLASS's persistent scheduler and epilogue. m64n160 needs CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+// before the first CUTLASS include. FP8 runs with fast accumulation only.
 template <class EAB, class LB, int TM, int TN, int kAtomN, int ClusterM>
 struct PlainWideGemmT {
   static constexpr bool kFp8 = cutlass::sizeof_bits<EAB>::value == 8;
-  static constexpr int kAlignAB = 128 / cutlass::sizeof_bits<EAB>::value;
-  using Tile = cute::Shape<cute::Int<TM>, cute::Int<TN>, cute::Int<8 * kAlignAB>>;
+  using Tile = cute::Shape<cute::Int<TM>, cute::Int<TN>, cute::Int<1024 / cutlass::sizeof_bits<EAB>::value>>;
   using Cluster = cute::Shape<cute::Int<ClusterM>, cute::_1, cute::_1>;
   using Schedule = std::conditional_t<kFp8, cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8FastAccum,
                                       cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
-  static constexpr cute::GMMA::Major kMajorA = cute::GMMA::Major::K;
-  static constexpr cute::GMMA::Major kMajorB = std::is_same_v<LB, CM> ? cute::GMMA::Major::K : cute::GMMA::Major::MN;
-  using Atom =
-      decltype(cute::GMMA::ss_op_selector<EAB, EAB, float,
-                                          cute::Shape<cute::Int<TM / 2>, cute::Int<kAtomN>, cute::Int<8 * kAlignAB>>,
-                                          kMajorA, kMajorB>());
-  using TiledMma = decltype(cute::make_tiled_mma(Atom{}, cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
   using Epi = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, E, RM, 8, E, RM, 8,
       cutlass::epilogue::TmaWarpSpecializedCooperative>::CollectiveOp;
-  using SmemAtomA = decltype(cutlass::gemm::collective::detail::ss_smem_selector<kMajorA, EAB, cute::Int<TM>,
-                                                                                 cute::Int<8 * kAlignAB>>());
-  using SmemAtomB =
-      std::conditional_t<kMajorB == cute::GMMA::Major::MN, cute::GMMA::Layout_MN_SW64_Atom<EAB>,
-                         decltype(cutlass::gemm::collective::detail::ss_smem_selector<kMajorB, EAB, cute::Int<TN>,
-                                                                                      cute::Int<8 * kAlignAB>>())>;
-  static constexpr int kStages = cutlass::gemm::collective::detail::compute_stage_count_or_override<
-      cutlass::gemm::collective::detail::sm90_smem_capacity_bytes, EAB, EAB, Tile>(
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epi::SharedStorage))>{});
-  using Main = cutlass::gemm::collective::CollectiveMma<
-      cutlass::gemm::MainloopSm90TmaGmmaWarpSpecialized<kStages, Cluster, Schedule>, Tile, EAB,
-      cutlass::gemm::TagToStrideA_t<RM>, EAB, cutlass::gemm::TagToStrideB_t<LB>, TiledMma,
-      decltype(cutlass::gemm::collective::detail::sm90_cluster_shape_to_tma_atom(cute::_1{})), SmemAtomA, void,
-      cute::identity,
-      decltype(cutlass::gemm::collective::detail::sm90_cluster_shape_to_tma_atom(cute::Int<ClusterM>{})), SmemAtomB,
-      void, cute::identity>;
+  using Main =
+      typename flux_jax::cuda::WideTileMainloop<EAB, EAB, std::is_same_v<LB, CM>, Tile, Cluster, kAtomN, Schedule,
+                                                static_cast<int>(sizeof(typename Epi::SharedStorage))>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Main, Epi,
                                                       cutlass::gemm::PersistentScheduler>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
