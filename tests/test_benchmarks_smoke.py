@@ -464,8 +464,11 @@ def test_gemm_parity_variants_follow_the_build_and_the_auto_rule():
     assert auto_kernel("bfloat16", True, 2048, 5120, 2560, 132) == "128x320_c2x1"  # the transposed weight too
     assert auto_kernel("bfloat16", False, 2048, 2560, 5120, 132) == "128x128_pp_c2x1"  # K < 4096: N % 160 == 0
     assert auto_kernel("bfloat16", True, 2048, 2048, 2560, 132) == "128x160_c2x1"  # the transposed weight
-    assert auto_kernel("bfloat16", False, 4096, 6912, 5120, 132) == "128x256"  # M > 2048
-    assert auto_kernel("bfloat16", False, 8192, 8192, 5120, 132) == "128x256"  # M > 4096
+    assert auto_kernel("bfloat16", False, 4096, 6912, 5120, 132) == "128x256"  # M > 2048: waves tie
+    assert auto_kernel("bfloat16", False, 8192, 8192, 5120, 132) == "128x256"
+    assert auto_kernel("bfloat16", True, 4096, 5120, 2560, 132) == "128x320_c2x1"  # 2 waves against 3
+    assert auto_kernel("bfloat16", True, 8192, 5120, 2560, 132) == "128x256"  # 4 x 320 = 5 x 256 columns
+    assert auto_kernel("bfloat16", False, 4096, 2048, 2560, 132) == "128x320_c2x1"  # against 128x192's waves
     assert auto_kernel("bfloat16", False, 1024, 8192, 5120, 132) == "128x192"  # M <= 1024: the 1x1 rule
     assert auto_kernel("float16", False, 2048, 8192, 5120, 132) == "128x256"  # bf16 only
     assert auto_kernel("bfloat16", True, 2048, 4096, 3072, 132) == "128x256"

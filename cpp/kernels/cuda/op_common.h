@@ -48,6 +48,15 @@ inline int32_t StageLaunches(const CommConfig& cfg, int64_t rows, int64_t n, int
   return static_cast<int32_t>(std::min<int64_t>(launches, 8));
 }
 
+// Output tiles of 128 rows by `block_n` columns in an m x n GEMM, and the columns of work one SM
+// does in a persistent GEMM of them: ceil(tiles / SMs) waves, each as long as one tile.
+inline int64_t TileCount(int64_t m, int64_t n, int64_t block_n) {
+  return (m + kGemmBlockM - 1) / kGemmBlockM * ((n + block_n - 1) / block_n);
+}
+inline int64_t WaveSpan(int64_t m, int64_t n, int64_t block_n, int sm_count) {
+  return (TileCount(m, n, block_n) + sm_count - 1) / sm_count * block_n;
+}
+
 // Output tile width (GpuTuning.tile_n; 0 = by waves). A persistent GEMM runs
 // ceil(tiles / SMs) waves, each as long as one tile, and a tile's time scales
 // with its width, so the narrow tile wins where ceil(tiles_192 / SMs) * 192 is
@@ -60,11 +69,10 @@ inline int32_t ChooseBlockN(const CommConfig& cfg, DType dtype, bool b_kmajor, i
   if (!HasNarrowTile(dtype, b_kmajor)) return kGemmBlockN;
   if (cfg.tuning.tile_n != 0) return static_cast<int32_t>(cfg.tuning.tile_n);
   if (m <= 0 || n <= 0 || sm_count <= 0) return kGemmBlockN;
-  const int64_t tiles_m = (m + kGemmBlockM - 1) / kGemmBlockM;
-  auto tiles = [&](int64_t block_n) { return tiles_m * ((n + block_n - 1) / block_n); };
-  auto span = [&](int64_t block_n) { return (tiles(block_n) + sm_count - 1) / sm_count * block_n; };
-  if (tiles(kGemmBlockN) < sm_count) return kGemmBlockN;  // one partial wave: not measured
-  return span(kGemmBlockNNarrow) * 11 < span(kGemmBlockN) * 10 ? kGemmBlockNNarrow : kGemmBlockN;
+  if (TileCount(m, n, kGemmBlockN) < sm_count) return kGemmBlockN;  // one partial wave: not measured
+  return WaveSpan(m, n, kGemmBlockNNarrow, sm_count) * 11 < WaveSpan(m, n, kGemmBlockN, sm_count) * 10
+             ? kGemmBlockNNarrow
+             : kGemmBlockN;
 }
 
 // The 2x1-cluster instances where N is a multiple of 160 and 1024 < M <= 2048, the shapes where
@@ -82,17 +90,23 @@ inline bool PreferClustered(DType dtype, bool b_kmajor, int64_t m, int64_t n) {
 }
 
 // Cooperative 128x320 tiles in 2x1 clusters (wide_tile_mainloop.cuh) where N is a multiple of
-// 320, 1024 < M <= 2048 and K >= 4096: at 2048 x N = 5120 they fill 1.9 waves of 132 SMs (128 x
-// 256: 2.4; ping-pong 128 x 128: 4.8 tiles per SM) and read 35-40% fewer L2 bytes per output than
-// ping-pong 128x128; a short K loop exposes their epilogue (cooperative: the tensor cores idle while
-// both warpgroups store). Kernel time under sustained load on one H200, ours / XLA's: 70B qkv
-// 2048 x 8192 x 5120 1.061 -> 1.027, Qwen-14B down 2048 x 6912 x 5120 1.060 -> 1.028 (ping-pong
-// 128x128 before), Qwen-14B out-proj dx 2048 x 5120 x 2560 1.076 -> 1.024 (128x160); at K = 2560
-// ping-pong stays ahead by 1% (docs/decisions/2026-12-03-wide-tile-128x320.md). Above 2048 rows
-// not measured against 128x256.
-inline bool PreferWideTile(DType dtype, bool b_kmajor, int64_t m, int64_t n, int64_t k) {
-  return m > 1024 && m <= 2048 && n % kGemmBlockN320 == 0 && k >= 4096 &&
-         HasGemmInstance(dtype, b_kmajor, kGemmBlockN320, 2);
+// 320 and M > 1024: up to 2048 rows where K >= 4096, above that where their waves are 10% shorter
+// than those of the 1x1 tile ChooseBlockN picks (its margin). At 2048 x N = 5120 they fill 1.9
+// waves of 132 SMs (128 x 256: 2.4; ping-pong 128 x 128: 4.8 tiles per SM) and read 35-40% fewer
+// L2 bytes per output than ping-pong 128x128; a short K loop exposes their epilogue (cooperative:
+// the tensor cores idle while both warpgroups store). Kernel time under sustained load on one
+// H200, ours / XLA's: 70B qkv 2048 x 8192 x 5120 1.061 -> 1.027, Qwen-14B down 2048 x 6912 x 5120
+// 1.060 -> 1.028 (ping-pong 128x128 before), Qwen-14B out-proj dx 2048 x 5120 x 2560 1.076 ->
+// 1.024 (128x160); at K = 2560 ping-pong stays ahead by 1%. At 4096 rows the Qwen-14B out-proj dx
+// (4096 x 5120 x 2560: 2 waves against 128x256's 3) 1.186 -> 1.007; where the waves tie (4096 and
+// 8192 rows at N = 5120) 128x256 is 2-3% ahead (docs/decisions/2026-12-03-wide-tile-128x320.md).
+inline bool PreferWideTile(const CommConfig& cfg, DType dtype, bool b_kmajor, int64_t m, int64_t n, int64_t k,
+                           int sm_count) {
+  if (m <= 1024 || n % kGemmBlockN320 != 0 || !HasGemmInstance(dtype, b_kmajor, kGemmBlockN320, 2)) return false;
+  if (m <= 2048) return k >= 4096;
+  if (sm_count <= 0) return false;
+  const int64_t other = ChooseBlockN(cfg, dtype, b_kmajor, m, n, sm_count);
+  return WaveSpan(m, n, kGemmBlockN320, sm_count) * 11 < WaveSpan(m, n, other, sm_count) * 10;
 }
 
 // The overlap GEMM instance of a call (GemmPlan.block_n, cluster_m, pingpong).
@@ -107,7 +121,7 @@ inline Status ChooseGemmInstance(const CommConfig& cfg, DType dtype, bool b_kmaj
   plan->pingpong = false;
   switch (static_cast<GemmKernel>(cfg.tuning.gemm_kernel)) {
     case GemmKernel::kAuto:
-      if (cfg.tuning.tile_n == 0 && PreferWideTile(dtype, b_kmajor, m, n, k)) {
+      if (cfg.tuning.tile_n == 0 && PreferWideTile(cfg, dtype, b_kmajor, m, n, k, sm_count)) {
         plan->block_n = kGemmBlockN320;
         plan->cluster_m = 2;
       } else if (cfg.tuning.tile_n == 0 && PreferClustered(dtype, b_kmajor, m, n)) {
