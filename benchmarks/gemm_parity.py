@@ -117,28 +117,12 @@ def kernel_available(kernel: str, dtype: str, dx: bool, rows: int) -> bool:
 
 
 def auto_kernel(dtype: str, dx: bool, m: int, k: int, n: int, sms: int) -> str:
-    """The instance GpuTuning.gemm_kernel="auto" runs (op_common.h PreferWideTile,
-    PreferClustered and ChooseBlockN, tile_n = 0)."""
-    tiles_m = -(-m // 128)
+    """The instance GpuTuning.gemm_kernel="auto" runs: op_common.h's rule (ChooseGemmInstance),
+    asked through the extension (a CUDA build)."""
+    from flux_jax import _native
+    from flux_jax._config import GEMM_KERNELS
 
-    def tiles(block_n):
-        return tiles_m * -(-n // block_n)
-
-    def span(block_n):
-        return -(-tiles(block_n) // sms) * block_n
-
-    def one_by_one():  # ChooseBlockN
-        if dtype != "bfloat16" or dx or tiles(256) < sms:
-            return 256
-        return 192 if span(192) * 11 < span(256) * 10 else 256
-
-    if dtype == "bfloat16" and m > 1024 and n % 320 == 0:
-        fewer_waves = span(320) * 11 < span(one_by_one()) * 10
-        if (m <= 2048 and k >= 4096) or (m > 2048 and fewer_waves):
-            return "128x320_c2x1"
-    if dtype == "bfloat16" and 1024 < m <= 2048 and n % 160 == 0:
-        return "128x160_c2x1" if dx else "128x128_pp_c2x1"
-    return f"128x{one_by_one()}"
+    return GEMM_KERNELS[_native._ext.cuda_auto_gemm_kernel(dtype, dx, m, k, n, sms)]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,6 +20,7 @@ from benchmarks.report import ROW_KEYS
 from benchmarks.results_page import write_results_page
 from benchmarks.timing import TimingParams
 from benchmarks.windowed import WindowedEinsum
+from flux_jax import _native
 
 SHORT_LOOPS = ["--repeats", "3", "--n1", "2", "--target-ms", "20", "--max-calls", "2000"]
 VARIANTS = ["flux_fused", "xla_shard_map", "xla_jit", "xla_windowed_einsum", "pallas_mgpu", "gemm_only", "comm_only"]
@@ -424,10 +425,9 @@ def test_gemm_parity_summary_by_loop_kernel_time():
     assert "By kernel time under the same load" in gemm_parity.markdown(meta, rows)
 
 
-def test_gemm_parity_variants_follow_the_build_and_the_auto_rule():
-    """Which instances a shape runs (gemm_plan.h HasGemmInstance) and what auto resolves to
-    (op_common.h ChooseBlockN)."""
-    from benchmarks.gemm_parity import KERNELS, Shape, auto_kernel, variants_for
+def test_gemm_parity_variants_follow_the_build():
+    """Which instances a shape runs (gemm_plan.h HasGemmInstance)."""
+    from benchmarks.gemm_parity import KERNELS, Shape, variants_for
 
     def names(m, k, n, dx, dtype):
         return [v.name for v in variants_for(Shape(m, k, n, dx, dtype, ""), "gpu", KERNELS, True, True)]
@@ -459,6 +459,14 @@ def test_gemm_parity_variants_follow_the_build_and_the_auto_rule():
     ]
     assert names(200, 8192, 5120, False, "bfloat16") == ["xla", "flux:auto", "flux:128x256", "flux:decode"]
     assert names(64, 8192, 5120, False, "float16") == ["xla", "flux:auto", "flux:128x256"]
+
+
+@pytest.mark.skipif(not hasattr(_native._ext, "cuda_auto_gemm_kernel"), reason="the GEMM rule is in CUDA builds only")
+def test_overlap_gemm_rule_picks_by_waves():
+    """What GpuTuning.gemm_kernel="auto" resolves to (op_common.h ChooseGemmInstance) on the
+    measured shapes of docs/decisions (one H200: 132 SMs)."""
+    from benchmarks.gemm_parity import auto_kernel
+
     assert auto_kernel("bfloat16", False, 2048, 4096, 3072, 132) == "128x192"  # 8B qkv: the measured case
     assert auto_kernel("bfloat16", False, 2048, 8192, 5120, 132) == "128x320_c2x1"  # 70B qkv: N % 320, long K
     assert auto_kernel("bfloat16", True, 2048, 5120, 2560, 132) == "128x320_c2x1"  # the transposed weight too
@@ -469,9 +477,17 @@ def test_gemm_parity_variants_follow_the_build_and_the_auto_rule():
     assert auto_kernel("bfloat16", True, 4096, 5120, 2560, 132) == "128x320_c2x1"  # 2 waves against 3
     assert auto_kernel("bfloat16", True, 8192, 5120, 2560, 132) == "128x256"  # 4 x 320 = 5 x 256 columns
     assert auto_kernel("bfloat16", False, 4096, 2048, 2560, 132) == "128x320_c2x1"  # against 128x192's waves
+    assert auto_kernel("bfloat16", True, 2048, 3584, 5120, 132) == "128x320_c2x1"  # transposed: K >= 3584
+    assert auto_kernel("bfloat16", True, 2048, 4608, 3072, 132) == "128x128_pp_c2x1"  # 3 x 128 < 2 x 256
+    assert auto_kernel("bfloat16", False, 4096, 5120, 3584, 132) == "128x128_pp_c2x1"  # 7 x 128 < 4 x 256
+    assert auto_kernel("bfloat16", True, 2048, 3072, 1536, 132) == "128x256"  # 2 x 128 = 1 x 256
+    assert auto_kernel("bfloat16", False, 2048, 5120, 3584, 132) == "128x256"  # 4 x 128 = 2 x 256
     assert auto_kernel("bfloat16", False, 1024, 8192, 5120, 132) == "128x192"  # M <= 1024: the 1x1 rule
     assert auto_kernel("float16", False, 2048, 8192, 5120, 132) == "128x256"  # bf16 only
-    assert auto_kernel("bfloat16", True, 2048, 4096, 3072, 132) == "128x256"
+    assert auto_kernel("bfloat16", True, 2048, 4096, 3072, 132) == "128x128_pp_c2x1"  # by waves, either layout
+    assert auto_kernel("bfloat16", True, 2048, 3072, 4096, 132) == "128x256"  # 4 x 128 = 2 x 256
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        auto_kernel("float32", False, 2048, 4096, 3072, 132)
 
 
 def test_gemm_parity_preflight_child_reports_each_variant(capsys):

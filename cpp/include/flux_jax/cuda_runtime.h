@@ -22,6 +22,12 @@ size_t CudaWorkspaceBytes(int device);
 // failure, e.g. copied from another GPU of its group).
 std::string CudaDeviceError(int device);
 
+// The overlap GEMM instance GpuTuning.gemm_kernel = auto runs for an m x k x n GEMM of `dtype`
+// ("bfloat16" or "float16"; w [n, k] if w_transposed) on `sm_count` SMs, as the GemmKernel that
+// forces it (op_common.h ChooseGemmInstance: the rule itself, for benchmarks and tests).
+Status CudaAutoGemmKernel(const std::string& dtype, bool w_transposed, int64_t m, int64_t k, int64_t n, int sm_count,
+                          int64_t* gemm_kernel);
+
 // Tests (cpp/tests/loopback): the next growth of a workspace area by rank `rank` of any group fails
 // as if its GPU were out of memory (-1: none).
 void CudaFailNextWorkspaceGrowthForTesting(int rank);

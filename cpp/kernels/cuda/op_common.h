@@ -90,29 +90,46 @@ inline bool PreferClustered(DType dtype, bool b_kmajor, int64_t m, int64_t n) {
 }
 
 // Cooperative 128x320 tiles in 2x1 clusters (wide_tile_mainloop.cuh) where N is a multiple of
-// 320 and M > 1024: up to 2048 rows where K >= 4096, above that where their waves are 10% shorter
-// than those of the 1x1 tile ChooseBlockN picks (its margin). At 2048 x N = 5120 they fill 1.9
-// waves of 132 SMs (128 x 256: 2.4; ping-pong 128 x 128: 4.8 tiles per SM) and read 35-40% fewer
-// L2 bytes per output than ping-pong 128x128; a short K loop exposes their epilogue (cooperative:
-// the tensor cores idle while both warpgroups store). Kernel time under sustained load on one
-// H200, ours / XLA's: 70B qkv 2048 x 8192 x 5120 1.061 -> 1.027, Qwen-14B down 2048 x 6912 x 5120
-// 1.060 -> 1.028 (ping-pong 128x128 before), Qwen-14B out-proj dx 2048 x 5120 x 2560 1.076 ->
-// 1.024 (128x160); at K = 2560 ping-pong stays ahead by 1%. At 4096 rows the Qwen-14B out-proj dx
-// (4096 x 5120 x 2560: 2 waves against 128x256's 3) 1.186 -> 1.007; where the waves tie (4096 and
-// 8192 rows at N = 5120) 128x256 is 2-3% ahead (docs/decisions/2026-12-03-wide-tile-128x320.md).
+// 320 and M > 1024: up to 2048 rows where K >= 4096 ([K, N] weight) or 3584 (transposed, the
+// shortest K measured); above 2048 rows where their waves are 10% shorter than those of the 1x1 tile ChooseBlockN picks
+// (its margin). At 2048 x N = 5120 they fill 1.9 waves of 132 SMs (128 x 256: 2.4; ping-pong
+// 128 x 128: 4.8 tiles per SM) and read 35-40% fewer L2 bytes per output than ping-pong 128x128;
+// a short K loop exposes their epilogue (cooperative: the tensor cores idle while both warpgroups
+// store). Kernel time under sustained load on one H200, ours / XLA's: 70B qkv 2048 x 8192 x 5120
+// 1.061 -> 1.027, Qwen-14B down 2048 x 6912 x 5120 1.060 -> 1.028 (ping-pong 128x128 before); at
+// K = 2560 ping-pong stays ahead by 1%. The transposed weight against 128x160 in 2x1 clusters:
+// Qwen-14B out-proj dx 2048 x 5120 x 2560 1.076 -> 1.024, Qwen-14B qkv dx 2048 x 3584 x 5120
+// 1.073 -> 1.038. At 4096 rows the Qwen-14B out-proj dx (4096 x 5120 x 2560: 2 waves against
+// 128x256's 3) 1.186 -> 1.007; where the waves tie (4096 and 8192 rows at N = 5120) 128x256 is
+// 2-3% ahead (docs/decisions/2026-12-03-wide-tile-128x320.md, 2026-12-03-instance-by-waves.md).
 inline bool PreferWideTile(const CommConfig& cfg, DType dtype, bool b_kmajor, int64_t m, int64_t n, int64_t k,
                            int sm_count) {
   if (m <= 1024 || n % kGemmBlockN320 != 0 || !HasGemmInstance(dtype, b_kmajor, kGemmBlockN320, 2)) return false;
-  if (m <= 2048) return k >= 4096;
+  if (m <= 2048) return k >= (b_kmajor ? 3584 : 4096);
   if (sm_count <= 0) return false;
   const int64_t other = ChooseBlockN(cfg, dtype, b_kmajor, m, n, sm_count);
   return WaveSpan(m, n, kGemmBlockN320, sm_count) * 11 < WaveSpan(m, n, other, sm_count) * 10;
 }
 
+// Ping-pong 128x128 tiles in 2x1 clusters, either weight layout, where M > 1024 and their waves
+// are 10% shorter than those of the 1x1 tile ChooseBlockN picks (after PreferWideTile and
+// PreferClustered): the shapes whose 128x256 tiles leave much of a last wave idle and that have no
+// other instance, N = 1536, 3072, 3584, 6912, 7168. Kernel time under sustained load on one H200,
+// ours / XLA's, 128x256 -> ping-pong: Phi-3 qkv dx 2048 x 4608 x 3072 1.273 -> 1.050, Phi-3
+// gate+up dx 2048 x 8192 x 3072 1.258 -> 1.059, Phi-3 out-proj dx 4096 x 3072 x 1536 1.296 ->
+// 1.043, 8B down dx 2048 x 4096 x 7168 1.163 -> 1.072, Qwen-14B qkv 4096 x 5120 x 3584 1.110 ->
+// 1.037 (docs/decisions/2026-12-03-instance-by-waves.md).
+inline bool PreferPingpongByWaves(const CommConfig& cfg, DType dtype, bool b_kmajor, int64_t m, int64_t n,
+                                  int sm_count) {
+  if (m <= 1024 || sm_count <= 0 || !HasGemmInstance(dtype, b_kmajor, kGemmBlockN128, 2, true)) return false;
+  const int64_t other = ChooseBlockN(cfg, dtype, b_kmajor, m, n, sm_count);
+  return WaveSpan(m, n, kGemmBlockN128, sm_count) * 11 < WaveSpan(m, n, other, sm_count) * 10;
+}
+
 // The overlap GEMM instance of a call (GemmPlan.block_n, cluster_m, pingpong).
 // GpuTuning.gemm_kernel forces one, for A/B measurements: an instance this build lacks for the
 // dtype and weight layout is an error, never a silent fallback. kAuto: PreferWideTile, else
-// PreferClustered, else ChooseBlockN's choice (cluster 1x1).
+// PreferClustered, else PreferPingpongByWaves, else ChooseBlockN's choice (cluster 1x1).
 // kDecode is no overlap instance: ag_matmul's tp = 1 branch runs the decode GEMM for it, and
 // every other call rejects it here.
 inline Status ChooseGemmInstance(const CommConfig& cfg, DType dtype, bool b_kmajor, int64_t m, int64_t n, int64_t k,
@@ -128,6 +145,10 @@ inline Status ChooseGemmInstance(const CommConfig& cfg, DType dtype, bool b_kmaj
         plan->block_n = b_kmajor ? kGemmBlockN160 : kGemmBlockN128;
         plan->cluster_m = 2;
         plan->pingpong = !b_kmajor;
+      } else if (cfg.tuning.tile_n == 0 && PreferPingpongByWaves(cfg, dtype, b_kmajor, m, n, sm_count)) {
+        plan->block_n = kGemmBlockN128;
+        plan->cluster_m = 2;
+        plan->pingpong = true;
       } else {
         plan->block_n = ChooseBlockN(cfg, dtype, b_kmajor, m, n, sm_count);
       }

@@ -1,6 +1,7 @@
 #include "flux_jax/cuda_runtime.h"
 
 #include "flux_jax/tp_group.h"
+#include "op_common.h"
 #include "workspace.h"
 
 namespace flux_jax {
@@ -12,6 +13,28 @@ size_t CudaWorkspaceBytes(int device) { return cuda::WorkspaceBytes(device); }
 std::string CudaDeviceError(int device) {
   Status s = cuda::CheckDeviceError(device);
   return s.ok() ? std::string() : s.message();
+}
+
+Status CudaAutoGemmKernel(const std::string& dtype, bool w_transposed, int64_t m, int64_t k, int64_t n, int sm_count,
+                          int64_t* gemm_kernel) {
+  if (dtype != "bfloat16" && dtype != "float16") {
+    return Status::InvalidArgument("flux_jax: the overlap GEMM rule takes bfloat16 or float16, got " + dtype);
+  }
+  const DType t = dtype == "bfloat16" ? DType::kBF16 : DType::kF16;
+  CommConfig cfg;
+  cuda::GemmPlan chosen{};
+  FLUX_JAX_RETURN_IF_ERROR(cuda::ChooseGemmInstance(cfg, t, w_transposed, m, n, k, sm_count, &chosen));
+  for (GemmKernel forced : {GemmKernel::k128x256, GemmKernel::k128x192, GemmKernel::k128x160Cluster2x1,
+                            GemmKernel::k128x128PingpongCluster2x1, GemmKernel::k128x320Cluster2x1}) {
+    cfg.tuning.gemm_kernel = static_cast<int64_t>(forced);
+    cuda::GemmPlan plan{};
+    if (cuda::ChooseGemmInstance(cfg, t, w_transposed, m, n, k, sm_count, &plan).ok() &&
+        plan.block_n == chosen.block_n && plan.cluster_m == chosen.cluster_m && plan.pingpong == chosen.pingpong) {
+      *gemm_kernel = static_cast<int64_t>(forced);
+      return Status::Ok();
+    }
+  }
+  return Status::Internal("flux_jax: the overlap GEMM rule chose an instance no GpuTuning.gemm_kernel names");
 }
 
 void CudaFailNextWorkspaceGrowthForTesting(int rank) { cuda::FailNextGrowthForTesting(rank); }
