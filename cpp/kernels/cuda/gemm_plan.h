@@ -43,10 +43,9 @@ struct GemmPlan {
   TileSignal signal_d;               // per-piece counters raised as D tiles are written
   int32_t rotate_m_tiles = 0;
   int32_t group_m_tiles = 1;      // M tiles swept together across N (L2 reuse; gated_gemm.cuh)
-  int32_t block_n = kGemmBlockN;  // tile columns: kGemmBlockN, or kGemmBlockNNarrow where built
+  int32_t block_n = kGemmBlockN;  // tile columns: one of the kGemmBlockN* (HasGemmInstance)
   int32_t cluster_m = 1;          // CTAs per cluster along M (2: B shared by TMA multicast)
   bool pingpong = false;          // the ping-pong schedule (128x128 in 2x1 clusters only)
-  // block_n 320: cooperative 128x320 tiles in 2x1 clusters (wide_tile_mainloop.cuh)
   // FP8 (gemm_fp8_instance.cuh): A and B float8_e4m3fn, B K-major, D = alpha * row_scale[m] *
   // col_scale[n] * A @ op(B) + beta * C in bfloat16.
   bool fp8 = false;

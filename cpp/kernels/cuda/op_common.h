@@ -56,6 +56,11 @@ inline int64_t TileCount(int64_t m, int64_t n, int64_t block_n) {
 inline int64_t WaveSpan(int64_t m, int64_t n, int64_t block_n, int sm_count) {
   return (TileCount(m, n, block_n) + sm_count - 1) / sm_count * block_n;
 }
+// Whether tiles `block_n` wide leave each SM 10% fewer columns than tiles `other_n` wide: the
+// margin stands for the narrower or clustered tile's lower efficiency per column.
+inline bool ShorterWaves(int64_t m, int64_t n, int64_t block_n, int64_t other_n, int sm_count) {
+  return WaveSpan(m, n, block_n, sm_count) * 11 < WaveSpan(m, n, other_n, sm_count) * 10;
+}
 
 // Output tile width (GpuTuning.tile_n; 0 = by waves). A persistent GEMM runs
 // ceil(tiles / SMs) waves, each as long as one tile, and a tile's time scales
@@ -70,9 +75,7 @@ inline int32_t ChooseBlockN(const CommConfig& cfg, DType dtype, bool b_kmajor, i
   if (cfg.tuning.tile_n != 0) return static_cast<int32_t>(cfg.tuning.tile_n);
   if (m <= 0 || n <= 0 || sm_count <= 0) return kGemmBlockN;
   if (TileCount(m, n, kGemmBlockN) < sm_count) return kGemmBlockN;  // one partial wave: not measured
-  return WaveSpan(m, n, kGemmBlockNNarrow, sm_count) * 11 < WaveSpan(m, n, kGemmBlockN, sm_count) * 10
-             ? kGemmBlockNNarrow
-             : kGemmBlockN;
+  return ShorterWaves(m, n, kGemmBlockNNarrow, kGemmBlockN, sm_count) ? kGemmBlockNNarrow : kGemmBlockN;
 }
 
 // The 2x1-cluster instances where N is a multiple of 160 and 1024 < M <= 2048, the shapes where
@@ -107,8 +110,7 @@ inline bool PreferWideTile(const CommConfig& cfg, DType dtype, bool b_kmajor, in
   if (m <= 1024 || n % kGemmBlockN320 != 0 || !HasGemmInstance(dtype, b_kmajor, kGemmBlockN320, 2)) return false;
   if (m <= 2048) return k >= (b_kmajor ? 3584 : 4096);
   if (sm_count <= 0) return false;
-  const int64_t other = ChooseBlockN(cfg, dtype, b_kmajor, m, n, sm_count);
-  return WaveSpan(m, n, kGemmBlockN320, sm_count) * 11 < WaveSpan(m, n, other, sm_count) * 10;
+  return ShorterWaves(m, n, kGemmBlockN320, ChooseBlockN(cfg, dtype, b_kmajor, m, n, sm_count), sm_count);
 }
 
 // Ping-pong 128x128 tiles in 2x1 clusters, either weight layout, where M > 1024 and their waves
@@ -122,8 +124,7 @@ inline bool PreferWideTile(const CommConfig& cfg, DType dtype, bool b_kmajor, in
 inline bool PreferPingpongByWaves(const CommConfig& cfg, DType dtype, bool b_kmajor, int64_t m, int64_t n,
                                   int sm_count) {
   if (m <= 1024 || sm_count <= 0 || !HasGemmInstance(dtype, b_kmajor, kGemmBlockN128, 2, true)) return false;
-  const int64_t other = ChooseBlockN(cfg, dtype, b_kmajor, m, n, sm_count);
-  return WaveSpan(m, n, kGemmBlockN128, sm_count) * 11 < WaveSpan(m, n, other, sm_count) * 10;
+  return ShorterWaves(m, n, kGemmBlockN128, ChooseBlockN(cfg, dtype, b_kmajor, m, n, sm_count), sm_count);
 }
 
 // The overlap GEMM instance of a call (GemmPlan.block_n, cluster_m, pingpong).
