@@ -101,13 +101,13 @@ def kernel_available(kernel: str, dtype: str, dx: bool, rows: int) -> bool:
     HasGemmInstance; ag_matmul_decode.h RunDecodeGemmAlone)."""
     if kernel in ("auto", "128x256"):
         return True
+    if kernel == "128x128_pp_c2x1":
+        return dtype == "bfloat16" or not dx
     if dtype != "bfloat16":
         return False
-    if kernel == "128x192":
-        return not dx
     if kernel == "128x160_c2x1":
         return dx
-    if kernel in ("128x128_pp_c2x1", "128x320_c2x1"):
+    if kernel in ("128x192", "128x320_c2x1"):
         return True
     if kernel == "decode":
         return not dx and 1 <= rows <= 256

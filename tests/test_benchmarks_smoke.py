@@ -478,13 +478,15 @@ def test_overlap_gemm_rule_picks_by_waves():
     assert auto_kernel("bfloat16", True, 8192, 5120, 2560, 132) == "128x256"  # 4 x 320 = 5 x 256 columns
     assert auto_kernel("bfloat16", False, 4096, 2048, 2560, 132) == "128x320_c2x1"  # against 128x192's waves
     assert auto_kernel("bfloat16", True, 2048, 3584, 5120, 132) == "128x320_c2x1"  # transposed: K >= 3584
-    assert auto_kernel("bfloat16", True, 2048, 4608, 3072, 132) == "128x128_pp_c2x1"  # 3 x 128 < 2 x 256
+    assert auto_kernel("bfloat16", True, 2048, 4608, 3072, 132) == "128x192"  # 2 x 192 < 2 x 256, = 3 x 128
     assert auto_kernel("bfloat16", False, 4096, 5120, 3584, 132) == "128x128_pp_c2x1"  # 7 x 128 < 4 x 256
-    assert auto_kernel("bfloat16", True, 2048, 3072, 1536, 132) == "128x256"  # 2 x 128 = 1 x 256
+    assert auto_kernel("bfloat16", True, 2048, 3072, 1536, 132) == "128x192"  # 96 tiles of 256; 128 of 192
     assert auto_kernel("bfloat16", False, 2048, 5120, 3584, 132) == "128x256"  # 4 x 128 = 2 x 256
     assert auto_kernel("bfloat16", False, 1024, 8192, 5120, 132) == "128x192"  # M <= 1024: the 1x1 rule
-    assert auto_kernel("float16", False, 2048, 8192, 5120, 132) == "128x256"  # bf16 only
-    assert auto_kernel("bfloat16", True, 2048, 4096, 3072, 132) == "128x128_pp_c2x1"  # by waves, either layout
+    assert auto_kernel("float16", False, 2048, 8192, 5120, 132) == "128x128_pp_c2x1"  # no 128x320 in f16
+    assert auto_kernel("float16", True, 2048, 4608, 3072, 132) == "128x256"  # f16 w^T: 128x256 only
+    assert auto_kernel("bfloat16", True, 2048, 4096, 3072, 132) == "128x192"  # either layout
+    assert auto_kernel("bfloat16", True, 2048, 4096, 7168, 132) == "128x128_pp_c2x1"  # 7 x 128 < 4 x 256 (5 x 192)
     assert auto_kernel("bfloat16", True, 2048, 3072, 4096, 132) == "128x256"  # 4 x 128 = 2 x 256
     with pytest.raises(ValueError, match="bfloat16 or float16"):
         auto_kernel("float32", False, 2048, 4096, 3072, 132)

@@ -92,7 +92,7 @@ def test_one_gpu_middle_dimensions_and_gradients(one_gpu, op):
 FORCED_SHAPES = [(2048, 1024, 5120), (1000, 528, 784), (384, 2048, 2560)]
 
 
-@pytest.mark.parametrize("kernel", ["128x320_c2x1", "128x128_pp_c2x1"])
+@pytest.mark.parametrize("kernel", ["128x320_c2x1", "128x128_pp_c2x1", "128x192"])
 @pytest.mark.parametrize("op", ["ag", "rs"])
 @pytest.mark.parametrize("shape", FORCED_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_one_gpu_forced_gemm_instance_matches_oracle(one_gpu, kernel, op, shape):
@@ -116,6 +116,26 @@ def test_one_gpu_forced_gemm_instance_matches_oracle(one_gpu, kernel, op, shape)
     ct64 = np.asarray(ct, np.float64)
     assert_matches(dx, ct64 @ to64(w).T, tdx, "bfloat16", f"{what} dx")
     assert_matches(dw, to64(x).T @ ct64, tdw, "bfloat16", f"{what} dw")
+    assert not flux_jax.device_errors()
+
+
+@pytest.mark.parametrize("op", ["ag", "rs"])
+@pytest.mark.parametrize("shape", FORCED_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_one_gpu_forced_f16_pingpong_matches_oracle(one_gpu, op, shape):
+    """float16's ping-pong 128x128 instance (2x1 clusters), forced: the [K, N] weight only (the
+    forward; float16's transposed weight has 128x256 tiles alone)."""
+    from flux_jax import _config
+
+    M, K, N = shape
+    mesh = _mesh(one_gpu)
+    rng = np.random.default_rng()
+    x, w = random_array(rng, (M, K), "float16"), random_array(rng, (K, N), "float16", scale=1 / np.sqrt(K))
+    fused, specs = _fn(op, mesh, "fused")
+    twin, _ = _fn(op, mesh, "xla")
+    xs, ws = place(mesh, x, specs[0]), place(mesh, w, specs[1])
+    with flux_jax.config(fused_path="overlap"), _config.gpu_tuning(gemm_kernel="128x128_pp_c2x1"):
+        out = fused(xs, ws)
+    assert_matches(out, to64(x) @ to64(w), twin(xs, ws), "float16", f"f16 ping-pong {op} {shape}")
     assert not flux_jax.device_errors()
 
 

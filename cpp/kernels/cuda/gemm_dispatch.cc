@@ -10,10 +10,12 @@ Status RunGemm_bf16_kmajor(const GemmPlan&, cudaStream_t, int, int);
 Status RunGemm_f16_nmajor(const GemmPlan&, cudaStream_t, int, int);
 Status RunGemm_f16_kmajor(const GemmPlan&, cudaStream_t, int, int);
 Status RunGemm_bf16_nmajor_n192(const GemmPlan&, cudaStream_t, int, int);
+Status RunGemm_bf16_kmajor_n192(const GemmPlan&, cudaStream_t, int, int);
 Status RunGemm_bf16_kmajor_n160_c2x1(const GemmPlan&, cudaStream_t, int, int);
 Status RunGemm_e4m3_bf16(const GemmPlan&, cudaStream_t, int, int);
 Status RunGemm_bf16_nmajor_pp128_c2x1(const GemmPlan&, cudaStream_t, int, int);
 Status RunGemm_bf16_kmajor_pp128_c2x1(const GemmPlan&, cudaStream_t, int, int);
+Status RunGemm_f16_nmajor_pp128_c2x1(const GemmPlan&, cudaStream_t, int, int);
 Status RunGemm_e4m3_bf16_pp128_c2x1(const GemmPlan&, cudaStream_t, int, int);
 Status RunGemm_e5m2_bf16_pp128_c2x1(const GemmPlan&, cudaStream_t, int, int);
 Status RunGemm_bf16_nmajor_w320_c2x1(const GemmPlan&, cudaStream_t, int, int);
@@ -23,10 +25,12 @@ Status Preload_RunGemm_bf16_kmajor();
 Status Preload_RunGemm_f16_nmajor();
 Status Preload_RunGemm_f16_kmajor();
 Status Preload_RunGemm_bf16_nmajor_n192();
+Status Preload_RunGemm_bf16_kmajor_n192();
 Status Preload_RunGemm_bf16_kmajor_n160_c2x1();
 Status Preload_RunGemm_e4m3_bf16();
 Status Preload_RunGemm_bf16_nmajor_pp128_c2x1();
 Status Preload_RunGemm_bf16_kmajor_pp128_c2x1();
+Status Preload_RunGemm_f16_nmajor_pp128_c2x1();
 Status Preload_RunGemm_e4m3_bf16_pp128_c2x1();
 Status Preload_RunGemm_e5m2_bf16_pp128_c2x1();
 Status Preload_RunGemm_bf16_nmajor_w320_c2x1();
@@ -37,10 +41,12 @@ Status PreloadGemmKernels() {
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_bf16_kmajor());
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_f16_nmajor());
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_bf16_nmajor_n192());
+  FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_bf16_kmajor_n192());
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_bf16_kmajor_n160_c2x1());
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_e4m3_bf16());
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_bf16_nmajor_pp128_c2x1());
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_bf16_kmajor_pp128_c2x1());
+  FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_f16_nmajor_pp128_c2x1());
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_e4m3_bf16_pp128_c2x1());
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_e5m2_bf16_pp128_c2x1());
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_bf16_nmajor_w320_c2x1());
@@ -49,7 +55,7 @@ Status PreloadGemmKernels() {
 }
 
 // The 2x1-cluster instances (ChooseGemmInstance): 128x160 (K-major B), ping-pong 128x128 and
-// cooperative 128x320.
+// cooperative 128x320 (bf16), ping-pong 128x128 (f16, N-major B).
 static Status RunClusteredGemm(const GemmPlan& plan, DType dtype, cudaStream_t stream, int device, int sm_count) {
   if (!HasGemmInstance(dtype, plan.b_kmajor, plan.block_n, plan.cluster_m, plan.pingpong)) {
     return Status::InvalidArgument("flux_jax: no overlap GEMM instance with 128x" + std::to_string(plan.block_n) +
@@ -58,6 +64,7 @@ static Status RunClusteredGemm(const GemmPlan& plan, DType dtype, cudaStream_t s
                                    (plan.b_kmajor ? " with the transposed weight" : ""));
   }
   if (plan.pingpong) {
+    if (dtype == DType::kF16) return RunGemm_f16_nmajor_pp128_c2x1(plan, stream, device, sm_count);
     return plan.b_kmajor ? RunGemm_bf16_kmajor_pp128_c2x1(plan, stream, device, sm_count)
                          : RunGemm_bf16_nmajor_pp128_c2x1(plan, stream, device, sm_count);
   }
@@ -90,8 +97,9 @@ Status RunGemm(const GemmPlan& plan, DType dtype, cudaStream_t stream, int devic
     return RunClusteredGemm(plan, dtype, stream, device, sm_count);
   switch (dtype) {
     case DType::kBF16:
-      if (plan.block_n == kGemmBlockNNarrow && HasNarrowTile(dtype, plan.b_kmajor)) {
-        return RunGemm_bf16_nmajor_n192(plan, stream, device, sm_count);
+      if (plan.block_n == kGemmBlockNNarrow) {
+        return plan.b_kmajor ? RunGemm_bf16_kmajor_n192(plan, stream, device, sm_count)
+                             : RunGemm_bf16_nmajor_n192(plan, stream, device, sm_count);
       }
       return plan.b_kmajor ? RunGemm_bf16_kmajor(plan, stream, device, sm_count)
                            : RunGemm_bf16_nmajor(plan, stream, device, sm_count);

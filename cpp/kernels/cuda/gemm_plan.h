@@ -17,7 +17,7 @@ namespace flux_jax::cuda {
 
 inline constexpr int kGemmBlockM = 128;        // tile rows of every shipped instance
 inline constexpr int kGemmBlockN = 256;        // tile columns of the default instances
-inline constexpr int kGemmBlockNNarrow = 192;  // the narrow instance (bf16, N-major weight)
+inline constexpr int kGemmBlockNNarrow = 192;  // the narrow instances (bf16, either weight layout)
 inline constexpr int kGemmBlockN160 = 160;     // the 2x1-cluster 128x160 instance (bf16, K-major B)
 inline constexpr int kGemmBlockN128 = 128;     // the 2x1-cluster ping-pong 128x128 instances
 inline constexpr int kGemmBlockN320 = 320;     // the 2x1-cluster cooperative 128x320 instances (bf16)
@@ -55,18 +55,19 @@ struct GemmPlan {
 };
 
 // Whether the narrow-tile instance exists for this input (RunGemm falls back to kGemmBlockN).
-inline bool HasNarrowTile(DType dtype, bool b_kmajor) { return dtype == DType::kBF16 && !b_kmajor; }
+inline bool HasNarrowTile(DType dtype) { return dtype == DType::kBF16; }
 
 // Whether this build has the instance of (block_n, cluster_m, pingpong) for this input. Every
-// input has 128x256 in 1x1 clusters; the others are bf16 only: 128x192 (N-major), 128x160 in 2x1
-// clusters (K-major), ping-pong 128x128 and cooperative 128x320 in 2x1 clusters (both weight
-// layouts).
+// input has 128x256 in 1x1 clusters and ping-pong 128x128 in 2x1 clusters, except float16 with
+// the transposed weight (128x256 only: the build's budget goes to bf16, the training dtype); the
+// others are bf16 only: 128x192, 128x160 in 2x1 clusters (K-major), cooperative 128x320 in 2x1
+// clusters.
 inline bool HasGemmInstance(DType dtype, bool b_kmajor, int32_t block_n, int32_t cluster_m, bool pingpong = false) {
   if (dtype != DType::kBF16 && dtype != DType::kF16) return false;
-  if (pingpong) return dtype == DType::kBF16 && block_n == kGemmBlockN128 && cluster_m == 2;
+  if (pingpong) return block_n == kGemmBlockN128 && cluster_m == 2 && (dtype == DType::kBF16 || !b_kmajor);
   if (block_n == kGemmBlockN && cluster_m == 1) return true;
   if (dtype != DType::kBF16) return false;
-  if (block_n == kGemmBlockNNarrow && cluster_m == 1) return !b_kmajor;
+  if (block_n == kGemmBlockNNarrow && cluster_m == 1) return true;
   if (block_n == kGemmBlockN320) return cluster_m == 2;
   return block_n == kGemmBlockN160 && cluster_m == 2 && b_kmajor;
 }

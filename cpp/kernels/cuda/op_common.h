@@ -66,15 +66,16 @@ inline bool ShorterWaves(int64_t m, int64_t n, int64_t block_n, int64_t other_n,
 // ceil(tiles / SMs) waves, each as long as one tile, and a tile's time scales
 // with its width, so the narrow tile wins where ceil(tiles_192 / SMs) * 192 is
 // clearly below ceil(tiles_256 / SMs) * 256; the 10% margin stands for the
-// narrow tile's lower efficiency per column. Only shapes with at least one full
-// wave of 128x256 tiles, the case measured: 8B qkv AG at M = 2048 (2048 x 3072
-// per GPU, 192 tiles = 1.45 waves) 103.0 -> 86.6 us; where the rule keeps 256,
-// forcing 192 was 2-4% slower (2x H200, 2026-11-30; docs/decisions/2026-11-30-tile-width-by-waves.md).
-inline int32_t ChooseBlockN(const CommConfig& cfg, DType dtype, bool b_kmajor, int64_t m, int64_t n, int sm_count) {
-  if (!HasNarrowTile(dtype, b_kmajor)) return kGemmBlockN;
+// narrow tile's lower efficiency per column. Measured: 8B qkv AG at M = 2048
+// (2048 x 3072 per GPU, 192 tiles = 1.45 waves) 103.0 -> 86.6 us; where the rule
+// keeps 256, forcing 192 was 2-4% slower (2x H200, 2026-11-30;
+// docs/decisions/2026-11-30-tile-width-by-waves.md). One partial wave of 128x256 tiles
+// only above 1024 rows (fewer rows are latency-bound, not measured).
+inline int32_t ChooseBlockN(const CommConfig& cfg, DType dtype, int64_t m, int64_t n, int sm_count) {
+  if (!HasNarrowTile(dtype)) return kGemmBlockN;
   if (cfg.tuning.tile_n != 0) return static_cast<int32_t>(cfg.tuning.tile_n);
   if (m <= 0 || n <= 0 || sm_count <= 0) return kGemmBlockN;
-  if (TileCount(m, n, kGemmBlockN) < sm_count) return kGemmBlockN;  // one partial wave: not measured
+  if (m <= 1024 && TileCount(m, n, kGemmBlockN) < sm_count) return kGemmBlockN;
   return ShorterWaves(m, n, kGemmBlockNNarrow, kGemmBlockN, sm_count) ? kGemmBlockNNarrow : kGemmBlockN;
 }
 
@@ -110,7 +111,7 @@ inline bool PreferWideTile(const CommConfig& cfg, DType dtype, bool b_kmajor, in
   if (m <= 1024 || n % kGemmBlockN320 != 0 || !HasGemmInstance(dtype, b_kmajor, kGemmBlockN320, 2)) return false;
   if (m <= 2048) return k >= (b_kmajor ? 3584 : 4096);
   if (sm_count <= 0) return false;
-  return ShorterWaves(m, n, kGemmBlockN320, ChooseBlockN(cfg, dtype, b_kmajor, m, n, sm_count), sm_count);
+  return ShorterWaves(m, n, kGemmBlockN320, ChooseBlockN(cfg, dtype, m, n, sm_count), sm_count);
 }
 
 // Ping-pong 128x128 tiles in 2x1 clusters, either weight layout, where M > 1024 and their waves
@@ -124,7 +125,7 @@ inline bool PreferWideTile(const CommConfig& cfg, DType dtype, bool b_kmajor, in
 inline bool PreferPingpongByWaves(const CommConfig& cfg, DType dtype, bool b_kmajor, int64_t m, int64_t n,
                                   int sm_count) {
   if (m <= 1024 || sm_count <= 0 || !HasGemmInstance(dtype, b_kmajor, kGemmBlockN128, 2, true)) return false;
-  return ShorterWaves(m, n, kGemmBlockN128, ChooseBlockN(cfg, dtype, b_kmajor, m, n, sm_count), sm_count);
+  return ShorterWaves(m, n, kGemmBlockN128, ChooseBlockN(cfg, dtype, m, n, sm_count), sm_count);
 }
 
 // The overlap GEMM instance of a call (GemmPlan.block_n, cluster_m, pingpong).
@@ -151,7 +152,7 @@ inline Status ChooseGemmInstance(const CommConfig& cfg, DType dtype, bool b_kmaj
         plan->cluster_m = 2;
         plan->pingpong = true;
       } else {
-        plan->block_n = ChooseBlockN(cfg, dtype, b_kmajor, m, n, sm_count);
+        plan->block_n = ChooseBlockN(cfg, dtype, m, n, sm_count);
       }
       return Status::Ok();
     case GemmKernel::k128x256: plan->block_n = kGemmBlockN; break;
