@@ -445,11 +445,19 @@ def test_gemm_parity_variants_follow_the_build():
         "xla",
         "flux:auto",
         "flux:128x256",
+        "flux:128x192",
         "flux:128x160_c2x1",
         "flux:128x128_pp_c2x1",
         "flux:128x320_c2x1",
     ]
-    assert names(8192, 8192, 8192, False, "float16") == ["xla", "flux:auto", "flux:128x256", "flux:auto+gate_probe"]
+    assert names(8192, 8192, 8192, False, "float16") == [
+        "xla",
+        "flux:auto",
+        "flux:128x256",
+        "flux:128x128_pp_c2x1",
+        "flux:auto+gate_probe",
+    ]
+    assert names(8192, 8192, 8192, True, "float16") == ["xla", "flux:auto", "flux:128x256"]
     assert names(64, 8192, 5120, False, "bfloat16") == [
         "xla",
         "flux:auto",
