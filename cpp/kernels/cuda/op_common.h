@@ -69,8 +69,11 @@ inline bool ShorterWaves(int64_t m, int64_t n, int64_t block_n, int64_t other_n,
 // narrow tile's lower efficiency per column. Measured: 8B qkv AG at M = 2048
 // (2048 x 3072 per GPU, 192 tiles = 1.45 waves) 103.0 -> 86.6 us; where the rule
 // keeps 256, forcing 192 was 2-4% slower (2x H200, 2026-11-30;
-// docs/decisions/2026-11-30-tile-width-by-waves.md). One partial wave of 128x256 tiles
-// only above 1024 rows (fewer rows are latency-bound, not measured).
+// docs/decisions/2026-11-30-tile-width-by-waves.md). The transposed weight, ours / XLA's
+// time on one H200: Phi-3 out-proj dx 2048 x 3072 x 1536 (96 tiles of 256 on 132 SMs, 128 of
+// 192) 1.28 -> 1.04, Phi-3 gate+up dx 2048 x 8192 x 3072 1.27 -> 1.01 (ping-pong 1.06)
+// (docs/decisions/2026-12-03-narrow-tile-dx-and-f16-pingpong.md). Less than one wave of
+// 128x256 tiles only above 1024 rows (fewer rows are latency-bound, not measured).
 inline int32_t ChooseBlockN(const CommConfig& cfg, DType dtype, int64_t m, int64_t n, int sm_count) {
   if (!HasNarrowTile(dtype)) return kGemmBlockN;
   if (cfg.tuning.tile_n != 0) return static_cast<int32_t>(cfg.tuning.tile_n);
@@ -114,14 +117,14 @@ inline bool PreferWideTile(const CommConfig& cfg, DType dtype, bool b_kmajor, in
   return ShorterWaves(m, n, kGemmBlockN320, ChooseBlockN(cfg, dtype, m, n, sm_count), sm_count);
 }
 
-// Ping-pong 128x128 tiles in 2x1 clusters, either weight layout, where M > 1024 and their waves
-// are 10% shorter than those of the 1x1 tile ChooseBlockN picks (after PreferWideTile and
-// PreferClustered): the shapes whose 128x256 tiles leave much of a last wave idle and that have no
-// other instance, N = 1536, 3072, 3584, 6912, 7168. Kernel time under sustained load on one H200,
-// ours / XLA's, 128x256 -> ping-pong: Phi-3 qkv dx 2048 x 4608 x 3072 1.273 -> 1.050, Phi-3
-// gate+up dx 2048 x 8192 x 3072 1.258 -> 1.059, Phi-3 out-proj dx 4096 x 3072 x 1536 1.296 ->
-// 1.043, 8B down dx 2048 x 4096 x 7168 1.163 -> 1.072, Qwen-14B qkv 4096 x 5120 x 3584 1.110 ->
-// 1.037 (docs/decisions/2026-12-03-instance-by-waves.md).
+// Ping-pong 128x128 tiles in 2x1 clusters, either weight layout (float16: the [K, N] weight),
+// where M > 1024 and their waves are 10% shorter than those of the 1x1 tile ChooseBlockN picks
+// (after PreferWideTile and PreferClustered): shapes whose 128x256 and 128x192 tiles leave much
+// of a last wave idle, e.g. N = 3584, 6912, 7168. Kernel time under sustained load on one H200,
+// ours / XLA's, 128x256 -> ping-pong: 8B down dx 2048 x 4096 x 7168 1.163 -> 1.072, Qwen-14B qkv
+// 4096 x 5120 x 3584 1.110 -> 1.037 (docs/decisions/2026-12-03-instance-by-waves.md); float16's
+// forward at 2048-4096 rows, eight shapes, 1.18 -> 1.06 median
+// (docs/decisions/2026-12-03-narrow-tile-dx-and-f16-pingpong.md).
 inline bool PreferPingpongByWaves(const CommConfig& cfg, DType dtype, bool b_kmajor, int64_t m, int64_t n,
                                   int sm_count) {
   if (m <= 1024 || sm_count <= 0 || !HasGemmInstance(dtype, b_kmajor, kGemmBlockN128, 2, true)) return false;
