@@ -489,6 +489,7 @@ def test_overlap_gemm_rule_picks_by_waves():
     assert auto_kernel("bfloat16", True, 2048, 4608, 3072, 132) == "128x192"  # 2 x 192 < 2 x 256, = 3 x 128
     assert auto_kernel("bfloat16", False, 4096, 5120, 3584, 132) == "128x128_pp_c2x1"  # 7 x 128 < 4 x 256
     assert auto_kernel("bfloat16", True, 2048, 3072, 1536, 132) == "128x192"  # 96 tiles of 256; 128 of 192
+    assert auto_kernel("bfloat16", True, 1024, 3072, 1536, 132) == "128x256"  # under a wave at <= 1024 rows
     assert auto_kernel("bfloat16", False, 2048, 5120, 3584, 132) == "128x256"  # 4 x 128 = 2 x 256
     assert auto_kernel("bfloat16", False, 1024, 8192, 5120, 132) == "128x192"  # M <= 1024: the 1x1 rule
     assert auto_kernel("float16", False, 2048, 8192, 5120, 132) == "128x128_pp_c2x1"  # no 128x320 in f16
