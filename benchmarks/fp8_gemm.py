@@ -10,8 +10,8 @@ tensor), two programs over a mesh axis of size 1:
         then our CUTLASS FP8 GEMM (e4m3 x e4m3, the scales in its epilogue) with no peer
         (its rule: ping-pong 128x128 tiles in 2x1 clusters below 8192 x 8192 outputs, else
         128x256 tiles)
-  flux:128x256, flux:128x128_pp_c2x1, flux:128x192_c2x1  the same with one FP8 instance forced
-        through the private GpuTuning.gemm_kernel (`--no-forced` leaves them out)
+  flux:128x256, flux:128x128_pp_c2x1  the same with one FP8 instance forced through the private
+        GpuTuning.gemm_kernel (`--no-forced` leaves them out)
 
 `--backward` times the input gradient instead, dx = dy @ w^T (an M x K output, N deep): dy
 quantized per row to float8_e5m2, so ours is the e5m2 x e4m3 GEMM (ping-pong 128x128 2x1, the only
@@ -90,7 +90,6 @@ VARIANTS = (
     ("flux", "fused", "auto"),
     ("flux:128x256", "fused", "128x256"),
     ("flux:128x128_pp_c2x1", "fused", "128x128_pp_c2x1"),
-    ("flux:128x192_c2x1", "fused", "128x192_c2x1"),
 )
 
 

@@ -55,7 +55,6 @@ enum class GemmKernel : int64_t {
   kDecode = 4,
   k128x128PingpongCluster2x1 = 5,  // bf16, FP8, f16 with the [K, N] weight: ping-pong schedule
   k128x320Cluster2x1 = 6,          // bf16: cooperative, two m64n160 MMAs per warpgroup
-  k128x192Cluster2x1 = 7,          // bf16 and FP8: cooperative, B shared by TMA multicast
 };
 
 // GPU tuning of the overlap and decode kernels. Every default is the product

@@ -20,9 +20,6 @@ Status RunGemm_e4m3_bf16_pp128_c2x1(const GemmPlan&, cudaStream_t, int, int);
 Status RunGemm_e5m2_bf16_pp128_c2x1(const GemmPlan&, cudaStream_t, int, int);
 Status RunGemm_bf16_nmajor_w320_c2x1(const GemmPlan&, cudaStream_t, int, int);
 Status RunGemm_bf16_kmajor_w320_c2x1(const GemmPlan&, cudaStream_t, int, int);
-Status RunGemm_bf16_nmajor_n192_c2x1(const GemmPlan&, cudaStream_t, int, int);
-Status RunGemm_bf16_kmajor_n192_c2x1(const GemmPlan&, cudaStream_t, int, int);
-Status RunGemm_e4m3_bf16_n192_c2x1(const GemmPlan&, cudaStream_t, int, int);
 Status Preload_RunGemm_bf16_nmajor();
 Status Preload_RunGemm_bf16_kmajor();
 Status Preload_RunGemm_f16_nmajor();
@@ -38,9 +35,6 @@ Status Preload_RunGemm_e4m3_bf16_pp128_c2x1();
 Status Preload_RunGemm_e5m2_bf16_pp128_c2x1();
 Status Preload_RunGemm_bf16_nmajor_w320_c2x1();
 Status Preload_RunGemm_bf16_kmajor_w320_c2x1();
-Status Preload_RunGemm_bf16_nmajor_n192_c2x1();
-Status Preload_RunGemm_bf16_kmajor_n192_c2x1();
-Status Preload_RunGemm_e4m3_bf16_n192_c2x1();
 
 Status PreloadGemmKernels() {
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_bf16_nmajor());
@@ -57,9 +51,6 @@ Status PreloadGemmKernels() {
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_e5m2_bf16_pp128_c2x1());
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_bf16_nmajor_w320_c2x1());
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_bf16_kmajor_w320_c2x1());
-  FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_bf16_nmajor_n192_c2x1());
-  FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_bf16_kmajor_n192_c2x1());
-  FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_e4m3_bf16_n192_c2x1());
   return Preload_RunGemm_f16_kmajor();
 }
 
@@ -81,10 +72,6 @@ static Status RunClusteredGemm(const GemmPlan& plan, DType dtype, cudaStream_t s
     return plan.b_kmajor ? RunGemm_bf16_kmajor_w320_c2x1(plan, stream, device, sm_count)
                          : RunGemm_bf16_nmajor_w320_c2x1(plan, stream, device, sm_count);
   }
-  if (plan.block_n == kGemmBlockNNarrow) {
-    return plan.b_kmajor ? RunGemm_bf16_kmajor_n192_c2x1(plan, stream, device, sm_count)
-                         : RunGemm_bf16_nmajor_n192_c2x1(plan, stream, device, sm_count);
-  }
   return RunGemm_bf16_kmajor_n160_c2x1(plan, stream, device, sm_count);
 }
 
@@ -92,11 +79,10 @@ Status RunGemm(const GemmPlan& plan, DType dtype, cudaStream_t stream, int devic
   if (plan.fp8) {
     const bool wide = plan.block_n == kGemmBlockN && plan.cluster_m == 1 && !plan.pingpong;
     const bool pingpong = plan.block_n == kGemmBlockN128 && plan.cluster_m == 2 && plan.pingpong;
-    const bool narrow = plan.block_n == kGemmBlockNNarrow && plan.cluster_m == 2 && !plan.pingpong;
-    if (dtype != DType::kBF16 || !plan.b_kmajor || !(wide || pingpong || narrow)) {
+    if (dtype != DType::kBF16 || !plan.b_kmajor || !(wide || pingpong)) {
       return Status::InvalidArgument(
-          "flux_jax: the FP8 GEMM instances are 128x256 (1x1 clusters), ping-pong 128x128 (2x1) and 128x192 (2x1), "
-          "transposed weight, bfloat16 out");
+          "flux_jax: the FP8 GEMM instances are 128x256 (1x1 clusters) and ping-pong 128x128 (2x1), transposed "
+          "weight, bfloat16 out");
     }
     if (plan.fp8_a_e5m2) {
       if (!pingpong) {
@@ -104,7 +90,6 @@ Status RunGemm(const GemmPlan& plan, DType dtype, cudaStream_t stream, int devic
       }
       return RunGemm_e5m2_bf16_pp128_c2x1(plan, stream, device, sm_count);
     }
-    if (narrow) return RunGemm_e4m3_bf16_n192_c2x1(plan, stream, device, sm_count);
     return wide ? RunGemm_e4m3_bf16(plan, stream, device, sm_count)
                 : RunGemm_e4m3_bf16_pp128_c2x1(plan, stream, device, sm_count);
   }

@@ -173,10 +173,6 @@ inline Status ChooseGemmInstance(const CommConfig& cfg, DType dtype, bool b_kmaj
       plan->block_n = kGemmBlockN320;
       plan->cluster_m = 2;
       break;
-    case GemmKernel::k128x192Cluster2x1:
-      plan->block_n = kGemmBlockNNarrow;
-      plan->cluster_m = 2;
-      break;
     case GemmKernel::kDecode:
       return Status::InvalidArgument(
           "flux_jax: GpuTuning.gemm_kernel='decode' runs the decode GEMM alone, in ag_matmul at tp = 1 only "
@@ -220,14 +216,10 @@ inline Status ChooseFp8GemmInstance(const CommConfig& cfg, const Fp8Operands& fp
     plan->block_n = kGemmBlockN;
     plan->cluster_m = 1;
     plan->pingpong = false;
-  } else if (kernel == GemmKernel::k128x192Cluster2x1) {
-    plan->block_n = kGemmBlockNNarrow;
-    plan->cluster_m = 2;
-    plan->pingpong = false;
   } else {
     return Status::InvalidArgument(
-        "flux_jax: FP8 operands run the FP8 GEMM instances only (GpuTuning.gemm_kernel: auto, 128x256, "
-        "128x128_pp_c2x1 or 128x192_c2x1)");
+        "flux_jax: FP8 operands run the FP8 GEMM instances only (GpuTuning.gemm_kernel: auto, 128x256 or "
+        "128x128_pp_c2x1)");
   }
   plan->fp8 = true;
   plan->fp8_a_e5m2 = fp8.x_e5m2;

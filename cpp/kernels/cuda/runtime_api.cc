@@ -26,9 +26,8 @@ Status CudaAutoGemmKernel(const std::string& dtype, bool w_transposed, int64_t m
   FLUX_JAX_RETURN_IF_ERROR(cuda::ChooseGemmInstance(cfg, t, w_transposed, m, n, k, sm_count, &chosen));
   // The forced kernel whose plan is the chosen one: ChooseGemmInstance's switch stays the only map
   // from a GemmKernel to a plan.
-  for (GemmKernel forced :
-       {GemmKernel::k128x256, GemmKernel::k128x192, GemmKernel::k128x160Cluster2x1,
-        GemmKernel::k128x128PingpongCluster2x1, GemmKernel::k128x320Cluster2x1, GemmKernel::k128x192Cluster2x1}) {
+  for (GemmKernel forced : {GemmKernel::k128x256, GemmKernel::k128x192, GemmKernel::k128x160Cluster2x1,
+                            GemmKernel::k128x128PingpongCluster2x1, GemmKernel::k128x320Cluster2x1}) {
     cfg.tuning.gemm_kernel = static_cast<int64_t>(forced);
     cuda::GemmPlan plan{};
     if (cuda::ChooseGemmInstance(cfg, t, w_transposed, m, n, k, sm_count, &plan).ok() &&

@@ -127,7 +127,6 @@ GemmKernel ForcedKernel(const std::string& name) {
   if (name == "128x160_c2x1") return GemmKernel::k128x160Cluster2x1;
   if (name == "128x128_pp_c2x1") return GemmKernel::k128x128PingpongCluster2x1;
   if (name == "128x320_c2x1") return GemmKernel::k128x320Cluster2x1;
-  if (name == "128x192_c2x1") return GemmKernel::k128x192Cluster2x1;
   return GemmKernel::kAuto;
 }
 
@@ -136,15 +135,12 @@ GemmKernel ForcedKernel(const std::string& name) {
 bool HasForcedInstance(const Case& c, GemmKernel k) {
   if (k == GemmKernel::kAuto) return true;
   if (c.path != Path::kOverlap || (c.op != Op::kAgMatmul && c.op != Op::kMatmulRs)) return false;
-  if (c.fp8) {
-    return ((k == GemmKernel::k128x256 || k == GemmKernel::k128x192Cluster2x1) && !c.x_e5m2) ||
-           k == GemmKernel::k128x128PingpongCluster2x1;
-  }
+  if (c.fp8) return (k == GemmKernel::k128x256 && !c.x_e5m2) || k == GemmKernel::k128x128PingpongCluster2x1;
   if (k == GemmKernel::k128x256) return true;
   if (k == GemmKernel::k128x128PingpongCluster2x1) return c.dtype == DType::kBF16 || !c.w_transposed;
   if (c.dtype != DType::kBF16) return false;
   if (k == GemmKernel::k128x160Cluster2x1) return c.w_transposed;
-  return k == GemmKernel::k128x192 || k == GemmKernel::k128x320Cluster2x1 || k == GemmKernel::k128x192Cluster2x1;
+  return k == GemmKernel::k128x192 || k == GemmKernel::k128x320Cluster2x1;
 }
 // The last checked output of each rank (matmul_ar: compared across ranks bit for bit).
 std::vector<std::vector<uint16_t>> g_outputs;
@@ -943,8 +939,7 @@ int main(int argc, char** argv) {
     } else if (std::strncmp(argv[i], "--gemm-kernel=", 14) == 0) {
       g_gemm_kernel = ForcedKernel(argv[i] + 14);
       if (g_gemm_kernel == GemmKernel::kAuto) {
-        std::fprintf(stderr,
-                     "--gemm-kernel: 128x256, 128x192, 128x160_c2x1, 128x128_pp_c2x1, 128x320_c2x1 or 128x192_c2x1\n");
+        std::fprintf(stderr, "--gemm-kernel: 128x256, 128x192, 128x160_c2x1, 128x128_pp_c2x1 or 128x320_c2x1\n");
         return 2;
       }
     } else if (std::strncmp(argv[i], "--rs-tile-signal=", 17) == 0) {

@@ -1,6 +1,0 @@
-// GEMM instance: cutlass::bfloat16_t, B nmajor, cooperative 128x192 tiles in 2x1 clusters sharing B
-// by TMA multicast (see gemm_instance.cuh; op_common.h ChooseGemmInstance).
-#include "gemm_instance.cuh"
-
-FLUX_JAX_DEFINE_GEMM_INSTANCE(RunGemm_bf16_nmajor_n192_c2x1,
-                              GemmInstance<cutlass::bfloat16_t, false, kGemmBlockNNarrow, 2>)
