@@ -137,7 +137,7 @@ bool HasForcedInstance(const Case& c, GemmKernel k) {
   if (c.path != Path::kOverlap || (c.op != Op::kAgMatmul && c.op != Op::kMatmulRs)) return false;
   if (c.fp8) return (k == GemmKernel::k128x256 && !c.x_e5m2) || k == GemmKernel::k128x128PingpongCluster2x1;
   if (k == GemmKernel::k128x256) return true;
-  if (k == GemmKernel::k128x128PingpongCluster2x1) return c.dtype == DType::kBF16 || !c.w_transposed;
+  if (k == GemmKernel::k128x128PingpongCluster2x1) return true;
   if (c.dtype != DType::kBF16) return false;
   if (k == GemmKernel::k128x160Cluster2x1) return c.w_transposed;
   return k == GemmKernel::k128x192 || k == GemmKernel::k128x320Cluster2x1;
@@ -816,6 +816,7 @@ std::vector<Case> CasesFor(int tp) {
       {Op::kAgMatmul, Path::kOverlap, ag_m - 24, 1032, 520},  // rows not whole 128-row tiles, tails
       {Op::kAgMatmul, Path::kOverlap, ag_m, 256, 1024, DType::kF16},
       {Op::kAgMatmul, Path::kOverlap, ag_m, 768, 512, DType::kBF16, /*w_transposed=*/true},
+      {Op::kAgMatmul, Path::kOverlap, ag_m, 512, 640, DType::kF16, /*w_transposed=*/true},
       {Op::kAgMatmul, Path::kOverlap, ag_m, 384, 256, DType::kBF16, false, /*gathered=*/true},
       {Op::kAgMatmul, Path::kDecode, 64 / tp, 1024, 2048},
       {Op::kAgMatmul, Path::kDecode, 256 / tp, 2048, 1024},
@@ -824,6 +825,7 @@ std::vector<Case> CasesFor(int tp) {
       {Op::kMatmulRs, Path::kOverlap, 1000 / tp * tp, 1032, 520},
       {Op::kMatmulRs, Path::kOverlap, 1024, 256, 1024, DType::kF16},
       {Op::kMatmulRs, Path::kOverlap, 1024, 768, 512, DType::kBF16, /*w_transposed=*/true},
+      {Op::kMatmulRs, Path::kOverlap, 1024, 512, 640, DType::kF16, /*w_transposed=*/true},
       {Op::kMatmulRs, Path::kDecode, 16, 2048, 512},
       {Op::kMatmulRs, Path::kDecode, 64, 1024, 2048},
       {Op::kMatmulRs, Path::kDecode, 128, 512, 1024},
