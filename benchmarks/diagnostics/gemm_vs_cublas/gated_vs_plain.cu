@@ -2,14 +2,16 @@
 // scheduler, with nothing to wait for) against plain CUTLASS of the same configuration, in one process on one GPU
 // with tile_sweep's driver (check first, outputs poisoned; best of 7 loops, two passes in opposite column order).
 //
-//   bf16   reference cuBLAS; ping-pong 128x128 in 2x1 clusters (B N-major), plain, unhooked and ours; ours 128x256
+//   bf16   reference cuBLAS; ping-pong 128x128 in 2x1 clusters (B N-major), plain, unhooked and ours; cooperative
+//          128x256 (the tile of every shape at M >= 8192), plain, unhooked, each hook alone, all three and ours
 //   fp8    reference plain CUTLASS ping-pong 128x128 2x1 with fast accumulation (raster AlongN, no swizzle), so the
 //          ratio is ours / plain; unhooked and ours with their row and column scales (all 1) in the epilogue
 //
 // Unhooked: our instance's CUTLASS mainloop and epilogue (alpha read per tile; FP8: the scale tree) in a plain kernel
 // with CUTLASS's persistent scheduler, none of our hooks: plain -> unhooked prices our epilogue, unhooked -> ours the
-// hooks. FP8 also puts them back one at a time (mainloop_hook, epilogue_hook, scheduler_hook) and all three
-// (all_hooks: the product's kernel built from this checkout's headers, next to `ours` from the linked library).
+// hooks. FP8 and bf16 128x256 also put them back one at a time (mainloop_hook, epilogue_hook, scheduler_hook) and
+// all three (all_hooks: the product's kernel built from this checkout's headers, next to `ours` from the linked
+// library).
 // SWEEP_PROFILE=<n> times by profiler instead of loops (tile_sweep.cuh): the way to read differences of a few percent.
 //
 // Plain configurations run tile_sweep's four scheduler variants. Ours reads them as:
@@ -40,6 +42,7 @@ using F8 = cutlass::float_e4m3_t;
 using PS = cutlass::gemm::PersistentScheduler;
 using PlainBf16Pp = PlainGemmT<E, RM, RM, RM, 128, 128, 2, 1, PS, true>;
 using PlainFp8Pp = PlainGemmT<F8, RM, CM, RM, 128, 128, 2, 1, PS, true, true>;
+using PlainBf16Coop = PlainGemmT<E, RM, RM, RM, 128, 256, 1, 1, PS>;
 
 // Our instance's own mainloop and epilogue (CUTLASS's, before our hooks wrap them) in a plain GemmUniversal with
 // CUTLASS's persistent scheduler: the product's kernel less the gated mainloop, gated epilogue and rotated scheduler.
@@ -60,6 +63,12 @@ struct Unhooked {
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 using UnhookedBf16Pp = Unhooked<flux_jax::cuda::GemmInstance<E, false, 128, 2, true>>;
+using Bf16CoopInstance = flux_jax::cuda::GemmInstance<E, false, 256, 1, false>;
+using UnhookedBf16Coop = Unhooked<Bf16CoopInstance>;
+using MainloopHookBf16Coop = Unhooked<Bf16CoopInstance, kMainloopHook>;
+using EpilogueHookBf16Coop = Unhooked<Bf16CoopInstance, kEpilogueHook>;
+using SchedulerHookBf16Coop = Unhooked<Bf16CoopInstance, kSchedulerHook>;
+using AllHooksBf16Coop = Unhooked<Bf16CoopInstance, kMainloopHook | kEpilogueHook | kSchedulerHook>;
 using Fp8PpInstance = flux_jax::cuda::GemmInstanceFp8<F8, E, 128, 2, true>;
 using UnhookedFp8Pp = Unhooked<Fp8PpInstance>;
 using MainloopHookFp8Pp = Unhooked<Fp8PpInstance, kMainloopHook>;
@@ -187,6 +196,13 @@ int main(int argc, char** argv) {
   auto ours = [&](const char* name, flux_jax::cuda::GemmPlan base, const void* a, const void* b) {
     return Config{name, [=](const SweepShape& s, Variant v) { return MakeOurs(base, s, a, b, buf.d, scales, v); }};
   };
+  // An Unhooked bf16 instance (its type as Tag<U>) as a configuration.
+  auto unhooked_bf16 = [&](const char* name, auto tag) {
+    using U = typename decltype(tag)::type;
+    return Config{name, [=, d = buf.d, ws = buf.ws](const SweepShape& s, Variant v) {
+                    return MakeUnhooked<U, false>(s, x, w, d, scales, ws, kWsBytes, v);
+                  }};
+  };
   const std::vector<Config> bf16 = {
       {"plain_pp_128x128_c2x1",
        [&](const SweepShape& s, Variant v) {
@@ -197,6 +213,15 @@ int main(int argc, char** argv) {
          return MakeUnhooked<UnhookedBf16Pp, false>(s, x, w, buf.d, scales, buf.ws, kWsBytes, v);
        }},
       ours("ours_pp_128x128_c2x1", Instance(128, 2, true, false, scales), x, w),
+      {"plain_coop_128x256",
+       [&](const SweepShape& s, Variant v) {
+         return MakePlain<PlainBf16Coop>(s.m, s.n, s.k, x, w, buf.d, buf.ws, kWsBytes, v);
+       }},
+      unhooked_bf16("unhooked_coop_128x256", Tag<UnhookedBf16Coop>{}),
+      unhooked_bf16("mainloop_hook_coop_128x256", Tag<MainloopHookBf16Coop>{}),
+      unhooked_bf16("epilogue_hook_coop_128x256", Tag<EpilogueHookBf16Coop>{}),
+      unhooked_bf16("scheduler_hook_coop_128x256", Tag<SchedulerHookBf16Coop>{}),
+      unhooked_bf16("all_hooks_coop_128x256", Tag<AllHooksBf16Coop>{}),
       ours("ours_coop_128x256", Instance(256, 1, false, false, scales), x, w),
   };
   printf("bf16: us per call (best of 7 loops, min of 2 passes); ratio = config / cuBLAS\n");
