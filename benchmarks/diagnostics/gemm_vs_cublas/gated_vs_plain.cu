@@ -29,6 +29,7 @@
 // 16: 7-13%) did not show in the kernel times, so time by profiler (SWEEP_PROFILE) for anything under ~10%.
 //
 // cuBLAS: as tile_sweep (FLUX_PROBE_CUBLAS). Build: build.sh <build-dir> <out-dir> (links the CUDA backend).
+#include <type_traits>
 #include <vector>
 
 #include "gemm_fp8_instance.cuh"
@@ -196,13 +197,14 @@ int main(int argc, char** argv) {
   auto ours = [&](const char* name, flux_jax::cuda::GemmPlan base, const void* a, const void* b) {
     return Config{name, [=](const SweepShape& s, Variant v) { return MakeOurs(base, s, a, b, buf.d, scales, v); }};
   };
-  // An Unhooked bf16 instance (its type as Tag<U>) as a configuration.
-  auto unhooked_bf16 = [&](const char* name, auto tag) {
+  // An Unhooked instance (its type as Tag<U>; FP8 or not as std::bool_constant) on a and b as a configuration.
+  auto unhooked = [&](const char* name, auto tag, auto fp8, const void* a, const void* b) {
     using U = typename decltype(tag)::type;
     return Config{name, [=, d = buf.d, ws = buf.ws](const SweepShape& s, Variant v) {
-                    return MakeUnhooked<U, false>(s, x, w, d, scales, ws, kWsBytes, v);
+                    return MakeUnhooked<U, decltype(fp8)::value>(s, a, b, d, scales, ws, kWsBytes, v);
                   }};
   };
+  auto unhooked_bf16 = [&](const char* name, auto tag) { return unhooked(name, tag, std::false_type{}, x, w); };
   const std::vector<Config> bf16 = {
       {"plain_pp_128x128_c2x1",
        [&](const SweepShape& s, Variant v) {
@@ -240,13 +242,7 @@ int main(int argc, char** argv) {
   auto plain_ref = [&](const SweepShape& s, E* out) -> Runner {
     return MakePlain<PlainFp8Pp>(s.m, s.n, s.k, xf, wf, out, buf.ws, kWsBytes, kVariants[0]);
   };
-  // An Unhooked FP8 instance (its type as Tag<U>) as a configuration.
-  auto unhooked_fp8 = [&](const char* name, auto tag) {
-    using U = typename decltype(tag)::type;
-    return Config{name, [=, d = buf.d, ws = buf.ws](const SweepShape& s, Variant v) {
-                    return MakeUnhooked<U, true>(s, xf, wf, d, scales, ws, kWsBytes, v);
-                  }};
-  };
+  auto unhooked_fp8 = [&](const char* name, auto tag) { return unhooked(name, tag, std::true_type{}, xf, wf); };
   const std::vector<Config> fp8 = {
       {"plain_pp_128x128_c2x1_fastaccum",
        [&](const SweepShape& s, Variant v) {
