@@ -29,6 +29,8 @@
 // 16: 7-13%) did not show in the kernel times, so time by profiler (SWEEP_PROFILE) for anything under ~10%.
 //
 // cuBLAS: as tile_sweep (FLUX_PROBE_CUBLAS). Build: build.sh <build-dir> <out-dir> (links the CUDA backend).
+#include <deque>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -65,22 +67,7 @@ struct Unhooked {
 };
 using UnhookedBf16Pp = Unhooked<flux_jax::cuda::GemmInstance<E, false, 128, 2, true>>;
 using Bf16CoopInstance = flux_jax::cuda::GemmInstance<E, false, 256, 1, false>;
-using UnhookedBf16Coop = Unhooked<Bf16CoopInstance>;
-using MainloopHookBf16Coop = Unhooked<Bf16CoopInstance, kMainloopHook>;
-using EpilogueHookBf16Coop = Unhooked<Bf16CoopInstance, kEpilogueHook>;
-using SchedulerHookBf16Coop = Unhooked<Bf16CoopInstance, kSchedulerHook>;
-using AllHooksBf16Coop = Unhooked<Bf16CoopInstance, kMainloopHook | kEpilogueHook | kSchedulerHook>;
 using Fp8PpInstance = flux_jax::cuda::GemmInstanceFp8<F8, E, 128, 2, true>;
-using UnhookedFp8Pp = Unhooked<Fp8PpInstance>;
-using MainloopHookFp8Pp = Unhooked<Fp8PpInstance, kMainloopHook>;
-using EpilogueHookFp8Pp = Unhooked<Fp8PpInstance, kEpilogueHook>;
-using SchedulerHookFp8Pp = Unhooked<Fp8PpInstance, kSchedulerHook>;
-using AllHooksFp8Pp = Unhooked<Fp8PpInstance, kMainloopHook | kEpilogueHook | kSchedulerHook>;
-
-template <class T>
-struct Tag {
-  using type = T;
-};
 
 // A runner of an Unhooked instance; the epilogue's arguments as the product sets them (alpha read per tile from
 // `one`, beta 0, FP8: every row and column scale `one`).
@@ -121,6 +108,25 @@ Runner MakeUnhooked(const SweepShape& s, const void* x, const void* w, E* d, con
       g->initialize(args, ws) != cutlass::Status::kSuccess)
     return {};
   return [g] { g->run(); };
+}
+
+// The columns `<what>_<tile>` of Instance on a and b: unhooked, each hook put back alone, all three.
+template <class Instance, bool kFp8>
+void AddHookColumns(std::vector<Config>* out, const char* tile, const void* a, const void* b, E* d, const float* one,
+                    void* ws, size_t ws_bytes) {
+  static std::deque<std::string> names;  // Config.name points into these
+  auto add = [&](const char* what, auto hooks) {
+    using U = Unhooked<Instance, decltype(hooks)::value>;
+    names.push_back(std::string(what) + "_" + tile);
+    out->push_back({names.back().c_str(), [=](const SweepShape& s, Variant v) {
+                      return MakeUnhooked<U, kFp8>(s, a, b, d, one, ws, ws_bytes, v);
+                    }});
+  };
+  add("unhooked", std::integral_constant<int, kNoHooks>{});
+  add("mainloop_hook", std::integral_constant<int, kMainloopHook>{});
+  add("epilogue_hook", std::integral_constant<int, kEpilogueHook>{});
+  add("scheduler_hook", std::integral_constant<int, kSchedulerHook>{});
+  add("all_hooks", std::integral_constant<int, kMainloopHook | kEpilogueHook | kSchedulerHook>{});
 }
 
 // Our instance of `base` (block_n, cluster, schedule; FP8 or not) on s, its variant read as the header says.
@@ -197,15 +203,7 @@ int main(int argc, char** argv) {
   auto ours = [&](const char* name, flux_jax::cuda::GemmPlan base, const void* a, const void* b) {
     return Config{name, [=](const SweepShape& s, Variant v) { return MakeOurs(base, s, a, b, buf.d, scales, v); }};
   };
-  // An Unhooked instance (its type as Tag<U>; FP8 or not as std::bool_constant) on a and b as a configuration.
-  auto unhooked = [&](const char* name, auto tag, auto fp8, const void* a, const void* b) {
-    using U = typename decltype(tag)::type;
-    return Config{name, [=, d = buf.d, ws = buf.ws](const SweepShape& s, Variant v) {
-                    return MakeUnhooked<U, decltype(fp8)::value>(s, a, b, d, scales, ws, kWsBytes, v);
-                  }};
-  };
-  auto unhooked_bf16 = [&](const char* name, auto tag) { return unhooked(name, tag, std::false_type{}, x, w); };
-  const std::vector<Config> bf16 = {
+  std::vector<Config> bf16 = {
       {"plain_pp_128x128_c2x1",
        [&](const SweepShape& s, Variant v) {
          return MakePlain<PlainBf16Pp>(s.m, s.n, s.k, x, w, buf.d, buf.ws, kWsBytes, v);
@@ -219,13 +217,9 @@ int main(int argc, char** argv) {
        [&](const SweepShape& s, Variant v) {
          return MakePlain<PlainBf16Coop>(s.m, s.n, s.k, x, w, buf.d, buf.ws, kWsBytes, v);
        }},
-      unhooked_bf16("unhooked_coop_128x256", Tag<UnhookedBf16Coop>{}),
-      unhooked_bf16("mainloop_hook_coop_128x256", Tag<MainloopHookBf16Coop>{}),
-      unhooked_bf16("epilogue_hook_coop_128x256", Tag<EpilogueHookBf16Coop>{}),
-      unhooked_bf16("scheduler_hook_coop_128x256", Tag<SchedulerHookBf16Coop>{}),
-      unhooked_bf16("all_hooks_coop_128x256", Tag<AllHooksBf16Coop>{}),
-      ours("ours_coop_128x256", Instance(256, 1, false, false, scales), x, w),
   };
+  AddHookColumns<Bf16CoopInstance, false>(&bf16, "coop_128x256", x, w, buf.d, scales, buf.ws, kWsBytes);
+  bf16.push_back(ours("ours_coop_128x256", Instance(256, 1, false, false, scales), x, w));
   printf("bf16: us per call (best of 7 loops, min of 2 passes); ratio = config / cuBLAS\n");
   RunSweep("bf16", "cuBLAS", shapes, 650.0, cublas_ref, bf16, buf.d, buf.d2, buf.acc);
 
@@ -242,20 +236,15 @@ int main(int argc, char** argv) {
   auto plain_ref = [&](const SweepShape& s, E* out) -> Runner {
     return MakePlain<PlainFp8Pp>(s.m, s.n, s.k, xf, wf, out, buf.ws, kWsBytes, kVariants[0]);
   };
-  auto unhooked_fp8 = [&](const char* name, auto tag) { return unhooked(name, tag, std::true_type{}, xf, wf); };
-  const std::vector<Config> fp8 = {
+  std::vector<Config> fp8 = {
       {"plain_pp_128x128_c2x1_fastaccum",
        [&](const SweepShape& s, Variant v) {
          return MakePlain<PlainFp8Pp>(s.m, s.n, s.k, xf, wf, buf.d, buf.ws, kWsBytes, v);
        }},
-      unhooked_fp8("unhooked_pp_128x128_c2x1", Tag<UnhookedFp8Pp>{}),
-      unhooked_fp8("mainloop_hook_pp_128x128_c2x1", Tag<MainloopHookFp8Pp>{}),
-      unhooked_fp8("epilogue_hook_pp_128x128_c2x1", Tag<EpilogueHookFp8Pp>{}),
-      unhooked_fp8("scheduler_hook_pp_128x128_c2x1", Tag<SchedulerHookFp8Pp>{}),
-      unhooked_fp8("all_hooks_pp_128x128_c2x1", Tag<AllHooksFp8Pp>{}),
-      ours("ours_pp_128x128_c2x1", Instance(128, 2, true, true, scales), xf, wf),
-      ours("ours_coop_128x256", Instance(256, 1, false, true, scales), xf, wf),
   };
+  AddHookColumns<Fp8PpInstance, true>(&fp8, "pp_128x128_c2x1", xf, wf, buf.d, scales, buf.ws, kWsBytes);
+  fp8.push_back(ours("ours_pp_128x128_c2x1", Instance(128, 2, true, true, scales), xf, wf));
+  fp8.push_back(ours("ours_coop_128x256", Instance(256, 1, false, true, scales), xf, wf));
   printf("fp8: us per call (best of 7 loops, min of 2 passes); ratio = config / plain pp 128x128 2x1 sw1,N\n");
   RunSweep("fp8", "plain", shapes, 1200.0, plain_ref, fp8, buf.d, buf.d2, buf.acc);
   const cudaError_t err = cudaDeviceSynchronize();
