@@ -102,7 +102,7 @@ def kernel_available(kernel: str, dtype: str, dx: bool, rows: int) -> bool:
     if kernel in ("auto", "128x256"):
         return True
     if kernel == "128x128_pp_c2x1":
-        return dtype == "bfloat16" or not dx
+        return True
     if dtype != "bfloat16":
         return False
     if kernel == "128x160_c2x1":

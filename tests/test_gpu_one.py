@@ -122,20 +122,24 @@ def test_one_gpu_forced_gemm_instance_matches_oracle(one_gpu, kernel, op, shape)
 @pytest.mark.parametrize("op", ["ag", "rs"])
 @pytest.mark.parametrize("shape", FORCED_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_one_gpu_forced_f16_pingpong_matches_oracle(one_gpu, op, shape):
-    """float16's ping-pong 128x128 instance (2x1 clusters), forced: the [K, N] weight only (the
-    forward; float16's transposed weight has 128x256 tiles alone)."""
+    """float16's ping-pong 128x128 instances (2x1 clusters), forced: the forward reads the [K, N]
+    weight, the backward's dx the transposed one."""
     from flux_jax import _config
 
     M, K, N = shape
     mesh = _mesh(one_gpu)
     rng = np.random.default_rng()
     x, w = random_array(rng, (M, K), "float16"), random_array(rng, (K, N), "float16", scale=1 / np.sqrt(K))
+    ct = jnp.asarray(rng.standard_normal((M, N)), jnp.float32)
     fused, specs = _fn(op, mesh, "fused")
     twin, _ = _fn(op, mesh, "xla")
     xs, ws = place(mesh, x, specs[0]), place(mesh, w, specs[1])
     with flux_jax.config(fused_path="overlap"), _config.gpu_tuning(gemm_kernel="128x128_pp_c2x1"):
         out = fused(xs, ws)
-    assert_matches(out, to64(x) @ to64(w), twin(xs, ws), "float16", f"f16 ping-pong {op} {shape}")
+        (dx, _), (tdx, _) = _grads(fused, xs, ws, ct), _grads(twin, xs, ws, ct)
+    what = f"f16 ping-pong {op} {shape}"
+    assert_matches(out, to64(x) @ to64(w), twin(xs, ws), "float16", what)
+    assert_matches(dx, np.asarray(ct, np.float64) @ to64(w).T, tdx, "float16", f"{what} dx")
     assert not flux_jax.device_errors()
 
 

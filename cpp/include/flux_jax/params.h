@@ -53,7 +53,7 @@ enum class GemmKernel : int64_t {
   k128x192 = 2,            // bf16
   k128x160Cluster2x1 = 3,  // bf16, the transposed weight
   kDecode = 4,
-  k128x128PingpongCluster2x1 = 5,  // bf16, FP8, f16 with the [K, N] weight: ping-pong schedule
+  k128x128PingpongCluster2x1 = 5,  // bf16, f16, FP8: ping-pong schedule
   k128x320Cluster2x1 = 6,          // bf16: cooperative, two m64n160 MMAs per warpgroup
 };
 

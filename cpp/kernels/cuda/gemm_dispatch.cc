@@ -16,6 +16,7 @@ Status RunGemm_e4m3_bf16(const GemmPlan&, cudaStream_t, int, int);
 Status RunGemm_bf16_nmajor_pp128_c2x1(const GemmPlan&, cudaStream_t, int, int);
 Status RunGemm_bf16_kmajor_pp128_c2x1(const GemmPlan&, cudaStream_t, int, int);
 Status RunGemm_f16_nmajor_pp128_c2x1(const GemmPlan&, cudaStream_t, int, int);
+Status RunGemm_f16_kmajor_pp128_c2x1(const GemmPlan&, cudaStream_t, int, int);
 Status RunGemm_e4m3_bf16_pp128_c2x1(const GemmPlan&, cudaStream_t, int, int);
 Status RunGemm_e5m2_bf16_pp128_c2x1(const GemmPlan&, cudaStream_t, int, int);
 Status RunGemm_bf16_nmajor_w320_c2x1(const GemmPlan&, cudaStream_t, int, int);
@@ -31,6 +32,7 @@ Status Preload_RunGemm_e4m3_bf16();
 Status Preload_RunGemm_bf16_nmajor_pp128_c2x1();
 Status Preload_RunGemm_bf16_kmajor_pp128_c2x1();
 Status Preload_RunGemm_f16_nmajor_pp128_c2x1();
+Status Preload_RunGemm_f16_kmajor_pp128_c2x1();
 Status Preload_RunGemm_e4m3_bf16_pp128_c2x1();
 Status Preload_RunGemm_e5m2_bf16_pp128_c2x1();
 Status Preload_RunGemm_bf16_nmajor_w320_c2x1();
@@ -47,6 +49,7 @@ Status PreloadGemmKernels() {
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_bf16_nmajor_pp128_c2x1());
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_bf16_kmajor_pp128_c2x1());
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_f16_nmajor_pp128_c2x1());
+  FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_f16_kmajor_pp128_c2x1());
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_e4m3_bf16_pp128_c2x1());
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_e5m2_bf16_pp128_c2x1());
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_bf16_nmajor_w320_c2x1());
@@ -64,7 +67,10 @@ static Status RunClusteredGemm(const GemmPlan& plan, DType dtype, cudaStream_t s
                                    (plan.b_kmajor ? " with the transposed weight" : ""));
   }
   if (plan.pingpong) {
-    if (dtype == DType::kF16) return RunGemm_f16_nmajor_pp128_c2x1(plan, stream, device, sm_count);
+    if (dtype == DType::kF16) {
+      return plan.b_kmajor ? RunGemm_f16_kmajor_pp128_c2x1(plan, stream, device, sm_count)
+                           : RunGemm_f16_nmajor_pp128_c2x1(plan, stream, device, sm_count);
+    }
     return plan.b_kmajor ? RunGemm_bf16_kmajor_pp128_c2x1(plan, stream, device, sm_count)
                          : RunGemm_bf16_nmajor_pp128_c2x1(plan, stream, device, sm_count);
   }

@@ -58,13 +58,12 @@ struct GemmPlan {
 inline bool HasNarrowTile(DType dtype) { return dtype == DType::kBF16; }
 
 // Whether this build has the instance of (block_n, cluster_m, pingpong) for this input. Every
-// input has 128x256 in 1x1 clusters and ping-pong 128x128 in 2x1 clusters, except float16 with
-// the transposed weight (128x256 only: the build's budget goes to bf16, the training dtype); the
-// others are bf16 only: 128x192, 128x160 in 2x1 clusters (K-major), cooperative 128x320 in 2x1
-// clusters.
+// input has 128x256 in 1x1 clusters and ping-pong 128x128 in 2x1 clusters; the others are bf16
+// only (the build's budget goes to bf16, the training dtype): 128x192, 128x160 in 2x1 clusters
+// (K-major), cooperative 128x320 in 2x1 clusters.
 inline bool HasGemmInstance(DType dtype, bool b_kmajor, int32_t block_n, int32_t cluster_m, bool pingpong = false) {
   if (dtype != DType::kBF16 && dtype != DType::kF16) return false;
-  if (pingpong) return block_n == kGemmBlockN128 && cluster_m == 2 && (dtype == DType::kBF16 || !b_kmajor);
+  if (pingpong) return block_n == kGemmBlockN128 && cluster_m == 2;
   if (block_n == kGemmBlockN && cluster_m == 1) return true;
   if (dtype != DType::kBF16) return false;
   if (block_n == kGemmBlockNNarrow && cluster_m == 1) return true;

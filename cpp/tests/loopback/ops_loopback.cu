@@ -137,7 +137,7 @@ bool HasForcedInstance(const Case& c, GemmKernel k) {
   if (c.path != Path::kOverlap || (c.op != Op::kAgMatmul && c.op != Op::kMatmulRs)) return false;
   if (c.fp8) return (k == GemmKernel::k128x256 && !c.x_e5m2) || k == GemmKernel::k128x128PingpongCluster2x1;
   if (k == GemmKernel::k128x256) return true;
-  if (k == GemmKernel::k128x128PingpongCluster2x1) return c.dtype == DType::kBF16 || !c.w_transposed;
+  if (k == GemmKernel::k128x128PingpongCluster2x1) return true;
   if (c.dtype != DType::kBF16) return false;
   if (k == GemmKernel::k128x160Cluster2x1) return c.w_transposed;
   return k == GemmKernel::k128x192 || k == GemmKernel::k128x320Cluster2x1;
