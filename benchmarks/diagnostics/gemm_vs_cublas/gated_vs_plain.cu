@@ -3,7 +3,8 @@
 // with tile_sweep's driver (check first, outputs poisoned; best of 7 loops, two passes in opposite column order).
 //
 //   bf16   reference cuBLAS; ping-pong 128x128 in 2x1 clusters (B N-major), plain, unhooked and ours; cooperative
-//          128x256 (the tile of every shape at M >= 8192), plain, unhooked, each hook alone, all three and ours
+//          128x256 (the tile of every shape at M >= 8192), plain, unhooked, each hook alone, all three and ours;
+//          the same tile in 2x1 clusters (cuBLAS's most frequent pick at M >= 8192), plain, unhooked, all hooks
 //   fp8    reference plain CUTLASS ping-pong 128x128 2x1 with fast accumulation (raster AlongN, no swizzle), so the
 //          ratio is ours / plain; unhooked and ours with their row and column scales (all 1) in the epilogue
 //
@@ -46,6 +47,7 @@ using PS = cutlass::gemm::PersistentScheduler;
 using PlainBf16Pp = PlainGemmT<E, RM, RM, RM, 128, 128, 2, 1, PS, true>;
 using PlainFp8Pp = PlainGemmT<F8, RM, CM, RM, 128, 128, 2, 1, PS, true, true>;
 using PlainBf16Coop = PlainGemmT<E, RM, RM, RM, 128, 256, 1, 1, PS>;
+using PlainBf16CoopC2 = PlainGemmT<E, RM, RM, RM, 128, 256, 2, 1, PS>;
 
 // Our instance's own mainloop and epilogue (CUTLASS's, before our hooks wrap them) in a plain GemmUniversal with
 // CUTLASS's persistent scheduler: the product's kernel less the gated mainloop, gated epilogue and rotated scheduler.
@@ -67,6 +69,7 @@ struct Unhooked {
 };
 using UnhookedBf16Pp = Unhooked<flux_jax::cuda::GemmInstance<E, false, 128, 2, true>>;
 using Bf16CoopInstance = flux_jax::cuda::GemmInstance<E, false, 256, 1, false>;
+using Bf16CoopC2Instance = flux_jax::cuda::GemmInstance<E, false, 256, 2, false>;  // cuBLAS's tile at large M
 using Fp8PpInstance = flux_jax::cuda::GemmInstanceFp8<F8, E, 128, 2, true>;
 
 // A runner of an Unhooked instance; the epilogue's arguments as the product sets them (alpha read per tile from
@@ -110,8 +113,8 @@ Runner MakeUnhooked(const SweepShape& s, const void* x, const void* w, E* d, con
   return [g] { g->run(); };
 }
 
-// The columns `<what>_<tile>` of Instance on a and b: unhooked, each hook put back alone, all three.
-template <class Instance, bool kFp8>
+// The columns `<what>_<tile>` of Instance on a and b: unhooked, each hook put back alone (kEachHook), all three.
+template <class Instance, bool kFp8, bool kEachHook = true>
 void AddHookColumns(std::vector<Config>* out, const char* tile, const void* a, const void* b, E* d, const float* one,
                     void* ws, size_t ws_bytes) {
   static std::deque<std::string> names;  // Config.name points into these
@@ -123,9 +126,11 @@ void AddHookColumns(std::vector<Config>* out, const char* tile, const void* a, c
                     }});
   };
   add("unhooked", std::integral_constant<int, kNoHooks>{});
-  add("mainloop_hook", std::integral_constant<int, kMainloopHook>{});
-  add("epilogue_hook", std::integral_constant<int, kEpilogueHook>{});
-  add("scheduler_hook", std::integral_constant<int, kSchedulerHook>{});
+  if constexpr (kEachHook) {
+    add("mainloop_hook", std::integral_constant<int, kMainloopHook>{});
+    add("epilogue_hook", std::integral_constant<int, kEpilogueHook>{});
+    add("scheduler_hook", std::integral_constant<int, kSchedulerHook>{});
+  }
   add("all_hooks", std::integral_constant<int, kMainloopHook | kEpilogueHook | kSchedulerHook>{});
 }
 
@@ -220,6 +225,10 @@ int main(int argc, char** argv) {
   };
   AddHookColumns<Bf16CoopInstance, false>(&bf16, "coop_128x256", x, w, buf.d, scales, buf.ws, kWsBytes);
   bf16.push_back(ours("ours_coop_128x256", Instance(256, 1, false, false, scales), x, w));
+  bf16.push_back({"plain_coop_128x256_c2x1", [&](const SweepShape& s, Variant v) {
+                    return MakePlain<PlainBf16CoopC2>(s.m, s.n, s.k, x, w, buf.d, buf.ws, kWsBytes, v);
+                  }});
+  AddHookColumns<Bf16CoopC2Instance, false, false>(&bf16, "coop_128x256_c2x1", x, w, buf.d, scales, buf.ws, kWsBytes);
   printf("bf16: us per call (best of 7 loops, min of 2 passes); ratio = config / cuBLAS\n");
   RunSweep("bf16", "cuBLAS", shapes, 650.0, cublas_ref, bf16, buf.d, buf.d2, buf.acc);
 
