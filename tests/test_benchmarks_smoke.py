@@ -484,7 +484,13 @@ def test_overlap_gemm_rule_picks_by_waves():
     assert auto_kernel("bfloat16", False, 8192, 8192, 5120, 132) == "128x256"
     assert auto_kernel("bfloat16", True, 4096, 5120, 2560, 132) == "128x320_c2x1"  # 2 waves against 3
     assert auto_kernel("bfloat16", True, 8192, 5120, 2560, 132) == "128x256"  # 4 x 320 = 5 x 256 columns
-    assert auto_kernel("bfloat16", False, 4096, 2048, 2560, 132) == "128x320_c2x1"  # against 128x192's waves
+    assert auto_kernel("bfloat16", False, 4096, 3072, 2560, 132) == "128x320_c2x1"  # against 128x192's waves
+    assert auto_kernel("bfloat16", False, 4096, 2048, 2560, 132) == "128x128_pp_c2x1"  # K <= 2048 first
+    assert auto_kernel("bfloat16", False, 16384, 1536, 3072, 132) == "128x128_pp_c2x1"  # short K: Phi-3 out-proj
+    assert auto_kernel("float16", False, 8192, 2048, 4096, 132) == "128x128_pp_c2x1"  # short K: 8B out-proj
+    assert auto_kernel("bfloat16", False, 2048, 2048, 4096, 132) == "128x256"  # short K above 2048 rows only
+    assert auto_kernel("bfloat16", True, 8192, 2048, 4096, 132) == "128x256"  # the [K, N] weight only
+    assert auto_kernel("bfloat16", False, 8192, 2560, 5120, 132) == "128x256"  # K > 2048
     assert auto_kernel("bfloat16", True, 2048, 3584, 5120, 132) == "128x320_c2x1"  # transposed: K >= 3584
     assert auto_kernel("bfloat16", True, 2048, 4608, 3072, 132) == "128x192"  # 2 x 192 < 2 x 256, = 3 x 128
     assert auto_kernel("bfloat16", False, 4096, 5120, 3584, 132) == "128x128_pp_c2x1"  # 7 x 128 < 4 x 256

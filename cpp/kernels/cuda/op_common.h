@@ -131,10 +131,24 @@ inline bool PreferPingpongByWaves(const CommConfig& cfg, DType dtype, bool b_kma
   return ShorterWaves(m, n, kGemmBlockN128, ChooseBlockN(cfg, dtype, m, n, sm_count), sm_count);
 }
 
+// Ping-pong 128x128 tiles in 2x1 clusters for the [K, N] weight where K <= 2048 and M > 2048 (before
+// the wave rules): a short K loop makes the epilogue a large share of each tile, and ping-pong runs
+// one warpgroup's epilogue under the other's MMAs where the cooperative tile idles its tensor cores
+// while both warpgroups store. Kernel time under sustained load on one H200, ours / XLA's, 128x256
+// -> ping-pong: K = 1536 (Phi-3 out-proj) at 4096 / 8192 / 16384 rows 1.077 / 1.073 / 1.087 ->
+// 1.053 / 1.037 / 1.052, K = 2048 (8B out-proj) 1.047 / 1.040 / 1.070 -> 1.038 / 1.036 / 1.054;
+// float16 16384 x 1536 x 3072 1.087 -> 1.052; at K = 2560 0.7% ahead, at K >= 3072 behind or tied
+// (docs/decisions/2026-12-03-pingpong-short-k.md). The transposed weight and 2048 rows or fewer
+// are not measured.
+inline bool PreferPingpongShortK(DType dtype, bool b_kmajor, int64_t m, int64_t k) {
+  return !b_kmajor && m > 2048 && k > 0 && k <= 2048 && HasGemmInstance(dtype, b_kmajor, kGemmBlockN128, 2, true);
+}
+
 // The overlap GEMM instance of a call (GemmPlan.block_n, cluster_m, pingpong).
 // GpuTuning.gemm_kernel forces one, for A/B measurements: an instance this build lacks for the
-// dtype and weight layout is an error, never a silent fallback. kAuto: PreferWideTile, else
-// PreferClustered, else PreferPingpongByWaves, else ChooseBlockN's choice (cluster 1x1).
+// dtype and weight layout is an error, never a silent fallback. kAuto: PreferPingpongShortK, else
+// PreferWideTile, else PreferClustered, else PreferPingpongByWaves, else ChooseBlockN's choice
+// (cluster 1x1).
 // kDecode is no overlap instance: ag_matmul's tp = 1 branch runs the decode GEMM for it, and
 // every other call rejects it here.
 inline Status ChooseGemmInstance(const CommConfig& cfg, DType dtype, bool b_kmajor, int64_t m, int64_t n, int64_t k,
@@ -143,7 +157,11 @@ inline Status ChooseGemmInstance(const CommConfig& cfg, DType dtype, bool b_kmaj
   plan->pingpong = false;
   switch (static_cast<GemmKernel>(cfg.tuning.gemm_kernel)) {
     case GemmKernel::kAuto:
-      if (cfg.tuning.tile_n == 0 && PreferWideTile(cfg, dtype, b_kmajor, m, n, k, sm_count)) {
+      if (cfg.tuning.tile_n == 0 && PreferPingpongShortK(dtype, b_kmajor, m, k)) {
+        plan->block_n = kGemmBlockN128;
+        plan->cluster_m = 2;
+        plan->pingpong = true;
+      } else if (cfg.tuning.tile_n == 0 && PreferWideTile(cfg, dtype, b_kmajor, m, n, k, sm_count)) {
         plan->block_n = kGemmBlockN320;
         plan->cluster_m = 2;
       } else if (cfg.tuning.tile_n == 0 && PreferClustered(dtype, b_kmajor, m, n)) {
