@@ -3,7 +3,7 @@
   python -m benchmarks.gemm_parity --out DIR [--subset quick|full] [--m 2048,8192]
       [--dtypes bfloat16,float16] [--kernels auto,128x256,...] [--no-gate-probe] [--no-decode]
       [--shapes M:K:N[:dx],...] [--repeats R] [--target-ms T] [--preheat-ms P] [--budget-s S]
-      [--seed S] [--no-profiler | --profile-all] [--git-commit SHA]
+      [--seed S] [--no-profiler | --profile-all] [--energy-s S] [--git-commit SHA]
 
 Shapes: preset gemm-parity-1gpu (benchmarks/presets.py: the per-GPU GEMMs of the TP=2 layer
 presets, forward and in the dx orientation, at M = 2048-16384, and the forward at decode sizes),
@@ -29,7 +29,9 @@ tests/helpers.py. A variant that fails is WRONG and not timed. Times are the har
 (benchmarks/timing.py: difference of two serialized loops, median of shuffled, pre-heated
 rounds). Also the CUPTI kernel time and kernel names of one call of `xla` (cuBLAS's pick) and
 `flux:auto` (every variant with --profile-all), and our FFI handler's host time per call (a loop
-is host-bound where it reaches the device time).
+is host-bound where it reaches the device time). --energy-s S: after the rounds, every variant's
+long loop for S seconds, reading NVML's energy counter (benchmarks/gpu_energy.py): time, energy
+and power per call at the GPU's power cap, where clocks follow the power a kernel draws.
 
 The run starts no shape it expects to end after --budget-s (default 380 s, from the start,
 preflight included; the estimate is the time per variant so far); <out>/gemm_parity.json
@@ -55,7 +57,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flux_jax
-from benchmarks import gpu_state, report
+from benchmarks import gpu_energy, gpu_state, report
 from benchmarks.harness import round_order
 from benchmarks.presets import OPS, PRESETS, select_cases
 from benchmarks.timing import Built, LoopTimer, TimingParams, summarize
@@ -284,6 +286,8 @@ def run_shape(
     index: int,
     sms: int,
     profile: bool | str,
+    energy_s: float = 0.0,
+    meter: gpu_energy.EnergyMeter | None = None,
 ) -> list[dict]:
     x, w, ref = make_operands(shape, seed, index, mesh)
     rows = {v.name: _empty_row(shape, v) for v in variants}
@@ -329,6 +333,20 @@ def run_shape(
             except Exception as err:  # noqa: BLE001
                 rows[v.name]["status"] = f"unavailable: timing failed: {error_summary(err)}"
             readings[v.name].append(gpu_state.read())
+    if energy_s > 0 and meter is not None:
+        # After the timed rounds, each variant in turn from its own preheat: its time, energy and
+        # power per call over energy_s of its long loop at the power cap.
+        for i in round_order(len(entries), 0):
+            v, timer, _ = entries[i]
+            if rows[v.name]["status"] != "ok":
+                continue
+            try:
+                timer.preheat()
+                rows[v.name].update(
+                    gpu_energy.sustained(timer.run_long, timer.calls_per_long_run, energy_s, meter.read_mj)
+                )
+            except Exception as err:  # noqa: BLE001 -- a failed reading is no reason to lose the row
+                rows[v.name]["note"] = f"{rows[v.name]['note']}; energy: {error_summary(err, 120)}".lstrip("; ")
     for v, timer, built in entries:
         row = rows[v.name]
         if row["status"] != "ok" or not samples[v.name]:
@@ -391,6 +409,9 @@ def _empty_row(shape: Shape, v: Variant) -> dict:
         "loop_kernel_us": None,
         "kernels": [],
         "host_us": None,
+        "sustained_us": None,  # --energy-s: time, energy and power per call at the power cap
+        "energy_mj": None,
+        "power_w": None,
         "note": "",
     }
 
@@ -535,6 +556,8 @@ def summary(rows: list[dict]) -> dict:
     loop's kernel time where both were profiled (`loop_kernel_us`)."""
     by_variant: dict[str, list[float]] = {}
     by_kernel: dict[str, list[float]] = {}
+    by_energy: dict[str, list[float]] = {}
+    by_sustained: dict[str, list[float]] = {}
     best: list[float] = []
     gate: list[float] = []
     for group in _groups(rows).values():
@@ -546,6 +569,12 @@ def summary(rows: list[dict]) -> dict:
             for name, us in kernel_us.items():
                 if us and name != "xla":
                     by_kernel.setdefault(name, []).append(us / kernel_us["xla"])
+        for key, out in (("energy_mj", by_energy), ("sustained_us", by_sustained)):
+            value = {r["variant"]: r.get(key) for r in group if r["status"] == "ok"}
+            if value.get("xla"):
+                for name, v in value.items():
+                    if v and name != "xla":
+                        out.setdefault(name, []).append(v / value["xla"])
         ours = [v for k, v in ratios.items() if k.startswith("flux:") and k != "flux:auto+gate_probe"]
         if ours:
             best.append(min(ours))
@@ -562,6 +591,8 @@ def summary(rows: list[dict]) -> dict:
     return {
         "ours_over_xla": {k: stats(v) for k, v in by_variant.items()},
         "kernel_time_over_xla": {k: stats(v) for k, v in by_kernel.items()},
+        "energy_over_xla": {k: stats(v) for k, v in by_energy.items()},
+        "sustained_time_over_xla": {k: stats(v) for k, v in by_sustained.items()},
         "best_of_ours_over_xla": stats(best),
         "gate_probe_over_auto": stats(gate),
     }
@@ -620,6 +651,27 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         ]
         for name, st in s["kernel_time_over_xla"].items():
             lines.append(f"| {name} | {st['shapes']} | {st['median']:.3f} | {st['best']:.3f} | {st['worst']:.3f} |")
+    if s["energy_over_xla"]:
+        lines += [
+            "",
+            "At the power cap (--energy-s: each variant's long loop for a fixed time after the rounds), "
+            "ours / XLA's energy per call and time per call:",
+            "",
+            "| variant | shapes | energy: median | best | worst | time: median | best | worst |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for name, e in s["energy_over_xla"].items():
+            t = s["sustained_time_over_xla"].get(name, {"shapes": 0})
+            tt = f"{t['median']:.3f} | {t['best']:.3f} | {t['worst']:.3f}" if t["shapes"] else "- | - | -"
+            lines.append(f"| {name} | {e['shapes']} | {e['median']:.3f} | {e['best']:.3f} | {e['worst']:.3f} | {tt} |")
+        lines += ["", "Per shape: us per call, mJ per call, mean W (the whole GPU) over the window.", ""]
+        lines += ["| shape | variant | us | mJ | W |", "|---|---|---|---|---|"]
+        for r in rows:
+            if r.get("energy_mj") is not None:
+                lines.append(
+                    f"| {r['M']}x{r['K']}x{r['N']} {r['orientation']} {r['dtype']} | {r['variant']} | "
+                    f"{r['sustained_us']:.1f} | {r['energy_mj']:.3f} | {r['power_w']:.0f} |"
+                )
     g = s["gate_probe_over_auto"]
     if g["shapes"]:
         lines += [
@@ -683,6 +735,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--no-profiler", action="store_true", help="skip the CUPTI kernel names and times")
     ap.add_argument(
         "--profile-all", action="store_true", help="profile every variant (default: xla and flux:auto, ~0.1-0.5 s each)"
+    )
+    ap.add_argument(
+        "--energy-s",
+        type=float,
+        default=0.0,
+        help="after each shape's rounds, every variant's long loop for this many seconds: time, energy "
+        "(NVML) and power per call at the power cap (default 0: off)",
     )
     ap.add_argument(
         "--no-preflight",
@@ -754,6 +813,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         skipped_for_budget=[],
         left_out_by_preflight=left_out,
     )
+    meter = gpu_energy.EnergyMeter.open() if args.energy_s > 0 and platform == "gpu" else None
+    if args.energy_s > 0 and meter is None:
+        print("--energy-s: no NVML energy counter here (a CPU run, or no driver library): not recorded", flush=True)
+    meta["energy_s"] = args.energy_s if meter is not None else 0.0
     json_path, md_path = args.out / "gemm_parity.json", args.out / "gemm_parity.md"
     mesh = _mesh()
     rows: list[dict] = []
@@ -777,7 +840,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             break
         t0 = time.perf_counter()
         profile = ("all" if args.profile_all else True) if not args.no_profiler and platform == "gpu" else False
-        shape_rows = run_shape(shape, variants, mesh, params, args.seed, i, sms, profile)
+        shape_rows = run_shape(shape, variants, mesh, params, args.seed, i, sms, profile, args.energy_s, meter)
         spent_s += time.perf_counter() - t0
         variants_run += len(variants)
         rows += shape_rows

@@ -139,6 +139,15 @@ class LoopTimer:
         t1 = min(_wall(self._f1, self._args) for _ in range(2))
         return (t2 - t1) / (self.n2 - self.n1)
 
+    @property
+    def calls_per_long_run(self) -> int:
+        """Steps of one run of the long loop (n2 dependent calls and the one that makes out)."""
+        return self.n2 + 1
+
+    def run_long(self) -> None:
+        """One run of the long loop, blocking."""
+        jax.block_until_ready(self._f2(*self._args))
+
     def preheat(self) -> int:
         """Runs the long loop, untimed, until preheat_ms have passed; returns the runs."""
         runs, spent, budget = 0, 0.0, self._params.preheat_ms * 1e-3

@@ -373,10 +373,13 @@ def test_gemm_parity_runner_checks_and_reports_on_cpu(tmp_path):
             "--max-calls",
             "2000",
             "--no-profiler",
+            "--energy-s",
+            "0.05",
             "--seed",
             "5",
         ]
     )
+    assert all(r["energy_mj"] is None for r in rows)  # no NVML counter on CPU: nothing recorded
     assert [(r["orientation"], r["variant"]) for r in rows] == [
         ("fwd", "xla"),
         ("fwd", "flux:auto"),
@@ -423,6 +426,89 @@ def test_gemm_parity_summary_by_loop_kernel_time():
         "versions": {"jax": ""}, "seed": 0,
     }  # fmt: skip
     assert "By kernel time under the same load" in gemm_parity.markdown(meta, rows)
+
+
+def test_sustained_energy_per_call(monkeypatch):
+    """gpu_energy.sustained: time, energy and power per call over the window, from the counter's
+    difference (a fake clock and a fake 500 W counter)."""
+    from benchmarks import gpu_energy
+
+    clock = [100.0]
+    monkeypatch.setattr(gpu_energy.time, "perf_counter", lambda: clock[0])
+
+    def run():  # 100 calls of 100 us per run
+        clock[0] += 0.01
+
+    got = gpu_energy.sustained(run, 100, 0.5, lambda: 500e3 * clock[0])  # mJ
+    assert got["sustained_us"] == pytest.approx(100.0)
+    assert got["energy_mj"] == pytest.approx(50.0)
+    assert got["power_w"] == pytest.approx(500.0)
+
+
+def test_energy_meter_reads_every_gpu_or_is_absent(monkeypatch):
+    """EnergyMeter.open(): None without the driver library, NVML or its energy counter; else the
+    counters of all GPUs, summed."""
+    from benchmarks import gpu_energy
+
+    def no_library(_name):
+        raise OSError("libnvidia-ml.so.1: cannot open shared object file")
+
+    monkeypatch.setattr(gpu_energy.ctypes, "CDLL", no_library)
+    assert gpu_energy.EnergyMeter.open() is None
+
+    class FakeNvml:
+        def __init__(self, init=0, energy=(1000, 2500)):
+            self.init, self.energy = init, energy
+
+        def nvmlInit_v2(self):
+            return self.init
+
+        def nvmlDeviceGetCount_v2(self, count):
+            count._obj.value = len(self.energy)
+            return 0
+
+        def nvmlDeviceGetHandleByIndex_v2(self, index, handle):
+            handle._obj.value = index.value + 1
+            return 0
+
+        def nvmlDeviceGetTotalEnergyConsumption(self, handle, mj):
+            value = self.energy[handle.value - 1]
+            if value is None:
+                return 3  # NVML_ERROR_NOT_SUPPORTED
+            mj._obj.value = value
+            return 0
+
+    monkeypatch.setattr(gpu_energy.ctypes, "CDLL", lambda _name: FakeNvml())
+    meter = gpu_energy.EnergyMeter.open()
+    assert meter is not None and meter.read_mj() == 3500.0
+    monkeypatch.setattr(gpu_energy.ctypes, "CDLL", lambda _name: FakeNvml(init=1))
+    assert gpu_energy.EnergyMeter.open() is None
+    monkeypatch.setattr(gpu_energy.ctypes, "CDLL", lambda _name: FakeNvml(energy=(1000, None)))
+    assert gpu_energy.EnergyMeter.open() is None
+
+
+def test_gemm_parity_summary_by_energy():
+    """With --energy-s rows, the summary pairs each variant's energy and sustained time per call
+    with XLA's on the same shape, and the markdown shows both."""
+    from benchmarks import gemm_parity
+
+    def row(m, variant, energy, us):
+        return {
+            "M": m, "K": 64, "N": 64, "orientation": "fwd", "dtype": "bfloat16", "layer": "", "variant": variant,
+            "status": "ok", "us": us, "ratio_vs_xla": 1.0, "loop_kernel_us": None, "note": "", "host_us": None,
+            "kernels": [], "sustained_us": us, "energy_mj": energy, "power_w": 500.0,
+        }  # fmt: skip
+
+    rows = [row(128, "xla", 10.0, 100.0), row(128, "flux:auto", 11.0, 104.0)]
+    s = gemm_parity.summary(rows)
+    assert s["energy_over_xla"]["flux:auto"]["median"] == pytest.approx(1.1)
+    assert s["sustained_time_over_xla"]["flux:auto"]["median"] == pytest.approx(1.04)
+    meta = {
+        "hardware": {"device_kind": "gpu"}, "date_utc": "", "git_commit": "", "git_dirty": False,
+        "versions": {"jax": ""}, "seed": 0,
+    }  # fmt: skip
+    table = gemm_parity.markdown(meta, rows)
+    assert "At the power cap" in table and "| 128x64x64 fwd bfloat16 | flux:auto | 104.0 | 11.000 | 500 |" in table
 
 
 def test_gemm_parity_variants_follow_the_build():

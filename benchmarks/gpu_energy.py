@@ -1,0 +1,81 @@
+"""Energy per call under sustained load, from NVML's total-energy counter.
+
+Under a long GEMM loop an H200 runs at its software power cap (`clocks_event_reasons` 0x4): its
+clocks then follow the power a kernel draws, so two kernels of equal cycles can differ in speed
+by the energy each spends per call (docs/decisions/2026-12-03-pingpong-short-k.md). `sustained`
+runs a loop for a fixed wall time and reads the counter (millijoules since the driver loaded,
+summed over the host's GPUs) before and after: energy per call, mean power and time per call in
+the same window. The counter is read through the driver's own libnvidia-ml (ctypes; no Python
+package); where it or the counter is missing (CPU machines, old GPUs) `EnergyMeter.open()` is None
+and nothing is recorded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from collections.abc import Callable
+
+_NVML_SUCCESS = 0
+
+
+class EnergyMeter:
+    """Reads the energy counter of every GPU NVML sees, summed (one process drives them all)."""
+
+    def __init__(self, lib, handles: list):
+        self._lib = lib
+        self._handles = handles
+
+    @classmethod
+    def open(cls) -> EnergyMeter | None:
+        try:
+            lib = ctypes.CDLL("libnvidia-ml.so.1")
+        except OSError:
+            return None
+        try:
+            if lib.nvmlInit_v2() != _NVML_SUCCESS:
+                return None
+            count = ctypes.c_uint(0)
+            if lib.nvmlDeviceGetCount_v2(ctypes.byref(count)) != _NVML_SUCCESS or count.value == 0:
+                return None
+            handles = []
+            for i in range(count.value):
+                handle = ctypes.c_void_p()
+                if lib.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(i), ctypes.byref(handle)) != _NVML_SUCCESS:
+                    return None
+                handles.append(handle)
+            meter = cls(lib, handles)
+            meter.read_mj()  # the counter exists on every GPU (Volta and newer), or no meter
+            return meter
+        except (AttributeError, RuntimeError):
+            return None
+
+    def read_mj(self) -> float:
+        total = 0
+        for handle in self._handles:
+            mj = ctypes.c_ulonglong(0)
+            if self._lib.nvmlDeviceGetTotalEnergyConsumption(handle, ctypes.byref(mj)) != _NVML_SUCCESS:
+                raise RuntimeError("NVML: no total energy counter on this GPU")
+            total += mj.value
+        return float(total)
+
+
+def sustained(run: Callable[[], None], calls_per_run: int, seconds: float, read_mj: Callable[[], float]) -> dict:
+    """Runs `run` (blocking, `calls_per_run` calls each) back to back for at least `seconds` after
+    one untimed run: time per call (us), energy per call (mJ) and mean power (W) over that window.
+    The host's gaps between runs count in all three (a few us per run of ~10 ms)."""
+    run()
+    e0, t0, runs = read_mj(), time.perf_counter(), 0
+    while True:
+        run()
+        runs += 1
+        elapsed = time.perf_counter() - t0
+        if elapsed >= seconds:
+            break
+    energy_mj = read_mj() - e0
+    calls = runs * calls_per_run
+    return {
+        "sustained_us": elapsed / calls * 1e6,
+        "energy_mj": energy_mj / calls,
+        "power_w": energy_mj / 1e3 / elapsed,
+    }
