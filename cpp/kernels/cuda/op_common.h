@@ -117,13 +117,13 @@ inline bool PreferWideTile(const CommConfig& cfg, DType dtype, bool b_kmajor, in
   return ShorterWaves(m, n, kGemmBlockN320, ChooseBlockN(cfg, dtype, m, n, sm_count), sm_count);
 }
 
-// Ping-pong 128x128 tiles in 2x1 clusters, either weight layout (float16: the [K, N] weight),
-// where M > 1024 and their waves are 10% shorter than those of the 1x1 tile ChooseBlockN picks
-// (after PreferWideTile and PreferClustered): shapes whose 128x256 and 128x192 tiles leave much
-// of a last wave idle, e.g. N = 3584, 6912, 7168. Kernel time under sustained load on one H200,
-// ours / XLA's, 128x256 -> ping-pong: 8B down dx 2048 x 4096 x 7168 1.163 -> 1.072, Qwen-14B qkv
+// Ping-pong 128x128 tiles in 2x1 clusters, either weight layout, bf16 and float16, where M > 1024
+// and their waves are 10% shorter than those of the 1x1 tile ChooseBlockN picks (after
+// PreferWideTile and PreferClustered): shapes whose 128x256 and 128x192 tiles leave much of a last
+// wave idle, e.g. N = 3584, 6912, 7168. Kernel time under sustained load on one H200, ours /
+// XLA's, 128x256 -> ping-pong: 8B down dx 2048 x 4096 x 7168 1.163 -> 1.072, Qwen-14B qkv
 // 4096 x 5120 x 3584 1.110 -> 1.037 (docs/decisions/2026-12-03-instance-by-waves.md); float16's
-// forward at 2048-4096 rows, eight shapes, 1.18 -> 1.06 median
+// forward at 2048-4096 rows, eight shapes, 1.18 -> 1.06 median; its dx, nine shapes, 1.20 -> 1.07
 // (docs/decisions/2026-12-03-narrow-tile-dx-and-f16-pingpong.md).
 inline bool PreferPingpongByWaves(const CommConfig& cfg, DType dtype, bool b_kmajor, int64_t m, int64_t n,
                                   int sm_count) {
