@@ -60,19 +60,38 @@ class EnergyMeter:
         return float(total)
 
 
+def _next_update(read_mj: Callable[[], float], max_reads: int = 200_000) -> float:
+    """The counter's value right after it next changes (it advances in steps of the driver's
+    sampling period, not continuously), or its value after max_reads reads without a change."""
+    first = read_mj()
+    for _ in range(max_reads):
+        value = read_mj()
+        if value != first:
+            return value
+    return first
+
+
 def sustained(run: Callable[[], None], calls_per_run: int, seconds: float, read_mj: Callable[[], float]) -> dict:
     """Runs `run` (blocking, `calls_per_run` calls each) back to back for at least `seconds` after
     one untimed run: time per call (us), energy per call (mJ) and mean power (W) over that window.
-    The host's gaps between runs count in all three (a few us per run of ~10 ms)."""
+
+    The counter advances in steps, so the window starts right after a step and ends after the run
+    during which the next step after `seconds` came: the energy read then misses at most part of
+    one run (~10 ms of a window of seconds). The host's gaps between runs count in all three (a
+    few us per run)."""
     run()
-    e0, t0, runs = read_mj(), time.perf_counter(), 0
+    e0 = _next_update(read_mj)
+    t0, runs = time.perf_counter(), 0
     while True:
+        before = read_mj()
         run()
         runs += 1
         elapsed = time.perf_counter() - t0
         if elapsed >= seconds:
-            break
-    energy_mj = read_mj() - e0
+            e1 = read_mj()
+            if e1 != before:
+                break
+    energy_mj = e1 - e0
     calls = runs * calls_per_run
     return {
         "sustained_us": elapsed / calls * 1e6,

@@ -444,6 +444,17 @@ def test_sustained_energy_per_call(monkeypatch):
     assert got["energy_mj"] == pytest.approx(50.0)
     assert got["power_w"] == pytest.approx(500.0)
 
+    def stepped():  # a counter that advances every 70 ms, read in 10 us
+        clock[0] += 1e-5
+        return 500e3 * 0.07 * int(clock[0] / 0.07)
+
+    def run13():  # 100 calls of 130 us per run: 65 mJ per call at 500 W
+        clock[0] += 0.013
+
+    clock[0] = 100.0
+    got = gpu_energy.sustained(run13, 100, 0.5, stepped)
+    assert got["energy_mj"] == pytest.approx(65.0, rel=0.03)  # reads not aligned to the steps: +10% here
+
 
 def test_energy_meter_reads_every_gpu_or_is_absent(monkeypatch):
     """EnergyMeter.open(): None without the driver library, NVML or its energy counter; else the
