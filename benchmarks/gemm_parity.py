@@ -817,6 +817,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.energy_s > 0 and meter is None:
         print("--energy-s: no NVML energy counter here (a CPU run, or no driver library): not recorded", flush=True)
     meta["energy_s"] = args.energy_s if meter is not None else 0.0
+    if meter is not None:
+        meta["energy_counter_step_ms"] = meter.step_ms()
     json_path, md_path = args.out / "gemm_parity.json", args.out / "gemm_parity.md"
     mesh = _mesh()
     rows: list[dict] = []

@@ -50,6 +50,17 @@ class EnergyMeter:
         except (AttributeError, RuntimeError):
             return None
 
+    def step_ms(self) -> float | None:
+        """The time between two steps of the counter (its resolution in time), or None if it
+        did not step within ~1 s."""
+        _next_update(self.read_mj)
+        start = time.perf_counter()
+        first = self.read_mj()
+        while time.perf_counter() - start < 1.0:
+            if self.read_mj() != first:
+                return (time.perf_counter() - start) * 1e3
+        return None
+
     def read_mj(self) -> float:
         total = 0
         for handle in self._handles:

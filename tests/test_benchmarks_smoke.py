@@ -492,6 +492,7 @@ def test_energy_meter_reads_every_gpu_or_is_absent(monkeypatch):
     monkeypatch.setattr(gpu_energy.ctypes, "CDLL", lambda _name: FakeNvml())
     meter = gpu_energy.EnergyMeter.open()
     assert meter is not None and meter.read_mj() == 3500.0
+    assert meter.step_ms() is None  # a counter that never steps
     monkeypatch.setattr(gpu_energy.ctypes, "CDLL", lambda _name: FakeNvml(init=1))
     assert gpu_energy.EnergyMeter.open() is None
     monkeypatch.setattr(gpu_energy.ctypes, "CDLL", lambda _name: FakeNvml(energy=(1000, None)))
