@@ -82,15 +82,25 @@ def _next_update(read_mj: Callable[[], float], max_reads: int = 200_000) -> floa
     return first
 
 
-def sustained(run: Callable[[], None], calls_per_run: int, seconds: float, read_mj: Callable[[], float]) -> dict:
+def sustained(
+    run: Callable[[], None],
+    calls_per_run: int,
+    seconds: float,
+    read_mj: Callable[[], float],
+    warmup_s: float = 0.2,
+) -> dict:
     """Runs `run` (blocking, `calls_per_run` calls each) back to back for at least `seconds` after
-    one untimed run: time per call (us), energy per call (mJ) and mean power (W) over that window.
+    `warmup_s` of untimed runs (the power cap's clocks settle): time per call (us), energy per call
+    (mJ) and mean power (W) over that window.
 
     The counter advances in steps, so the window starts right after a step and ends after the run
     during which the next step after `seconds` came: the energy read then misses at most part of
     one run (~10 ms of a window of seconds). The host's gaps between runs count in all three (a
     few us per run)."""
+    start = time.perf_counter()
     run()
+    while time.perf_counter() - start < warmup_s:
+        run()
     e0 = _next_update(read_mj)
     t0, runs = time.perf_counter(), 0
     while True:
