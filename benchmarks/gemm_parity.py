@@ -1,7 +1,7 @@
 """Our GEMM against XLA's on one GPU, every GEMM instance of this build A/B'd in one process.
 
   python -m benchmarks.gemm_parity --out DIR [--subset quick|full] [--m 2048,8192]
-      [--dtypes bfloat16,float16] [--kernels auto,128x256,...] [--no-gate-probe] [--no-decode]
+      [--dtypes bfloat16,float16] [--kernels auto,128x256,auto/g16,...] [--no-gate-probe] [--no-decode]
       [--shapes M:K:N[:dx],...] [--repeats R] [--target-ms T] [--preheat-ms P] [--budget-s S]
       [--seed S] [--no-profiler | --profile-all] [--energy-s S] [--git-commit SHA]
 
@@ -16,6 +16,8 @@ and a float32 reference (XLA, precision HIGHEST); then one row per variant:
                         GpuTuning.gemm_kernel=<kernel>, for every instance this build has for
                         the shape's dtype and weight layout ("auto" is the product's choice and
                         a same-program control of the instance it resolves to)
+  flux:<kernel>/g<G>    the same with GpuTuning.tile_group_m=G (G row tiles swept together across
+                        N; the default is 8): the tile order's cost in L2 and HBM traffic
   flux:auto+gate_probe  the same as flux:auto with every tile's A loads gated on flags already set
                         (GpuTuning.gate_probe): the gate's cost (at tp=1 no gate runs otherwise)
   flux:decode           the decode path's GEMM alone (bf16, [K, N] weight, M <= 256)
@@ -146,10 +148,19 @@ class Variant:
     name: str  # "xla", "flux:<kernel>", "flux:auto+gate_probe"
     kernel: str | None = None  # GpuTuning.gemm_kernel (flux only)
     gate_probe: bool = False
+    tile_group_m: int = 0  # GpuTuning.tile_group_m (0: the default)
 
     @property
     def tuning(self) -> dict:
-        return {"gemm_kernel": self.kernel, "gate_probe": int(self.gate_probe)}
+        return {"gemm_kernel": self.kernel, "gate_probe": int(self.gate_probe), "tile_group_m": self.tile_group_m}
+
+
+def parse_kernel_spec(spec: str) -> tuple[str, int]:
+    """ "128x256" -> ("128x256", 0); "auto/g16" -> ("auto", 16) (GpuTuning.tile_group_m)."""
+    kernel, _, group = spec.partition("/g")
+    if kernel not in KERNELS or (group and not (group.isdigit() and 1 <= int(group) <= 64)):
+        raise ValueError(f"--kernels {spec!r}: KERNEL or KERNEL/gG with KERNEL in {KERNELS} and G in 1..64")
+    return kernel, int(group or 0)
 
 
 def variants_for(
@@ -160,11 +171,12 @@ def variants_for(
     if platform != "gpu":  # the CPU backend ignores the GPU tuning: one flux row
         return out + [Variant("flux:auto", "auto")]
     small = shape.M <= 256
-    for kernel in kernels:
+    for spec in kernels:
+        kernel, group = parse_kernel_spec(spec)
         if small and kernel not in ("auto", "128x256"):
             continue  # decode sizes: one or two row tiles; the overlap instances are controls there
         if kernel_available(kernel, shape.dtype, shape.dx, shape.M):
-            out.append(Variant(f"flux:{kernel}", kernel))
+            out.append(Variant(f"flux:{spec}", kernel, tile_group_m=group))
     if gate_probe and not small and not shape.dx and "auto" in kernels:
         out.append(Variant("flux:auto+gate_probe", "auto", True))
     if decode and small and kernel_available("decode", shape.dtype, shape.dx, shape.M):
@@ -394,6 +406,7 @@ def _empty_row(shape: Shape, v: Variant) -> dict:
         "variant": v.name,
         "gemm_kernel": v.kernel,
         "gate_probe": v.gate_probe,
+        "tile_group_m": v.tile_group_m,
         "status": "ok",
         "us": None,
         "us_min": None,
@@ -433,7 +446,10 @@ def preflight_variants(kernels: tuple[str, ...], gate_probe: bool, decode: bool)
 def _variant_from_name(name: str) -> Variant:
     if name == "flux:auto+gate_probe":
         return Variant(name, "auto", True)
-    return Variant(name, name.removeprefix("flux:"))
+    if name in ("flux:decode", "flux:ar_decode"):
+        return Variant(name, name.removeprefix("flux:"))
+    kernel, group = parse_kernel_spec(name.removeprefix("flux:"))
+    return Variant(name, kernel, tile_group_m=group)
 
 
 def run_preflight_child(names: list[str]) -> None:
@@ -442,8 +458,8 @@ def run_preflight_child(names: list[str]) -> None:
     mesh = _mesh()
     for name in names:
         print(f"START {name}", flush=True)
-        v = _variant_from_name(name)
         try:
+            v = _variant_from_name(name)
             for i, (m, k, n, dx) in enumerate(PREFLIGHT_SHAPES):
                 shape = Shape(m, k, n, dx, "bfloat16", "preflight")
                 small = m <= 256
@@ -717,7 +733,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--m", type=_ints, default=None, help="only these M values")
     ap.add_argument("--dtypes", default="bfloat16,float16", help="full subset / --shapes: dtypes to run")
     ap.add_argument("--shapes", default=None, help="explicit shapes M:K:N or M:K:N:dx, comma separated")
-    ap.add_argument("--kernels", default=",".join(KERNELS), help=f"GpuTuning.gemm_kernel values ({', '.join(KERNELS)})")
+    ap.add_argument(
+        "--kernels",
+        default=",".join(KERNELS),
+        help=f"GpuTuning.gemm_kernel values ({', '.join(KERNELS)}), each optionally /gG: GpuTuning.tile_group_m=G",
+    )
     ap.add_argument("--no-gate-probe", action="store_true", help="skip the gate-probe variant")
     ap.add_argument("--no-decode", action="store_true", help="skip the decode GEMM at M <= 256")
     ap.add_argument("--repeats", type=int, default=3)
@@ -759,9 +779,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if bad:
         ap.error(f"--dtypes takes bfloat16 and float16, not {bad}")
     args.kernels = tuple(k for k in args.kernels.split(",") if k)
-    bad = sorted(set(args.kernels) - set(KERNELS))
-    if bad:
-        ap.error(f"unknown --kernels {bad}; known: {KERNELS}")
+    for spec in args.kernels:
+        try:
+            parse_kernel_spec(spec)
+        except ValueError as err:
+            ap.error(str(err))
     if args.seed is None:
         args.seed = random.SystemRandom().randrange(1 << 31)
     return args

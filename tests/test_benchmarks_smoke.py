@@ -428,6 +428,29 @@ def test_gemm_parity_summary_by_loop_kernel_time():
     assert "By kernel time under the same load" in gemm_parity.markdown(meta, rows)
 
 
+def test_gemm_parity_kernel_spec_sets_the_tile_group():
+    """--kernels KERNEL/gG: the same instance traced with GpuTuning.tile_group_m=G, a variant of
+    its own; a bad spec is refused."""
+    from benchmarks import gemm_parity
+
+    assert gemm_parity.parse_kernel_spec("128x256") == ("128x256", 0)
+    assert gemm_parity.parse_kernel_spec("auto/g16") == ("auto", 16)
+    for bad in ("auto/g0", "auto/g65", "auto/gx", "256x256", "256x256/g8"):
+        with pytest.raises(ValueError, match="--kernels"):
+            gemm_parity.parse_kernel_spec(bad)
+    shape = gemm_parity.Shape(8192, 4096, 8192, False, "bfloat16", "")
+    variants = gemm_parity.variants_for(shape, "gpu", ("auto", "auto/g16"), False, False)
+    assert [(v.name, v.kernel, v.tile_group_m) for v in variants] == [
+        ("xla", None, 0),
+        ("flux:auto", "auto", 0),
+        ("flux:auto/g16", "auto", 16),
+    ]
+    assert variants[2].tuning == {"gemm_kernel": "auto", "gate_probe": 0, "tile_group_m": 16}
+    assert gemm_parity._variant_from_name("flux:128x256/g4").tile_group_m == 4
+    with pytest.raises(SystemExit):
+        gemm_parity.parse_args(["--out", "x", "--kernels", "auto,auto/g99"])
+
+
 def test_sustained_energy_per_call(monkeypatch):
     """gpu_energy.sustained: time, energy and power per call over the window, from the counter's
     difference (a fake clock and a fake 500 W counter)."""
@@ -625,7 +648,7 @@ def test_gemm_parity_preflight_child_reports_each_variant(capsys):
     gemm_parity.main(["--preflight-child", "flux:128x160_c2x1,flux:nonsense"])
     lines = capsys.readouterr().out.splitlines()
     assert lines[:3] == ["START flux:128x160_c2x1", "OK flux:128x160_c2x1", "START flux:nonsense"]
-    assert lines[3].startswith("FAIL flux:nonsense ValueError: unknown kernel")
+    assert lines[3].startswith("FAIL flux:nonsense ValueError: --kernels 'nonsense'")
 
 
 def test_gemm_parity_plot_from_a_results_file(tmp_path):
