@@ -115,12 +115,11 @@ class GpuTuning:
       tile_n: output tile width of the overlap GEMM, 192 or 256 (0: by waves).
       decode_early_launch: 1: the decode GEMM launches while the rows are pushed; 0: after.
       gemm_kernel: the overlap path's GEMM instance: "auto" (by shape: cpp/kernels/cuda/
-        op_common.h), or one forced: "128x256", "128x192" (bf16), "128x160_c2x1" (bf16, the
-        transposed weight; 2-CTA clusters along M sharing B by TMA multicast), "128x128_pp_c2x1"
-        (ping-pong 128x128 tiles in 2-CTA clusters: bf16 and float16 with either weight layout,
-        FP8), "128x320_c2x1" (cooperative 128x320 tiles in 2-CTA clusters: bf16, either weight
-        layout); "decode": the decode path's GEMM alone, ag_matmul at tp = 1 only. A forced
-        instance the build lacks for the call is an error.
+        op_common.h), or one forced: "128x256", "128x192", "128x160_c2x1" (the transposed
+        weight; 2-CTA clusters along M sharing B by TMA multicast), "128x128_pp_c2x1" (ping-pong
+        128x128 tiles in 2-CTA clusters; also FP8), "128x320_c2x1" (cooperative 128x320 tiles in
+        2-CTA clusters), each for bfloat16 and float16; "decode": the decode path's GEMM alone,
+        ag_matmul at tp = 1 only. A forced instance the build lacks for the call is an error.
       gate_probe: 1: at tp = 1 ag_matmul's GEMM waits before every tile's A loads on flags that
         are already set: the gate's cost without peers (at tp = 1 no gate runs otherwise).
     """

@@ -575,10 +575,20 @@ def test_gemm_parity_variants_follow_the_build():
         "xla",
         "flux:auto",
         "flux:128x256",
+        "flux:128x192",
         "flux:128x128_pp_c2x1",
+        "flux:128x320_c2x1",
         "flux:auto+gate_probe",
     ]
-    assert names(8192, 8192, 8192, True, "float16") == ["xla", "flux:auto", "flux:128x256", "flux:128x128_pp_c2x1"]
+    assert names(8192, 8192, 8192, True, "float16") == [
+        "xla",
+        "flux:auto",
+        "flux:128x256",
+        "flux:128x192",
+        "flux:128x160_c2x1",
+        "flux:128x128_pp_c2x1",
+        "flux:128x320_c2x1",
+    ]
     assert names(64, 8192, 5120, False, "bfloat16") == [
         "xla",
         "flux:auto",
@@ -619,13 +629,14 @@ def test_overlap_gemm_rule_picks_by_waves():
     assert auto_kernel("bfloat16", True, 1024, 3072, 1536, 132) == "128x256"  # under a wave at <= 1024 rows
     assert auto_kernel("bfloat16", False, 2048, 5120, 3584, 132) == "128x256"  # 4 x 128 = 2 x 256
     assert auto_kernel("bfloat16", False, 1024, 8192, 5120, 132) == "128x192"  # M <= 1024: the 1x1 rule
-    assert auto_kernel("float16", False, 2048, 8192, 5120, 132) == "128x128_pp_c2x1"  # no 128x320 in f16
-    assert auto_kernel("float16", True, 2048, 4608, 3072, 132) == "128x128_pp_c2x1"  # no 128x192 in f16
-    assert auto_kernel("float16", True, 2048, 5120, 2560, 132) == "128x128_pp_c2x1"  # no 128x320 in f16
-    assert auto_kernel("float16", True, 2048, 3072, 4096, 132) == "128x256"  # 4 x 128 = 2 x 256
     assert auto_kernel("bfloat16", True, 2048, 4096, 3072, 132) == "128x192"  # either layout
     assert auto_kernel("bfloat16", True, 2048, 4096, 7168, 132) == "128x128_pp_c2x1"  # 7 x 128 < 4 x 256 (5 x 192)
     assert auto_kernel("bfloat16", True, 2048, 3072, 4096, 132) == "128x256"  # 4 x 128 = 2 x 256
+    # float16 has every instance bfloat16 has: the same rule
+    for m in (1024, 2048, 4096, 8192, 16384):
+        for k, n in ((1536, 3072), (2048, 4096), (2560, 5120), (3072, 4608), (4096, 7168), (5120, 2560), (8192, 5120)):
+            for dx in (False, True):
+                assert auto_kernel("float16", dx, m, k, n, 132) == auto_kernel("bfloat16", dx, m, k, n, 132)
     with pytest.raises(ValueError, match="bfloat16 or float16"):
         auto_kernel("float32", False, 2048, 4096, 3072, 132)
 

@@ -92,18 +92,19 @@ def test_one_gpu_middle_dimensions_and_gradients(one_gpu, op):
 FORCED_SHAPES = [(2048, 1024, 5120), (1000, 528, 784), (384, 2048, 2560)]
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("kernel", ["128x320_c2x1", "128x128_pp_c2x1", "128x192"])
 @pytest.mark.parametrize("op", ["ag", "rs"])
 @pytest.mark.parametrize("shape", FORCED_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_one_gpu_forced_gemm_instance_matches_oracle(one_gpu, kernel, op, shape):
-    """One overlap GEMM instance forced (GpuTuning.gemm_kernel), bf16: the forward reads the [K, N]
+def test_one_gpu_forced_gemm_instance_matches_oracle(one_gpu, kernel, op, shape, dtype):
+    """One overlap GEMM instance forced (GpuTuning.gemm_kernel): the forward reads the [K, N]
     weight, the backward's dx the transposed one (the instance's K-major twin)."""
     from flux_jax import _config
 
     M, K, N = shape
     mesh = _mesh(one_gpu)
     rng = np.random.default_rng()
-    x, w = random_array(rng, (M, K), "bfloat16"), random_array(rng, (K, N), "bfloat16", scale=1 / np.sqrt(K))
+    x, w = random_array(rng, (M, K), dtype), random_array(rng, (K, N), dtype, scale=1 / np.sqrt(K))
     ct = jnp.asarray(rng.standard_normal((M, N)), jnp.float32)
     fused, specs = _fn(op, mesh, "fused")
     twin, _ = _fn(op, mesh, "xla")
@@ -111,35 +112,31 @@ def test_one_gpu_forced_gemm_instance_matches_oracle(one_gpu, kernel, op, shape)
     with flux_jax.config(fused_path="overlap"), _config.gpu_tuning(gemm_kernel=kernel):
         out = fused(xs, ws)
         (dx, dw), (tdx, tdw) = _grads(fused, xs, ws, ct), _grads(twin, xs, ws, ct)
-    what = f"{kernel} {op} {shape}"
-    assert_matches(out, to64(x) @ to64(w), twin(xs, ws), "bfloat16", what)
+    what = f"{kernel} {op} {shape} {dtype}"
+    assert_matches(out, to64(x) @ to64(w), twin(xs, ws), dtype, what)
     ct64 = np.asarray(ct, np.float64)
-    assert_matches(dx, ct64 @ to64(w).T, tdx, "bfloat16", f"{what} dx")
-    assert_matches(dw, to64(x).T @ ct64, tdw, "bfloat16", f"{what} dw")
+    assert_matches(dx, ct64 @ to64(w).T, tdx, dtype, f"{what} dx")
+    assert_matches(dw, to64(x).T @ ct64, tdw, dtype, f"{what} dw")
     assert not flux_jax.device_errors()
 
 
-@pytest.mark.parametrize("op", ["ag", "rs"])
-@pytest.mark.parametrize("shape", FORCED_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_one_gpu_forced_f16_pingpong_matches_oracle(one_gpu, op, shape):
-    """float16's ping-pong 128x128 instances (2x1 clusters), forced: the forward reads the [K, N]
-    weight, the backward's dx the transposed one."""
-    from flux_jax import _config
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("shape", [(2048, 1024, 2560), (1000, 528, 800)], ids=lambda s: "x".join(map(str, s)))
+def test_one_gpu_forced_128x160_transposed_weight_matches_oracle(one_gpu, shape, dtype):
+    """The 128x160 instance in 2x1 clusters exists for the transposed weight only (a backward's
+    dx): ag_matmul's primitive bound with transpose_w, as the backward binds it, forced to it."""
+    from benchmarks.variants import flux_gemm_fn
 
     M, K, N = shape
     mesh = _mesh(one_gpu)
     rng = np.random.default_rng()
-    x, w = random_array(rng, (M, K), "float16"), random_array(rng, (K, N), "float16", scale=1 / np.sqrt(K))
-    ct = jnp.asarray(rng.standard_normal((M, N)), jnp.float32)
-    fused, specs = _fn(op, mesh, "fused")
-    twin, _ = _fn(op, mesh, "xla")
-    xs, ws = place(mesh, x, specs[0]), place(mesh, w, specs[1])
-    with flux_jax.config(fused_path="overlap"), _config.gpu_tuning(gemm_kernel="128x128_pp_c2x1"):
-        out = fused(xs, ws)
-        (dx, _), (tdx, _) = _grads(fused, xs, ws, ct), _grads(twin, xs, ws, ct)
-    what = f"f16 ping-pong {op} {shape}"
-    assert_matches(out, to64(x) @ to64(w), twin(xs, ws), "float16", what)
-    assert_matches(dx, np.asarray(ct, np.float64) @ to64(w).T, tdx, "float16", f"{what} dx")
+    x, w_nk = random_array(rng, (M, K), dtype), random_array(rng, (N, K), dtype, scale=1 / np.sqrt(K))
+    body = flux_gemm_fn("tp", transpose_w=True, tuning={"gemm_kernel": "128x160_c2x1"}, poison=True)
+    fused = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp", None), P()), out_specs=P("tp", None)))
+    twin = jax.jit(lambda a, b: jnp.dot(a, b.T, preferred_element_type=jnp.float32).astype(a.dtype))
+    xs, ws = place(mesh, x, P("tp", None)), place(mesh, w_nk, P())
+    out = fused(xs, ws)
+    assert_matches(out, to64(x) @ to64(w_nk).T, twin(xs, ws), dtype, f"128x160_c2x1 w^T {shape} {dtype}")
     assert not flux_jax.device_errors()
 
 

@@ -54,21 +54,15 @@ struct GemmPlan {
   const float* col_scale = nullptr;  // [n]
 };
 
-// Whether the narrow-tile instance exists for this input (RunGemm falls back to kGemmBlockN).
-inline bool HasNarrowTile(DType dtype) { return dtype == DType::kBF16; }
-
-// Whether this build has the instance of (block_n, cluster_m, pingpong) for this input. Every
-// input has 128x256 in 1x1 clusters and ping-pong 128x128 in 2x1 clusters; the others are bf16
-// only (the build's budget goes to bf16, the training dtype): 128x192, 128x160 in 2x1 clusters
-// (K-major), cooperative 128x320 in 2x1 clusters.
+// Whether this build has the instance of (block_n, cluster_m, pingpong) for this input: bfloat16
+// and float16 alike, 128x256 and 128x192 in 1x1 clusters; in 2x1 clusters ping-pong 128x128,
+// cooperative 128x320 and, for the K-major (transposed) weight, 128x160.
 inline bool HasGemmInstance(DType dtype, bool b_kmajor, int32_t block_n, int32_t cluster_m, bool pingpong = false) {
   if (dtype != DType::kBF16 && dtype != DType::kF16) return false;
   if (pingpong) return block_n == kGemmBlockN128 && cluster_m == 2;
-  if (block_n == kGemmBlockN && cluster_m == 1) return true;
-  if (dtype != DType::kBF16) return false;
-  if (block_n == kGemmBlockNNarrow && cluster_m == 1) return true;
-  if (block_n == kGemmBlockN320) return cluster_m == 2;
-  return block_n == kGemmBlockN160 && cluster_m == 2 && b_kmajor;
+  if (cluster_m == 1) return block_n == kGemmBlockN || block_n == kGemmBlockNNarrow;
+  if (cluster_m != 2) return false;
+  return block_n == kGemmBlockN320 || (block_n == kGemmBlockN160 && b_kmajor);
 }
 
 // Launches on `stream`; `sm_count` sizes the persistent grid. `dtype` is D's (and A's and B's

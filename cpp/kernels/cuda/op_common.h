@@ -74,8 +74,7 @@ inline bool ShorterWaves(int64_t m, int64_t n, int64_t block_n, int64_t other_n,
 // 192) 1.28 -> 1.04, Phi-3 gate+up dx 2048 x 8192 x 3072 1.27 -> 1.01 (ping-pong 1.06)
 // (docs/decisions/2026-12-03-narrow-tile-dx-and-f16-pingpong.md). Less than one wave of
 // 128x256 tiles only above 1024 rows (fewer rows are latency-bound, not measured).
-inline int32_t ChooseBlockN(const CommConfig& cfg, DType dtype, int64_t m, int64_t n, int sm_count) {
-  if (!HasNarrowTile(dtype)) return kGemmBlockN;
+inline int32_t ChooseBlockN(const CommConfig& cfg, int64_t m, int64_t n, int sm_count) {
   if (cfg.tuning.tile_n != 0) return static_cast<int32_t>(cfg.tuning.tile_n);
   if (m <= 0 || n <= 0 || sm_count <= 0) return kGemmBlockN;
   if (m <= 1024 && TileCount(m, n, kGemmBlockN) < sm_count) return kGemmBlockN;
@@ -114,7 +113,7 @@ inline bool PreferWideTile(const CommConfig& cfg, DType dtype, bool b_kmajor, in
   if (m <= 1024 || n % kGemmBlockN320 != 0 || !HasGemmInstance(dtype, b_kmajor, kGemmBlockN320, 2)) return false;
   if (m <= 2048) return k >= (b_kmajor ? 3584 : 4096);
   if (sm_count <= 0) return false;
-  return ShorterWaves(m, n, kGemmBlockN320, ChooseBlockN(cfg, dtype, m, n, sm_count), sm_count);
+  return ShorterWaves(m, n, kGemmBlockN320, ChooseBlockN(cfg, m, n, sm_count), sm_count);
 }
 
 // Ping-pong 128x128 tiles in 2x1 clusters, either weight layout, bf16 and float16, where M > 1024
@@ -128,7 +127,7 @@ inline bool PreferWideTile(const CommConfig& cfg, DType dtype, bool b_kmajor, in
 inline bool PreferPingpongByWaves(const CommConfig& cfg, DType dtype, bool b_kmajor, int64_t m, int64_t n,
                                   int sm_count) {
   if (m <= 1024 || sm_count <= 0 || !HasGemmInstance(dtype, b_kmajor, kGemmBlockN128, 2, true)) return false;
-  return ShorterWaves(m, n, kGemmBlockN128, ChooseBlockN(cfg, dtype, m, n, sm_count), sm_count);
+  return ShorterWaves(m, n, kGemmBlockN128, ChooseBlockN(cfg, m, n, sm_count), sm_count);
 }
 
 // Ping-pong 128x128 tiles in 2x1 clusters for the [K, N] weight where K <= 2048 and M > 2048 (before
@@ -173,7 +172,7 @@ inline Status ChooseGemmInstance(const CommConfig& cfg, DType dtype, bool b_kmaj
         plan->cluster_m = 2;
         plan->pingpong = true;
       } else {
-        plan->block_n = ChooseBlockN(cfg, dtype, m, n, sm_count);
+        plan->block_n = ChooseBlockN(cfg, m, n, sm_count);
       }
       return Status::Ok();
     case GemmKernel::k128x256: plan->block_n = kGemmBlockN; break;

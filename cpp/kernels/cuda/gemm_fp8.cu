@@ -1,0 +1,13 @@
+// The FP8 overlap GEMM instances: float8 operands, B K-major, bfloat16 out with row and column
+// scales in the epilogue (gemm_fp8_instance.cuh; op_common.h, ChooseFp8GemmInstance):
+//   e4m3 x e4m3, 128x256          cooperative, 1x1 clusters: 8192 x 8192 outputs and more
+//   e4m3 x e4m3, 128x128 pp, 2x1  ping-pong, B shared by TMA multicast: smaller outputs
+//   e5m2 x e4m3, 128x128 pp, 2x1  the backward's dy rows (e5m2) times the weight
+// One file: the instances share most of their template instantiation (see gemm_bf16_kmajor.cu).
+#include "gemm_fp8_instance.cuh"
+
+FLUX_JAX_DEFINE_GEMM_INSTANCE(RunGemm_e4m3_bf16, GemmInstanceFp8<cutlass::float_e4m3_t, cutlass::bfloat16_t>)
+FLUX_JAX_DEFINE_GEMM_INSTANCE(RunGemm_e4m3_bf16_pp128_c2x1,
+                              GemmInstanceFp8<cutlass::float_e4m3_t, cutlass::bfloat16_t, kGemmBlockN128, 2, true>)
+FLUX_JAX_DEFINE_GEMM_INSTANCE(RunGemm_e5m2_bf16_pp128_c2x1,
+                              GemmInstanceFp8<cutlass::float_e5m2_t, cutlass::bfloat16_t, kGemmBlockN128, 2, true>)
