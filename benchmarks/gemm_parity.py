@@ -351,7 +351,7 @@ def run_shape(
             try:
                 timer.preheat()
                 rows[v.name].update(
-                    gpu_energy.sustained(timer.run_long, timer.calls_per_long_run, energy_s, meter.read_mj)
+                    gpu_energy.sustained(timer.dispatch_long, timer.calls_per_long_run, energy_s, meter.read_mj)
                 )
             except Exception as err:  # noqa: BLE001 -- a failed reading is no reason to lose the row
                 rows[v.name]["note"] = f"{rows[v.name]['note']}; energy: {error_summary(err, 120)}".lstrip("; ")

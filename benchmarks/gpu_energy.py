@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import time
+from collections import deque
 from collections.abc import Callable
 
 _NVML_SUCCESS = 0
@@ -83,39 +84,53 @@ def _next_update(read_mj: Callable[[], float], max_reads: int = 200_000) -> floa
 
 
 def sustained(
-    run: Callable[[], None],
+    dispatch: Callable[[], Callable[[], bool]],
     calls_per_run: int,
     seconds: float,
     read_mj: Callable[[], float],
     warmup_s: float = 0.2,
+    depth: int = 3,
 ) -> dict:
-    """Runs `run` (blocking, `calls_per_run` calls each) back to back for at least `seconds` after
-    `warmup_s` of untimed runs (the power cap's clocks settle): time per call (us), energy per call
-    (mJ) and mean power (W) over that window.
+    """Time per call (us), energy per call (mJ) and mean power (W) of a loop kept running for at
+    least `seconds` after `warmup_s` (the power cap's clocks settle).
 
-    The counter advances in steps, so the window starts right after a step and ends after the run
-    during which the next step after `seconds` came: the energy read then misses at most part of
-    one run (~10 ms of a window of seconds). The host's gaps between runs count in all three (a
-    few us per run)."""
+    `dispatch()` enqueues one run of `calls_per_run` calls without waiting and returns a function
+    that tells whether that run has finished. `depth` runs stay queued, so the GPU never idles
+    while the host reads the counter (one read can take milliseconds; reading between blocking
+    runs made the window up to 1.8x longer than the runs themselves, its power an average with
+    idle gaps). The counter advances in steps: the window runs from one step to the first step
+    after `seconds`, both seen while runs were queued; power is its energy over its length. Time
+    per call is taken from the runs that finished inside the window (first to last finish), and
+    energy per call is the two's product."""
+    queue: deque[Callable[[], bool]] = deque(dispatch() for _ in range(max(depth, 1)))
+    finished: list[float] = []
+
+    def pump() -> None:
+        while queue and queue[0]():
+            queue.popleft()
+            finished.append(time.perf_counter())
+            queue.append(dispatch())
+
+    def next_step() -> tuple[float, float, int]:
+        last = read_mj()
+        while True:
+            pump()
+            value = read_mj()
+            if value != last:
+                return value, time.perf_counter(), len(finished)
+
     start = time.perf_counter()
-    run()
     while time.perf_counter() - start < warmup_s:
-        run()
-    e0 = _next_update(read_mj)
-    t0, runs = time.perf_counter(), 0
-    while True:
-        before = read_mj()
-        run()
-        runs += 1
-        elapsed = time.perf_counter() - t0
-        if elapsed >= seconds:
-            e1 = read_mj()
-            if e1 != before:
-                break
-    energy_mj = e1 - e0
-    calls = runs * calls_per_run
-    return {
-        "sustained_us": elapsed / calls * 1e6,
-        "energy_mj": energy_mj / calls,
-        "power_w": energy_mj / 1e3 / elapsed,
-    }
+        pump()
+    e0, t0, n0 = next_step()
+    while time.perf_counter() - t0 < seconds:
+        pump()
+    e1, t1, n1 = next_step()
+    while queue:  # drain: the next measurement starts from an idle queue
+        if queue[0]():
+            queue.popleft()
+    if n1 - n0 < 2:
+        raise RuntimeError(f"energy window of {t1 - t0:.3f} s saw {n1 - n0} runs finish; lengthen it")
+    per_call_s = (finished[n1 - 1] - finished[n0]) / ((n1 - 1 - n0) * calls_per_run)
+    power_w = (e1 - e0) / 1e3 / (t1 - t0)
+    return {"sustained_us": per_call_s * 1e6, "energy_mj": power_w * per_call_s * 1e3, "power_w": power_w}

@@ -144,9 +144,10 @@ class LoopTimer:
         """Steps of one run of the long loop (n2 dependent calls and the one that makes out)."""
         return self.n2 + 1
 
-    def run_long(self) -> None:
-        """One run of the long loop, blocking."""
-        jax.block_until_ready(self._f2(*self._args))
+    def dispatch_long(self) -> Callable[[], bool]:
+        """Enqueues one run of the long loop without waiting; returns whether it has finished."""
+        leaves = jax.tree.leaves(self._f2(*self._args))
+        return lambda: all(leaf.is_ready() for leaf in leaves)
 
     def preheat(self) -> int:
         """Runs the long loop, untimed, until preheat_ms have passed; returns the runs."""

@@ -451,32 +451,68 @@ def test_gemm_parity_kernel_spec_sets_the_tile_group():
         gemm_parity.parse_args(["--out", "x", "--kernels", "auto,auto/g99"])
 
 
+class _FakeGpu:
+    """A GPU that runs queued work back to back at busy_w and idles at idle_w, on a fake clock; its
+    energy counter publishes the total every step_s, and every read of it costs the host read_s."""
+
+    def __init__(self, monkeypatch, busy_w=500.0, idle_w=100.0, step_s=0.1, read_s=0.005):
+        from benchmarks import gpu_energy
+
+        self.now = self.busy_until = 100.0
+        self.next_step_at = self.now + step_s
+        self.energy_j = self.published_mj = 0.0
+        self.busy_w, self.idle_w, self.step_s, self.read_s = busy_w, idle_w, step_s, read_s
+        monkeypatch.setattr(gpu_energy.time, "perf_counter", lambda: self.now)
+
+    def advance(self, dt):
+        while dt > 1e-12:
+            piece = min(dt, self.next_step_at - self.now)
+            busy = min(piece, max(self.busy_until - self.now, 0.0))
+            self.energy_j += busy * self.busy_w + (piece - busy) * self.idle_w
+            self.now += piece
+            dt -= piece
+            if self.now >= self.next_step_at - 1e-12:
+                self.published_mj = self.energy_j * 1e3
+                self.next_step_at += self.step_s
+
+    def dispatcher(self, run_s):
+        def dispatch():
+            self.advance(2e-6)
+            end = max(self.now, self.busy_until) + run_s
+            self.busy_until = end
+
+            def ready():
+                self.advance(1e-5)
+                return self.now >= end
+
+            return ready
+
+        return dispatch
+
+    def read_mj(self):
+        self.advance(self.read_s)
+        return self.published_mj
+
+
 def test_sustained_energy_per_call(monkeypatch):
-    """gpu_energy.sustained: time, energy and power per call over the window, from the counter's
-    difference (a fake clock and a fake 500 W counter)."""
+    """gpu_energy.sustained keeps runs queued while it reads the counter (each read costs 5 ms of
+    host time here): the GPU never idles, so power is the busy power, time per call the run's,
+    energy per call their product; the counter's 100 ms steps bound the window."""
     from benchmarks import gpu_energy
 
-    clock = [100.0]
-    monkeypatch.setattr(gpu_energy.time, "perf_counter", lambda: clock[0])
+    gpu = _FakeGpu(monkeypatch)
+    got = gpu_energy.sustained(gpu.dispatcher(0.013), 100, 0.5, gpu.read_mj)  # 100 calls of 130 us
+    assert got["sustained_us"] == pytest.approx(130.0, rel=1e-3)
+    assert got["power_w"] == pytest.approx(500.0, rel=1e-3)
+    assert got["energy_mj"] == pytest.approx(65.0, rel=1e-3)
+    assert gpu.now >= gpu.busy_until  # drained: nothing left queued
 
-    def run():  # 100 calls of 100 us per run
-        clock[0] += 0.01
-
-    got = gpu_energy.sustained(run, 100, 0.5, lambda: 500e3 * clock[0])  # mJ
-    assert got["sustained_us"] == pytest.approx(100.0)
-    assert got["energy_mj"] == pytest.approx(50.0)
-    assert got["power_w"] == pytest.approx(500.0)
-
-    def stepped():  # a counter that advances every 70 ms, read in 10 us
-        clock[0] += 1e-5
-        return 500e3 * 0.07 * int(clock[0] / 0.07)
-
-    def run13():  # 100 calls of 130 us per run: 65 mJ per call at 500 W
-        clock[0] += 0.013
-
-    clock[0] = 100.0
-    got = gpu_energy.sustained(run13, 100, 0.5, stepped)
-    assert got["energy_mj"] == pytest.approx(65.0, rel=0.03)  # reads not aligned to the steps: +10% here
+    gpu = _FakeGpu(monkeypatch)  # one run queued: reads leave the GPU idle, power and time drift
+    got = gpu_energy.sustained(gpu.dispatcher(0.004), 10, 0.5, gpu.read_mj, depth=1)
+    assert got["power_w"] < 490.0
+    gpu = _FakeGpu(monkeypatch)
+    with pytest.raises(RuntimeError, match="runs finish"):
+        gpu_energy.sustained(gpu.dispatcher(0.3), 10, 0.1, gpu.read_mj)
 
 
 def test_energy_meter_reads_every_gpu_or_is_absent(monkeypatch):
