@@ -1,7 +1,7 @@
 """Our GEMM against XLA's on one GPU, every GEMM instance of this build A/B'd in one process.
 
   python -m benchmarks.gemm_parity --out DIR [--subset quick|full] [--m 2048,8192]
-      [--dtypes bfloat16,float16] [--kernels auto,128x256,auto/g16,...] [--no-gate-probe] [--no-decode]
+      [--dtypes bfloat16,float16] [--kernels auto,128x256,auto/g16,auto/s1,...] [--no-gate-probe] [--no-decode]
       [--shapes M:K:N[:dx],...] [--repeats R] [--target-ms T] [--preheat-ms P] [--budget-s S]
       [--seed S] [--no-profiler | --profile-all] [--energy-s S] [--git-commit SHA]
 
@@ -18,6 +18,8 @@ and a float32 reference (XLA, precision HIGHEST); then one row per variant:
                         a same-program control of the instance it resolves to)
   flux:<kernel>/g<G>    the same with GpuTuning.tile_group_m=G (G row tiles swept together across
                         N; the default is 8): the tile order's cost in L2 and HBM traffic
+  flux:<kernel>/s<S>    the same with GpuTuning.tile_serpentine=S (1: odd groups sweep N
+                        backwards; 0: forwards); with /g<G> as <kernel>/g<G>/s<S>
   flux:auto+gate_probe  the same as flux:auto with every tile's A loads gated on flags already set
                         (GpuTuning.gate_probe): the gate's cost (at tp=1 no gate runs otherwise)
   flux:decode           the decode path's GEMM alone (bf16, [K, N] weight, M <= 256)
@@ -145,18 +147,35 @@ class Variant:
     kernel: str | None = None  # GpuTuning.gemm_kernel (flux only)
     gate_probe: bool = False
     tile_group_m: int = 0  # GpuTuning.tile_group_m (0: the default)
+    tile_serpentine: int = -1  # GpuTuning.tile_serpentine (-1: the default)
 
     @property
     def tuning(self) -> dict:
-        return {"gemm_kernel": self.kernel, "gate_probe": int(self.gate_probe), "tile_group_m": self.tile_group_m}
+        return {
+            "gemm_kernel": self.kernel,
+            "gate_probe": int(self.gate_probe),
+            "tile_group_m": self.tile_group_m,
+            "tile_serpentine": self.tile_serpentine,
+        }
 
 
-def parse_kernel_spec(spec: str) -> tuple[str, int]:
-    """ "128x256" -> ("128x256", 0); "auto/g16" -> ("auto", 16) (GpuTuning.tile_group_m)."""
-    kernel, _, group = spec.partition("/g")
-    if kernel not in KERNELS or (group and not (group.isdigit() and 1 <= int(group) <= 64)):
-        raise ValueError(f"--kernels {spec!r}: KERNEL or KERNEL/gG with KERNEL in {KERNELS} and G in 1..64")
-    return kernel, int(group or 0)
+def parse_kernel_spec(spec: str) -> tuple[str, int, int]:
+    """ "128x256" -> ("128x256", 0, -1); "auto/g16" -> ("auto", 16, -1) (GpuTuning.tile_group_m);
+    "auto/s1" -> ("auto", 0, 1), "auto/g16/s0" -> ("auto", 16, 0) (GpuTuning.tile_serpentine)."""
+    kernel, *options = spec.split("/")
+    group, serpentine = 0, -1
+    ok = kernel in KERNELS and len(options) <= 2
+    for opt in options:
+        value = opt[1:]
+        if opt[:1] == "g" and value.isdigit() and 1 <= int(value) <= 64 and not group:
+            group = int(value)
+        elif opt[:1] == "s" and value in ("0", "1") and serpentine == -1:
+            serpentine = int(value)
+        else:
+            ok = False
+    if not ok:
+        raise ValueError(f"--kernels {spec!r}: KERNEL[/gG][/sS] with KERNEL in {KERNELS}, G in 1..64 and S 0 or 1")
+    return kernel, group, serpentine
 
 
 def variants_for(
@@ -168,11 +187,11 @@ def variants_for(
         return out + [Variant("flux:auto", "auto")]
     small = shape.M <= 256
     for spec in kernels:
-        kernel, group = parse_kernel_spec(spec)
+        kernel, group, serpentine = parse_kernel_spec(spec)
         if small and kernel not in ("auto", "128x256"):
             continue  # decode sizes: one or two row tiles; the overlap instances are controls there
         if kernel_available(kernel, shape.dtype, shape.dx, shape.M):
-            out.append(Variant(f"flux:{spec}", kernel, tile_group_m=group))
+            out.append(Variant(f"flux:{spec}", kernel, tile_group_m=group, tile_serpentine=serpentine))
     if gate_probe and not small and not shape.dx and "auto" in kernels:
         out.append(Variant("flux:auto+gate_probe", "auto", True))
     if decode and small and kernel_available("decode", shape.dtype, shape.dx, shape.M):
@@ -403,6 +422,7 @@ def _empty_row(shape: Shape, v: Variant) -> dict:
         "gemm_kernel": v.kernel,
         "gate_probe": v.gate_probe,
         "tile_group_m": v.tile_group_m,
+        "tile_serpentine": v.tile_serpentine,
         "status": "ok",
         "us": None,
         "us_min": None,
@@ -444,8 +464,8 @@ def _variant_from_name(name: str) -> Variant:
         return Variant(name, "auto", True)
     if name in ("flux:decode", "flux:ar_decode"):
         return Variant(name, name.removeprefix("flux:"))
-    kernel, group = parse_kernel_spec(name.removeprefix("flux:"))
-    return Variant(name, kernel, tile_group_m=group)
+    kernel, group, serpentine = parse_kernel_spec(name.removeprefix("flux:"))
+    return Variant(name, kernel, tile_group_m=group, tile_serpentine=serpentine)
 
 
 def run_preflight_child(names: list[str]) -> None:
@@ -732,7 +752,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument(
         "--kernels",
         default=",".join(KERNELS),
-        help=f"GpuTuning.gemm_kernel values ({', '.join(KERNELS)}), each optionally /gG: GpuTuning.tile_group_m=G",
+        help=f"GpuTuning.gemm_kernel values ({', '.join(KERNELS)}), each optionally /gG: GpuTuning.tile_group_m=G "
+        "and /sS: GpuTuning.tile_serpentine=S",
     )
     ap.add_argument("--no-gate-probe", action="store_true", help="skip the gate-probe variant")
     ap.add_argument("--no-decode", action="store_true", help="skip the decode GEMM at M <= 256")

@@ -108,6 +108,9 @@ class GpuTuning:
     Attributes:
       piece_bytes: target size of the pieces a chunk travels in (0: ~1/8 chunk, >= 8 MiB).
       tile_group_m: 128-row tiles the overlap GEMM sweeps together across N, 1..64 (0: 8).
+      tile_serpentine: 1: every odd group of row tiles sweeps N backwards, starting on the
+        columns of the weight the group before it read last; 0: every group sweeps forwards;
+        -1: the product's choice (forwards).
       rs_stage_launches: GEMM launches of matmul_rs's pushed stage (1: one; 0: about a wave
         each; 2..16: that many).
       rs_tile_signal: when matmul_rs's pushed pieces go: 0 at the launch's end, 1 / 2 by tile
@@ -126,6 +129,7 @@ class GpuTuning:
 
     piece_bytes: int = 0
     tile_group_m: int = 0
+    tile_serpentine: int = -1
     rs_stage_launches: int = 1
     rs_tile_signal: int = -1
     tile_n: int = 0
@@ -136,6 +140,8 @@ class GpuTuning:
     def __post_init__(self):
         _check_int("GpuTuning.piece_bytes", self.piece_bytes, 0, 1 << 40)
         _check_int("GpuTuning.tile_group_m", self.tile_group_m, 0, 64)
+        if type(self.tile_serpentine) is not int or self.tile_serpentine not in (-1, 0, 1):
+            raise ValueError(f"GpuTuning.tile_serpentine must be -1, 0 or 1, got {self.tile_serpentine!r}")
         _check_int("GpuTuning.rs_stage_launches", self.rs_stage_launches, 0, 16)
         if type(self.rs_tile_signal) is not int or self.rs_tile_signal not in (-1, 0, 1, 2):
             raise ValueError(f"GpuTuning.rs_tile_signal must be -1, 0, 1 or 2, got {self.rs_tile_signal!r}")

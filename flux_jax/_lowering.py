@@ -253,6 +253,7 @@ def _gemm_attrs(call, path: str) -> dict:
         path=np.int32(_PATH_ENUM[path]),
         piece_bytes=np.int64(t.piece_bytes),
         tile_group_m=np.int64(t.tile_group_m),
+        tile_serpentine=np.int64(t.tile_serpentine),
         rs_stage_launches=np.int64(t.rs_stage_launches),
         rs_tile_signal=np.int64(t.rs_tile_signal),
         tile_n=np.int64(t.tile_n),

@@ -428,25 +428,30 @@ def test_gemm_parity_summary_by_loop_kernel_time():
     assert "By kernel time under the same load" in gemm_parity.markdown(meta, rows)
 
 
-def test_gemm_parity_kernel_spec_sets_the_tile_group():
-    """--kernels KERNEL/gG: the same instance traced with GpuTuning.tile_group_m=G, a variant of
-    its own; a bad spec is refused."""
+def test_gemm_parity_kernel_spec_sets_the_tile_order():
+    """--kernels KERNEL/gG/sS: the same instance traced with GpuTuning.tile_group_m=G and
+    tile_serpentine=S, a variant of its own; a bad spec is refused."""
     from benchmarks import gemm_parity
 
-    assert gemm_parity.parse_kernel_spec("128x256") == ("128x256", 0)
-    assert gemm_parity.parse_kernel_spec("auto/g16") == ("auto", 16)
-    for bad in ("auto/g0", "auto/g65", "auto/gx", "256x256", "256x256/g8"):
+    assert gemm_parity.parse_kernel_spec("128x256") == ("128x256", 0, -1)
+    assert gemm_parity.parse_kernel_spec("auto/g16") == ("auto", 16, -1)
+    assert gemm_parity.parse_kernel_spec("auto/s1") == ("auto", 0, 1)
+    assert gemm_parity.parse_kernel_spec("128x256/g4/s0") == ("128x256", 4, 0)
+    bad_specs = ("auto/g0", "auto/g65", "auto/gx", "256x256", "256x256/g8", "auto/s2", "auto/s", "auto/g8/g8")
+    for bad in (*bad_specs, "auto/s1/s1", "auto/g8/s1/x", "auto/"):
         with pytest.raises(ValueError, match="--kernels"):
             gemm_parity.parse_kernel_spec(bad)
     shape = gemm_parity.Shape(8192, 4096, 8192, False, "bfloat16", "")
-    variants = gemm_parity.variants_for(shape, "gpu", ("auto", "auto/g16"), False, False)
-    assert [(v.name, v.kernel, v.tile_group_m) for v in variants] == [
-        ("xla", None, 0),
-        ("flux:auto", "auto", 0),
-        ("flux:auto/g16", "auto", 16),
+    variants = gemm_parity.variants_for(shape, "gpu", ("auto", "auto/g16", "auto/s1"), False, False)
+    assert [(v.name, v.kernel, v.tile_group_m, v.tile_serpentine) for v in variants] == [
+        ("xla", None, 0, -1),
+        ("flux:auto", "auto", 0, -1),
+        ("flux:auto/g16", "auto", 16, -1),
+        ("flux:auto/s1", "auto", 0, 1),
     ]
-    assert variants[2].tuning == {"gemm_kernel": "auto", "gate_probe": 0, "tile_group_m": 16}
+    assert variants[2].tuning == {"gemm_kernel": "auto", "gate_probe": 0, "tile_group_m": 16, "tile_serpentine": -1}
     assert gemm_parity._variant_from_name("flux:128x256/g4").tile_group_m == 4
+    assert gemm_parity._variant_from_name("flux:auto/g4/s1").tile_serpentine == 1
     with pytest.raises(SystemExit):
         gemm_parity.parse_args(["--out", "x", "--kernels", "auto,auto/g99"])
 

@@ -149,6 +149,9 @@ def test_config_validation():
     for bad in (-2, 3, True, 1.0):
         with pytest.raises(ValueError, match="rs_tile_signal"):
             _config.GpuTuning(rs_tile_signal=bad)
+    for bad in (-2, 2, True, 1.0):
+        with pytest.raises(ValueError, match="tile_serpentine"):
+            _config.GpuTuning(tile_serpentine=bad)
     with pytest.raises(ValueError, match="piece_bytes"):
         _config.GpuTuning(piece_bytes=1 << 62)  # would overflow an attribute
     assert _config.GpuTuning().rs_tile_signal == -1  # automatic
@@ -180,6 +183,7 @@ def test_gpu_tuning_fields_reach_the_kernel_attributes():
         rs_stage_launches=0,
         piece_bytes=4096,
         tile_group_m=2,
+        tile_serpentine=1,
         tile_n=192,
         rs_tile_signal=2,
         gemm_kernel="128x160_c2x1",
@@ -191,6 +195,7 @@ def test_gpu_tuning_fields_reach_the_kernel_attributes():
         "rs_stage_launches = 0",
         "piece_bytes = 4096",
         "tile_group_m = 2",
+        "tile_serpentine = 1",
         "tile_n = 192",
         "rs_tile_signal = 2",
         "path = 0 : i32",

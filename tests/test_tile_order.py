@@ -13,8 +13,8 @@ import pytest
 from flux_jax import _native
 
 
-def order(tiles_m, tiles_n, group, rotate):
-    return _native.extension().grouped_tile_order(tiles_m, tiles_n, group, rotate)
+def order(tiles_m, tiles_n, group, rotate, serpentine=False):
+    return _native.extension().grouped_tile_order(tiles_m, tiles_n, group, rotate, serpentine)
 
 
 CASES = list(itertools.product((1, 2, 3, 7, 8, 16, 20), (1, 3, 12, 56), (1, 2, 4, 8, 16)))
@@ -40,6 +40,31 @@ def test_groups_sweep_n_and_start_at_the_rotated_rows(tiles_m, tiles_n, group):
         assert [n for _, n in block] == [i // rows for i in range(rows * tiles_n)]  # column by column
 
 
+@pytest.mark.parametrize("tiles_m,tiles_n,group", CASES)
+def test_serpentine_reverses_the_odd_groups_columns(tiles_m, tiles_n, group):
+    """Serpentine: the same groups in the same order, every tile once; the even groups sweep N as
+    the plain order does, the odd ones backwards, so each odd group starts on the columns the group
+    before it read last (and each even one after the first on those its odd predecessor read last)."""
+    for rotate in sorted({0, tiles_m // 2, tiles_m - 1}):
+        plain = order(tiles_m, tiles_n, group, rotate)
+        snake = order(tiles_m, tiles_n, group, rotate, serpentine=True)
+        assert sorted(snake) == sorted(plain)
+        for g, start in enumerate(range(0, tiles_m, group)):
+            span = slice(start * tiles_n, (start + min(group, tiles_m - start)) * tiles_n)
+            assert [m for m, _ in snake[span]] == [m for m, _ in plain[span]]
+            flip = (lambda n: tiles_n - 1 - n) if g % 2 else (lambda n: n)
+            assert [n for _, n in snake[span]] == [flip(n) for _, n in plain[span]]
+            if g > 0:
+                assert snake[span][0][1] == snake[span.start - 1][1]  # the turn: no new column
+
+
+def test_serpentine_picture():
+    """The header's picture: group 2, tiles_n 4."""
+    snake = order(4, 4, 2, 0, serpentine=True)
+    grid = [[snake.index((m, n)) for n in range(4)] for m in range(4)]
+    assert grid == [[0, 2, 4, 6], [1, 3, 5, 7], [14, 12, 10, 8], [15, 13, 11, 9]]
+
+
 def test_rejects_bad_arguments():
     with pytest.raises(ValueError, match="rotate < tiles_m"):
         order(4, 4, 2, 4)
@@ -50,8 +75,8 @@ def test_rejects_bad_arguments():
 CLUSTER_CASES = list(itertools.product((1, 2, 3, 7, 8, 16, 20), (1, 3, 12, 56), (1, 2, 8), (1, 2)))
 
 
-def clustered(tiles_m, tiles_n, group, rotate, cluster_m, cluster_n=1):
-    return _native.extension().clustered_tile_order(tiles_m, tiles_n, group, rotate, cluster_m, cluster_n)
+def clustered(tiles_m, tiles_n, group, rotate, cluster_m, cluster_n=1, serpentine=False):
+    return _native.extension().clustered_tile_order(tiles_m, tiles_n, group, rotate, cluster_m, cluster_n, serpentine)
 
 
 @pytest.mark.parametrize("tiles_m,tiles_n,group,cluster_m", CLUSTER_CASES)
@@ -87,6 +112,23 @@ def test_column_clusters_cover_every_padded_tile_once_and_share_m(tiles_m, tiles
         for (m0, n0), (m1, n1) in pairs:
             assert m0 == m1 and n0 % 2 == 0 and n1 == n0 + 1
         assert [(m, n // 2) for (m, n), _ in pairs] == order(tiles_m, padded // 2, group, rotate)
+
+
+@pytest.mark.parametrize("tiles_m,tiles_n,group,cluster_m", CLUSTER_CASES)
+def test_serpentine_clusters(tiles_m, tiles_n, group, cluster_m):
+    """Serpentine over clusters: along M, the clusters keep their CTAs on one n and the tiles are the
+    plain order's, each once; along N, the clusters sweep the serpentine order over cluster columns."""
+    for rotate in sorted({0, tiles_m // 2, tiles_m - 1}):
+        plain = clustered(tiles_m, tiles_n, group, rotate, cluster_m)
+        snake = clustered(tiles_m, tiles_n, group, rotate, cluster_m, serpentine=True)
+        assert sorted(snake) == sorted(plain)
+        for i in range(0, len(snake), cluster_m):
+            assert len({n for _, n in snake[i : i + cluster_m]}) == 1
+        if cluster_m == 1:
+            assert snake == order(tiles_m, tiles_n, group, rotate, serpentine=True)
+        cols = clustered(tiles_m, tiles_n, group, rotate, 1, 2, serpentine=True)
+        padded = -(-tiles_n // 2) * 2
+        assert [(m, n // 2) for (m, n) in cols[::2]] == order(tiles_m, padded // 2, group, rotate, serpentine=True)
 
 
 def test_clustered_order_rejects_two_dimensional_clusters():

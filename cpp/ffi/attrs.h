@@ -47,6 +47,7 @@ struct GemmAttrs {
   FusedPath path;
   int64_t piece_bytes;
   int64_t tile_group_m;
+  int64_t tile_serpentine;
   int64_t rs_stage_launches;
   int64_t rs_tile_signal;
   int64_t tile_n;
@@ -81,6 +82,10 @@ inline Status DecodeGemm(const GemmAttrs& a, Platform platform, int32_t device_o
   cfg->path = a.path;
   cfg->tuning.piece_bytes = a.piece_bytes;
   cfg->tuning.tile_group_m = a.tile_group_m;
+  if (a.tile_serpentine < -1 || a.tile_serpentine > 1) {
+    return Status::InvalidArgument("tile_serpentine must be -1, 0 or 1, got " + std::to_string(a.tile_serpentine));
+  }
+  cfg->tuning.tile_serpentine = a.tile_serpentine;
   cfg->tuning.rs_stage_launches = a.rs_stage_launches;
   cfg->tuning.rs_tile_signal = a.rs_tile_signal;
   cfg->tuning.tile_n = a.tile_n;
@@ -105,14 +110,12 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(flux_jax::ffi_adapter::CollectiveAttrs, St
                                       StructMember<int64_t>("jitter_us"), StructMember<int64_t>("drop_rank"),
                                       StructMember<bool>("poison"));
 
-XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(flux_jax::ffi_adapter::GemmAttrs, StructMember<int64_t>("tp_size"),
-                                      StructMember<Span<const int64_t>>("tp_devices"),
-                                      StructMember<Span<const int64_t>>("tp_processes"),
-                                      StructMember<int64_t>("callsite"), StructMember<int64_t>("timeout_us"),
-                                      StructMember<int64_t>("jitter_us"), StructMember<int64_t>("drop_rank"),
-                                      StructMember<bool>("poison"), StructMember<bool>("w_transposed"),
-                                      StructMember<flux_jax::FusedPath>("path"), StructMember<int64_t>("piece_bytes"),
-                                      StructMember<int64_t>("tile_group_m"), StructMember<int64_t>("rs_stage_launches"),
-                                      StructMember<int64_t>("rs_tile_signal"), StructMember<int64_t>("tile_n"),
-                                      StructMember<bool>("decode_early_launch"), StructMember<int64_t>("gemm_kernel"),
-                                      StructMember<bool>("gate_probe"));
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    flux_jax::ffi_adapter::GemmAttrs, StructMember<int64_t>("tp_size"), StructMember<Span<const int64_t>>("tp_devices"),
+    StructMember<Span<const int64_t>>("tp_processes"), StructMember<int64_t>("callsite"),
+    StructMember<int64_t>("timeout_us"), StructMember<int64_t>("jitter_us"), StructMember<int64_t>("drop_rank"),
+    StructMember<bool>("poison"), StructMember<bool>("w_transposed"), StructMember<flux_jax::FusedPath>("path"),
+    StructMember<int64_t>("piece_bytes"), StructMember<int64_t>("tile_group_m"),
+    StructMember<int64_t>("tile_serpentine"), StructMember<int64_t>("rs_stage_launches"),
+    StructMember<int64_t>("rs_tile_signal"), StructMember<int64_t>("tile_n"), StructMember<bool>("decode_early_launch"),
+    StructMember<int64_t>("gemm_kernel"), StructMember<bool>("gate_probe"));

@@ -154,12 +154,12 @@ NB_MODULE(_flux_jax_ffi, m) {
         "Zero the handlers' host-time counters.");
   m.def(
       "grouped_tile_order",
-      [](int tiles_m, int tiles_n, int group, int rotate) {
+      [](int tiles_m, int tiles_n, int group, int rotate, bool serpentine) {
         if (tiles_m < 1 || tiles_n < 1 || group < 1 || rotate < 0 || rotate >= tiles_m) {
           throw std::invalid_argument(
               "grouped_tile_order: need tiles_m, tiles_n, group >= 1 and 0 <= rotate < tiles_m");
         }
-        const flux_jax::GroupedTileOrder grouped(tiles_m, tiles_n, group, rotate);
+        const flux_jax::GroupedTileOrder grouped(tiles_m, tiles_n, group, rotate, serpentine);
         std::vector<std::pair<int, int>> order;
         order.reserve(static_cast<size_t>(tiles_m) * tiles_n);
         for (int t = 0; t < tiles_m * tiles_n; ++t) {
@@ -168,7 +168,7 @@ NB_MODULE(_flux_jax_ffi, m) {
         }
         return order;
       },
-      nb::arg("tiles_m"), nb::arg("tiles_n"), nb::arg("group"), nb::arg("rotate"),
+      nb::arg("tiles_m"), nb::arg("tiles_n"), nb::arg("group"), nb::arg("rotate"), nb::arg("serpentine") = false,
       "The overlap GEMM's (m, n) tile order (flux_jax/tile_order.h), for tests.");
   m.def(
       "fast_divide",
@@ -217,7 +217,7 @@ NB_MODULE(_flux_jax_ffi, m) {
       "(flux_jax/gpu_checks.h).");
   m.def(
       "clustered_tile_order",
-      [](int tiles_m, int tiles_n, int group, int rotate, int cluster_m, int cluster_n) {
+      [](int tiles_m, int tiles_n, int group, int rotate, int cluster_m, int cluster_n, bool serpentine) {
         if (tiles_m < 1 || tiles_n < 1 || group < 1 || rotate < 0 || rotate >= tiles_m || cluster_m < 1 ||
             cluster_n < 1 || (cluster_m > 1 && cluster_n > 1)) {
           throw std::invalid_argument(
@@ -227,7 +227,7 @@ NB_MODULE(_flux_jax_ffi, m) {
         // The scheduler's order: cluster ids t, then the CTAs of each cluster.
         const int ctas = cluster_m * cluster_n;
         const int clusters = (tiles_m + cluster_m - 1) / cluster_m * ((tiles_n + cluster_n - 1) / cluster_n);
-        const flux_jax::ClusteredTileOrder clustered(tiles_m, tiles_n, group, rotate, cluster_m, cluster_n);
+        const flux_jax::ClusteredTileOrder clustered(tiles_m, tiles_n, group, rotate, cluster_m, cluster_n, serpentine);
         std::vector<std::pair<int, int>> order;
         order.reserve(static_cast<size_t>(clusters) * ctas);
         for (int t = 0; t < clusters; ++t) {
@@ -239,7 +239,7 @@ NB_MODULE(_flux_jax_ffi, m) {
         return order;
       },
       nb::arg("tiles_m"), nb::arg("tiles_n"), nb::arg("group"), nb::arg("rotate"), nb::arg("cluster_m"),
-      nb::arg("cluster_n") = 1,
+      nb::arg("cluster_n") = 1, nb::arg("serpentine") = false,
       "The (m, n) tile order of an overlap GEMM with clusters of cluster_m x cluster_n CTAs (tiles_m, tiles_n "
       "padded to whole clusters), for tests.");
 #ifdef FLUX_JAX_WITH_CUDA

@@ -9,6 +9,13 @@
 //   group = 2, tiles_n = 4:    t:  0  2  4  6      then  8 10 12 14
 //                                  1  3  5  7            9 11 13 15
 //
+// Serpentine: every odd group sweeps N backwards, so it starts on the columns
+// of B the group before it read last (still in L2) instead of those it read
+// first:
+//
+//   group = 2, tiles_n = 4:    t:  0  2  4  6      then 14 12 10  8
+//                                  1  3  5  7           15 13 11  9
+//
 // The last group may hold fewer rows. A bijection on [0, tiles_m * tiles_n)
 // for any group >= 1 and 0 <= rotate < tiles_m.
 #pragma once
@@ -64,23 +71,28 @@ struct FastDivisor {
 
 // The grouped order over tiles_m x tiles_n, its divisors computed on the host once per launch:
 // linear id t -> the group of `group` rows it falls in (the last group may hold fewer), then
-// column by column within the group, then m rotated by `rotate` (mod tiles_m).
+// column by column within the group (backwards in odd groups if `serpentine`), then m rotated by
+// `rotate` (mod tiles_m).
 struct GroupedTileOrder {
   int tiles_m = 1;
+  int tiles_n = 1;
   int group = 1;
   int rotate = 0;
+  bool serpentine = false;
   int last_first = 0;       // first row of the last group
   FastDivisor group_tiles;  // group * tiles_n: t -> its group
   FastDivisor rows;         // group: the rows of every group but the last
   FastDivisor last_rows;    // tiles_m - last_first: the rows of the last group
 
   GroupedTileOrder() = default;
-  GroupedTileOrder(int tiles_m_, int tiles_n, int group_, int rotate_)
+  GroupedTileOrder(int tiles_m_, int tiles_n_, int group_, int rotate_, bool serpentine_ = false)
       : tiles_m(tiles_m_),
+        tiles_n(tiles_n_),
         group(group_),
         rotate(rotate_),
+        serpentine(serpentine_),
         last_first((tiles_m_ - 1) / group_ * group_),
-        group_tiles(group_ * tiles_n),
+        group_tiles(group_ * tiles_n_),
         rows(group_),
         last_rows(tiles_m_ - (tiles_m_ - 1) / group_ * group_) {}
 
@@ -94,7 +106,7 @@ struct GroupedTileOrder {
                                       last ? last_rows.shift : rows.shift);
     int m = first + (idx - n * divisor) + rotate;
     if (m >= tiles_m) m -= tiles_m;
-    return {m, n};
+    return {m, serpentine && (g & 1) ? tiles_n - 1 - n : n};
   }
 };
 
@@ -114,21 +126,23 @@ struct GroupedTileOrder {
 // padded to whole clusters.
 //
 // Tiles in the padding are computed out of bounds (TMA zero-fills their loads and drops their
-// stores). With 1x1 clusters this is the grouped order.
+// stores). With 1x1 clusters this is the grouped order. `serpentine` applies to the grid of
+// clusters.
 struct ClusteredTileOrder {
   GroupedTileOrder clusters;
   int cluster_m = 1;
   int cluster_n = 1;
 
   ClusteredTileOrder() = default;
-  ClusteredTileOrder(int tiles_m, int tiles_n, int group, int rotate, int cluster_m_, int cluster_n_ = 1)
+  ClusteredTileOrder(int tiles_m, int tiles_n, int group, int rotate, int cluster_m_, int cluster_n_ = 1,
+                     bool serpentine = false)
       : cluster_m(cluster_m_), cluster_n(cluster_n_) {
     if (cluster_n_ > 1) {
-      clusters = GroupedTileOrder(tiles_m, (tiles_n + cluster_n_ - 1) / cluster_n_, group, rotate);
+      clusters = GroupedTileOrder(tiles_m, (tiles_n + cluster_n_ - 1) / cluster_n_, group, rotate, serpentine);
     } else {
       const int cluster_rows = (tiles_m + cluster_m_ - 1) / cluster_m_;
       const int cluster_group = group / cluster_m_ > 1 ? group / cluster_m_ : 1;
-      clusters = GroupedTileOrder(cluster_rows, tiles_n, cluster_group, rotate / cluster_m_);
+      clusters = GroupedTileOrder(cluster_rows, tiles_n, cluster_group, rotate / cluster_m_, serpentine);
     }
   }
 

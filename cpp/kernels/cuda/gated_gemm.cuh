@@ -64,6 +64,7 @@ class RotatedScheduler : public cutlass::gemm::kernel::detail::PersistentTileSch
   struct Arguments : Base::Arguments {
     int32_t rotate_m_tiles = 0;
     int32_t group_m_tiles = 1;
+    bool serpentine = false;  // odd groups sweep N backwards (flux_jax/tile_order.h)
   };
   struct Params : Base::Params {
     ClusteredTileOrder order;  // divisors precomputed here: no integer division per tile
@@ -88,8 +89,8 @@ class RotatedScheduler : public cutlass::gemm::kernel::detail::PersistentTileSch
     const int tiles_n = (n + cute::size<1>(tile_shape) - 1) / cute::size<1>(tile_shape);
     const int rotate = tiles_m > 0 ? args.rotate_m_tiles % tiles_m : 0;
     const int group = args.group_m_tiles < 1 ? 1 : args.group_m_tiles;
-    params.order =
-        ClusteredTileOrder(tiles_m > 0 ? tiles_m : 1, tiles_n > 0 ? tiles_n : 1, group, rotate, kClusterM, kClusterN);
+    params.order = ClusteredTileOrder(tiles_m > 0 ? tiles_m : 1, tiles_n > 0 ? tiles_n : 1, group, rotate, kClusterM,
+                                      kClusterN, args.serpentine);
     static_assert(cute::size<0>(ClusterShape{}) == kClusterM && cute::size<1>(ClusterShape{}) == kClusterN,
                   "RotatedScheduler: cluster shape mismatch");
     return params;

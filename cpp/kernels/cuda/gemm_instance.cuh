@@ -76,6 +76,7 @@ typename Kernel::Arguments GemmArguments(const GemmPlan& p, int device, int sm_c
   args.hw_info.sm_count = sm_count;
   args.scheduler.group_m_tiles = p.group_m_tiles;
   args.scheduler.rotate_m_tiles = p.rotate_m_tiles;
+  args.scheduler.serpentine = p.serpentine;
   return args;
 }
 
@@ -151,7 +152,7 @@ struct GemmLaunchKey {
   const float* row_scale;
   const float* col_scale;
   uint32_t beta_bits;
-  int32_t local_rows, local_first_tile, rotate_m_tiles, group_m_tiles, device, sm_count, b_kmajor;
+  int32_t local_rows, local_first_tile, rotate_m_tiles, group_m_tiles, device, sm_count, b_kmajor, serpentine;
 };
 
 inline GemmLaunchKey MakeGemmLaunchKey(const GemmPlan& p, int device, int sm_count) {
@@ -175,6 +176,7 @@ inline GemmLaunchKey MakeGemmLaunchKey(const GemmPlan& p, int device, int sm_cou
   key.device = device;
   key.sm_count = sm_count;
   key.b_kmajor = p.b_kmajor;
+  key.serpentine = p.serpentine;
   return key;
 }
 

@@ -43,6 +43,7 @@ struct GemmPlan {
   TileSignal signal_d;               // per-piece counters raised as D tiles are written
   int32_t rotate_m_tiles = 0;
   int32_t group_m_tiles = 1;      // M tiles swept together across N (L2 reuse; gated_gemm.cuh)
+  bool serpentine = false;        // odd tile groups sweep N backwards (flux_jax/tile_order.h)
   int32_t block_n = kGemmBlockN;  // tile columns: one of the kGemmBlockN* (HasGemmInstance)
   int32_t cluster_m = 1;          // CTAs per cluster along M (2: B shared by TMA multicast)
   bool pingpong = false;          // the ping-pong schedule (128x128 in 2x1 clusters only)

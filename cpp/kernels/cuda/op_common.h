@@ -292,6 +292,9 @@ inline int32_t TileGroupM(const CommConfig& cfg) {
   return cfg.tuning.tile_group_m > 0 ? static_cast<int32_t>(cfg.tuning.tile_group_m) : kDefaultTileGroupM;
 }
 
+// Serpentine tile order (flux_jax/tile_order.h): GpuTuning.tile_serpentine, off by default.
+inline bool TileSerpentine(const CommConfig& cfg) { return cfg.tuning.tile_serpentine == 1; }
+
 // The GEMM plan both ops start from: D[m, n] = A @ op(w), tuning from the config.
 inline GemmPlan BasePlan(int64_t m, int64_t n, int64_t k, const void* w, bool w_transposed, const CommConfig& cfg) {
   GemmPlan plan;
@@ -301,6 +304,7 @@ inline GemmPlan BasePlan(int64_t m, int64_t n, int64_t k, const void* w, bool w_
   plan.b = w;
   plan.b_kmajor = w_transposed;
   plan.group_m_tiles = TileGroupM(cfg);
+  plan.serpentine = TileSerpentine(cfg);
   return plan;
 }
 

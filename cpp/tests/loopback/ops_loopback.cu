@@ -33,7 +33,9 @@
 // GpuTuning.gemm_kernel name) runs the overlap cases whose dtype and weight layout have that instance
 // with it (the A/B instances have to pass here before a rule may pick them); `--rs-tile-signal=N`
 // forces GpuTuning.rs_tile_signal (the cases' shapes take 2 by default; 1 signals each tile at the
-// next one).
+// next one); `--tile-group-m=G` and `--tile-serpentine=S` force the overlap GEMM's tile order
+// (GpuTuning.tile_group_m, tile_serpentine: the cases hold a few groups of 8 row tiles at most, so
+// groups of 2 make the serpentine order turn several times).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -96,6 +98,9 @@ bool g_self_test = false;
 GemmKernel g_gemm_kernel = GemmKernel::kAuto;
 // --rs-tile-signal: GpuTuning.rs_tile_signal of every call (-1: by shape).
 int g_rs_tile_signal = -1;
+// --tile-group-m, --tile-serpentine: GpuTuning.tile_group_m (0: the default) and tile_serpentine (-1: the default).
+int g_tile_group_m = 0;
+int g_tile_serpentine = -1;
 
 // Streams each rank issues work on: its own (XLA's) and its workspace member's comm stream.
 constexpr int kStreamsPerRank = 2;
@@ -117,6 +122,8 @@ CommConfig MakeCommConfig(const Case& c, const CallOptions& o) {
   cfg.path = c.path == Path::kDecode ? FusedPath::kDecode : FusedPath::kOverlap;
   cfg.tuning.gemm_kernel = static_cast<int64_t>(g_gemm_kernel);
   cfg.tuning.rs_tile_signal = g_rs_tile_signal;
+  cfg.tuning.tile_group_m = g_tile_group_m;
+  cfg.tuning.tile_serpentine = g_tile_serpentine;
   return cfg;
 }
 
@@ -947,6 +954,18 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "--rs-tile-signal: -1 (by shape), 0, 1 or 2\n");
         return 2;
       }
+    } else if (std::strncmp(argv[i], "--tile-group-m=", 15) == 0) {
+      g_tile_group_m = std::atoi(argv[i] + 15);
+      if (g_tile_group_m < 1 || g_tile_group_m > 64) {
+        std::fprintf(stderr, "--tile-group-m: 1 to 64 row tiles\n");
+        return 2;
+      }
+    } else if (std::strncmp(argv[i], "--tile-serpentine=", 18) == 0) {
+      g_tile_serpentine = std::atoi(argv[i] + 18);
+      if (g_tile_serpentine < 0 || g_tile_serpentine > 1) {
+        std::fprintf(stderr, "--tile-serpentine: 0 or 1\n");
+        return 2;
+      }
     } else if (std::strncmp(argv[i], "--tp=", 5) == 0) {
       tps = {std::atoi(argv[i] + 5)};
       if (tps[0] < 2 || tps[0] > 8) {
@@ -956,7 +975,8 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: %s [--cpu] [--self-test] [--tp=N] [--op=ag_matmul|matmul_rs|all_gather|reduce_scatter] "
-                   "[--path=overlap|decode|collective] [--gemm-kernel=NAME] [--rs-tile-signal=N]\n",
+                   "[--path=overlap|decode|collective] [--gemm-kernel=NAME] [--rs-tile-signal=N] [--tile-group-m=G] "
+                   "[--tile-serpentine=S]\n",
                    argv[0]);
       return 2;
     }
