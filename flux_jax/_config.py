@@ -110,7 +110,7 @@ class GpuTuning:
       tile_group_m: 128-row tiles the overlap GEMM sweeps together across N, 1..64 (0: 8).
       tile_serpentine: 1: every odd group of row tiles sweeps N backwards, starting on the
         columns of the weight the group before it read last; 0: every group sweeps forwards;
-        -1: the product's choice (forwards).
+        -1: the product's choice (serpentine).
       rs_stage_launches: GEMM launches of matmul_rs's pushed stage (1: one; 0: about a wave
         each; 2..16: that many).
       rs_tile_signal: when matmul_rs's pushed pieces go: 0 at the launch's end, 1 / 2 by tile

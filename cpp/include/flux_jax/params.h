@@ -62,7 +62,7 @@ enum class GemmKernel : int64_t {
 struct GpuTuning {
   int64_t piece_bytes = 0;          // target bytes per flagged piece (0: automatic)
   int64_t tile_group_m = 0;         // M tiles the GEMM sweeps together (0: default)
-  int64_t tile_serpentine = -1;     // odd tile groups sweep N backwards: 1 on, 0 off, -1 by rule
+  int64_t tile_serpentine = -1;     // odd tile groups sweep N backwards: 1 on, 0 off, -1 default (on)
   int64_t rs_stage_launches = 1;    // launches of a pushed ReduceScatter stage
                                     // (1: one; 0: about one wave of tiles each)
   int64_t rs_tile_signal = -1;      // pushed RS pieces released by launch end (0) or by

@@ -152,7 +152,8 @@ struct GemmLaunchKey {
   const float* row_scale;
   const float* col_scale;
   uint32_t beta_bits;
-  int32_t local_rows, local_first_tile, rotate_m_tiles, group_m_tiles, device, sm_count, b_kmajor, serpentine;
+  int32_t local_rows, local_first_tile, rotate_m_tiles, group_m_tiles, device, sm_count;
+  int16_t b_kmajor, serpentine;  // int16: no padding (SameLaunchKey)
 };
 
 inline GemmLaunchKey MakeGemmLaunchKey(const GemmPlan& p, int device, int sm_count) {
