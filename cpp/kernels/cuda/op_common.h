@@ -295,7 +295,7 @@ inline int32_t TileGroupM(const CommConfig& cfg) {
 // Serpentine tile order (flux_jax/tile_order.h) unless GpuTuning.tile_serpentine = 0: each group of
 // row tiles starts on the columns of B its predecessor read last, still in L2. On one H200 it cut
 // the HBM bytes read by 19% at 16384 x 3072 x 8192 and 8% at 8192^3 (ncu, one call from idle), and
-// the time per call at the power cap by 0.1-0.8% on all eight large-M shapes measured
+// the time per call at the power cap by 0.1-0.7% on all eight large-M shapes measured
 // (docs/decisions/2026-12-04-serpentine-tile-order.md).
 inline bool TileSerpentine(const CommConfig& cfg) { return cfg.tuning.tile_serpentine != 0; }
 
