@@ -1,6 +1,7 @@
 """Our FP8 GEMM against XLA's on one GPU: the fused ops' FP8 overlap kernel at tp = 1.
 
     python -m benchmarks.fp8_gemm [--out FILE] [--rounds 10] [--shapes MxKxN,...] [--backward | --decode]
+        [--energy-s S]
 
 Per shape (bfloat16 x [M, K] and w [K, N], the recipe `flux_jax.Fp8()`: e4m3, x per row, w per
 tensor), two programs over a mesh axis of size 1:
@@ -14,9 +15,10 @@ tensor), two programs over a mesh axis of size 1:
         GpuTuning.gemm_kernel (`--no-forced` leaves them out)
 
 `--backward` times the input gradient instead, dx = dy @ w^T (an M x K output, N deep): dy
-quantized per row to float8_e5m2, so ours is the e5m2 x e4m3 GEMM (ping-pong 128x128 2x1, the only
-e5m2 instance: no forced variants) inside matmul_rs at tp = 1, the twin XLA's FP8 GEMM of the same
-formats. The programs take dx alone (the weight gradient and the forward are dead code).
+quantized per row to float8_e5m2, so ours is the e5m2 x e4m3 GEMM inside matmul_rs at tp = 1 (its
+rule: ping-pong 2x1 with 128x160 tiles where they make fewer waves, else 128x128; both forced as
+flux:128x128_pp_c2x1 and flux:128x160_pp_c2x1), the twin XLA's FP8 GEMM of the same formats. The
+programs take dx alone (the weight gradient and the forward are dead code).
 
 `--decode` times matmul_ar at decode sizes (M = 16-256 rows) instead, the whole call:
 
@@ -35,6 +37,14 @@ the last one's output, w the same every step (whether XLA hoists w's quantizatio
 loop shows in the kernel list: on one H200 it did not). `step_us` (every kernel of the program /
 S) is what a decode step costs: the FP8 twin and decode
 path against the bfloat16 twin (bf16:xla) and decode path. Checked against the loop in float32.
+
+`--energy-s S` (forward and backward): after each shape's rounds, every variant's whole call in a
+serialized loop (benchmarks/timing.py) kept running for S seconds at the power cap, where a
+GEMM's time follows the energy it spends (benchmarks/gpu_energy.py): `sustained_us`, `energy_mj`
+and `power_w` per call, and `sustained_gemm_us`, the GEMM there estimated as the whole call less
+its other kernels' CUPTI time from the rounds (the quantization: the same XLA code in every
+variant). Ratios to the twin: `sustained_ratio_vs_xla`, `energy_ratio_vs_xla`,
+`sustained_gemm_ratio_vs_xla`.
 
 Both are checked first against a float32 GEMM of the unquantized operands, so the error is mostly
 FP8's rounding (outputs poisoned for ours; bound: 4x the twin's own error, at least 1e-2; the
@@ -91,6 +101,12 @@ VARIANTS = (
     ("flux:128x256", "fused", "128x256"),
     ("flux:128x128_pp_c2x1", "fused", "128x128_pp_c2x1"),
 )
+# --backward: the e5m2 x e4m3 GEMM's instances.
+BACKWARD_VARIANTS = (
+    *VARIANTS[:2],
+    ("flux:128x128_pp_c2x1", "fused", "128x128_pp_c2x1"),
+    ("flux:128x160_pp_c2x1", "fused", "128x160_pp_c2x1"),
+)
 
 
 def _program(impl: str, mesh, kernel: str = "auto", backward: bool = False):
@@ -113,7 +129,32 @@ def _program(impl: str, mesh, kernel: str = "auto", backward: bool = False):
         with _config.gpu_tuning(gemm_kernel=kernel):
             return fn(*args)
 
+    call.fn, call.kernel, call.backward = fn, kernel, backward
     return call
+
+
+def _sustained(program, args, mesh, seconds: float, meter) -> dict:
+    """The program's whole call in a serialized loop (benchmarks/timing.py) kept running for
+    `seconds` at the power cap: time, energy and mean power per call (benchmarks/gpu_energy.py).
+    The loop carries the operand the output depends on: x forward, dy backward."""
+    from benchmarks import gpu_energy
+    from benchmarks.timing import Built, LoopTimer, TimingParams
+
+    fn = program.fn
+    if program.backward:  # carry dy: dx does not depend on x
+        carried = (args[2], args[0], args[1])
+
+        def step(dy, x, w):
+            return fn(x, w, dy)
+    else:
+        carried, step = args, fn
+    built = Built(step, carried, mesh, P(AXIS, None), P(AXIS, None), check=lambda out: 0.0)
+    params = TimingParams(n1=2, target_ms=20.0, max_calls=20000, repeats=1)
+    with flux_jax.config(fused_path="overlap"), _config.gpu_tuning(gemm_kernel=program.kernel):
+        timer = LoopTimer(built, params)
+    timer.take_output()
+    timer.preheat()
+    return gpu_energy.sustained(timer.dispatch_long, timer.calls_per_long_run, seconds, meter.read_mj)
 
 
 # The twin and the decode path with w quantized once, outside the timed call (both --decode modes).
@@ -236,10 +277,21 @@ def _gemm_kernel(kernels: list[tuple[str, float]]) -> tuple[str, float]:
 
 
 def run_shape(
-    m, k, n, rounds: int, seed: int, mesh, variants=VARIANTS, backward: bool = False, decode_steps: int = 0
+    m,
+    k,
+    n,
+    rounds: int,
+    seed: int,
+    mesh,
+    variants=VARIANTS,
+    backward: bool = False,
+    decode_steps: int = 0,
+    energy_s: float = 0.0,
+    meter=None,
 ) -> list[dict]:
     """One shape's rows. decode_steps: 0 for the overlap GEMM, else matmul_ar at decode sizes,
-    that many calls in a loop (1: one call)."""
+    that many calls in a loop (1: one call). energy_s > 0 (with an NVML meter): after the rounds,
+    each variant's whole call at the power cap (_sustained)."""
     args, ref = _operands(m, k, n, seed, mesh, backward)
     if decode_steps:  # matmul_ar's operands: x split along K, w along its rows (one shard each at tp = 1)
         args = tuple(jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, (P(None, AXIS), P(AXIS, None))))
@@ -279,6 +331,12 @@ def run_shape(
             random.Random(seed * 1000 + r).shuffle(order)
             for name in order:
                 samples[name].append(_kernels(programs[name], variant_args[name]))
+    if energy_s > 0 and meter is not None and not decode_steps:
+        for name in random.Random(seed).sample(list(programs), len(programs)):
+            try:
+                rows[name].update(_sustained(programs[name], variant_args[name], mesh, energy_s, meter))
+            except Exception as e:  # noqa: BLE001 -- a failed reading is no reason to lose the row
+                rows[name]["energy_note"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
     for name, runs in samples.items():
         row = rows[name]
         gemm = [_gemm_kernel(kernels)[1] for kernels in runs]
@@ -294,9 +352,20 @@ def run_shape(
             tflops=2.0 * m * k * n / (statistics.median(gemm) * 1e-6) / 1e12,
         )
     for row in rows.values():
-        if row["variant"] != "xla" and rows["xla"]["gemm_us"] and row["gemm_us"]:
-            row["gemm_ratio_vs_xla"] = row["gemm_us"] / rows["xla"]["gemm_us"]
-            row["total_ratio_vs_xla"] = row["total_us"] / rows["xla"]["total_us"]
+        if row.get("sustained_us") and row["gemm_us"]:
+            # The GEMM at the power cap, estimated: the whole call's time there less what its other
+            # kernels (the quantization, the same XLA code in every variant) took in the rounds.
+            row["sustained_gemm_us"] = row["sustained_us"] - (row["total_us"] - row["gemm_us"])
+    xla = rows["xla"]
+    for row in rows.values():
+        if row["variant"] != "xla" and xla["gemm_us"] and row["gemm_us"]:
+            row["gemm_ratio_vs_xla"] = row["gemm_us"] / xla["gemm_us"]
+            row["total_ratio_vs_xla"] = row["total_us"] / xla["total_us"]
+        if row["variant"] != "xla" and row.get("sustained_us") and xla.get("sustained_us"):
+            row["sustained_ratio_vs_xla"] = row["sustained_us"] / xla["sustained_us"]
+            row["energy_ratio_vs_xla"] = row["energy_mj"] / xla["energy_mj"]
+            if row["sustained_gemm_us"] > 0 and xla["sustained_gemm_us"] > 0:
+                row["sustained_gemm_ratio_vs_xla"] = row["sustained_gemm_us"] / xla["sustained_gemm_us"]
     return list(rows.values())
 
 
@@ -311,18 +380,35 @@ def main(argv=None) -> list[dict]:
     mode.add_argument("--backward", action="store_true", help="time dx = dy @ w^T (dy in e5m2: our e5m2 x e4m3 GEMM)")
     mode.add_argument("--decode", action="store_true", help="time matmul_ar's FP8 decode path at M = 16-256")
     ap.add_argument("--steps", type=int, default=1, help="--decode: calls per program, in a lax.fori_loop if > 1")
+    ap.add_argument(
+        "--energy-s",
+        type=float,
+        default=0.0,
+        help="after each shape's rounds, every variant's whole call in a loop for this many seconds at the power "
+        "cap: time, energy and power per call (GPU with NVML only; not with --decode)",
+    )
     args = ap.parse_args(argv)
     if args.steps < 1 or (args.steps > 1 and not args.decode):
         ap.error("--steps takes a positive count, and only with --decode")
     shapes = DECODE_SHAPES if args.decode else SHAPES
     if args.shapes:
         shapes = tuple(tuple(int(v) for v in s.split("x")) for s in args.shapes.split(","))
-    variants = VARIANTS[:2] if args.no_forced or args.backward else VARIANTS
+    variants = BACKWARD_VARIANTS if args.backward else VARIANTS
+    if args.no_forced:
+        variants = variants[:2]
     if args.decode:
         variants = DECODE_LOOP_VARIANTS if args.steps > 1 else DECODE_VARIANTS
     mesh = _mesh()
+    meter = None
+    if args.energy_s > 0:
+        from benchmarks import gpu_energy
+
+        meter = gpu_energy.EnergyMeter.open() if jax.devices()[0].platform == "gpu" else None
+        if meter is None:
+            print("--energy-s: no NVML energy counter here: not recorded", flush=True)
     rows = []
     meta = dict(
+        energy_s=args.energy_s if meter is not None else 0.0,
         device=jax.devices()[0].device_kind,
         jax=jax.__version__,
         flux_jax=flux_jax.build_info(),
@@ -335,7 +421,9 @@ def main(argv=None) -> list[dict]:
     print("shape, then per variant: GEMM us (ours / XLA's), whole call ours / twin, status")
     for i, (m, k, n) in enumerate(shapes):
         decode_steps = args.steps if args.decode else 0
-        got = run_shape(m, k, n, args.rounds, args.seed + i, mesh, variants, args.backward, decode_steps)
+        got = run_shape(
+            m, k, n, args.rounds, args.seed + i, mesh, variants, args.backward, decode_steps, args.energy_s, meter
+        )
         rows += got
         if args.out:  # after every shape: a stopped run keeps what it measured
             args.out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1, default=str))
@@ -347,15 +435,29 @@ def main(argv=None) -> list[dict]:
                 if "gemm_ratio_vs_xla" in r
                 else ""
             )
+            if "sustained_ratio_vs_xla" in r:
+                ratio += (
+                    f" cap: whole {r['sustained_ratio_vs_xla']:.3f}, energy {r['energy_ratio_vs_xla']:.3f}, GEMM "
+                    f"{r.get('sustained_gemm_ratio_vs_xla', float('nan')):.3f}"
+                )
             cells.append(f"{r['variant']} {us}{ratio} {r['status']} [{r.get('gemm_kernel', '-')[:40]}]")
         print(f"{m}x{k}x{n}: " + "; ".join(cells), flush=True)
-    key = "total_ratio_vs_xla" if args.decode else "gemm_ratio_vs_xla"
+    if args.decode:
+        keys = {"total_ratio_vs_xla": "whole call / the twin's"}
+    else:
+        keys = {"gemm_ratio_vs_xla": "FP8 GEMM alone / XLA's"}
+    if meter is not None and not args.decode:
+        keys.update(
+            sustained_ratio_vs_xla="at the power cap, whole call / the twin's",
+            energy_ratio_vs_xla="at the power cap, energy per call / the twin's",
+            sustained_gemm_ratio_vs_xla="at the power cap, FP8 GEMM (estimated) / XLA's",
+        )
     for name, *_ in variants[1:]:
-        ratios = [r[key] for r in rows if r["variant"] == name and r.get(key)]
-        if ratios:
-            median, low, high = statistics.median(ratios), min(ratios), max(ratios)
-            what = "whole call / the twin's" if args.decode else "FP8 GEMM alone / XLA's"
-            print(f"{name}: {what}: median {median:.3f}, range {low:.3f}-{high:.3f}")
+        for key, what in keys.items():
+            ratios = [r[key] for r in rows if r["variant"] == name and r.get(key)]
+            if ratios:
+                median, low, high = statistics.median(ratios), min(ratios), max(ratios)
+                print(f"{name}: {what}: median {median:.3f}, range {low:.3f}-{high:.3f}")
     return rows
 
 

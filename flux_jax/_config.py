@@ -31,7 +31,16 @@ from flux_jax import _tuning
 FUSED_PATHS = ("auto", "overlap", "latency", "decode")
 # GpuTuning.gemm_kernel values, in the order of cpp/include/flux_jax/params.h GemmKernel (the
 # attribute carries the index).
-GEMM_KERNELS = ("auto", "128x256", "128x192", "128x160_c2x1", "decode", "128x128_pp_c2x1", "128x320_c2x1")
+GEMM_KERNELS = (
+    "auto",
+    "128x256",
+    "128x192",
+    "128x160_c2x1",
+    "decode",
+    "128x128_pp_c2x1",
+    "128x320_c2x1",
+    "128x160_pp_c2x1",
+)
 
 
 def _check_int(name: str, value, lo: int, hi: int) -> None:
@@ -121,8 +130,10 @@ class GpuTuning:
         op_common.h), or one forced: "128x256", "128x192", "128x160_c2x1" (the transposed
         weight; 2-CTA clusters along M sharing B by TMA multicast), "128x128_pp_c2x1" (ping-pong
         128x128 tiles in 2-CTA clusters; also FP8), "128x320_c2x1" (cooperative 128x320 tiles in
-        2-CTA clusters), each for bfloat16 and float16; "decode": the decode path's GEMM alone,
-        ag_matmul at tp = 1 only. A forced instance the build lacks for the call is an error.
+        2-CTA clusters), each for bfloat16 and float16; "128x160_pp_c2x1" (ping-pong 128x160
+        tiles in 2-CTA clusters: FP8 with e5m2 rows, a backward's dy, only); "decode": the decode
+        path's GEMM alone, ag_matmul at tp = 1 only. A forced instance the build lacks for the call
+        is an error.
       gate_probe: 1: at tp = 1 ag_matmul's GEMM waits before every tile's A loads on flags that
         are already set: the gate's cost without peers (at tp = 1 no gate runs otherwise).
     """

@@ -691,3 +691,24 @@ def test_gemm_parity_plot_from_a_results_file(tmp_path):
     gemm_parity.main(["--out", str(tmp_path / "out"), "--plot", str(results)])
     png = (tmp_path / "out" / "gemm_parity.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "dx"])
+def test_fp8_gemm_power_cap_loop_carries_what_the_output_depends_on(backward):
+    """benchmarks.fp8_gemm --energy-s: each variant's whole call in a serialized loop read by the
+    energy meter (a fake counter here). The loop carries x forward and dy backward (dx does not
+    depend on x, so carrying x would let XLA hoist the call out of the loop)."""
+    from benchmarks import fp8_gemm
+
+    class CountingMeter:  # steps on every read
+        mj = 0.0
+
+        def read_mj(self):
+            self.mj += 1.0
+            return self.mj
+
+    mesh = fp8_gemm._mesh()
+    args, _ = fp8_gemm._operands(256, 256, 512, 0, mesh, backward)
+    program = fp8_gemm._program("fused", mesh, "auto", backward)
+    got = fp8_gemm._sustained(program, args, mesh, 0.5, CountingMeter())
+    assert got["sustained_us"] > 0 and got["energy_mj"] > 0 and got["power_w"] > 0

@@ -240,13 +240,19 @@ def test_one_gpu_fp8_middle_dimensions_and_gradients(one_gpu, op):
     assert not flux_jax.device_errors()
 
 
+# (rows, K, N): dx is rows x K, N deep. At 2048 x 2560 the rule picks ping-pong 128x160 tiles.
+E5M2_SHAPES = [(2048, 1024, 2048), (1000, 512, 768), (2048, 2560, 1024)]
+
+
+@pytest.mark.parametrize("kernel", ["auto", "128x128_pp_c2x1", "128x160_pp_c2x1"])
 @pytest.mark.parametrize("op", ["ag", "rs"])
-@pytest.mark.parametrize("shape", [(2048, 1024, 2048), (1000, 512, 768)], ids=lambda s: "x".join(map(str, s)))
-def test_one_gpu_fp8_backward_e5m2_gemm_matches_the_quantized_product(one_gpu, op, shape):
+@pytest.mark.parametrize("shape", E5M2_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_one_gpu_fp8_backward_e5m2_gemm_matches_the_quantized_product(one_gpu, kernel, op, shape):
     """dx of the FP8 ops runs our e5m2 x e4m3 GEMM (dy's e5m2 rows, one scale each, times w in
-    e4m3): against the float64 product of the same quantized operands, within 4x the FP8 twin's
-    (XLA's FP8 GEMM on the same operands) own error; the backward's custom call carries e5m2."""
-    from flux_jax import fp8
+    e4m3), by the rule or with one of its instances forced: against the float64 product of the
+    same quantized operands, within 4x the FP8 twin's (XLA's FP8 GEMM on the same operands) own
+    error; the backward's custom call carries e5m2."""
+    from flux_jax import _config, fp8
 
     M, K, N = shape
     mesh = _mesh(one_gpu)
@@ -260,16 +266,33 @@ def test_one_gpu_fp8_backward_e5m2_gemm_matches_the_quantized_product(one_gpu, o
         twin, _ = _fn(op, mesh, "xla", fp8=recipe)
         xs, ws = place(mesh, x, specs[0]), place(mesh, w, specs[1])
         loss = lambda a, b: jnp.sum(fused(a, b).astype(jnp.float32) * ct)  # noqa: E731
-        text = jax.jit(jax.grad(loss)).lower(xs, ws).as_text()
-        (dx, _), (tdx, _) = _grads(fused, xs, ws, ct), _grads(twin, xs, ws, ct)
+        with _config.gpu_tuning(gemm_kernel=kernel):
+            text = jax.jit(jax.grad(loss)).lower(xs, ws).as_text()
+            dx, _ = _grads(fused, xs, ws, ct)
+        tdx, _ = _grads(twin, xs, ws, ct)
     backward_op = "matmul_rs" if op == "ag" else "ag_matmul"
     calls = [line for line in text.splitlines() if f"flux_jax_{backward_op}" in line]
     assert any("f8E5M2" in line for line in calls), calls
     dyq, dy_scale = fp8.quantize_rows(ct.astype(jnp.bfloat16), recipe, grad=True)
     wq, w_scale = fp8.quantize_weight(w, recipe)
     ref = (to64(dyq) * to64(dy_scale)) @ (to64(wq) * to64(w_scale)).T
-    assert_matches(dx, ref, tdx, "bfloat16", f"fp8 dx {op} {shape}")
+    assert_matches(dx, ref, tdx, "bfloat16", f"fp8 dx {kernel} {op} {shape}")
     assert not flux_jax.device_errors()
+
+
+def test_one_gpu_fp8_e5m2_only_instance_refuses_e4m3_rows(one_gpu):
+    """The ping-pong 128x160 FP8 instance exists for e5m2 rows only: forcing it on the forward's
+    e4m3 rows is an error that names the instance, never a silent fallback."""
+    from flux_jax import _config
+
+    mesh = _mesh(one_gpu)
+    rng = np.random.default_rng()
+    x, w = _fp8_operands(rng, 256, 256, 256)
+    fused, specs = _fn("ag", mesh, "fused", fp8=flux_jax.Fp8())
+    xs, ws = place(mesh, x, specs[0]), place(mesh, w, specs[1])
+    with flux_jax.config(fused_path="overlap"), _config.gpu_tuning(gemm_kernel="128x160_pp_c2x1"):
+        with pytest.raises(Exception, match="128x160 FP8 instance takes e5m2 rows only"):
+            jax.block_until_ready(fused(xs, ws))
 
 
 # (rows, K, N): the 64-row tile staged (8 rows), 64 and 128 rows, 100 (a partial 128-row tile),

@@ -55,6 +55,7 @@ enum class GemmKernel : int64_t {
   kDecode = 4,
   k128x128PingpongCluster2x1 = 5,  // bf16, f16, FP8: ping-pong schedule
   k128x320Cluster2x1 = 6,          // bf16: cooperative, two m64n160 MMAs per warpgroup
+  k128x160PingpongCluster2x1 = 7,  // FP8 e5m2 x e4m3 (a backward's dy rows): ping-pong
 };
 
 // GPU tuning of the overlap and decode kernels. Every default is the product

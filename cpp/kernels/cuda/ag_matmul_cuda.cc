@@ -35,7 +35,7 @@ Status RunAgMatmulCuda(const AgMatmulParams& p, const TpGroup& group, const Comm
   const size_t chunk_bytes = static_cast<size_t>(p.m_local) * row_bytes;
   // The GEMM instance: by shape, forced by the tuning, or the FP8 one.
   auto choose = [&](int sm_count, GemmPlan* plan) {
-    return p.fp8.on ? ChooseFp8GemmInstance(cfg, p.fp8, rows, p.n, plan)
+    return p.fp8.on ? ChooseFp8GemmInstance(cfg, p.fp8, rows, p.n, sm_count, plan)
                     : ChooseGemmInstance(cfg, p.dtype, p.w_transposed, rows, p.n, p.k, sm_count, plan);
   };
   if (cfg.poison_outputs) {

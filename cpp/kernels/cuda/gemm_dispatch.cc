@@ -26,6 +26,7 @@ FLUX_JAX_DECLARE_GEMM_INSTANCE(RunGemm_f16_kmajor_n160_c2x1)
 FLUX_JAX_DECLARE_GEMM_INSTANCE(RunGemm_e4m3_bf16)
 FLUX_JAX_DECLARE_GEMM_INSTANCE(RunGemm_e4m3_bf16_pp128_c2x1)
 FLUX_JAX_DECLARE_GEMM_INSTANCE(RunGemm_e5m2_bf16_pp128_c2x1)
+FLUX_JAX_DECLARE_GEMM_INSTANCE(RunGemm_e5m2_bf16_pp160_c2x1)
 
 namespace {
 
@@ -58,17 +59,21 @@ const GemmFamily kGemmFamilies[2][2] = {
 
 Status RunFp8Gemm(const GemmPlan& plan, DType dtype, cudaStream_t stream, int device, int sm_count) {
   const bool wide = plan.block_n == kGemmBlockN && plan.cluster_m == 1 && !plan.pingpong;
-  const bool pingpong = plan.block_n == kGemmBlockN128 && plan.cluster_m == 2 && plan.pingpong;
-  if (dtype != DType::kBF16 || !plan.b_kmajor || !(wide || pingpong)) {
+  const bool pingpong = plan.cluster_m == 2 && plan.pingpong;
+  const bool pp128 = pingpong && plan.block_n == kGemmBlockN128;
+  const bool pp160 = pingpong && plan.block_n == kGemmBlockN160;
+  if (dtype != DType::kBF16 || !plan.b_kmajor || !(wide || pp128 || (pp160 && plan.fp8_a_e5m2))) {
     return Status::InvalidArgument(
-        "flux_jax: the FP8 GEMM instances are 128x256 (1x1 clusters) and ping-pong 128x128 (2x1), transposed "
-        "weight, bfloat16 out");
+        "flux_jax: the FP8 GEMM instances are 128x256 (1x1 clusters) and ping-pong 128x128 (2x1), and for e5m2 "
+        "rows ping-pong 128x128 and 128x160 (2x1), transposed weight, bfloat16 out");
   }
   if (plan.fp8_a_e5m2) {
-    if (!pingpong) {
-      return Status::InvalidArgument("flux_jax: the e5m2 x e4m3 GEMM instance is ping-pong 128x128 (2x1) only");
+    if (wide) {
+      return Status::InvalidArgument(
+          "flux_jax: the e5m2 x e4m3 GEMM instances are ping-pong 128x128 and 128x160 (2x1) only");
     }
-    return RunGemm_e5m2_bf16_pp128_c2x1(plan, stream, device, sm_count);
+    return pp160 ? RunGemm_e5m2_bf16_pp160_c2x1(plan, stream, device, sm_count)
+                 : RunGemm_e5m2_bf16_pp128_c2x1(plan, stream, device, sm_count);
   }
   return wide ? RunGemm_e4m3_bf16(plan, stream, device, sm_count)
               : RunGemm_e4m3_bf16_pp128_c2x1(plan, stream, device, sm_count);
@@ -86,7 +91,8 @@ Status PreloadGemmKernels() {
   }
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_e4m3_bf16());
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_e4m3_bf16_pp128_c2x1());
-  return Preload_RunGemm_e5m2_bf16_pp128_c2x1();
+  FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_e5m2_bf16_pp128_c2x1());
+  return Preload_RunGemm_e5m2_bf16_pp160_c2x1();
 }
 
 Status RunGemm(const GemmPlan& plan, DType dtype, cudaStream_t stream, int device, int sm_count) {

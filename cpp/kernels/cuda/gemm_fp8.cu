@@ -3,7 +3,9 @@
 //   e4m3 x e4m3, 128x256          cooperative, 1x1 clusters: 8192 x 8192 outputs and more
 //   e4m3 x e4m3, 128x128 pp, 2x1  ping-pong, B shared by TMA multicast: smaller outputs
 //   e5m2 x e4m3, 128x128 pp, 2x1  the backward's dy rows (e5m2) times the weight
+//   e5m2 x e4m3, 128x160 pp, 2x1  the same where 160-column tiles make fewer waves
 // One file: the instances share most of their template instantiation (see gemm_bf16_kmajor.cu).
+#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED  // m64n160 atoms; other tiles keep their standard atoms
 #include "gemm_fp8_instance.cuh"
 
 FLUX_JAX_DEFINE_GEMM_INSTANCE(RunGemm_e4m3_bf16, GemmInstanceFp8<cutlass::float_e4m3_t, cutlass::bfloat16_t>)
@@ -11,3 +13,5 @@ FLUX_JAX_DEFINE_GEMM_INSTANCE(RunGemm_e4m3_bf16_pp128_c2x1,
                               GemmInstanceFp8<cutlass::float_e4m3_t, cutlass::bfloat16_t, kGemmBlockN128, 2, true>)
 FLUX_JAX_DEFINE_GEMM_INSTANCE(RunGemm_e5m2_bf16_pp128_c2x1,
                               GemmInstanceFp8<cutlass::float_e5m2_t, cutlass::bfloat16_t, kGemmBlockN128, 2, true>)
+FLUX_JAX_DEFINE_GEMM_INSTANCE(RunGemm_e5m2_bf16_pp160_c2x1,
+                              GemmInstanceFp8<cutlass::float_e5m2_t, cutlass::bfloat16_t, kGemmBlockN160, 2, true>)

@@ -50,7 +50,7 @@ struct GemmPlan {
   // FP8 (gemm_fp8_instance.cuh): A and B float8_e4m3fn, B K-major, D = alpha * row_scale[m] *
   // col_scale[n] * A @ op(B) + beta * C in bfloat16.
   bool fp8 = false;
-  bool fp8_a_e5m2 = false;           // A in float8_e5m2 (a backward's dy rows; ping-pong 128x128 2x1 only)
+  bool fp8_a_e5m2 = false;           // A in float8_e5m2 (a backward's dy rows; ping-pong 2x1 only)
   const float* row_scale = nullptr;  // [m] of this launch's rows
   const float* col_scale = nullptr;  // [n]
 };

@@ -190,6 +190,11 @@ inline Status ChooseGemmInstance(const CommConfig& cfg, DType dtype, bool b_kmaj
       plan->block_n = kGemmBlockN320;
       plan->cluster_m = 2;
       break;
+    case GemmKernel::k128x160PingpongCluster2x1:  // FP8 e5m2 rows only: HasGemmInstance says no
+      plan->block_n = kGemmBlockN160;
+      plan->cluster_m = 2;
+      plan->pingpong = true;
+      break;
     case GemmKernel::kDecode:
       return Status::InvalidArgument(
           "flux_jax: GpuTuning.gemm_kernel='decode' runs the decode GEMM alone, in ag_matmul at tp = 1 only "
@@ -208,24 +213,44 @@ inline Status ChooseGemmInstance(const CommConfig& cfg, DType dtype, bool b_kmaj
   return Status::Ok();
 }
 
+// Ping-pong 128x160 tiles for e5m2 rows (a backward's dy) where they leave each SM 10% fewer
+// columns than 128x128 tiles (ShorterWaves): at 2048 x 2560 outputs, 320 tiles of 128 columns take
+// 3 rounds of the 132 SMs, 256 of 160 columns take 2. cuBLASLt picks 128x160 2x1 tiles there
+// (nvjet_sm90_qrsss_128x160_128x5_2x1; docs/decisions/2026-12-04-fp8-dx-128x160.md).
+inline bool PreferFp8Pingpong160(int64_t m, int64_t n, int sm_count) {
+  return sm_count > 0 && ShorterWaves(m, n, kGemmBlockN160, kGemmBlockN128, sm_count);
+}
+
 // The FP8 GEMM instance (gemm_fp8_instance.cuh) for an m x n GEMM: ping-pong 128x128 tiles in
 // 2x1 clusters (B multicast) below 8192 x 8192 outputs, else cooperative 128x256 tiles in 1x1
 // clusters; GpuTuning.gemm_kernel forces either. Measured on one H200 against cuBLASLt's FP8 GEMM
 // in one run (ours / theirs): ping-pong won five of six shapes (2048 x 2560 x 5120 1.34 -> 1.18,
 // 4096 x 3072 x 4608 1.28 -> 1.16, 8192 x 2048 x 4096 1.19 -> 1.15 against 128x256) and lost
 // 8192^3 (1.09 vs 1.05) (docs/decisions/2026-12-01-gemm-instances.md). e5m2 rows (a backward's
-// dy) have one instance, ping-pong 128x128 2x1, at every size. Its row scales come from `fp8` (the
-// caller offsets them for launches that start below row 0 of x).
+// dy) run ping-pong 2x1 at every size: 128x160 tiles where PreferFp8Pingpong160 says, else 128x128.
+// GpuTuning.gemm_kernel forces one of the instances the row format has. The row scales come from
+// `fp8` (the caller offsets them for launches that start below row 0 of x).
 inline Status ChooseFp8GemmInstance(const CommConfig& cfg, const Fp8Operands& fp8, int64_t m, int64_t n,
-                                    GemmPlan* plan) {
+                                    int sm_count, GemmPlan* plan) {
   const auto kernel = static_cast<GemmKernel>(cfg.tuning.gemm_kernel);
   const bool small = m * n < int64_t{8192} * 8192;
-  if (fp8.x_e5m2 && kernel != GemmKernel::kAuto && kernel != GemmKernel::k128x128PingpongCluster2x1) {
+  const bool pp128 = kernel == GemmKernel::k128x128PingpongCluster2x1;
+  const bool pp160 = kernel == GemmKernel::k128x160PingpongCluster2x1;
+  if (fp8.x_e5m2 && kernel != GemmKernel::kAuto && !pp128 && !pp160) {
     return Status::InvalidArgument(
-        "flux_jax: e5m2 rows run the ping-pong 128x128 FP8 instance only (GpuTuning.gemm_kernel: auto or "
-        "128x128_pp_c2x1)");
+        "flux_jax: e5m2 rows run the ping-pong FP8 instances only (GpuTuning.gemm_kernel: auto, 128x128_pp_c2x1 or "
+        "128x160_pp_c2x1)");
   }
-  if (kernel == GemmKernel::k128x128PingpongCluster2x1 || (kernel == GemmKernel::kAuto && (small || fp8.x_e5m2))) {
+  if (pp160 && !fp8.x_e5m2) {
+    return Status::InvalidArgument(
+        "flux_jax: the ping-pong 128x160 FP8 instance takes e5m2 rows only (a backward's dy); e4m3 rows: auto, "
+        "128x256 or 128x128_pp_c2x1");
+  }
+  if (pp160 || (kernel == GemmKernel::kAuto && fp8.x_e5m2 && PreferFp8Pingpong160(m, n, sm_count))) {
+    plan->block_n = kGemmBlockN160;
+    plan->cluster_m = 2;
+    plan->pingpong = true;
+  } else if (pp128 || (kernel == GemmKernel::kAuto && (small || fp8.x_e5m2))) {
     plan->block_n = kGemmBlockN128;
     plan->cluster_m = 2;
     plan->pingpong = true;
@@ -235,8 +260,8 @@ inline Status ChooseFp8GemmInstance(const CommConfig& cfg, const Fp8Operands& fp
     plan->pingpong = false;
   } else {
     return Status::InvalidArgument(
-        "flux_jax: FP8 operands run the FP8 GEMM instances only (GpuTuning.gemm_kernel: auto, 128x256 or "
-        "128x128_pp_c2x1)");
+        "flux_jax: FP8 operands run the FP8 GEMM instances only (GpuTuning.gemm_kernel: auto, 128x256, "
+        "128x128_pp_c2x1, or for e5m2 rows 128x160_pp_c2x1)");
   }
   plan->fp8 = true;
   plan->fp8_a_e5m2 = fp8.x_e5m2;
