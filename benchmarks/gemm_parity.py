@@ -17,7 +17,8 @@ and a float32 reference (XLA, precision HIGHEST); then one row per variant:
                         the shape's dtype and weight layout ("auto" is the product's choice and
                         a same-program control of the instance it resolves to)
   flux:<kernel>/g<G>    the same with GpuTuning.tile_group_m=G (G row tiles swept together across
-                        N; the default is 8): the tile order's cost in L2 and HBM traffic
+                        N; the default is 16 for 128x256 tiles over 2048 rows or more, else 8): the
+                        tile order's cost in L2 and HBM traffic
   flux:<kernel>/s<S>    the same with GpuTuning.tile_serpentine=S (1: odd groups sweep N
                         backwards; 0: forwards); with /g<G> as <kernel>/g<G>/s<S>
   flux:auto+gate_probe  the same as flux:auto with every tile's A loads gated on flags already set

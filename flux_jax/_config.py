@@ -116,7 +116,8 @@ class GpuTuning:
 
     Attributes:
       piece_bytes: target size of the pieces a chunk travels in (0: ~1/8 chunk, >= 8 MiB).
-      tile_group_m: 128-row tiles the overlap GEMM sweeps together across N, 1..64 (0: 8).
+      tile_group_m: 128-row tiles the overlap GEMM sweeps together across N, 1..64 (0: by
+        instance: 16 for bf16 / f16 128x256 tiles over chunks of >= 2048 rows, else 8).
       tile_serpentine: 1: every odd group of row tiles sweeps N backwards, starting on the
         columns of the weight the group before it read last; 0: every group sweeps forwards;
         -1: the product's choice (serpentine).
@@ -131,9 +132,10 @@ class GpuTuning:
         weight; 2-CTA clusters along M sharing B by TMA multicast), "128x128_pp_c2x1" (ping-pong
         128x128 tiles in 2-CTA clusters; also FP8), "128x320_c2x1" (cooperative 128x320 tiles in
         2-CTA clusters), each for bfloat16 and float16; "128x160_pp_c2x1" (ping-pong 128x160
-        tiles in 2-CTA clusters: FP8 with e5m2 rows, a backward's dy, only); "decode": the decode
-        path's GEMM alone, ag_matmul at tp = 1 only. A forced instance the build lacks for the call
-        is an error.
+        tiles in 2-CTA clusters, the backward's FP8 GEMM on e5m2 rows of dy: the forward's e4m3
+        GEMMs keep their rule under it, bfloat16 and float16 have no such instance); "decode": the
+        decode path's GEMM alone, ag_matmul at tp = 1 only. A forced instance the build lacks for
+        the call is an error.
       gate_probe: 1: at tp = 1 ag_matmul's GEMM waits before every tile's A loads on flags that
         are already set: the gate's cost without peers (at tp = 1 no gate runs otherwise).
     """

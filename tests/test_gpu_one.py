@@ -280,19 +280,27 @@ def test_one_gpu_fp8_backward_e5m2_gemm_matches_the_quantized_product(one_gpu, k
     assert not flux_jax.device_errors()
 
 
-def test_one_gpu_fp8_e5m2_only_instance_refuses_e4m3_rows(one_gpu):
-    """The ping-pong 128x160 FP8 instance exists for e5m2 rows only: forcing it on the forward's
-    e4m3 rows is an error that names the instance, never a silent fallback."""
+def test_one_gpu_e5m2_only_instance_forced(one_gpu):
+    """128x160_pp_c2x1 is the backward's e5m2 instance: forced, the forward's e4m3 GEMM keeps its
+    rule (and stays right); bfloat16 has no such instance, which is an error naming it."""
     from flux_jax import _config
 
     mesh = _mesh(one_gpu)
     rng = np.random.default_rng()
-    x, w = _fp8_operands(rng, 256, 256, 256)
-    fused, specs = _fn("ag", mesh, "fused", fp8=flux_jax.Fp8())
+    recipe = flux_jax.Fp8()
+    x, w = _fp8_operands(rng, 512, 256, 384)
+    fused, specs = _fn("ag", mesh, "fused", fp8=recipe)
     xs, ws = place(mesh, x, specs[0]), place(mesh, w, specs[1])
     with flux_jax.config(fused_path="overlap"), _config.gpu_tuning(gemm_kernel="128x160_pp_c2x1"):
-        with pytest.raises(Exception, match="128x160 FP8 instance takes e5m2 rows only"):
-            jax.block_until_ready(fused(xs, ws))
+        out = fused(xs, ws)
+    twin, _ = _fn("ag", mesh, "xla", fp8=recipe)
+    assert_matches(out, _fp8_exact(x, w, recipe), twin(xs, ws), "bfloat16", "fp8 forward under 128x160_pp_c2x1")
+    plain, _ = _fn("ag", mesh, "fused")
+    with flux_jax.config(fused_path="overlap"), _config.gpu_tuning(gemm_kernel="128x160_pp_c2x1"):
+        with pytest.raises(
+            Exception, match=r"no overlap GEMM instance with 128x160 tiles in 2x1 clusters \(ping-pong\)"
+        ):
+            jax.block_until_ready(plain(xs, ws))
 
 
 # (rows, K, N): the 64-row tile staged (8 rows), 64 and 128 rows, 100 (a partial 128-row tile),

@@ -34,9 +34,13 @@ Status RunAgMatmulCuda(const AgMatmulParams& p, const TpGroup& group, const Comm
   const size_t row_bytes = static_cast<size_t>(p.k) * OperandBytes(p.dtype, p.fp8);
   const size_t chunk_bytes = static_cast<size_t>(p.m_local) * row_bytes;
   // The GEMM instance: by shape, forced by the tuning, or the FP8 one.
+  // The tile group by instance and a rank's chunk of rows.
   auto choose = [&](int sm_count, GemmPlan* plan) {
-    return p.fp8.on ? ChooseFp8GemmInstance(cfg, p.fp8, rows, p.n, sm_count, plan)
-                    : ChooseGemmInstance(cfg, p.dtype, p.w_transposed, rows, p.n, p.k, sm_count, plan);
+    FLUX_JAX_RETURN_IF_ERROR(p.fp8.on
+                                 ? ChooseFp8GemmInstance(cfg, p.fp8, rows, p.n, sm_count, plan)
+                                 : ChooseGemmInstance(cfg, p.dtype, p.w_transposed, rows, p.n, p.k, sm_count, plan));
+    plan->group_m_tiles = TileGroupM(cfg, *plan, p.m_local);
+    return Status::Ok();
   };
   if (cfg.poison_outputs) {
     FLUX_CUDA_TRY(cudaMemsetAsync(p.out, 0xFF, rows * p.n * DTypeBytes(p.dtype), S));

@@ -42,6 +42,7 @@ Status RunMatmulArCuda(const MatmulArParams& p, const TpGroup& group, const Comm
     } else {
       FLUX_JAX_RETURN_IF_ERROR(ChooseGemmInstance(cfg, p.dtype, p.w_transposed, p.m, p.n, p.k, ws.sm_count, &plan));
     }
+    plan.group_m_tiles = TileGroupM(cfg, plan, p.m);
     return RunGemm(plan, p.dtype, S, device, ws.sm_count);
   };
   return EnqueueAllReduce(c, group, cfg, S, gemm);

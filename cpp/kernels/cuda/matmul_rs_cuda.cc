@@ -62,6 +62,9 @@ Status RunMatmulRsCuda(const MatmulRsParams& p, const TpGroup& group, const Comm
     FLUX_JAX_RETURN_IF_ERROR(
         ChooseGemmInstance(cfg, p.dtype, p.w_transposed, gemm_rows, p.n, p.k, ws->sm_count, &plan));
   }
+  // A stage's rows (or all of them at tp = 1) are the chunk its GEMM reads in order.
+  const int32_t group_m = TileGroupM(cfg, plan, gemm_rows);
+  plan.group_m_tiles = group_m;
   // FP8: the row scales of the launch's first row of x (row_scale covers all p.m rows).
   auto row_scales_at = [&](int64_t x_row) { return p.fp8.on ? p.fp8.row_scale + x_row : nullptr; };
   auto x = static_cast<const char*>(p.x);
@@ -83,9 +86,8 @@ Status RunMatmulRsCuda(const MatmulRsParams& p, const TpGroup& group, const Comm
   // all of it (one group of 8 row tiles at m/tp = 1024 made the whole push
   // exposed: 0.80x of the twin at 2048x4096x28672).
   const int32_t tiles_m = static_cast<int32_t>((m_out + kGemmBlockM - 1) / kGemmBlockM);
-  const int32_t gated_group_m = cfg.tuning.tile_group_m > 0
-                                    ? TileGroupM(cfg)
-                                    : std::max<int32_t>(1, std::min<int32_t>(TileGroupM(cfg), tiles_m / 4));
+  const int32_t gated_group_m =
+      cfg.tuning.tile_group_m > 0 ? group_m : std::max<int32_t>(1, std::min<int32_t>(group_m, tiles_m / 4));
 
   FLUX_JAX_RETURN_IF_ERROR(PresenceHandshake(*ws, S, cfg));
   for (int j = 0; j < tp; ++j) {
@@ -93,7 +95,7 @@ Status RunMatmulRsCuda(const MatmulRsParams& p, const TpGroup& group, const Comm
     const char* a_chunk = x + chunk * x_chunk_bytes;
     plan.row_scale = row_scales_at(chunk * m_out);
     char* d_slot = j == tp - 1 ? static_cast<char*>(p.out) : stage + j * slot_bytes;
-    plan.group_m_tiles = j == 0 ? TileGroupM(cfg) : gated_group_m;
+    plan.group_m_tiles = j == 0 ? group_m : gated_group_m;
     if (j == 0) {
       plan.c = nullptr;
       plan.beta = 0.0f;
