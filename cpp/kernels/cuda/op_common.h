@@ -231,8 +231,8 @@ inline bool PreferFp8Pingpong160(int64_t m, int64_t n, int sm_count) {
 // GpuTuning.gemm_kernel forces one of the instances the row format has (128x160_pp_c2x1 applies to
 // e5m2 rows only; e4m3 rows keep the rule under it). The row scales come from
 // `fp8` (the caller offsets them for launches that start below row 0 of x).
-inline Status ChooseFp8GemmInstance(const CommConfig& cfg, const Fp8Operands& fp8, int64_t m, int64_t n,
-                                    int sm_count, GemmPlan* plan) {
+inline Status ChooseFp8GemmInstance(const CommConfig& cfg, const Fp8Operands& fp8, int64_t m, int64_t n, int sm_count,
+                                    GemmPlan* plan) {
   const auto kernel = static_cast<GemmKernel>(cfg.tuning.gemm_kernel);
   const bool small = m * n < int64_t{8192} * 8192;
   const bool pp128 = kernel == GemmKernel::k128x128PingpongCluster2x1;

@@ -950,7 +950,8 @@ int main(int argc, char** argv) {
     } else if (std::strncmp(argv[i], "--gemm-kernel=", 14) == 0) {
       g_gemm_kernel = ForcedKernel(argv[i] + 14);
       if (g_gemm_kernel == GemmKernel::kAuto) {
-        std::fprintf(stderr, "--gemm-kernel: 128x256, 128x192, 128x160_c2x1, 128x128_pp_c2x1, 128x320_c2x1 or "
+        std::fprintf(stderr,
+                     "--gemm-kernel: 128x256, 128x192, 128x160_c2x1, 128x128_pp_c2x1, 128x320_c2x1 or "
                      "128x160_pp_c2x1\n");
         return 2;
       }
