@@ -119,13 +119,21 @@ def kernel_available(kernel: str, dtype: str, dx: bool, rows: int) -> bool:
     raise ValueError(f"unknown kernel {kernel!r}")
 
 
-def auto_kernel(dtype: str, dx: bool, m: int, k: int, n: int, sms: int) -> str:
-    """The instance GpuTuning.gemm_kernel="auto" runs: op_common.h's rule (ChooseGemmInstance),
-    asked through the extension (a CUDA build)."""
+def auto_plan(dtype: str, dx: bool, m: int, k: int, n: int, sms: int, chunk_rows: int | None = None) -> tuple[str, int]:
+    """(instance, tile group) that GpuTuning.gemm_kernel="auto" and tile_group_m=0 run: op_common.h's
+    rules (ChooseGemmInstance or ChooseFp8GemmInstance, TileGroupM), asked through the extension (a
+    CUDA build). dtype: the rows' (bfloat16, float16, float8_e4m3fn or float8_e5m2); chunk_rows:
+    the rows read in order (a rank's chunk; all m at tp = 1, the default)."""
     from flux_jax import _native
     from flux_jax._config import GEMM_KERNELS
 
-    return GEMM_KERNELS[_native._ext.cuda_auto_gemm_kernel(dtype, dx, m, k, n, sms)]
+    kernel, group = _native._ext.cuda_auto_gemm_plan(dtype, dx, m, k, n, m if chunk_rows is None else chunk_rows, sms)
+    return GEMM_KERNELS[kernel], group
+
+
+def auto_kernel(dtype: str, dx: bool, m: int, k: int, n: int, sms: int) -> str:
+    """The instance GpuTuning.gemm_kernel="auto" runs at tp = 1 (auto_plan)."""
+    return auto_plan(dtype, dx, m, k, n, sms)[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,7 +327,8 @@ def run_shape(
 ) -> list[dict]:
     x, w, ref = make_operands(shape, seed, index, mesh)
     rows = {v.name: _empty_row(shape, v) for v in variants}
-    auto = auto_kernel(shape.dtype, shape.dx, shape.M, shape.K, shape.N, sms)
+    auto_instance, auto_group = auto_plan(shape.dtype, shape.dx, shape.M, shape.K, shape.N, sms)
+    auto = f"{auto_instance}/g{auto_group}"  # as a --kernels spec
     entries = []  # (variant, timer, built)
     xla_err = None
     for v in variants:

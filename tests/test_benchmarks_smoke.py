@@ -611,7 +611,12 @@ def test_gemm_parity_variants_follow_the_build():
     assert names(64, 8192, 5120, False, "float16") == ["xla", "flux:auto", "flux:128x256"]
 
 
-@pytest.mark.skipif(not hasattr(_native._ext, "cuda_auto_gemm_kernel"), reason="the GEMM rule is in CUDA builds only")
+CUDA_RULES = pytest.mark.skipif(
+    not hasattr(_native._ext, "cuda_auto_gemm_plan"), reason="the GEMM rules are in CUDA builds only"
+)
+
+
+@CUDA_RULES
 def test_overlap_gemm_rule_picks_by_waves():
     """What GpuTuning.gemm_kernel="auto" resolves to (op_common.h ChooseGemmInstance) on the
     measured shapes of docs/decisions (one H200: 132 SMs)."""
@@ -648,8 +653,28 @@ def test_overlap_gemm_rule_picks_by_waves():
         for k, n in ((1536, 3072), (2048, 4096), (2560, 5120), (3072, 4608), (4096, 7168), (5120, 2560), (8192, 5120)):
             for dx in (False, True):
                 assert auto_kernel("float16", dx, m, k, n, 132) == auto_kernel("bfloat16", dx, m, k, n, 132)
-    with pytest.raises(ValueError, match="bfloat16 or float16"):
+    with pytest.raises(ValueError, match="bfloat16, float16, float8_e4m3fn or float8_e5m2"):
         auto_kernel("float32", False, 2048, 4096, 3072, 132)
+
+
+@CUDA_RULES
+def test_fp8_gemm_rule_and_tile_groups():
+    """ChooseFp8GemmInstance (the rows' format: e4m3 forward, e5m2 a backward's dy) and TileGroupM
+    on the measured shapes of docs/decisions (one H200: 132 SMs)."""
+    from benchmarks.gemm_parity import auto_kernel, auto_plan
+
+    assert auto_kernel("float8_e4m3fn", True, 2048, 2560, 5120, 132) == "128x128_pp_c2x1"  # below 8192^2 outputs
+    assert auto_kernel("float8_e4m3fn", True, 8192, 8192, 8192, 132) == "128x256"
+    assert auto_kernel("float8_e5m2", True, 2048, 5120, 2560, 132) == "128x160_pp_c2x1"  # 2 x 160 < 3 x 128
+    assert auto_kernel("float8_e5m2", True, 2048, 5120, 8192, 132) == "128x128_pp_c2x1"  # 7 x 160 > 8 x 128
+    assert auto_kernel("float8_e5m2", True, 8192, 8192, 8192, 132) == "128x128_pp_c2x1"  # e5m2: ping-pong only
+    # Groups of 16 row tiles for bf16 / f16 128x256 over chunks of 2048+ rows, else 8.
+    assert auto_plan("bfloat16", False, 8192, 8192, 8192, 132) == ("128x256", 16)
+    assert auto_plan("float16", True, 16384, 3072, 4096, 132) == ("128x256", 16)
+    assert auto_plan("bfloat16", False, 8192, 8192, 8192, 132, chunk_rows=1024) == ("128x256", 8)  # TP 8's chunks
+    assert auto_plan("bfloat16", False, 8192, 2048, 4096, 132) == ("128x128_pp_c2x1", 8)
+    assert auto_plan("bfloat16", False, 2048, 4096, 3072, 132) == ("128x192", 8)
+    assert auto_plan("float8_e4m3fn", True, 8192, 8192, 8192, 132) == ("128x256", 8)  # FP8: not measured
 
 
 def test_gemm_parity_preflight_child_reports_each_variant(capsys):

@@ -249,15 +249,20 @@ NB_MODULE(_flux_jax_ffi, m) {
   m.def("cuda_workspace_bytes", &flux_jax::CudaWorkspaceBytes, nb::arg("device"),
         "Workspace bytes held on a GPU outside XLA's pool.");
   m.def(
-      "cuda_auto_gemm_kernel",
-      [](const std::string& dtype, bool w_transposed, int64_t m, int64_t k, int64_t n, int sm_count) {
+      "cuda_auto_gemm_plan",
+      [](const std::string& dtype, bool w_transposed, int64_t m, int64_t k, int64_t n, int64_t chunk_rows,
+         int sm_count) {
         int64_t kernel = 0;
-        flux_jax::Status s = flux_jax::CudaAutoGemmKernel(dtype, w_transposed, m, k, n, sm_count, &kernel);
+        int32_t group = 0;
+        flux_jax::Status s =
+            flux_jax::CudaAutoGemmPlan(dtype, w_transposed, m, k, n, chunk_rows, sm_count, &kernel, &group);
         if (!s.ok()) throw std::invalid_argument(s.message());
-        return kernel;
+        return nb::make_tuple(kernel, group);
       },
-      nb::arg("dtype"), nb::arg("w_transposed"), nb::arg("m"), nb::arg("k"), nb::arg("n"), nb::arg("sm_count"),
-      "The GpuTuning.gemm_kernel (an index of GEMM_KERNELS) that auto resolves to for an m x k x n overlap GEMM.");
+      nb::arg("dtype"), nb::arg("w_transposed"), nb::arg("m"), nb::arg("k"), nb::arg("n"), nb::arg("chunk_rows"),
+      nb::arg("sm_count"),
+      "(GpuTuning.gemm_kernel, tile_group_m) that auto resolves to for an m x k x n overlap GEMM whose rows are "
+      "read in chunks of chunk_rows: an index of GEMM_KERNELS and a group of row tiles.");
   m.def("cuda_device_error", &flux_jax::CudaDeviceError, nb::arg("device"),
         "Diagnostic of the device-side waits that gave up on a GPU (a line per rank), or ''.");
   m.def(

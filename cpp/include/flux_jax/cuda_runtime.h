@@ -22,11 +22,13 @@ size_t CudaWorkspaceBytes(int device);
 // failure, e.g. copied from another GPU of its group).
 std::string CudaDeviceError(int device);
 
-// The overlap GEMM instance GpuTuning.gemm_kernel = auto runs for an m x k x n GEMM of `dtype`
-// ("bfloat16" or "float16"; w [n, k] if w_transposed) on `sm_count` SMs, as the GemmKernel that
-// forces it (op_common.h ChooseGemmInstance: the rule itself, for benchmarks and tests).
-Status CudaAutoGemmKernel(const std::string& dtype, bool w_transposed, int64_t m, int64_t k, int64_t n, int sm_count,
-                          int64_t* gemm_kernel);
+// What GpuTuning.gemm_kernel = auto and tile_group_m = 0 resolve to for an m x k x n overlap GEMM
+// on `sm_count` SMs (op_common.h ChooseGemmInstance / ChooseFp8GemmInstance and TileGroupM: the
+// rules themselves, for benchmarks and tests): the GemmKernel that forces the chosen instance and
+// the tile group over `chunk_rows` rows read in order. `dtype` is the rows': "bfloat16" or
+// "float16" (w [n, k] if w_transposed), or "float8_e4m3fn" / "float8_e5m2" (FP8: w [n, k] e4m3).
+Status CudaAutoGemmPlan(const std::string& dtype, bool w_transposed, int64_t m, int64_t k, int64_t n,
+                        int64_t chunk_rows, int sm_count, int64_t* gemm_kernel, int32_t* tile_group_m);
 
 // Tests (cpp/tests/loopback): the next growth of a workspace area by rank `rank` of any group fails
 // as if its GPU were out of memory (-1: none).

@@ -15,23 +15,34 @@ std::string CudaDeviceError(int device) {
   return s.ok() ? std::string() : s.message();
 }
 
-Status CudaAutoGemmKernel(const std::string& dtype, bool w_transposed, int64_t m, int64_t k, int64_t n, int sm_count,
-                          int64_t* gemm_kernel) {
-  if (dtype != "bfloat16" && dtype != "float16") {
-    return Status::InvalidArgument("flux_jax: the overlap GEMM rule takes bfloat16 or float16, got " + dtype);
+Status CudaAutoGemmPlan(const std::string& dtype, bool w_transposed, int64_t m, int64_t k, int64_t n,
+                        int64_t chunk_rows, int sm_count, int64_t* gemm_kernel, int32_t* tile_group_m) {
+  const bool fp8 = dtype == "float8_e4m3fn" || dtype == "float8_e5m2";
+  if (dtype != "bfloat16" && dtype != "float16" && !fp8) {
+    return Status::InvalidArgument(
+        "flux_jax: the overlap GEMM rule takes bfloat16, float16, float8_e4m3fn or float8_e5m2 rows, got " + dtype);
   }
-  const DType t = dtype == "bfloat16" ? DType::kBF16 : DType::kF16;
+  const DType t = dtype == "float16" ? DType::kF16 : DType::kBF16;  // FP8: bf16 out
+  Fp8Operands rows;
+  rows.on = fp8;
+  rows.x_e5m2 = dtype == "float8_e5m2";
   CommConfig cfg;
+  auto choose = [&](cuda::GemmPlan* plan) {
+    return fp8 ? cuda::ChooseFp8GemmInstance(cfg, rows, m, n, sm_count, plan)
+               : cuda::ChooseGemmInstance(cfg, t, w_transposed, m, n, k, sm_count, plan);
+  };
   cuda::GemmPlan chosen{};
-  FLUX_JAX_RETURN_IF_ERROR(cuda::ChooseGemmInstance(cfg, t, w_transposed, m, n, k, sm_count, &chosen));
-  // The forced kernel whose plan is the chosen one: ChooseGemmInstance's switch stays the only map
-  // from a GemmKernel to a plan.
+  FLUX_JAX_RETURN_IF_ERROR(choose(&chosen));
+  *tile_group_m = cuda::TileGroupM(cfg, chosen, chunk_rows);
+  // The forced kernel whose plan is the chosen one: the Choose* switches stay the only map from a
+  // GemmKernel to a plan.
   for (GemmKernel forced : {GemmKernel::k128x256, GemmKernel::k128x192, GemmKernel::k128x160Cluster2x1,
-                            GemmKernel::k128x128PingpongCluster2x1, GemmKernel::k128x320Cluster2x1}) {
+                            GemmKernel::k128x128PingpongCluster2x1, GemmKernel::k128x320Cluster2x1,
+                            GemmKernel::k128x160PingpongCluster2x1}) {
     cfg.tuning.gemm_kernel = static_cast<int64_t>(forced);
     cuda::GemmPlan plan{};
-    if (cuda::ChooseGemmInstance(cfg, t, w_transposed, m, n, k, sm_count, &plan).ok() &&
-        plan.block_n == chosen.block_n && plan.cluster_m == chosen.cluster_m && plan.pingpong == chosen.pingpong) {
+    if (choose(&plan).ok() && plan.block_n == chosen.block_n && plan.cluster_m == chosen.cluster_m &&
+        plan.pingpong == chosen.pingpong) {
       *gemm_kernel = static_cast<int64_t>(forced);
       return Status::Ok();
     }
