@@ -133,12 +133,17 @@ def _program(impl: str, mesh, kernel: str = "auto", backward: bool = False):
     return call
 
 
-def _sustained(program, args, mesh, seconds: float, meter) -> dict:
+def _sustained(program, args, mesh, seconds: float, meter, per_call_us: float, target_ms: float = 20.0) -> dict:
     """The program's whole call in a serialized loop (benchmarks/timing.py) kept running for
     `seconds` at the power cap: time, energy and mean power per call (benchmarks/gpu_energy.py).
-    The loop carries the operand the output depends on: x forward, dy backward."""
+    The loop carries the operand the output depends on: x forward, dy backward. One loop of about
+    `target_ms` (sized from `per_call_us`, the rounds' CUPTI time of the call) is compiled, not
+    LoopTimer's two: every compile of the twin autotunes XLA's FP8 GEMM again."""
+    import sys
+    import time
+
     from benchmarks import gpu_energy
-    from benchmarks.timing import Built, LoopTimer, TimingParams
+    from benchmarks.timing import Built, serialized_loop
 
     fn = program.fn
     if program.backward:  # carry dy: dx does not depend on x
@@ -149,12 +154,26 @@ def _sustained(program, args, mesh, seconds: float, meter) -> dict:
     else:
         carried, step = args, fn
     built = Built(step, carried, mesh, P(AXIS, None), P(AXIS, None), check=lambda out: 0.0)
-    params = TimingParams(n1=2, target_ms=20.0, max_calls=20000, repeats=1)
+    calls = max(4, math.ceil(target_ms * 1e3 / max(per_call_us, 1.0)))
+    loop_args = (jnp.float32(0.0), *carried)
+    start = time.perf_counter()
     with flux_jax.config(fused_path="overlap"), _config.gpu_tuning(gemm_kernel=program.kernel):
-        timer = LoopTimer(built, params)
-    timer.take_output()
-    timer.preheat()
-    return gpu_energy.sustained(timer.dispatch_long, timer.calls_per_long_run, seconds, meter.read_mj)
+        loop = serialized_loop(built, calls).lower(*loop_args).compile()
+    compiled = time.perf_counter()
+    jax.block_until_ready(loop(*loop_args))  # warm-up
+
+    def dispatch():
+        leaves = jax.tree.leaves(loop(*loop_args))
+        return lambda: all(leaf.is_ready() for leaf in leaves)
+
+    got = gpu_energy.sustained(dispatch, calls + 1, seconds, meter.read_mj)
+    print(
+        f"  power cap: {calls} calls per run, compiled in {compiled - start:.1f} s, measured in "
+        f"{time.perf_counter() - compiled:.1f} s",
+        file=sys.stderr,
+        flush=True,
+    )
+    return got
 
 
 # The twin and the decode path with w quantized once, outside the timed call (both --decode modes).
@@ -333,8 +352,9 @@ def run_shape(
                 samples[name].append(_kernels(programs[name], variant_args[name]))
     if energy_s > 0 and meter is not None and not decode_steps:
         for name in random.Random(seed).sample(list(programs), len(programs)):
+            per_call_us = statistics.median(sum(us for _, us in kernels) for kernels in samples[name])
             try:
-                rows[name].update(_sustained(programs[name], variant_args[name], mesh, energy_s, meter))
+                rows[name].update(_sustained(programs[name], variant_args[name], mesh, energy_s, meter, per_call_us))
             except Exception as e:  # noqa: BLE001 -- a failed reading is no reason to lose the row
                 rows[name]["energy_note"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
     for name, runs in samples.items():
