@@ -33,8 +33,8 @@ Status RunAgMatmulCuda(const AgMatmulParams& p, const TpGroup& group, const Comm
   const int64_t rows = tp * p.m_local;
   const size_t row_bytes = static_cast<size_t>(p.k) * OperandBytes(p.dtype, p.fp8);
   const size_t chunk_bytes = static_cast<size_t>(p.m_local) * row_bytes;
-  // The GEMM instance: by shape, forced by the tuning, or the FP8 one.
-  // The tile group by instance and a rank's chunk of rows.
+  // The GEMM instance (by shape, forced by the tuning, or the FP8 one), then its tile group over
+  // a rank's chunk of rows.
   auto choose = [&](int sm_count, GemmPlan* plan) {
     FLUX_JAX_RETURN_IF_ERROR(p.fp8.on
                                  ? ChooseFp8GemmInstance(cfg, p.fp8, rows, p.n, sm_count, plan)
