@@ -206,6 +206,29 @@ def test_gpu_tuning_fields_reach_the_kernel_attributes():
     np.testing.assert_allclose(np.asarray(out), np.asarray(x) @ np.asarray(w), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("kernel", _config.GEMM_KERNELS)
+def test_every_gemm_kernel_name_passes_the_handlers_attribute_check(kernel):
+    """Each GpuTuning.gemm_kernel name lowers to its index and the handler's range check accepts
+    it (a kernel added to GEMM_KERNELS but not to attrs.h's range fails here, on CPU)."""
+    mesh = jax.make_mesh((2,), ("tp",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:2])
+    x, w = jnp.ones((32, 16), jnp.float32), jnp.ones((16, 24), jnp.float32)
+    f = jax.jit(
+        jax.shard_map(
+            functools.partial(flux_jax.ag_matmul, axis_name="tp", impl="fused"),
+            mesh=mesh,
+            in_specs=(P("tp", None), P(None, "tp")),
+            out_specs=P(None, "tp"),
+        )
+    )
+    xs = jax.device_put(x, NamedSharding(mesh, P("tp", None)))
+    ws = jax.device_put(w, NamedSharding(mesh, P(None, "tp")))
+    with _config.gpu_tuning(gemm_kernel=kernel):
+        hlo = f.lower(xs, ws).as_text()
+        out = f(xs, ws)
+    assert f"gemm_kernel = {_config.GEMM_KERNELS.index(kernel)}" in hlo
+    np.testing.assert_allclose(np.asarray(out), np.full((32, 24), 16.0), rtol=1e-6)
+
+
 def test_parse_overrides_for_tools_and_test_tuning():
     from flux_jax._config import parse_overrides
 
