@@ -228,28 +228,28 @@ inline bool PreferFp8Pingpong160(int64_t m, int64_t n, int sm_count) {
 // 4096 x 3072 x 4608 1.28 -> 1.16, 8192 x 2048 x 4096 1.19 -> 1.15 against 128x256) and lost
 // 8192^3 (1.09 vs 1.05) (docs/decisions/2026-12-01-gemm-instances.md). e5m2 rows (a backward's
 // dy) run ping-pong 2x1 at every size: 128x160 tiles where PreferFp8Pingpong160 says, else 128x128.
-// GpuTuning.gemm_kernel forces one of the instances the row format has (128x160_pp_c2x1 applies to
-// e5m2 rows only; e4m3 rows keep the rule under it). The row scales come from
+// GpuTuning.gemm_kernel forces one of the instances the row format has. The row scales come from
 // `fp8` (the caller offsets them for launches that start below row 0 of x).
 inline Status ChooseFp8GemmInstance(const CommConfig& cfg, const Fp8Operands& fp8, int64_t m, int64_t n, int sm_count,
                                     GemmPlan* plan) {
-  const auto kernel = static_cast<GemmKernel>(cfg.tuning.gemm_kernel);
+  auto kernel = static_cast<GemmKernel>(cfg.tuning.gemm_kernel);
+  // 128x160_pp_c2x1 names the backward's e5m2 GEMM; the forward's e4m3 GEMMs, traced with the same
+  // tuning, keep the rule under it.
+  if (kernel == GemmKernel::k128x160PingpongCluster2x1 && !fp8.x_e5m2) kernel = GemmKernel::kAuto;
+  const bool by_rule = kernel == GemmKernel::kAuto;
   const bool small = m * n < int64_t{8192} * 8192;
-  const bool pp128 = kernel == GemmKernel::k128x128PingpongCluster2x1;
-  // 128x160_pp_c2x1 names the backward's e5m2 GEMM: forced, it leaves the forward's e4m3 GEMMs
-  // (traced with the same tuning) to the rule, so one setting can time the backward's instance.
-  const bool pp160 = kernel == GemmKernel::k128x160PingpongCluster2x1 && fp8.x_e5m2;
-  const bool by_rule = kernel == GemmKernel::kAuto || (kernel == GemmKernel::k128x160PingpongCluster2x1 && !pp160);
-  if (fp8.x_e5m2 && !by_rule && !pp128 && !pp160) {
+  if (fp8.x_e5m2 && !by_rule && kernel != GemmKernel::k128x128PingpongCluster2x1 &&
+      kernel != GemmKernel::k128x160PingpongCluster2x1) {
     return Status::InvalidArgument(
         "flux_jax: e5m2 rows run the ping-pong FP8 instances only (GpuTuning.gemm_kernel: auto, 128x128_pp_c2x1 or "
         "128x160_pp_c2x1)");
   }
-  if (pp160 || (by_rule && fp8.x_e5m2 && PreferFp8Pingpong160(m, n, sm_count))) {
+  if (kernel == GemmKernel::k128x160PingpongCluster2x1 ||
+      (by_rule && fp8.x_e5m2 && PreferFp8Pingpong160(m, n, sm_count))) {
     plan->block_n = kGemmBlockN160;
     plan->cluster_m = 2;
     plan->pingpong = true;
-  } else if (pp128 || (by_rule && (small || fp8.x_e5m2))) {
+  } else if (kernel == GemmKernel::k128x128PingpongCluster2x1 || (by_rule && (small || fp8.x_e5m2))) {
     plan->block_n = kGemmBlockN128;
     plan->cluster_m = 2;
     plan->pingpong = true;
@@ -317,9 +317,9 @@ inline uint64_t TilesTouchingRows(int64_t row0, int64_t row1, int64_t n, int32_t
 // of them at tp = 1) hold 16 row tiles, else 8. With 132 tiles in flight, 16 rows of 128x256
 // tiles span ~8 tile columns: about the fewest bytes of A and B per wave (rows x 128 = columns x
 // 256 at 16 x 8). Time per call at the power cap on one H200, groups of 16 against 8 (serpentine
-// on): eight shapes at M = 8192-16384 0.1-1.0% faster (median 1.041 -> 1.034x XLA's), six at
-// M = 2048-4096 0.3-0.7% faster on five, one tied
-// (docs/decisions/2026-12-04-tile-groups-of-16.md). Not measured: FP8 and the other instances.
+// on): eight shapes at M = 8192-16384 0.1-1.0% faster (median 1.041 -> 1.034x XLA's); seven at
+// M = 2048-4096, six 0.3-0.7% faster, one tied (docs/decisions/2026-12-04-tile-groups-of-16.md).
+// Not measured: FP8 and the other instances.
 inline constexpr int kWideTileGroupM = 16;
 inline int32_t TileGroupM(const CommConfig& cfg, const GemmPlan& plan, int64_t chunk_rows) {
   if (cfg.tuning.tile_group_m > 0) return static_cast<int32_t>(cfg.tuning.tile_group_m);
