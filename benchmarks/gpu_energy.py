@@ -90,6 +90,7 @@ def sustained(
     read_mj: Callable[[], float],
     warmup_s: float = 0.2,
     depth: int = 3,
+    stall_s: float = 15.0,
 ) -> dict:
     """Time per call (us), energy per call (mJ) and mean power (W) of a loop kept running for at
     least `seconds` after `warmup_s` (the power cap's clocks settle).
@@ -101,24 +102,47 @@ def sustained(
     idle gaps). The counter advances in steps: the window runs from one step to the first step
     after `seconds`, both seen while runs were queued; power is its energy over its length. Time
     per call is taken from the runs that finished inside the window (first to last finish), and
-    energy per call is the two's product."""
-    queue: deque[Callable[[], bool]] = deque(dispatch() for _ in range(max(depth, 1)))
+    energy per call is the two's product.
+
+    A RuntimeError, not a hang, where no run finishes or the counter does not step for `stall_s`:
+    it says which, with the runs finished and the host time spent dispatching them."""
+    queue: deque[Callable[[], bool]] = deque()
     finished: list[float] = []
+    dispatch_s = 0.0
+    last_finish = time.perf_counter()
+
+    def enqueue() -> None:
+        nonlocal dispatch_s
+        start = time.perf_counter()
+        queue.append(dispatch())
+        dispatch_s += time.perf_counter() - start
+
+    def check_stall(what: str, since: float) -> None:
+        if time.perf_counter() - since > stall_s:
+            raise RuntimeError(
+                f"{what} for {stall_s:.0f} s ({len(finished)} runs of {calls_per_run} calls finished, "
+                f"{dispatch_s:.1f} s spent dispatching {len(finished) + len(queue)} runs)"
+            )
 
     def pump() -> None:
+        nonlocal last_finish
         while queue and queue[0]():
             queue.popleft()
-            finished.append(time.perf_counter())
-            queue.append(dispatch())
+            finished.append(last_finish := time.perf_counter())
+            enqueue()
+        check_stall("no run finished", last_finish)
 
     def next_step() -> tuple[float, float, int]:
-        last = read_mj()
+        since, last = time.perf_counter(), read_mj()
         while True:
             pump()
             value = read_mj()
             if value != last:
                 return value, time.perf_counter(), len(finished)
+            check_stall("the energy counter did not step", since)
 
+    for _ in range(max(depth, 1)):
+        enqueue()
     start = time.perf_counter()
     while time.perf_counter() - start < warmup_s:
         pump()
@@ -129,6 +153,8 @@ def sustained(
     while queue:  # drain: the next measurement starts from an idle queue
         if queue[0]():
             queue.popleft()
+            last_finish = time.perf_counter()
+        check_stall("no run finished", last_finish)
     if n1 - n0 < 2:
         raise RuntimeError(f"energy window of {t1 - t0:.3f} s saw {n1 - n0} runs finish; lengthen it")
     per_call_s = (finished[n1 - 1] - finished[n0]) / ((n1 - 1 - n0) * calls_per_run)

@@ -520,6 +520,19 @@ def test_sustained_energy_per_call(monkeypatch):
         gpu_energy.sustained(gpu.dispatcher(0.3), 10, 0.1, gpu.read_mj)
 
 
+def test_sustained_energy_stalls_raise_not_hang(monkeypatch):
+    """gpu_energy.sustained raises, naming what stalled, where no run finishes or the energy counter
+    does not step for stall_s (the fake clock advances on every ready check and read)."""
+    from benchmarks import gpu_energy
+
+    gpu = _FakeGpu(monkeypatch, step_s=1e9)  # the counter never steps
+    with pytest.raises(RuntimeError, match=r"counter did not step for 2 s \(\d+ runs of 10 calls finished"):
+        gpu_energy.sustained(gpu.dispatcher(0.004), 10, 0.5, gpu.read_mj, stall_s=2.0)
+    gpu = _FakeGpu(monkeypatch)
+    with pytest.raises(RuntimeError, match="no run finished for 2 s"):
+        gpu_energy.sustained(gpu.dispatcher(1e6), 10, 0.5, gpu.read_mj, stall_s=2.0)
+
+
 def test_energy_meter_reads_every_gpu_or_is_absent(monkeypatch):
     """EnergyMeter.open(): None without the driver library, NVML or its energy counter; else the
     counters of all GPUs, summed."""

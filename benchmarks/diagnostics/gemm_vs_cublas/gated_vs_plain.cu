@@ -14,13 +14,15 @@
 // all three (all_hooks: the product's kernel built from this checkout's headers, next to `ours` from the linked
 // library).
 // SWEEP_PROFILE=<n> times by profiler instead of loops (tile_sweep.cuh): the way to read differences of a few percent.
+// SWEEP_ENERGY=<seconds> times each column at the power cap instead, with its energy per call (tile_sweep.cuh).
 //
 // Plain configurations run tile_sweep's four scheduler variants. Ours reads them as:
 //
 //   sw1,N  tile groups of 1 (plain raster along N, as plain sw1,N)
-//   sw8,N  tile groups of 8 (the product's order)
-//   sw1,H  tile groups of 8, alpha a scalar (the product reads it from memory per tile: the poison of a failed wait)
-//   sw8,H  tile groups of 16
+//   sw8,N  tile groups of 8, serpentine (the product's order below 16 row tiles)
+//   sw1,H  tile groups of 8, serpentine, alpha a scalar (the product reads it from memory per tile: the poison of a
+//          failed wait)
+//   sw8,H  tile groups of 16, serpentine (the product's order for 128x256 tiles at >= 16 row tiles)
 //
 //   gated_vs_plain                      # tile_sweep's built-in shapes
 //   gated_vs_plain 2048x2560x5120 ...   # per-GPU MxKxN shapes instead
@@ -145,6 +147,7 @@ Runner MakeOurs(flux_jax::cuda::GemmPlan base, const SweepShape& s, const void* 
   base.d = d;
   base.alpha_ptr = v.swizzle == 1 && v.heuristic ? nullptr : one;
   base.group_m_tiles = !v.heuristic && v.swizzle == 1 ? 1 : (v.heuristic && v.swizzle == 8 ? 16 : 8);
+  base.serpentine = base.group_m_tiles > 1;  // the product's order
   int sms = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
   if (!flux_jax::cuda::RunGemm(base, flux_jax::DType::kBF16, nullptr, 0, sms).ok()) return {};

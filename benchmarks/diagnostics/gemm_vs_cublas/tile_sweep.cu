@@ -16,6 +16,9 @@
 //   tile_sweep 2048x2560x5120 ...   # per-GPU MxKxN shapes instead
 //   tile_sweep --bf16 | --fp8 ...   # one section only
 //
+// SWEEP_CONFIGS=<name>,... runs only those configurations; SWEEP_PROFILE=<n> times by profiler and SWEEP_ENERGY=<s>
+// at the power cap, with energy per call, instead of by loops (tile_sweep.cuh).
+//
 // cuBLAS and cuBLASLt are loaded with dlopen: set FLUX_PROBE_CUBLAS to libcublas.so.N and put its directory (which
 // holds libcublasLt.so.N too) on LD_LIBRARY_PATH. Build: build.sh (no flux_jax libraries needed).
 #include <cstring>

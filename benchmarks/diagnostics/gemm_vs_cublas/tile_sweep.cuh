@@ -13,6 +13,7 @@
 #include <cuda_profiler_api.h>
 
 #include "cublas_loader.cuh"
+#include "nvml_energy.cuh"
 
 // One GEMM of the sweep: M x K x N (a plain struct: cublas_loader.cuh's Shape is internal to each translation unit).
 struct SweepShape {
@@ -96,6 +97,63 @@ inline void ProfileColumn(const char* section, const char* mkn, const char* ref_
   fflush(stdout);
 }
 
+// Energy mode (SWEEP_ENERGY=<seconds> in the environment): instead of the timing loops, the reference and each
+// configuration in one variant (SWEEP_VARIANT: sw1,N / sw8,N / sw1,H / sw8,H, default sw8,N) run back to back for
+// <seconds> each at the power cap (nvml_energy.cuh), in two passes, the second in reverse column order. Prints per
+// column `ENERGY <section> <MxKxN> <column> <us> <mJ> <W> <time ratio> <energy ratio>`: per call, the mean of the two
+// passes, ratios to the reference's; then the two passes' times (a spread above ~1% leaves a difference that small
+// unresolved).
+inline double EnergySeconds() {
+  const char* v = std::getenv("SWEEP_ENERGY");
+  return v == nullptr ? 0.0 : std::max(0.0, std::atof(v));
+}
+
+inline Variant EnergyVariant() {
+  const char* v = std::getenv("SWEEP_VARIANT");
+  for (const Variant& k : kVariants)
+    if (v != nullptr && std::string(v) == k.name) return k;
+  return kVariants[1];
+}
+
+inline void EnergyColumns(const char* section, const char* mkn, const char* ref_name,
+                          const std::function<Runner(const SweepShape&, E*)>& make_ref,
+                          const std::vector<Config>& configs, const SweepShape& s, E* ref_d, int iters,
+                          double seconds) {
+  static NvmlEnergy nvml;
+  static const bool have_nvml = nvml.Load();
+  if (!have_nvml) {
+    printf("ENERGY %s %s: NVML's energy counter is not readable here\n", section, mkn);
+    return;
+  }
+  const Variant v = EnergyVariant();
+  const int ncol = 1 + static_cast<int>(configs.size());
+  std::vector<std::string> names(ncol, ref_name);
+  std::vector<EnergyPerCall> got[2];
+  for (int pass = 0; pass < 2; ++pass) {
+    got[pass].resize(ncol);
+    for (int i = 0; i < ncol; ++i) {
+      const int col = pass == 0 ? i : ncol - 1 - i;
+      Runner r = col == 0 ? make_ref(s, ref_d) : configs[col - 1].make(s, v);
+      if (col > 0) names[col] = std::string(configs[col - 1].name) + "[" + v.name + "]";
+      got[pass][col] = r ? SustainedEnergy(r, iters, seconds, nvml) : EnergyPerCall{0, 0, 0, "not implemented"};
+    }
+  }
+  auto mean = [&](int col, double EnergyPerCall::* f) { return (got[0][col].*f + got[1][col].*f) / 2; };
+  for (int col = 0; col < ncol; ++col) {
+    const char* error = got[0][col].error ? got[0][col].error : got[1][col].error;
+    if (error != nullptr) {
+      printf("ENERGY %s %s %s: %s\n", section, mkn, names[col].c_str(), error);
+      continue;
+    }
+    const bool ref_ok = got[0][0].error == nullptr && got[1][0].error == nullptr;
+    printf("ENERGY %s %s %s %.1f %.2f %.0f %.3f %.3f passes %.1f %.1f\n", section, mkn, names[col].c_str(),
+           mean(col, &EnergyPerCall::us), mean(col, &EnergyPerCall::mj), mean(col, &EnergyPerCall::w),
+           ref_ok ? mean(col, &EnergyPerCall::us) / mean(0, &EnergyPerCall::us) : 0.0,
+           ref_ok ? mean(col, &EnergyPerCall::mj) / mean(0, &EnergyPerCall::mj) : 0.0, got[0][col].us, got[1][col].us);
+  }
+  fflush(stdout);
+}
+
 // The configurations whose names appear in SWEEP_CONFIGS (a comma-separated list of exact names), or all of them.
 inline std::vector<Config> SelectedConfigs(const std::vector<Config>& configs) {
   const char* list = std::getenv("SWEEP_CONFIGS");
@@ -151,6 +209,10 @@ void RunSweep(const char* section, const char* ref_name, const std::vector<Sweep
       }
     }
 
+    if (const double seconds = EnergySeconds(); seconds > 0) {
+      EnergyColumns(section, mkn, ref_name, make_ref, configs, s, ref_d, iters, seconds);
+      continue;
+    }
     if (const int launches = ProfileLaunches(); launches > 0) {
       for (int col = 0; col < ncol; ++col)
         ProfileColumn(section, mkn, ref_name, make_ref, configs, s, ref_d, col, launches);
