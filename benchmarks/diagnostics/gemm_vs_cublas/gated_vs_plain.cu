@@ -31,7 +31,8 @@
 // 10-20% slower than CUPTI's kernel time in benchmarks/fp8_gemm.py, and the variants' differences there (groups of
 // 16: 7-13%) did not show in the kernel times, so time by profiler (SWEEP_PROFILE) for anything under ~10%.
 //
-// cuBLAS: as tile_sweep (FLUX_PROBE_CUBLAS). Build: build.sh <build-dir> <out-dir> (links the CUDA backend).
+// cuBLAS: as tile_sweep (FLUX_PROBE_CUBLAS); `cublaslt_autotuned` is XLA's pick (cublaslt_loader.cuh). Build: build.sh
+// <build-dir> <out-dir> (links the CUDA backend).
 #include <deque>
 #include <string>
 #include <type_traits>
@@ -40,7 +41,7 @@
 #include "gemm_fp8_instance.cuh"
 #include "gemm_instance.cuh"
 #include "gemm_plan.h"
-#include "tile_sweep.cuh"
+#include "cublaslt_loader.cuh"
 
 namespace {
 
@@ -232,6 +233,7 @@ int main(int argc, char** argv) {
                     return MakePlain<PlainBf16CoopC2>(s.m, s.n, s.k, x, w, buf.d, buf.ws, kWsBytes, v);
                   }});
   AddHookColumns<Bf16CoopC2Instance, false, false>(&bf16, "coop_128x256_c2x1", x, w, buf.d, scales, buf.ws, kWsBytes);
+  bf16.push_back(CublasLtAutotunedBf16(x, w, buf.d));
   printf("bf16: us per call (best of 7 loops, min of 2 passes); ratio = config / cuBLAS\n");
   RunSweep("bf16", "cuBLAS", shapes, 650.0, cublas_ref, bf16, buf.d, buf.d2, buf.acc);
 

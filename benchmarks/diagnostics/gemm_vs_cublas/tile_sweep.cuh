@@ -99,10 +99,11 @@ inline void ProfileColumn(const char* section, const char* mkn, const char* ref_
 
 // Energy mode (SWEEP_ENERGY=<seconds> in the environment): instead of the timing loops, the reference and each
 // configuration in one variant (SWEEP_VARIANT: sw1,N / sw8,N / sw1,H / sw8,H, default sw8,N) run back to back for
-// <seconds> each at the power cap (nvml_energy.cuh), in two passes, the second in reverse column order. Prints per
-// column `ENERGY <section> <MxKxN> <column> <us> <mJ> <W> <time ratio> <energy ratio>`: per call, the mean of the two
-// passes, ratios to the reference's; then the two passes' times (a spread above ~1% leaves a difference that small
-// unresolved).
+// <seconds> each at the power cap (nvml_energy.cuh), in two passes, the second in reverse column order. Prints each
+// configuration's check, `CHECK <section> <MxKxN> <config> [REJECTED | FAILED] <max |diff| / max |value|>`, then per
+// column `ENERGY <section> <MxKxN> <column> <us> <mJ> <W> <time ratio> <energy ratio> passes <us> <us>`: per call,
+// the mean of the two passes, ratios to the reference's, then each pass's time (a spread above ~1% leaves a
+// difference that small unresolved).
 inline double EnergySeconds() {
   const char* v = std::getenv("SWEEP_ENERGY");
   return v == nullptr ? 0.0 : std::max(0.0, std::atof(v));
@@ -210,6 +211,13 @@ void RunSweep(const char* section, const char* ref_name, const std::vector<Sweep
     }
 
     if (const double seconds = EnergySeconds(); seconds > 0) {
+      for (int c = 0; c < ncfg; ++c)
+        printf("CHECK %s %s %s %s%.1e\n", section, mkn, configs[c].name,
+               implemented[c] == 0   ? "REJECTED "
+               : !have_ref           ? "no reference "
+               : !(diff[c] <= 2e-2f) ? "FAILED "
+                                     : "",
+               diff[c]);
       EnergyColumns(section, mkn, ref_name, make_ref, configs, s, ref_d, iters, seconds);
       continue;
     }
