@@ -186,19 +186,25 @@ def test_grad_mode_times_the_training_step_and_checks_dx(op):
         assert built.check(out * 2) > 0.5  # a wrong dx fails
 
 
+def _load_diagnostic(name):
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "diagnostics" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_loop_anatomy_reads_a_trace_and_flags_a_host_bound_profile(tmp_path):
     """loop_anatomy.py on a synthetic trace of 2 calls: per device the span, busy time and
     gaps per call, copies apart from kernels, and the host time per call of the busiest loop
     thread; the summary warns when that host time reaches the traced time per call (the
     profiler's host overhead shapes the timeline then) and stays quiet when it is far below."""
     import gzip
-    import importlib.util
-    import pathlib
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "diagnostics" / "loop_anatomy.py"
-    spec = importlib.util.spec_from_file_location("loop_anatomy", path)
-    anatomy = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(anatomy)
+    anatomy = _load_diagnostic("loop_anatomy")
 
     def trace(host_us_per_call):
         meta = [
@@ -750,3 +756,30 @@ def test_fp8_gemm_power_cap_loop_carries_what_the_output_depends_on(backward):
     program = fp8_gemm._program("fused", mesh, "auto", backward)
     got = fp8_gemm._sustained(program, args, mesh, 0.5, CountingMeter(), per_call_us=20000.0)
     assert got["sustained_us"] > 0 and got["energy_mj"] > 0 and got["power_w"] > 0
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_dispatch_ahead_keeps_runs_queued_and_reports_a_stall(fp8):
+    """dispatch_ahead.py: the fused loop runs `depth` runs ahead until `runs` finish (CPU backend);
+    a dispatch that never returns is reported by the watchdog, not waited for."""
+    import threading
+
+    ahead = _load_diagnostic("dispatch_ahead")
+    loop, args = ahead.build_loop(64, 128, 256, 3, "fused", "overlap", fp8)
+    got = ahead.run_ahead(loop, args, depth=3, runs=5, stall_s=60.0, on_stall=pytest.fail)
+    assert got["runs"] == 5 and got["ms_per_run"] > 0
+
+    stalled, release = [], threading.Event()
+
+    def stuck_loop(*_):  # the first dispatch returns, the second never does (until released)
+        if calls:
+            release.wait(30)
+        calls.append(1)
+        return loop(*args)
+
+    calls = []
+    got = ahead.run_ahead(
+        stuck_loop, args, depth=2, runs=3, stall_s=0.5, on_stall=lambda what: (stalled.append(what), release.set())
+    )
+    assert stalled and "no dispatch returned" in stalled[0]
+    assert got["runs"] == 3  # released by the stall handler, the loop then finishes
