@@ -10,6 +10,7 @@
 #include <library_types.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
@@ -101,7 +102,9 @@ bool ParseShapes(int argc, char** argv, int first, std::vector<Shape>* shapes) {
 }
 
 // Device buffers for the largest of `shapes`: random x and w, outputs d and d2, a CUTLASS
-// workspace of ws_bytes and 8 bytes of scratch (acc). Freed at exit.
+// workspace of ws_bytes and 8 bytes of scratch (acc). Freed at exit. x and w are uniform in
+// [-0.5, 0.5), or with SWEEP_FILL=normal as benchmarks/gemm_parity.py makes them (FillNormal; w
+// scaled by the largest K).
 struct ProbeBuffers {
   E *x = nullptr, *w = nullptr, *d = nullptr, *d2 = nullptr;
   void* ws = nullptr;
@@ -118,8 +121,16 @@ struct ProbeBuffers {
     cudaMalloc(&d2, maxe * 2);
     cudaMalloc(&ws, ws_bytes);
     cudaMalloc(&acc, 8);
-    Fill<<<1024, 256>>>(x, maxe, 1);
-    Fill<<<1024, 256>>>(w, maxe, 2);
+    const char* fill = std::getenv("SWEEP_FILL");
+    if (fill != nullptr && std::strcmp(fill, "normal") == 0) {  // as benchmarks/gemm_parity.py makes them
+      int max_k = 1;
+      for (auto& s : shapes) max_k = std::max(max_k, s.k);
+      FillNormal<<<1024, 256>>>(x, maxe, 1, 1.f);
+      FillNormal<<<1024, 256>>>(w, maxe, 2, 1.f / std::sqrt(static_cast<float>(max_k)));
+    } else {
+      Fill<<<1024, 256>>>(x, maxe, 1);
+      Fill<<<1024, 256>>>(w, maxe, 2);
+    }
   }
 };
 

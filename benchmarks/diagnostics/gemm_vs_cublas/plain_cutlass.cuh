@@ -164,6 +164,24 @@ float TimeStreamK(int m, int n, int k, const E* a, const E* b, E* d, int iters, 
       iters, 7);
 }
 
+// Hash-based normal values (Box-Muller on two hashed uniforms), (N(0, 1) + 0.25) * scale: the operands
+// benchmarks/gemm_parity.py makes (x: scale 1; w: 1 / sqrt(K)). A GEMM's power at the cap depends on its operands'
+// bits, so comparing with JAX runs needs the same distribution.
+template <class T>
+__global__ void FillNormal(T* p, size_t n, unsigned seed, float scale) {
+  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    unsigned h = (unsigned)i * 2654435761u ^ seed, g = (unsigned)i * 2246822519u ^ (seed * 40503u + 1u);
+    h ^= h >> 13;
+    h *= 0x5bd1e995;
+    h ^= h >> 15;
+    g ^= g >> 13;
+    g *= 0x5bd1e995;
+    g ^= g >> 15;
+    const float u1 = ((h >> 8) + 1) / 16777217.f, u2 = (g >> 8) / 16777216.f;
+    p[i] = T((sqrtf(-2.f * logf(u1)) * cospif(2.f * u2) + 0.25f) * scale);
+  }
+}
+
 // Hash-based values in [-0.5, 0.5): random-looking, never zero everywhere, reproducible. A template (bf16 or FP8 T),
 // so that translation units linked together may all include this header.
 template <class T>
