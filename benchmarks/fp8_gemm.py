@@ -166,9 +166,7 @@ def _sustained(program, args, mesh, seconds: float, meter, per_call_us: float, t
         leaves = jax.tree.leaves(loop(*loop_args))
         return lambda: all(leaf.is_ready() for leaf in leaves)
 
-    # Two runs queued, not gpu_energy's three: with three, dispatching the fused FP8 loop's fourth run never
-    # returned on one H200 (the twin's did; the cause is not found); two keep the GPU as busy (688 W, one queued: 675).
-    got = gpu_energy.sustained(dispatch, calls + 1, seconds, meter.read_mj, depth=2)
+    got = gpu_energy.sustained(dispatch, calls + 1, seconds, meter.read_mj)
     print(
         f"  power cap: {calls} calls per run, compiled in {compiled - start:.1f} s, measured in "
         f"{time.perf_counter() - compiled:.1f} s",

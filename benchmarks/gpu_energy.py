@@ -125,8 +125,11 @@ def sustained(
             )
 
     def pump() -> None:
+        # One finished run per call, not all that are done: where a dispatch blocks until a run's
+        # worth of work drains (the host waits for the GPU inside it), the oldest run is always done by the time
+        # the next dispatch returns, and "while done: replace it" would never return.
         nonlocal last_finish
-        while queue and queue[0]():
+        if queue and queue[0]():
             queue.popleft()
             finished.append(last_finish := time.perf_counter())
             enqueue()

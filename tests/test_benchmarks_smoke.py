@@ -486,9 +486,19 @@ class _FakeGpu:
                 self.published_mj = self.energy_j * 1e3
                 self.next_step_at += self.step_s
 
-    def dispatcher(self, run_s):
+    def dispatcher(self, run_s, queue_runs=None, max_runs=100_000):
+        """Each dispatch costs the host 2 us; with queue_runs it first blocks until the GPU's
+        backlog fits that many runs with the new one (CUDA's launch queue, full). More than
+        max_runs dispatches fail the test instead of looping forever."""
+        dispatched = [0]
+
         def dispatch():
+            dispatched[0] += 1
+            if dispatched[0] > max_runs:
+                pytest.fail(f"{max_runs} runs dispatched: the caller does not stop")
             self.advance(2e-6)
+            if queue_runs is not None:
+                self.advance(max(self.busy_until - self.now - (queue_runs - 1) * run_s, 0.0))
             end = max(self.now, self.busy_until) + run_s
             self.busy_until = end
 
@@ -537,6 +547,18 @@ def test_sustained_energy_stalls_raise_not_hang(monkeypatch):
     gpu = _FakeGpu(monkeypatch)
     with pytest.raises(RuntimeError, match="no run finished for 2 s"):
         gpu_energy.sustained(gpu.dispatcher(1e6), 10, 0.5, gpu.read_mj, stall_s=2.0)
+
+
+def test_sustained_energy_ends_where_each_dispatch_waits_for_a_run(monkeypatch):
+    """Where a dispatch blocks for as long as a run takes (the FP8 overlap loop's, three runs queued,
+    on one H200), the oldest run has always finished when the next dispatch returns;
+    sustained still ends after its window, with the run's time per call."""
+    from benchmarks import gpu_energy
+
+    gpu = _FakeGpu(monkeypatch)
+    got = gpu_energy.sustained(gpu.dispatcher(0.02, queue_runs=2, max_runs=2000), 10, 1.0, gpu.read_mj, depth=3)
+    assert got["sustained_us"] == pytest.approx(2000.0, rel=0.01)
+    assert got["power_w"] == pytest.approx(500.0, rel=0.05)
 
 
 def test_energy_meter_reads_every_gpu_or_is_absent(monkeypatch):
