@@ -37,7 +37,7 @@ Status RunAgMatmulCuda(const AgMatmulParams& p, const TpGroup& group, const Comm
   // a rank's chunk of rows.
   auto choose = [&](int sm_count, GemmPlan* plan) {
     FLUX_JAX_RETURN_IF_ERROR(p.fp8.on
-                                 ? ChooseFp8GemmInstance(cfg, p.fp8, rows, p.n, sm_count, plan)
+                                 ? ChooseFp8GemmInstance(cfg, p.fp8, rows, p.k, p.n, sm_count, plan)
                                  : ChooseGemmInstance(cfg, p.dtype, p.w_transposed, rows, p.n, p.k, sm_count, plan));
     plan->group_m_tiles = TileGroupM(cfg, *plan, p.m_local);
     return Status::Ok();

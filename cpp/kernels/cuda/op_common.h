@@ -221,23 +221,26 @@ inline bool PreferFp8Pingpong160(int64_t m, int64_t n, int sm_count) {
   return sm_count > 0 && ShorterWaves(m, n, kGemmBlockN160, kGemmBlockN128, sm_count);
 }
 
-// The FP8 GEMM instance (gemm_fp8_instance.cuh) for an m x n GEMM: ping-pong 128x128 tiles in
-// 2x1 clusters (B multicast) below 8192 x 8192 outputs, else cooperative 128x256 tiles in 1x1
-// clusters; GpuTuning.gemm_kernel forces either. Measured on one H200 against cuBLASLt's FP8 GEMM
-// in one run (ours / theirs): ping-pong won five of six shapes (2048 x 2560 x 5120 1.34 -> 1.18,
-// 4096 x 3072 x 4608 1.28 -> 1.16, 8192 x 2048 x 4096 1.19 -> 1.15 against 128x256) and lost
-// 8192^3 (1.09 vs 1.05) (docs/decisions/2026-12-01-gemm-instances.md). e5m2 rows (a backward's
-// dy) run ping-pong 2x1 at every size: 128x160 tiles where PreferFp8Pingpong160 says, else 128x128.
+// The FP8 GEMM instance (gemm_fp8_instance.cuh) for an m x k x n GEMM: ping-pong 128x128 tiles in
+// 2x1 clusters (B multicast) below 8192 x 8192 outputs or at K <= 4096, else cooperative 128x256
+// tiles in 1x1 clusters; GpuTuning.gemm_kernel forces either. Measured on one H200 against
+// cuBLASLt's FP8 GEMM in one run (ours / theirs): ping-pong won five of six shapes (2048 x 2560 x
+// 5120 1.34 -> 1.18, 4096 x 3072 x 4608 1.28 -> 1.16, 8192 x 2048 x 4096 1.19 -> 1.15 against
+// 128x256) and lost 8192^3 (1.09 vs 1.05) (docs/decisions/2026-12-01-gemm-instances.md); at
+// 16384-row outputs it won at K = 3072 and 4096 (1.04 against 1.09-1.10) and lost at K = 8192
+// (docs/decisions/2026-12-04-fp8-pingpong-at-short-k.md). e5m2 rows (a backward's dy) run
+// ping-pong 2x1 at every size: 128x160 tiles where PreferFp8Pingpong160 says, else 128x128.
 // GpuTuning.gemm_kernel forces one of the instances the row format has. The row scales come from
 // `fp8` (the caller offsets them for launches that start below row 0 of x).
-inline Status ChooseFp8GemmInstance(const CommConfig& cfg, const Fp8Operands& fp8, int64_t m, int64_t n, int sm_count,
-                                    GemmPlan* plan) {
+inline constexpr int64_t kFp8PingpongMaxK = 4096;  // and at any K below 8192 x 8192 outputs
+inline Status ChooseFp8GemmInstance(const CommConfig& cfg, const Fp8Operands& fp8, int64_t m, int64_t k, int64_t n,
+                                    int sm_count, GemmPlan* plan) {
   auto kernel = static_cast<GemmKernel>(cfg.tuning.gemm_kernel);
   // 128x160_pp_c2x1 names the backward's e5m2 GEMM; the forward's e4m3 GEMMs, traced with the same
   // tuning, keep the rule under it.
   if (kernel == GemmKernel::k128x160PingpongCluster2x1 && !fp8.x_e5m2) kernel = GemmKernel::kAuto;
   const bool by_rule = kernel == GemmKernel::kAuto;
-  const bool small = m * n < int64_t{8192} * 8192;
+  const bool pingpong_by_shape = m * n < int64_t{8192} * 8192 || k <= kFp8PingpongMaxK;
   if (fp8.x_e5m2 && !by_rule && kernel != GemmKernel::k128x128PingpongCluster2x1 &&
       kernel != GemmKernel::k128x160PingpongCluster2x1) {
     return Status::InvalidArgument(
@@ -249,7 +252,7 @@ inline Status ChooseFp8GemmInstance(const CommConfig& cfg, const Fp8Operands& fp
     plan->block_n = kGemmBlockN160;
     plan->cluster_m = 2;
     plan->pingpong = true;
-  } else if (kernel == GemmKernel::k128x128PingpongCluster2x1 || (by_rule && (small || fp8.x_e5m2))) {
+  } else if (kernel == GemmKernel::k128x128PingpongCluster2x1 || (by_rule && (pingpong_by_shape || fp8.x_e5m2))) {
     plan->block_n = kGemmBlockN128;
     plan->cluster_m = 2;
     plan->pingpong = true;

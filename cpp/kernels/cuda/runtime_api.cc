@@ -28,7 +28,7 @@ Status CudaAutoGemmPlan(const std::string& dtype, bool w_transposed, int64_t m, 
   rows.x_e5m2 = dtype == "float8_e5m2";
   CommConfig cfg;
   auto choose = [&](cuda::GemmPlan* plan) {
-    return fp8 ? cuda::ChooseFp8GemmInstance(cfg, rows, m, n, sm_count, plan)
+    return fp8 ? cuda::ChooseFp8GemmInstance(cfg, rows, m, k, n, sm_count, plan)
                : cuda::ChooseGemmInstance(cfg, t, w_transposed, m, n, k, sm_count, plan);
   };
   cuda::GemmPlan chosen{};
