@@ -186,26 +186,40 @@ struct CublasLt {
   }
 };
 
-// The column `cublaslt_autotuned` of a bf16 section on X[M, K] W[K, N] (W N-major) into d: XLA's pick, the fastest of
-// cuBLASLt's first 32 algorithms for D^T[N, M] = W^T X^T timed from idle, chosen once per shape (printed as an `LT`
-// line) and reused for every variant; the kernel XLA's jnp.dot runs, where cublasGemmEx takes the heuristic's first.
-inline Config CublasLtAutotunedBf16(const E* x, const E* w, E* d) {
+// The column `cublaslt_autotuned` of a section: XLA's pick, the fastest of cuBLASLt's first 32 algorithms for
+// `problem(shape)` timed from idle, chosen once per shape (printed as an `LT <section>` line) and reused for every
+// variant; the kernel XLA's dot runs, where cublasGemmEx (and the FP8 section's reference) take the heuristic's
+// first.
+template <class ProblemOf>
+Config CublasLtAutotuned(const char* section, ProblemOf problem) {
   auto lt = std::make_shared<CublasLt>();
   const bool have_lt = lt->Load();
   auto picked = std::make_shared<std::map<std::tuple<int, int, int>, int>>();
   return {"cublaslt_autotuned", [=](const SweepShape& s, Variant) -> Runner {
             if (!have_lt) return {};
-            const LtProblem q{CUDA_R_16BF, false, false, s.n, s.m, s.k, w, x, d};
+            const LtProblem q = problem(s);
             const auto key = std::make_tuple(s.m, s.k, s.n);
             if (auto it = picked->find(key); it != picked->end()) return lt->Make(q, 32, nullptr, nullptr, it->second);
             int chosen = -1, offered = 0;
             Runner r = lt->Make(q, 32, &chosen, &offered);
             if (r) {
               (*picked)[key] = chosen;
-              printf("LT bf16 %dx%dx%d: algorithm %d of the heuristic's %d\n", s.m, s.k, s.n, chosen, offered);
+              printf("LT %s %dx%dx%d: algorithm %d of the heuristic's %d\n", section, s.m, s.k, s.n, chosen, offered);
             }
             return r;
           }};
+}
+
+// bf16 X[M, K] W[K, N] (W N-major) into d: D^T[N, M] = W^T X^T, as XLA's jnp.dot.
+inline Config CublasLtAutotunedBf16(const E* x, const E* w, E* d) {
+  return CublasLtAutotuned(
+      "bf16", [=](const SweepShape& s) { return LtProblem{CUDA_R_16BF, false, false, s.n, s.m, s.k, w, x, d}; });
+}
+
+// e4m3 X[M, K] W[N, K] (both K-major) into bf16 d, fast accumulation: D^T[N, M] = W X^T, XLA's FP8 dot ("TN").
+inline Config CublasLtAutotunedFp8(const void* x, const void* w, E* d) {
+  return CublasLtAutotuned(
+      "fp8", [=](const SweepShape& s) { return LtProblem{CUDA_R_8F_E4M3, true, true, s.n, s.m, s.k, w, x, d}; });
 }
 
 }  // namespace

@@ -3,10 +3,10 @@
 // (both K-major, as Hopper's FP8 wgmma needs), D bf16, per-tensor scales 1, persistent tile scheduler.
 // The check's reference accumulates fast: CUTLASS's fastaccum configurations matched it bit for bit on an H200, the
 // others differed by 0.4-1.7e-2 at K = 2048-8192 (the reference's error, near the 2e-2 bar: at larger K they may
-// read FAILED for that reason alone). cuBLASLt: cublaslt_loader.cuh.
+// read FAILED for that reason alone). cuBLASLt: cublaslt_loader.cuh; `cublaslt_autotuned` is XLA's pick.
 #include <string>
 
-#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED  // m64n160 atoms
+#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED  // m64n160 and m64n176 atoms
 #include "cublaslt_loader.cuh"
 
 namespace {
@@ -65,6 +65,12 @@ void SweepFp8(const std::vector<SweepShape>& shapes) {
       Make<Fp8<128, 128, 2, 1, true, true>>("pp_128x128_c2x1_fastaccum", x, w, d, ws, kWsBytes),
       Make<Fp8<256, 160, 2, 1, false, true>>("coop_256x160_c2x1_fastaccum", x, w, d, ws, kWsBytes),
       Make<PlainWideGemmT<F8, CM, 128, 320, 160, 2>>("coop_128x320_c2x1_fastaccum", x, w, d, ws, kWsBytes),
+      // XLA's FP8 kernels at 16384 rows (nvjet_sm90_qqsss_176x128 / 168x128, 1x2 clusters in cuBLAS's
+      // orientation): 176 or 168 of our columns, 128 rows, two row tiles per cluster.
+      Make<Fp8<128, 176, 2, 1, true, true>>("pp_128x176_c2x1_fastaccum", x, w, d, ws, kWsBytes),
+      Make<Fp8<128, 176, 2, 1, false, true>>("coop_128x176_c2x1_fastaccum", x, w, d, ws, kWsBytes),
+      Make<Fp8<128, 160, 2, 1, true, true>>("pp_128x160_c2x1_fastaccum", x, w, d, ws, kWsBytes),
+      CublasLtAutotunedFp8(x, w, d),
   };
   printf("fp8: us per call (best of 7 loops, min of 2 passes); ratio = config / cuBLASLt (fast accumulation)\n");
   RunSweep("fp8", "cuBLASLt", shapes, 1200.0, make_ref, configs, d, ref_d, acc);
