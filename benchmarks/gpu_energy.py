@@ -125,9 +125,9 @@ def sustained(
             )
 
     def pump() -> None:
-        # One finished run per call, not all that are done: where a dispatch blocks until a run's
-        # worth of work drains (the host waits for the GPU inside it), the oldest run is always done by the time
-        # the next dispatch returns, and "while done: replace it" would never return.
+        # One finished run per call, not all that are done: where each dispatch waits inside until
+        # a run's worth of work drains, the oldest run is always done when the next dispatch
+        # returns, and "while done: replace it" would never return.
         nonlocal last_finish
         if queue and queue[0]():
             queue.popleft()

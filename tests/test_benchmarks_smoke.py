@@ -488,7 +488,7 @@ class _FakeGpu:
 
     def dispatcher(self, run_s, queue_runs=None, max_runs=100_000):
         """Each dispatch costs the host 2 us; with queue_runs it first blocks until the GPU's
-        backlog fits that many runs with the new one (CUDA's launch queue, full). More than
+        backlog fits that many runs with the new one (the host waits inside the dispatch). More than
         max_runs dispatches fail the test instead of looping forever."""
         dispatched = [0]
 

@@ -227,12 +227,13 @@ inline bool PreferFp8Pingpong160(int64_t m, int64_t n, int sm_count) {
 // cuBLASLt's FP8 GEMM in one run (ours / theirs): ping-pong won five of six shapes (2048 x 2560 x
 // 5120 1.34 -> 1.18, 4096 x 3072 x 4608 1.28 -> 1.16, 8192 x 2048 x 4096 1.19 -> 1.15 against
 // 128x256) and lost 8192^3 (1.09 vs 1.05) (docs/decisions/2026-12-01-gemm-instances.md); at
-// 16384-row outputs it won at K = 3072 and 4096 (1.04 against 1.09-1.10) and lost at K = 8192
+// 16384-row outputs it won at K = 3072 and 4096 (1.04 against 1.09-1.11) and lost at K = 8192
 // (docs/decisions/2026-12-04-fp8-pingpong-at-short-k.md). e5m2 rows (a backward's dy) run
 // ping-pong 2x1 at every size: 128x160 tiles where PreferFp8Pingpong160 says, else 128x128.
 // GpuTuning.gemm_kernel forces one of the instances the row format has. The row scales come from
 // `fp8` (the caller offsets them for launches that start below row 0 of x).
-inline constexpr int64_t kFp8PingpongMaxK = 4096;  // and at any K below 8192 x 8192 outputs
+// Ping-pong at 8192 x 8192 outputs and more up to this K (below them at any K).
+inline constexpr int64_t kFp8PingpongMaxK = 4096;
 inline Status ChooseFp8GemmInstance(const CommConfig& cfg, const Fp8Operands& fp8, int64_t m, int64_t k, int64_t n,
                                     int sm_count, GemmPlan* plan) {
   auto kernel = static_cast<GemmKernel>(cfg.tuning.gemm_kernel);
