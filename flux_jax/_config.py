@@ -117,7 +117,8 @@ class GpuTuning:
     Attributes:
       piece_bytes: target size of the pieces a chunk travels in (0: ~1/8 chunk, >= 8 MiB).
       tile_group_m: 128-row tiles the overlap GEMM sweeps together across N, 1..64 (0: by
-        instance: 16 for bf16 / f16 128x256 tiles over chunks of >= 2048 rows, else 8).
+        instance: 16 over chunks of >= 2048 rows for bf16 / f16 128x256 tiles and for FP8
+        e4m3 ping-pong 128x128 tiles with a weight of >= 16 MiB, else 8).
       tile_serpentine: 1: every odd group of row tiles sweeps N backwards, starting on the
         columns of the weight the group before it read last; 0: every group sweeps forwards;
         -1: the product's choice (serpentine).

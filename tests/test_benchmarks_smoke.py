@@ -718,7 +718,14 @@ def test_fp8_gemm_rule_and_tile_groups():
     assert auto_plan("bfloat16", False, 8192, 8192, 8192, 132, chunk_rows=1024) == ("128x256", 8)  # TP 8's chunks
     assert auto_plan("bfloat16", False, 8192, 2048, 4096, 132) == ("128x128_pp_c2x1", 8)
     assert auto_plan("bfloat16", False, 2048, 4096, 3072, 132) == ("128x192", 8)
-    assert auto_plan("float8_e4m3fn", True, 8192, 8192, 8192, 132) == ("128x256", 8)  # FP8: not measured
+    assert auto_plan("float8_e4m3fn", True, 8192, 8192, 8192, 132) == ("128x256", 8)  # FP8 128x256: not measured
+    # FP8 e4m3 ping-pong: 16 where B (K x N bytes) is 16 MiB or more, over chunks of 2048+ rows.
+    assert auto_plan("float8_e4m3fn", True, 16384, 3072, 8192, 132) == ("128x128_pp_c2x1", 16)  # 24 MiB
+    assert auto_plan("float8_e4m3fn", True, 2048, 8192, 5120, 132) == ("128x128_pp_c2x1", 16)  # 40 MiB
+    assert auto_plan("float8_e4m3fn", True, 2048, 8192, 5120, 132, chunk_rows=1024) == ("128x128_pp_c2x1", 8)
+    assert auto_plan("float8_e4m3fn", True, 4096, 3072, 4608, 132) == ("128x128_pp_c2x1", 8)  # 13.5 MiB
+    assert auto_plan("float8_e4m3fn", True, 8192, 2048, 4096, 132) == ("128x128_pp_c2x1", 8)
+    assert auto_plan("float8_e5m2", True, 2048, 5120, 8192, 132) == ("128x128_pp_c2x1", 8)  # e5m2: not measured
 
 
 def test_gemm_parity_preflight_child_reports_each_variant(capsys):

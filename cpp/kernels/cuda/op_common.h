@@ -323,12 +323,22 @@ inline uint64_t TilesTouchingRows(int64_t row0, int64_t row1, int64_t n, int32_t
 // 256 at 16 x 8). Time per call at the power cap on one H200, groups of 16 against 8 (serpentine
 // on): eight shapes at M = 8192-16384 0.1-1.0% faster (median 1.041 -> 1.034x XLA's); seven at
 // M = 2048-4096, six 0.3-0.7% faster, one tied (docs/decisions/2026-12-04-tile-groups-of-16.md).
-// Not measured: FP8 and the other instances.
+// FP8 e4m3 ping-pong 128x128: 16 too where B (k x n bytes) exceeds a third of the 50 MB L2, which
+// then holds no whole B from one group's sweep to the next: half as many groups, half the B
+// reads from HBM.
+// CUPTI kernel time on one H200, ours / XLA's FP8 GEMM, groups of 16 against 8: 16384 x 3072 x
+// 8192 1.037 vs 1.048x, 16384 x 4096 x 8192 1.037 vs 1.055x, 2048 x 8192 x 5120 1.023 vs 1.037x;
+// where B fits (8 and 13.5 MiB) 1.028 vs 1.024x and 1.043 vs 1.035x
+// (docs/decisions/2026-12-04-fp8-tile-groups-of-16.md). Not measured: the other instances.
 inline constexpr int kWideTileGroupM = 16;
+inline constexpr int64_t kFp8GroupOf16MinBBytes = int64_t{16} << 20;
 inline int32_t TileGroupM(const CommConfig& cfg, const GemmPlan& plan, int64_t chunk_rows) {
   if (cfg.tuning.tile_group_m > 0) return static_cast<int32_t>(cfg.tuning.tile_group_m);
   const bool wide = !plan.fp8 && plan.block_n == kGemmBlockN && plan.cluster_m == 1 && !plan.pingpong;
-  return wide && chunk_rows >= int64_t{kWideTileGroupM} * kGemmBlockM ? kWideTileGroupM : kDefaultTileGroupM;
+  const bool fp8_large_b = plan.fp8 && !plan.fp8_a_e5m2 && plan.pingpong && plan.block_n == kGemmBlockN128 &&
+                           plan.k * plan.n >= kFp8GroupOf16MinBBytes;
+  return (wide || fp8_large_b) && chunk_rows >= int64_t{kWideTileGroupM} * kGemmBlockM ? kWideTileGroupM
+                                                                                       : kDefaultTileGroupM;
 }
 
 // Serpentine tile order (flux_jax/tile_order.h) unless GpuTuning.tile_serpentine = 0: each group of

@@ -32,6 +32,9 @@ Status CudaAutoGemmPlan(const std::string& dtype, bool w_transposed, int64_t m, 
                : cuda::ChooseGemmInstance(cfg, t, w_transposed, m, n, k, sm_count, plan);
   };
   cuda::GemmPlan chosen{};
+  chosen.m = m;  // TileGroupM reads the problem's size
+  chosen.n = n;
+  chosen.k = k;
   FLUX_JAX_RETURN_IF_ERROR(choose(&chosen));
   *tile_group_m = cuda::TileGroupM(cfg, chosen, chunk_rows);
   // The forced kernel whose plan is the chosen one: the Choose* switches stay the only map from a
