@@ -1,7 +1,7 @@
 """Our FP8 GEMM against XLA's on one GPU: the fused ops' FP8 overlap kernel at tp = 1.
 
     python -m benchmarks.fp8_gemm [--out FILE] [--rounds 10] [--shapes MxKxN,...] [--backward | --decode]
-        [--energy-s S]
+        [--energy-s S] [--kernels auto/g16,128x256,...]
 
 Per shape (bfloat16 x [M, K] and w [K, N], the recipe `flux_jax.Fp8()`: e4m3, x per row, w per
 tensor), two programs over a mesh axis of size 1:
@@ -13,6 +13,11 @@ tensor), two programs over a mesh axis of size 1:
         K <= 4096, else 128x256 tiles)
   flux:128x256, flux:128x128_pp_c2x1  the same with one FP8 instance forced through the private
         GpuTuning.gemm_kernel (`--no-forced` leaves them out)
+
+`--kernels SPEC,...` replaces the forced instances: `flux:<SPEC>` per spec, SPEC =
+KERNEL[/gG][/sS] as in benchmarks/gemm_parity.py (KERNEL: auto or an FP8 instance, FP8_KERNELS;
+/gG: GpuTuning.tile_group_m = G row tiles swept together; /sS: GpuTuning.tile_serpentine = S),
+e.g. `--kernels auto/g8,auto/g16,auto/g16/s0` for the tile order of the rule's instance.
 
 `--backward` times the input gradient instead, dx = dy @ w^T (an M x K output, N deep): dy
 quantized per row to float8_e5m2, so ours is the e5m2 x e4m3 GEMM inside matmul_rs at tp = 1 (its
@@ -62,6 +67,7 @@ import json
 import math
 import random
 import statistics
+import sys
 from pathlib import Path
 
 import jax
@@ -71,6 +77,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flux_jax
+from benchmarks.gemm_parity import parse_kernel_spec
 from flux_jax import _config
 
 AXIS = "tp"
@@ -94,7 +101,11 @@ def _mesh():
     return jax.make_mesh((1,), (AXIS,), axis_types=(AxisType.Explicit,), devices=jax.devices()[:1])
 
 
-# (name, impl, GpuTuning.gemm_kernel): the twin first (its error bounds the others').
+# GpuTuning.gemm_kernel values with FP8 instances (cpp/kernels/cuda/gemm_fp8.cu): e4m3 rows take
+# the first three, a backward's e5m2 rows the ping-pong two.
+FP8_KERNELS = ("auto", "128x256", "128x128_pp_c2x1", "128x160_pp_c2x1")
+# (name, impl, kernel spec: KERNEL[/gG][/sS], parse_kernel_spec): the twin first (its error bounds
+# the others').
 VARIANTS = (
     ("xla", "xla", "auto"),
     ("flux", "fused", "auto"),
@@ -109,9 +120,27 @@ BACKWARD_VARIANTS = (
 )
 
 
+def kernel_variants(specs: str) -> tuple:
+    """--kernels "auto/g16,128x256": the twin, the rule, then flux:<spec> per spec (a bad spec
+    raises ValueError)."""
+    out = list(VARIANTS[:2])
+    for spec in filter(None, (s.strip() for s in specs.split(","))):
+        parse_kernel_spec(spec, FP8_KERNELS)
+        if spec != "auto" and all(name != f"flux:{spec}" for name, *_ in out):
+            out.append((f"flux:{spec}", "fused", spec))
+    return tuple(out)
+
+
+def _tuning(spec: str) -> dict:
+    """GpuTuning fields of a kernel spec: "auto/g16/s0" -> gemm_kernel, tile_group_m, tile_serpentine."""
+    kernel, group, serpentine = parse_kernel_spec(spec, FP8_KERNELS)
+    return dict(gemm_kernel=kernel, tile_group_m=group, tile_serpentine=serpentine)
+
+
 def _program(impl: str, mesh, kernel: str = "auto", backward: bool = False):
     """The jitted variant; the GPU tuning is part of the jit key, so every call sets it. Forward:
-    (x, w) -> x @ w; backward: (x, w, dy) -> dx."""
+    (x, w) -> x @ w; backward: (x, w, dy) -> dx. kernel: a spec, KERNEL[/gG][/sS]."""
+    tuning = _tuning(kernel)
 
     def forward(x, w):
         return flux_jax.ag_matmul(x, w, axis_name=AXIS, impl=impl, fp8=True)
@@ -126,10 +155,10 @@ def _program(impl: str, mesh, kernel: str = "auto", backward: bool = False):
         fn = jax.jit(jax.shard_map(forward, mesh=mesh, in_specs=(rows, P()), out_specs=rows))
 
     def call(*args):
-        with _config.gpu_tuning(gemm_kernel=kernel):
+        with _config.gpu_tuning(**tuning):
             return fn(*args)
 
-    call.fn, call.kernel, call.backward = fn, kernel, backward
+    call.fn, call.tuning, call.backward = fn, tuning, backward
     return call
 
 
@@ -139,7 +168,6 @@ def _sustained(program, args, mesh, seconds: float, meter, per_call_us: float, t
     The loop carries the operand the output depends on: x forward, dy backward. One loop of about
     `target_ms` (sized from `per_call_us`, the rounds' CUPTI time of the call) is compiled, not
     LoopTimer's two: every compile of the twin autotunes XLA's FP8 GEMM again."""
-    import sys
     import time
 
     from benchmarks import gpu_energy
@@ -157,7 +185,7 @@ def _sustained(program, args, mesh, seconds: float, meter, per_call_us: float, t
     calls = max(4, math.ceil(target_ms * 1e3 / max(per_call_us, 1.0)))
     loop_args = (jnp.float32(0.0), *carried)
     start = time.perf_counter()
-    with flux_jax.config(fused_path="overlap"), _config.gpu_tuning(gemm_kernel=program.kernel):
+    with flux_jax.config(fused_path="overlap"), _config.gpu_tuning(**program.tuning):
         loop = serialized_loop(built, calls).lower(*loop_args).compile()
     compiled = time.perf_counter()
     jax.block_until_ready(loop(*loop_args))  # warm-up
@@ -396,6 +424,11 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shapes", help="MxKxN,... (default: the preset's forward GEMMs at M >= 2048)")
     ap.add_argument("--no-forced", action="store_true", help="only the rule's instance (no forced flux:<instance>)")
+    ap.add_argument(
+        "--kernels",
+        help="instead of the forced instances: KERNEL[/gG][/sS],... (KERNEL in "
+        f"{', '.join(FP8_KERNELS)}; /gG: GpuTuning.tile_group_m=G, /sS: GpuTuning.tile_serpentine=S)",
+    )
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--backward", action="store_true", help="time dx = dy @ w^T (dy in e5m2: our e5m2 x e4m3 GEMM)")
     mode.add_argument("--decode", action="store_true", help="time matmul_ar's FP8 decode path at M = 16-256")
@@ -410,12 +443,19 @@ def main(argv=None) -> list[dict]:
     args = ap.parse_args(argv)
     if args.steps < 1 or (args.steps > 1 and not args.decode):
         ap.error("--steps takes a positive count, and only with --decode")
+    if args.kernels and (args.decode or args.no_forced):
+        ap.error("--kernels times the overlap GEMM's instances: not with --decode or --no-forced")
     shapes = DECODE_SHAPES if args.decode else SHAPES
     if args.shapes:
         shapes = tuple(tuple(int(v) for v in s.split("x")) for s in args.shapes.split(","))
     variants = BACKWARD_VARIANTS if args.backward else VARIANTS
     if args.no_forced:
         variants = variants[:2]
+    if args.kernels:
+        try:
+            variants = kernel_variants(args.kernels)
+        except ValueError as e:
+            ap.error(str(e))
     if args.decode:
         variants = DECODE_LOOP_VARIANTS if args.steps > 1 else DECODE_VARIANTS
     mesh = _mesh()
@@ -428,6 +468,7 @@ def main(argv=None) -> list[dict]:
             print("--energy-s: no NVML energy counter here: not recorded", flush=True)
     rows = []
     meta = dict(
+        command=" ".join(["python -m benchmarks.fp8_gemm", *(sys.argv[1:] if argv is None else argv)]),
         energy_s=args.energy_s if meter is not None else 0.0,
         device=jax.devices()[0].device_kind,
         jax=jax.__version__,

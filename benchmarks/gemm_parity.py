@@ -168,12 +168,13 @@ class Variant:
         }
 
 
-def parse_kernel_spec(spec: str) -> tuple[str, int, int]:
+def parse_kernel_spec(spec: str, kernels: tuple[str, ...] = KERNELS) -> tuple[str, int, int]:
     """ "128x256" -> ("128x256", 0, -1); "auto/g16" -> ("auto", 16, -1) (GpuTuning.tile_group_m);
-    "auto/s1" -> ("auto", 0, 1), "auto/g16/s0" -> ("auto", 16, 0) (GpuTuning.tile_serpentine)."""
+    "auto/s1" -> ("auto", 0, 1), "auto/g16/s0" -> ("auto", 16, 0) (GpuTuning.tile_serpentine).
+    `kernels`: the GpuTuning.gemm_kernel values allowed (benchmarks/fp8_gemm.py passes FP8's)."""
     kernel, *options = spec.split("/")
     group, serpentine = 0, -1
-    ok = kernel in KERNELS and len(options) <= 2
+    ok = kernel in kernels and len(options) <= 2
     for opt in options:
         value = opt[1:]
         if opt[:1] == "g" and value.isdigit() and 1 <= int(value) <= 64 and not group:
@@ -183,7 +184,7 @@ def parse_kernel_spec(spec: str) -> tuple[str, int, int]:
         else:
             ok = False
     if not ok:
-        raise ValueError(f"--kernels {spec!r}: KERNEL[/gG][/sS] with KERNEL in {KERNELS}, G in 1..64 and S 0 or 1")
+        raise ValueError(f"--kernels {spec!r}: KERNEL[/gG][/sS] with KERNEL in {kernels}, G in 1..64 and S 0 or 1")
     return kernel, group, serpentine
 
 

@@ -769,6 +769,47 @@ def test_gemm_parity_plot_from_a_results_file(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
+def test_fp8_gemm_kernel_specs_set_instance_and_tile_order(monkeypatch):
+    """benchmarks.fp8_gemm --kernels: flux:<spec> per KERNEL[/gG][/sS] after the twin and the rule,
+    each program traced under that GpuTuning; a bad spec is refused before anything runs."""
+    from benchmarks import fp8_gemm
+
+    got = fp8_gemm.kernel_variants("auto, auto/g16,128x128_pp_c2x1/g8/s0,auto/g16")
+    assert got == (
+        ("xla", "xla", "auto"),
+        ("flux", "fused", "auto"),
+        ("flux:auto/g16", "fused", "auto/g16"),
+        ("flux:128x128_pp_c2x1/g8/s0", "fused", "128x128_pp_c2x1/g8/s0"),
+    )
+    for bad in ("128x192", "auto/g0", "auto/s2", "128x256/g8/g8"):  # 128x192: no FP8 instance
+        with pytest.raises(ValueError, match="--kernels"):
+            fp8_gemm.kernel_variants(bad)
+        with pytest.raises(SystemExit):
+            fp8_gemm.main(["--kernels", bad])
+    with pytest.raises(SystemExit):
+        fp8_gemm.main(["--kernels", "auto/g16", "--decode"])
+
+    import contextlib
+    import types
+
+    from flux_jax import _config
+
+    in_effect = []
+
+    @contextlib.contextmanager
+    def recording(**overrides):  # the real override, noting what the call ran under
+        with _config.gpu_tuning(**overrides) as tuning:
+            in_effect.append((tuning.gemm_kernel, tuning.tile_group_m, tuning.tile_serpentine))
+            yield tuning
+
+    monkeypatch.setattr(fp8_gemm, "_config", types.SimpleNamespace(gpu_tuning=recording))
+    mesh = fp8_gemm._mesh()
+    args, ref = fp8_gemm._operands(256, 256, 512, 0, mesh)
+    program = fp8_gemm._program("fused", mesh, "128x128_pp_c2x1/g16/s0")
+    assert float(fp8_gemm._rel_err(program(*args), ref)) < 0.1  # the CPU backend ignores the tuning
+    assert in_effect == [("128x128_pp_c2x1", 16, 0)]
+
+
 @pytest.mark.parametrize("backward", [False, True], ids=["forward", "dx"])
 def test_fp8_gemm_power_cap_loop_carries_what_the_output_depends_on(backward):
     """benchmarks.fp8_gemm --energy-s: each variant's whole call in a serialized loop read by the
