@@ -357,6 +357,8 @@ def _decide(p: Problem, impl: str, config: Config, *, backward: bool = False, on
         )
     if impl == "xla":
         return Plan("twin", 'impl="xla"', "impl")
+    if 0 in (p.rows, p.k, p.n):  # any impl: the exact result needs no kernel (twins.py returns it)
+        return Plan("twin", "a zero-size operand: the result is zeros or empty, nothing to compute or move", "shape")
     reason = unavailable_on_hopper(p) if on_hopper else unavailable(p)
     if reason is not None:
         if impl == "fused" and not backward:

@@ -25,6 +25,8 @@ from flux_jax import fp8 as _fp8
 def ag_matmul_xla(x, w, *, axis_name: str, axis: int = 0, return_gathered: bool = False, fp8=None):
     """all_gather(x over dimension `axis`) @ w, optionally with the gathered x."""
     recipe = _fp8.resolve("ag_matmul_xla", fp8, w)
+    if _zero_size(x, w):
+        return _ag_matmul_zero_size(x, w, axis_name, axis, return_gathered, recipe)
     if recipe is not None:
         x_front, w = _unify(axis_name, jnp.moveaxis(x, axis, 0), w)
         outs = _ag_matmul_fp8(x_front, w, axis_name, recipe, return_gathered)
@@ -38,6 +40,10 @@ def ag_matmul_xla(x, w, *, axis_name: str, axis: int = 0, return_gathered: bool 
 def matmul_rs_xla(x, w, *, axis_name: str, scatter_dimension: int = 0, fp8=None):
     """psum_scatter(x @ w over dimension `scatter_dimension`)."""
     recipe = _fp8.resolve("matmul_rs_xla", fp8, w)
+    if _zero_size(x, w):  # x @ w is zeros or empty: so is every rank's part of its sum
+        shape = list(x.shape[:-1]) + [w.shape[1]]
+        shape[scatter_dimension] //= lax.axis_size(axis_name)
+        return _zeros(shape, x.dtype, axis_name, x, w)
     if recipe is not None:
         x_front, w = _unify(axis_name, jnp.moveaxis(x, scatter_dimension, 0), w)
         return jnp.moveaxis(_matmul_rs_fp8(x_front, w, axis_name, recipe), 0, scatter_dimension)
@@ -47,6 +53,8 @@ def matmul_rs_xla(x, w, *, axis_name: str, scatter_dimension: int = 0, fp8=None)
 def matmul_ar_xla(x, w, *, axis_name: str, fp8=None):
     """psum(x @ w): every rank gets the whole sum."""
     recipe = _fp8.resolve("matmul_ar_xla", fp8, w)
+    if _zero_size(x, w):  # the same on every rank, as psum's result
+        return _zeros((*x.shape[:-1], w.shape[1]), x.dtype, axis_name, x, w, varying=False)
     if recipe is not None:
         x, w = _unify(axis_name, x, w)
         return lax.psum(_local_fp8(x, w, recipe), axis_name)
@@ -63,6 +71,8 @@ def column_matmul_xla(x, w, *, axis_name: str, fp8=None):
     recipe) and dx's GEMM takes dy per row in the backward format (straight-through).
     """
     recipe = _fp8.resolve("column_matmul_xla", fp8, w)
+    if _zero_size(x, w):
+        return _zeros((*x.shape[:-1], w.shape[1]), x.dtype, axis_name, x, w)
     # Both operands vary over every other manual axis either varies over (x stays as typed over
     # `axis_name`), so the custom_vjp's cotangents type-check; pcast's transpose sums them there.
     others = (_varying(x) | _varying(w)) - {axis_name}
@@ -106,6 +116,40 @@ def _varying(a) -> frozenset:
 
 
 _column_matmul.defvjp(_column_matmul_fwd, _column_matmul_bwd)
+
+
+# ---- zero-size operands ------------------------------------------------------------------------
+# No rows, K = 0 or N = 0: the product is zeros (K = 0) or empty, and so are its gradients. lax's
+# collectives cannot lower a zero-size gathered or scattered dimension, so nothing is moved.
+
+
+def _zero_size(x, w) -> bool:
+    """x or w (an array, or a pre-quantized weight's logical [K, N]) has no elements."""
+    return 0 in x.shape or 0 in w.shape
+
+
+def _zeros(shape, dtype, axis_name: str, *operands, varying: bool = True):
+    """Zeros typed as the op's result: varying over the operands' manual axes and, unless
+    `varying` is False (an all-reduced result), over `axis_name`."""
+    axes = frozenset().union(*(_varying(a) for a in operands))
+    axes = axes | {axis_name} if varying else axes - {axis_name}
+    return _typed_like(jnp.zeros(shape, dtype), axes)
+
+
+def _ag_matmul_zero_size(x, w, axis_name, axis, return_gathered, recipe):
+    gathered = list(x.shape)
+    gathered[axis] *= lax.axis_size(axis_name)
+    out = _zeros((*gathered[:-1], w.shape[1]), x.dtype, axis_name, x, w)
+    if not return_gathered:
+        return out
+    if 0 in x.shape:
+        return out, _zeros(gathered, x.dtype, axis_name, x)
+    if recipe is not None:  # the rows as the FP8 GEMM read them, straight-through as in the FP8 twin
+        rows = _fp8.dequantize(*_fp8.quantize_rows(x, recipe), x.dtype)
+        x = x + lax.stop_gradient(rows - x)
+    return out, lax.all_gather(x, axis_name, axis=axis, tiled=True)
+
+
 # ---- FP8 twins: x [rows, ..., k] with the gathered / scattered dimension first -----------------
 
 
