@@ -769,6 +769,39 @@ def test_gemm_parity_plot_from_a_results_file(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
+@pytest.mark.parametrize("dx", [False, True], ids=["forward", "dx"])
+def test_ncu_gemm_programs_and_arguments(dx, capsys):
+    """benchmarks/diagnostics/ncu_gemm.py: shapes and variant specs parsed (bad ones refused before
+    anything runs), each variant's program equal to XLA's GEMM (CPU backend here), and a clear exit
+    where JAX sees no GPU."""
+    import jax
+    import jax.numpy as jnp
+
+    ncu = _load_diagnostic("ncu_gemm")
+    assert ncu.parse_shape("16384:3072:8192") == (16384, 3072, 8192, False)
+    assert ncu.parse_shape("2048:5120:2560:dx") == (2048, 5120, 2560, True)
+    for bad in ("16384:3072", "1:2:3:dw", "0:2:3", "a:2:3", "1:2:3:dx:dx"):
+        with pytest.raises(ValueError, match="--shapes"):
+            ncu.parse_shape(bad)
+    assert ncu.tuning_of("xla") is None
+    tuning = dict(gemm_kernel="128x128_pp_c2x1", tile_group_m=16, tile_serpentine=0)
+    assert ncu.tuning_of("128x128_pp_c2x1/g16/s0") == tuning
+    shape = ["--shapes", "64:64:64"]
+    for argv in (["--shapes", "1:2"], [*shape, "--variants", "xla,256x256"], [*shape, "--calls", "0"]):
+        with pytest.raises(SystemExit):
+            ncu.main(argv)
+
+    mesh = jax.make_mesh((1,), ("tp",), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices()[:1])
+    x, w = ncu._operands(256, 128, 192, dx, jnp.bfloat16, mesh)
+    assert w.shape == ((192, 128) if dx else (128, 192))
+    ref = ncu._program("xla", dx, mesh)(x, w).astype(jnp.float32)
+    out = ncu._program("auto/g16", dx, mesh)(x, w).astype(jnp.float32)
+    assert out.shape == (256, 192) and float(jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref))) <= ncu.ERROR_BOUND
+
+    assert ncu.main(["--shapes", "64:64:64"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
 def test_fp8_gemm_kernel_specs_set_instance_and_tile_order(monkeypatch):
     """benchmarks.fp8_gemm --kernels: flux:<spec> per KERNEL[/gG][/sS] after the twin and the rule,
     each program traced under that GpuTuning; a bad spec is refused before anything runs."""
