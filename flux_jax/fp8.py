@@ -180,14 +180,16 @@ def quantize(a, dtype, axis=None, margin: int = 0):
     """(q, scale) with a ~= q * scale: q in the FP8 `dtype`, scale float32 with the amax taken over
     `axis` (None: the whole tensor) and kept as size-1 dimensions. Round to nearest even.
 
-    An all-zero (or zero-size) slice gets scale 1. The scale is at least float32's smallest normal number: a
-    slice whose amax is below fmax times that (about 5e-36 for e4m3) would otherwise get a
-    subnormal scale, which devices that flush subnormals read as 0 (q = a / 0). A NaN or inf in a
-    slice makes its scale, and so its results, NaN, never a silent finite scale."""
+    An all-zero slice, or a tensor with no elements, gets scale 1. The scale is at least float32's
+    smallest normal number: a slice whose amax is below fmax times that (about 5e-36 for e4m3)
+    would otherwise get a subnormal scale, which devices that flush subnormals read as 0
+    (q = a / 0). A NaN or inf in a slice makes its scale, and so its results, NaN, never a silent
+    finite scale."""
     dtype = jnp.dtype(dtype)
     fmax = float(jnp.finfo(dtype).max)
     a32 = a.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(a32), axis=axis, keepdims=True, initial=0.0)  # initial: a zero-size slice
+    empty = {"initial": 0.0} if a.size == 0 else {}  # a max over no elements needs a start
+    amax = jnp.max(jnp.abs(a32), axis=axis, keepdims=True, **empty)
     smallest = np.float32(np.finfo(np.float32).tiny)
     scale = jnp.where(amax == 0, np.float32(1.0), jnp.maximum(amax / np.float32(fmax / 2.0**margin), smallest))
     q = jnp.clip(a32 / scale, -fmax, fmax).astype(dtype)

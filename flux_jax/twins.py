@@ -120,7 +120,8 @@ _column_matmul.defvjp(_column_matmul_fwd, _column_matmul_bwd)
 
 # ---- zero-size operands ------------------------------------------------------------------------
 # No rows, K = 0 or N = 0: the product is zeros (K = 0) or empty, and so are its gradients. lax's
-# collectives cannot lower a zero-size gathered or scattered dimension, so nothing is moved.
+# collectives cannot lower a zero-size gathered or scattered dimension, and at N = 0 XLA:CPU
+# crashed (SIGSEGV, jax 0.11.2) on the gradient of the plain all_gather-then-dot: nothing is moved.
 
 
 def _zero_size(x, w) -> bool:
