@@ -77,7 +77,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flux_jax
-from benchmarks.gemm_parity import parse_kernel_spec
+from benchmarks.gemm_parity import kernel_tuning, parse_kernel_spec
 from flux_jax import _config
 
 AXIS = "tp"
@@ -131,16 +131,10 @@ def kernel_variants(specs: str) -> tuple:
     return tuple(out)
 
 
-def _tuning(spec: str) -> dict:
-    """GpuTuning fields of a kernel spec: "auto/g16/s0" -> gemm_kernel, tile_group_m, tile_serpentine."""
-    kernel, group, serpentine = parse_kernel_spec(spec, FP8_KERNELS)
-    return dict(gemm_kernel=kernel, tile_group_m=group, tile_serpentine=serpentine)
-
-
 def _program(impl: str, mesh, kernel: str = "auto", backward: bool = False):
     """The jitted variant; the GPU tuning is part of the jit key, so every call sets it. Forward:
     (x, w) -> x @ w; backward: (x, w, dy) -> dx. kernel: a spec, KERNEL[/gG][/sS]."""
-    tuning = _tuning(kernel)
+    tuning = kernel_tuning(kernel, FP8_KERNELS)
 
     def forward(x, w):
         return flux_jax.ag_matmul(x, w, axis_name=AXIS, impl=impl, fp8=True)

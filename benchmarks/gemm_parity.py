@@ -188,6 +188,13 @@ def parse_kernel_spec(spec: str, kernels: tuple[str, ...] = KERNELS) -> tuple[st
     return kernel, group, serpentine
 
 
+def kernel_tuning(spec: str, kernels: tuple[str, ...] = KERNELS) -> dict:
+    """The GpuTuning fields of a kernel spec: "auto/g16/s0" -> gemm_kernel, tile_group_m,
+    tile_serpentine (the diagnostics and benchmarks/fp8_gemm.py trace their programs under it)."""
+    kernel, group, serpentine = parse_kernel_spec(spec, kernels)
+    return dict(gemm_kernel=kernel, tile_group_m=group, tile_serpentine=serpentine)
+
+
 def variants_for(
     shape: Shape, platform: str, kernels: tuple[str, ...], gate_probe: bool, decode: bool
 ) -> list[Variant]:

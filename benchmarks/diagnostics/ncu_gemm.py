@@ -35,7 +35,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from benchmarks.gemm_parity import parse_kernel_spec  # noqa: E402
+from benchmarks.gemm_parity import kernel_tuning  # noqa: E402
 from benchmarks.variants import flux_gemm_fn, xla_gemm_fn  # noqa: E402
 
 AXIS = "tp"
@@ -55,10 +55,7 @@ def parse_shape(text: str) -> tuple[int, int, int, bool]:
 
 def tuning_of(variant: str) -> dict | None:
     """None for "xla", else the GPU tuning fields of a kernel spec (ValueError if malformed)."""
-    if variant == "xla":
-        return None
-    kernel, group, serpentine = parse_kernel_spec(variant)
-    return dict(gemm_kernel=kernel, tile_group_m=group, tile_serpentine=serpentine)
+    return None if variant == "xla" else kernel_tuning(variant)
 
 
 def cuda_runtime():
