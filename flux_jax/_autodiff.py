@@ -4,6 +4,9 @@ The ops pair as each other's adjoints (FLUX issue #176); each OpSpec's fwd/bwd s
   ag_matmul:  y = AG(x) @ w      dx = matmul_rs(dy, w^T)     dw = AG(x)^T @ dy  (AG(x) kept from fwd)
   matmul_rs:  y = RS(x @ w)      dx = ag_matmul(dy, w^T)     dw = x^T @ AG(dy)  (AG(dy) from that call)
 w^T is never materialized: the kernels read the weight transposed (`Call.transpose_w`).
+Each fwd rule computes its outputs through the core itself, not the bare primitive, and each bwd
+through the paired op's core: a second reverse pass (grad of grad) then differentiates them with
+these same rules (the primitive has no JVP of its own). The lowered program is unchanged.
 A pre-quantized weight (flux_jax.Fp8Weight) is frozen: its cotangent is a symbolic zero (None),
 while dx flows as above.
 """

@@ -12,7 +12,7 @@ from jax import lax
 from flux_jax import _autodiff, _validation, twins
 from flux_jax import fp8 as _fp8
 from flux_jax.ops import _common
-from flux_jax.ops._spec import REGISTRY, Call, OpSpec, bind, define, gathered_gemm, weight_2d
+from flux_jax.ops._spec import REGISTRY, Call, OpSpec, define, gathered_gemm, weight_2d
 
 NAME = "ag_matmul"
 
@@ -62,7 +62,7 @@ def _fp8_fused(x, w, call: Call, collective, fused, *, scales_travel=False):
 
 
 def _fwd(x, w, call: Call):
-    out, x_full = bind(SPEC, x, w, dataclasses.replace(call, return_gathered=True))
+    out, x_full = SPEC.core(x, w, dataclasses.replace(call, return_gathered=True))
     return ([out, x_full] if call.return_gathered else [out]), (x_full, w)
 
 

@@ -10,7 +10,7 @@ from jax import lax
 from flux_jax import _autodiff, _validation, twins
 from flux_jax import fp8 as _fp8
 from flux_jax.ops import _common
-from flux_jax.ops._spec import REGISTRY, Call, OpSpec, bind, define, local_gemm, weight_2d
+from flux_jax.ops._spec import REGISTRY, Call, OpSpec, define, local_gemm, weight_2d
 
 NAME = "matmul_rs"
 
@@ -41,7 +41,7 @@ def _fp8_fused(x, w, call: Call, collective, fused):
 
 
 def _fwd(x, w, call: Call):
-    return bind(SPEC, x, w, call), (x, w)
+    return SPEC.core(x, w, call), (x, w)
 
 
 def _bwd(call: Call, residuals, cotangents):
