@@ -713,12 +713,16 @@ def test_fp8_gemm_rule_and_tile_groups():
     assert auto_kernel("float8_e5m2", True, 2048, 5120, 2560, 132) == "128x160_pp_c2x1"  # 2 x 160 < 3 x 128
     assert auto_kernel("float8_e5m2", True, 2048, 5120, 8192, 132) == "128x128_pp_c2x1"  # 7 x 160 > 8 x 128
     assert auto_kernel("float8_e5m2", True, 8192, 8192, 8192, 132) == "128x128_pp_c2x1"  # e5m2: ping-pong only
-    # Groups of 16 row tiles for bf16 / f16 128x256 over chunks of 2048+ rows, else 8.
+    # Groups of 16 row tiles for the bf16 / f16 cooperative tiles 192+ columns wide over chunks of
+    # 2048+ rows, else 8.
     assert auto_plan("bfloat16", False, 8192, 8192, 8192, 132) == ("128x256", 16)
     assert auto_plan("float16", True, 16384, 3072, 4096, 132) == ("128x256", 16)
     assert auto_plan("bfloat16", False, 8192, 8192, 8192, 132, chunk_rows=1024) == ("128x256", 8)  # TP 8's chunks
-    assert auto_plan("bfloat16", False, 8192, 2048, 4096, 132) == ("128x128_pp_c2x1", 8)
-    assert auto_plan("bfloat16", False, 2048, 4096, 3072, 132) == ("128x192", 8)
+    assert auto_plan("bfloat16", False, 2048, 4096, 3072, 132) == ("128x192", 16)
+    assert auto_plan("bfloat16", False, 2048, 8192, 5120, 132) == ("128x320_c2x1", 16)
+    assert auto_plan("float16", True, 2048, 3584, 5120, 132) == ("128x320_c2x1", 16)
+    assert auto_plan("bfloat16", False, 2048, 8192, 5120, 132, chunk_rows=1024) == ("128x320_c2x1", 8)
+    assert auto_plan("bfloat16", False, 8192, 2048, 4096, 132) == ("128x128_pp_c2x1", 8)  # ping-pong: not measured
     assert auto_plan("float8_e4m3fn", True, 8192, 8192, 8192, 132) == ("128x256", 8)  # FP8 128x256: not measured
     # FP8 e4m3 ping-pong: 16 where B (K x N bytes) is 16 MiB or more, over chunks of 2048+ rows.
     assert auto_plan("float8_e4m3fn", True, 16384, 3072, 8192, 132) == ("128x128_pp_c2x1", 16)  # 24 MiB

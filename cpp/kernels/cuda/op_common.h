@@ -317,12 +317,15 @@ inline uint64_t TilesTouchingRows(int64_t row0, int64_t row1, int64_t n, int32_t
 }
 
 // Row tiles the overlap GEMM sweeps together across N (GpuTuning.tile_group_m, else by instance):
-// 16 for the bf16 / f16 128x256 tiles where the rows the GEMM reads in order (a rank's chunk; all
-// of them at tp = 1) hold 16 row tiles, else 8. With 132 tiles in flight, 16 rows of 128x256
-// tiles span ~8 tile columns: about the fewest bytes of A and B per wave (rows x 128 = columns x
-// 256 at 16 x 8). Time per call at the power cap on one H200, groups of 16 against 8 (serpentine
-// on): eight shapes at M = 8192-16384 0.1-1.0% faster (median 1.041 -> 1.034x XLA's); seven at
-// M = 2048-4096, six 0.3-0.7% faster, one tied (docs/decisions/2026-12-04-tile-groups-of-16.md).
+// 16 for the bf16 / f16 cooperative tiles 192 or more columns wide (128x192, 128x256, 128x320 2x1)
+// where the rows the GEMM reads in order (a rank's chunk; all of them at tp = 1) hold 16 row
+// tiles, else 8. With 132 tiles in flight, 16 rows of 128x256 tiles span ~8 tile columns: about
+// the fewest bytes of A and B per wave (rows x 128 = columns x 256 at 16 x 8); the wider the tile,
+// the more a group of 8 over-reads B. Time per call at the power cap on one H200, groups of 16
+// against 8 (serpentine on), 128x256: eight shapes at M = 8192-16384 0.1-1.0% faster (median
+// 1.041 -> 1.034x XLA's); seven at M = 2048-4096, six 0.3-0.7% faster, one tied
+// (docs/decisions/2026-12-04-tile-groups-of-16.md). 128x320 2x1 and 128x192 at M = 2048:
+// docs/decisions/2026-12-05-tile-groups-of-16-wide-tiles.md.
 // FP8 e4m3 ping-pong 128x128: 16 too where B (k x n bytes) exceeds a third of the 50 MB L2, which
 // then holds no whole B from one group's sweep to the next: half as many groups, half the B
 // reads from HBM.
@@ -334,7 +337,7 @@ inline constexpr int kWideTileGroupM = 16;
 inline constexpr int64_t kFp8GroupOf16MinBBytes = int64_t{16} << 20;
 inline int32_t TileGroupM(const CommConfig& cfg, const GemmPlan& plan, int64_t chunk_rows) {
   if (cfg.tuning.tile_group_m > 0) return static_cast<int32_t>(cfg.tuning.tile_group_m);
-  const bool wide = !plan.fp8 && plan.block_n == kGemmBlockN && plan.cluster_m == 1 && !plan.pingpong;
+  const bool wide = !plan.fp8 && plan.block_n >= kGemmBlockNNarrow && !plan.pingpong;
   const bool fp8_large_b = plan.fp8 && !plan.fp8_a_e5m2 && plan.pingpong && plan.block_n == kGemmBlockN128 &&
                            plan.k * plan.n >= kFp8GroupOf16MinBBytes;
   return (wide || fp8_large_b) && chunk_rows >= int64_t{kWideTileGroupM} * kGemmBlockM ? kWideTileGroupM
