@@ -33,7 +33,7 @@ from jax.interpreters import mlir
 from flux_jax import _distributed, _explain, _ipc, _plan
 from flux_jax._config import GEMM_KERNELS
 from flux_jax._errors import FusedUnavailableError
-from flux_jax._validation import platform_name
+from flux_jax._validation import axis_tuple, platform_name
 
 logger = logging.getLogger("flux_jax")
 _logged: set[str] = set()
@@ -60,13 +60,16 @@ def _concrete_mesh(ctx):
     return None
 
 
-def tp_groups(mesh, axis_name: str, tp_size: int) -> np.ndarray:
-    """[num_groups, tp] array of the devices of every TP group, in rank order."""
+def tp_groups(mesh, axis_name, tp_size: int) -> np.ndarray:
+    """[num_groups, tp] array of the devices of every TP group, in rank order (for several mesh
+    axes, row-major over them in the order named, as lax.axis_index counts)."""
     devices = mesh.devices
-    axis = list(mesh.axis_names).index(axis_name)
-    if devices.shape[axis] != tp_size:
-        raise FusedUnavailableError(f"mesh axis {axis_name!r} has size {devices.shape[axis]}, not {tp_size}")
-    return np.moveaxis(devices, axis, -1).reshape(-1, tp_size)
+    names = axis_tuple(axis_name)
+    axes = [list(mesh.axis_names).index(a) for a in names]
+    size = int(np.prod([devices.shape[a] for a in axes]))
+    if size != tp_size:
+        raise FusedUnavailableError(f"mesh axes {names} have {size} devices, not {tp_size}")
+    return np.moveaxis(devices, axes, list(range(-len(axes), 0))).reshape(-1, tp_size)
 
 
 def _spans_hosts(groups: np.ndarray) -> str | None:

@@ -21,7 +21,7 @@ SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(j
 class AxisInfo:
     """Where the op runs: the TP axis inside the enclosing shard_map."""
 
-    axis_name: str
+    axis_name: str | tuple[str, ...]  # one mesh axis, or several forming one TP axis
     tp_size: int
     platform: str  # "cpu", "cuda", ... (lowercase, as in the abstract mesh)
     auto_axes: tuple[str, ...]  # mesh axes of size > 1 left to the partitioner
@@ -36,25 +36,48 @@ def check_impl(op: str, impl) -> None:
         raise ValueError(f"flux_jax.{op}: impl must be one of {IMPLS}, got {impl!r}")
 
 
+def axis_tuple(axis_name) -> tuple[str, ...]:
+    """The mesh axes of a TP axis name: ("tp",) for "tp", the names of a tuple as given."""
+    return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+
+
+def normalize_axis_name(op: str, axis_name):
+    """`axis_name` as the ops carry it: one mesh axis's name (a str; a 1-tuple becomes its name), or
+    a tuple of two or more distinct names, one TP axis over their devices in row-major order (as
+    lax.all_gather and lax.axis_index read a tuple)."""
+    if isinstance(axis_name, str):
+        return axis_name
+    if isinstance(axis_name, (tuple, list)) and axis_name and all(isinstance(a, str) for a in axis_name):
+        names = tuple(axis_name)
+        if len(set(names)) == len(names):
+            return names[0] if len(names) == 1 else names
+    raise ValueError(
+        f"flux_jax.{op}: axis_name must name a mesh axis (a str) or several distinct ones (a tuple of "
+        f"str), got {axis_name!r}"
+    )
+
+
 def check_axis(op: str, axis_name) -> AxisInfo:
-    """The op must run inside jax.shard_map with `axis_name` manual."""
-    if not isinstance(axis_name, str):
-        raise ValueError(f"flux_jax.{op}: axis_name must be the name (str) of one mesh axis, got {axis_name!r}")
+    """The op must run inside jax.shard_map with every axis of `axis_name` manual."""
+    axis_name = normalize_axis_name(op, axis_name)
     mesh = jax.sharding.get_abstract_mesh()
     names = tuple(mesh.axis_names)
     manual = frozenset(getattr(mesh, "manual_axes", ()))
-    if axis_name not in names or axis_name not in manual:
+    missing = [a for a in axis_tuple(axis_name) if a not in names or a not in manual]
+    if missing:
         where = f"the current mesh has axes {names} (manual: {tuple(sorted(manual))})" if names else "no mesh is active"
+        which = f"axis {missing[0]!r} is" if len(missing) == 1 else f"axes {tuple(missing)} are"
         raise ValueError(
-            f"flux_jax.{op} is a per-shard op: call it inside jax.shard_map over a mesh whose axis "
-            f"{axis_name!r} is mapped (in_specs / out_specs mention it); {where}. For a global-view "
+            f"flux_jax.{op} is a per-shard op: call it inside jax.shard_map over a mesh whose {which} "
+            f"mapped (in_specs / out_specs mention it); {where}. For a global-view "
             f"call use flux_jax.{op}_sharded(x, w, mesh=..., axis_name=...)."
         )
     sizes = dict(zip(names, mesh.axis_sizes))
     device = getattr(mesh, "abstract_device", None)
     platform = getattr(device, "platform", None) or jax.default_backend()
     auto = tuple(a for a in names if sizes[a] > 1 and a not in manual)
-    return AxisInfo(axis_name, int(sizes[axis_name]), platform_name(platform), auto)
+    tp = int(np.prod([sizes[a] for a in axis_tuple(axis_name)]))
+    return AxisInfo(axis_name, tp, platform_name(platform), auto)
 
 
 def check_operands(op: str, x, w) -> None:

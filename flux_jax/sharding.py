@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -34,11 +35,14 @@ def _check_global(op: str, x, w, mesh, axis_name, fp8) -> None:
     per-shard shapes the caller never passed)."""
     if not isinstance(mesh, jax.sharding.Mesh):
         raise TypeError(f"flux_jax.{op}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-    if axis_name not in mesh.axis_names:
-        raise ValueError(f"flux_jax.{op}: axis_name {axis_name!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
+    axis_name = _validation.normalize_axis_name(op, axis_name)
+    missing = [a for a in _validation.axis_tuple(axis_name) if a not in mesh.axis_names]
+    if missing:
+        raise ValueError(f"flux_jax.{op}: axis_name {missing[0]!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
     _validation.check_operands(op, x, w)
     _fp8.resolve(op, fp8, w)
-    tp = dict(zip(mesh.axis_names, mesh.axis_sizes))[axis_name]
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    tp = int(np.prod([sizes[a] for a in _validation.axis_tuple(axis_name)]))
     for name, operand, dim in _SPLITS[op]:
         a = x if operand == "x" else w
         if a.shape[dim] % tp:
@@ -70,7 +74,9 @@ def _place(x, mesh, spec):
     return jax.sharding.reshard(x, NamedSharding(mesh, P(*(keep(e) for e in spec))))
 
 
-def ag_matmul_sharded(x, w, *, mesh, axis_name: str, impl: str = "auto", return_gathered: bool = False, fp8=None):
+def ag_matmul_sharded(
+    x, w, *, mesh, axis_name: str | tuple[str, ...], impl: str = "auto", return_gathered: bool = False, fp8=None
+):
     """Global-view AllGather -> GEMM (column-parallel linear over sequence-sharded rows).
 
     Args:
@@ -97,7 +103,7 @@ def ag_matmul_sharded(x, w, *, mesh, axis_name: str, impl: str = "auto", return_
     return f(_place(x, mesh, x_spec), _place(w, mesh, w_spec))
 
 
-def matmul_rs_sharded(x, w, *, mesh, axis_name: str, impl: str = "auto", fp8=None):
+def matmul_rs_sharded(x, w, *, mesh, axis_name: str | tuple[str, ...], impl: str = "auto", fp8=None):
     """Global-view GEMM -> ReduceScatter (row-parallel linear, sequence-sharded output).
 
     Args:
@@ -120,7 +126,7 @@ def matmul_rs_sharded(x, w, *, mesh, axis_name: str, impl: str = "auto", fp8=Non
     return f(_place(x, mesh, x_spec), _place(w, mesh, w_spec))
 
 
-def matmul_ar_sharded(x, w, *, mesh, axis_name: str, impl: str = "auto", fp8=None):
+def matmul_ar_sharded(x, w, *, mesh, axis_name: str | tuple[str, ...], impl: str = "auto", fp8=None):
     """Global-view GEMM -> AllReduce (row-parallel linear, replicated output).
 
     Args:
@@ -142,7 +148,7 @@ def matmul_ar_sharded(x, w, *, mesh, axis_name: str, impl: str = "auto", fp8=Non
     return f(_place(x, mesh, x_spec), _place(w, mesh, w_spec))
 
 
-def column_matmul_sharded(x, w, *, mesh, axis_name: str, impl: str = "auto", fp8=None):
+def column_matmul_sharded(x, w, *, mesh, axis_name: str | tuple[str, ...], impl: str = "auto", fp8=None):
     """Global-view column-parallel GEMM on a replicated input (its backward is a fused matmul_ar).
 
     Args:

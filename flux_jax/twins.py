@@ -20,9 +20,10 @@ from jax import lax
 
 from flux_jax import _autodiff
 from flux_jax import fp8 as _fp8
+from flux_jax._validation import axis_tuple
 
 
-def ag_matmul_xla(x, w, *, axis_name: str, axis: int = 0, return_gathered: bool = False, fp8=None):
+def ag_matmul_xla(x, w, *, axis_name: str | tuple[str, ...], axis: int = 0, return_gathered: bool = False, fp8=None):
     """all_gather(x over dimension `axis`) @ w, optionally with the gathered x."""
     recipe = _fp8.resolve("ag_matmul_xla", fp8, w)
     if _zero_size(x, w):
@@ -37,7 +38,7 @@ def ag_matmul_xla(x, w, *, axis_name: str, axis: int = 0, return_gathered: bool 
     return (out, x_full) if return_gathered else out
 
 
-def matmul_rs_xla(x, w, *, axis_name: str, scatter_dimension: int = 0, fp8=None):
+def matmul_rs_xla(x, w, *, axis_name: str | tuple[str, ...], scatter_dimension: int = 0, fp8=None):
     """psum_scatter(x @ w over dimension `scatter_dimension`)."""
     recipe = _fp8.resolve("matmul_rs_xla", fp8, w)
     if _zero_size(x, w):  # x @ w is zeros or empty: so is every rank's part of its sum
@@ -50,7 +51,7 @@ def matmul_rs_xla(x, w, *, axis_name: str, scatter_dimension: int = 0, fp8=None)
     return lax.psum_scatter(jnp.dot(x, w), axis_name, scatter_dimension=scatter_dimension, tiled=True)
 
 
-def matmul_ar_xla(x, w, *, axis_name: str, fp8=None):
+def matmul_ar_xla(x, w, *, axis_name: str | tuple[str, ...], fp8=None):
     """psum(x @ w): every rank gets the whole sum."""
     recipe = _fp8.resolve("matmul_ar_xla", fp8, w)
     if _zero_size(x, w):  # the same on every rank, as psum's result
@@ -61,7 +62,7 @@ def matmul_ar_xla(x, w, *, axis_name: str, fp8=None):
     return lax.psum(jnp.dot(x, w), axis_name)
 
 
-def column_matmul_xla(x, w, *, axis_name: str, fp8=None):
+def column_matmul_xla(x, w, *, axis_name: str | tuple[str, ...], fp8=None):
     """x @ w with x replicated over `axis_name`; the backward all-reduces dx = psum(dy @ w^T).
 
     Megatron's column-parallel linear without sequence parallelism ("f": identity forward,
@@ -75,8 +76,9 @@ def column_matmul_xla(x, w, *, axis_name: str, fp8=None):
         return _zeros((*x.shape[:-1], w.shape[1]), x.dtype, axis_name, x, w)
     # Both operands vary over every other manual axis either varies over (x stays as typed over
     # `axis_name`), so the custom_vjp's cotangents type-check; pcast's transpose sums them there.
-    others = (_varying(x) | _varying(w)) - {axis_name}
-    return _column_matmul(_typed_like(x, others), _typed_like(w, others | {axis_name}), axis_name, recipe)
+    axes = frozenset(axis_tuple(axis_name))
+    others = (_varying(x) | _varying(w)) - axes
+    return _column_matmul(_typed_like(x, others), _typed_like(w, others | axes), axis_name, recipe)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -91,7 +93,7 @@ def _column_matmul_fwd(x, w, axis_name, recipe):
 def _column_matmul_bwd(axis_name, recipe, residuals, dy):
     x, w = residuals
     dx = _fp8.input_grad(dy, w, recipe)
-    if axis_name in _varying(w):  # types checked (w was cast to vary over the axis)
+    if frozenset(axis_tuple(axis_name)) <= _varying(w):  # types checked (w was cast to vary over the axis)
         dx = lax.psum(dx, axis_name)
     if isinstance(w, _fp8.Fp8Weight):  # frozen: a zero cotangent
         return _typed_like(dx, _varying(x)), None
@@ -129,11 +131,12 @@ def _zero_size(x, w) -> bool:
     return 0 in x.shape or 0 in w.shape
 
 
-def _zeros(shape, dtype, axis_name: str, *operands, varying: bool = True):
+def _zeros(shape, dtype, axis_name, *operands, varying: bool = True):
     """Zeros typed as the op's result: varying over the operands' manual axes and, unless
     `varying` is False (an all-reduced result), over `axis_name`."""
     axes = frozenset().union(*(_varying(a) for a in operands))
-    axes = axes | {axis_name} if varying else axes - {axis_name}
+    tp_axes = frozenset(axis_tuple(axis_name))
+    axes = axes | tp_axes if varying else axes - tp_axes
     return _typed_like(jnp.zeros(shape, dtype), axes)
 
 

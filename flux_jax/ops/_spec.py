@@ -28,6 +28,7 @@ from jax.interpreters import batching
 from flux_jax import fp8 as _fp8
 from flux_jax._config import Config, GpuTuning
 from flux_jax._plan import Plan, Problem
+from flux_jax._validation import axis_tuple
 from flux_jax.fp8 import Fp8, Fp8Weight
 
 
@@ -35,7 +36,7 @@ from flux_jax.fp8 import Fp8, Fp8Weight
 class Call:
     """Static description of one bound call (a primitive parameter; hashable)."""
 
-    axis_name: str
+    axis_name: str | tuple[str, ...]  # one mesh axis, or several forming one TP axis
     tp: int
     transpose_w: bool
     impl: str  # "auto" | "fused" (a twin plan never binds the primitive)
@@ -217,15 +218,16 @@ def _varying(x) -> frozenset:
     return frozenset(getattr(t, "vma", ()))
 
 
-def invariant_over(aval, axis_name: str):
+def invariant_over(aval, axis_name):
     """`aval` typed as the same on every rank of `axis_name` (lax.psum's output type)."""
     mat = getattr(aval, "manual_axis_type", None)
-    if mat is None or axis_name not in mat.varying:
+    axes = frozenset(axis_tuple(axis_name))
+    if mat is None or not axes & frozenset(mat.varying):
         return aval
-    return aval.update(manual_axis_type=mat.update(varying=mat.varying - {axis_name}))
+    return aval.update(manual_axis_type=mat.update(varying=mat.varying - axes))
 
 
-def unify_varying(axis_name: str, *xs):
+def unify_varying(axis_name, *xs):
     """pcast every operand (each leaf of a pre-quantized weight) to vary over the union of their
     manual axes and `axis_name`.
 
@@ -233,7 +235,7 @@ def unify_varying(axis_name: str, *xs):
     the psums that invariant operands need in the backward pass (e.g. a weight replicated over a
     data-parallel axis).
     """
-    target = frozenset({axis_name}).union(*(_varying(x) for x in xs))
+    target = frozenset(axis_tuple(axis_name)).union(*(_varying(x) for x in xs))
     return [pcast_to(x, target) for x in xs]
 
 

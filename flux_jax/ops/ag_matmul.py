@@ -92,7 +92,16 @@ SPEC = define(
 )
 
 
-def ag_matmul(x, w, *, axis_name: str, axis: int = 0, impl: str = "auto", return_gathered: bool = False, fp8=None):
+def ag_matmul(
+    x,
+    w,
+    *,
+    axis_name: str | tuple[str, ...],
+    axis: int = 0,
+    impl: str = "auto",
+    return_gathered: bool = False,
+    fp8=None,
+):
     """AllGather -> GEMM, for use inside `jax.shard_map`.
 
     Computes exactly `jnp.dot(lax.all_gather(x, axis_name, axis=axis, tiled=True), w)` (with
@@ -109,7 +118,9 @@ def ag_matmul(x, w, *, axis_name: str, axis: int = 0, impl: str = "auto", return
       x, w: float32, bfloat16 or float16 arrays of the same dtype; or w a pre-quantized
         `flux_jax.Fp8Weight` of this rank's [K, n_local] (its leaves sharded by
         `Fp8Weight.partition_spec`), run as with `fp8` but never quantized again.
-      axis_name: the mesh axis to gather over (the tensor-parallel axis).
+      axis_name: the mesh axis to gather over (the tensor-parallel axis). A tuple of
+        mesh axes makes one TP axis over their devices, ranked row-major in the order named (as
+        `lax.axis_index` counts them).
       axis: the dimension of x to gather (any but the last; negative counts from the end).
       impl: "fused" (the FFI kernel: CPU backend or CUDA; an error where it cannot run),
         "xla" (the pure-JAX twin), or "auto" (fused where it is implemented and measured

@@ -30,6 +30,7 @@ from jax import lax
 from flux_jax import _autodiff, _explain, _plan, _validation, twins
 from flux_jax import fp8 as _fp8
 from flux_jax._config import get_config, get_gpu_tuning
+from flux_jax._validation import axis_tuple
 from flux_jax.ops import _common
 from flux_jax.ops._spec import (
     Call,
@@ -130,7 +131,7 @@ SPEC = define(
 )
 
 
-def matmul_ar(x, w, *, axis_name: str, impl: str = "auto", fp8=None):
+def matmul_ar(x, w, *, axis_name: str | tuple[str, ...], impl: str = "auto", fp8=None):
     """GEMM -> AllReduce, for use inside `jax.shard_map`.
 
     Computes exactly `lax.psum(jnp.dot(x, w), axis_name)`: float32 accumulation, the output in
@@ -146,7 +147,9 @@ def matmul_ar(x, w, *, axis_name: str, impl: str = "auto", fp8=None):
     Args:
       x, w: float32, bfloat16 or float16 arrays of the same dtype; or w a pre-quantized
         `flux_jax.Fp8Weight` (see `ag_matmul`).
-      axis_name: the mesh axis to all-reduce over (the tensor-parallel axis).
+      axis_name: the mesh axis to all-reduce over (the tensor-parallel axis). A tuple of
+        mesh axes makes one TP axis over their devices, ranked row-major in the order named (as
+        `lax.axis_index` counts them).
       impl: "fused", "xla" or "auto" (see `ag_matmul`). It has not been measured at tp > 1 on
         GPUs yet: "auto" takes the twin there; "fused" takes the decode kernel where it serves
         the call (bfloat16, the [k, N] weight, M <= 128), the two-shot overlap from 1024 rows
@@ -178,7 +181,7 @@ def matmul_ar(x, w, *, axis_name: str, impl: str = "auto", fp8=None):
 # ---- the column-parallel side ---------------------------------------------------------------
 
 
-def column_matmul(x, w, *, axis_name: str, impl: str = "auto", fp8=None):
+def column_matmul(x, w, *, axis_name: str | tuple[str, ...], impl: str = "auto", fp8=None):
     """Column-parallel GEMM on a replicated input, for use inside `jax.shard_map`.
 
     Forward: y = x @ w, a local GEMM. Backward: dx = matmul_ar(dy, w^T) (the all-reduce of the
@@ -194,7 +197,9 @@ def column_matmul(x, w, *, axis_name: str, impl: str = "auto", fp8=None):
     Args:
       x, w: float32, bfloat16 or float16 arrays of the same dtype; or w a pre-quantized
         `flux_jax.Fp8Weight` (see `ag_matmul`).
-      axis_name: the mesh axis the weight's columns are split over.
+      axis_name: the mesh axis the weight's columns are split over. A tuple of
+        mesh axes makes one TP axis over their devices, ranked row-major in the order named (as
+        `lax.axis_index` counts them).
       impl: what the backward's all-reduce runs: "fused", "xla" or "auto", with the meaning
         they have for `matmul_ar` (its plan is made, and `flux_jax.explain` lists it, when the
         forward is traced). "xla" is `flux_jax.column_matmul_xla`.
@@ -211,9 +216,9 @@ def column_matmul(x, w, *, axis_name: str, impl: str = "auto", fp8=None):
         return twins.column_matmul_xla(x, w, axis_name=axis_name, fp8=recipe)
     # x stays typed as it comes (replicated: invariant over the axis); both operands vary over
     # every other manual axis either of them varies over, so the cotangents type-check.
-    others = (_varying(x) | _varying(w)) - {axis_name}
+    others = (_varying(x) | _varying(w)) - frozenset(axis_tuple(info.axis_name))
     x = pcast_to(x, others)
-    w = pcast_to(w, others | {axis_name})
+    w = pcast_to(w, others | frozenset(axis_tuple(info.axis_name)))
     return _column_core(x, w, call)
 
 
@@ -266,7 +271,7 @@ def _column_bwd(call: Call, residuals, dy):
 _column_core = _autodiff.make_core(_column_primal, _column_fwd, _column_bwd)
 
 
-def _types_checked(w, axis_name: str) -> bool:
+def _types_checked(w, axis_name) -> bool:
     """Whether the enclosing shard_map checks manual-axis types (check_vma=True): the weight was
     cast to vary over the axis when the op was called, which leaves no trace without checking."""
-    return axis_name in _varying(w)
+    return frozenset(axis_tuple(axis_name)) <= _varying(w)

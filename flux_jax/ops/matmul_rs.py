@@ -57,7 +57,7 @@ SPEC = define(
 )
 
 
-def matmul_rs(x, w, *, axis_name: str, scatter_dimension: int = 0, impl: str = "auto", fp8=None):
+def matmul_rs(x, w, *, axis_name: str | tuple[str, ...], scatter_dimension: int = 0, impl: str = "auto", fp8=None):
     """GEMM -> ReduceScatter, for use inside `jax.shard_map`.
 
     Computes exactly
@@ -73,7 +73,9 @@ def matmul_rs(x, w, *, axis_name: str, scatter_dimension: int = 0, impl: str = "
     Args:
       x, w: float32, bfloat16 or float16 arrays of the same dtype; or w a pre-quantized
         `flux_jax.Fp8Weight` (see `ag_matmul`).
-      axis_name: the mesh axis to reduce-scatter over (the tensor-parallel axis).
+      axis_name: the mesh axis to reduce-scatter over (the tensor-parallel axis). A tuple of
+        mesh axes makes one TP axis over their devices, ranked row-major in the order named (as
+        `lax.axis_index` counts them).
       scatter_dimension: the dimension of the result to scatter (any but the last).
       impl: "fused", "xla" or "auto" (see `ag_matmul`).
       fp8: None / False, True or an `Fp8` recipe (see `ag_matmul`): x is quantized per row and
