@@ -107,7 +107,15 @@ def _block(kind, impl, fp8=None):
         h = first(x, w1, axis_name="tp", impl=impl, fp8=fp8)
         return second(jnp.tanh(h), w2, axis_name="tp", impl=impl, fp8=fp8)
 
-    return jax.shard_map(body, in_specs=specs, out_specs=out_spec), specs
+    return jax.shard_map(body, in_specs=specs, out_specs=out_spec)
+
+
+def _mlp_operands(S, D, F, dtype):
+    """x [S, D], w1 [D, F], w2 [F, D] and a direction v [S, D]: fresh random data."""
+    rng = np.random.default_rng()
+    x, v = random_array(rng, (S, D), dtype), random_array(rng, (S, D), dtype)
+    w1, w2 = random_array(rng, (D, F), dtype, 0.25), random_array(rng, (F, D), dtype, 0.25)
+    return x, w1, w2, v
 
 
 def _second_order(block, x, w1, w2, v):
@@ -124,20 +132,16 @@ def _second_order(block, x, w1, w2, v):
 def test_grad_of_grad_matches_the_twin_and_the_global_reference(kind):
     """The fused ops' forward rules run through their custom_vjp cores, so a second reverse pass
     differentiates their backward rules (the paired fused ops) instead of failing."""
-    rng = np.random.default_rng()
     mesh = cpu_mesh((4,), ("tp",), AxisType.Auto)
-    S, D, F = 32, 16, 32
-    x = random_array(rng, (S, D), "float32")
-    w1, w2 = random_array(rng, (D, F), "float32", 0.25), random_array(rng, (F, D), "float32", 0.25)
-    v = random_array(rng, (S, D), "float32")
+    x, w1, w2, v = _mlp_operands(32, 16, 32, "float32")
 
     def reference(x, w1, w2):  # the same block on global arrays, no collectives
         return jnp.dot(jnp.tanh(jnp.dot(x, w1)), w2)
 
     want = [to64(g) for g in _second_order(reference, x, w1, w2, v)]
     with jax.set_mesh(mesh):
-        got = _second_order(_block(kind, "fused")[0], x, w1, w2, v)
-        twin = _second_order(_block(kind, "xla")[0], x, w1, w2, v)
+        got = _second_order(_block(kind, "fused"), x, w1, w2, v)
+        twin = _second_order(_block(kind, "xla"), x, w1, w2, v)
     for name, g, t, r in zip(("d w1", "d w2"), got, twin, want):
         assert_matches(g, r, t, "float32", f"{kind} {name}")
 
@@ -147,15 +151,11 @@ def test_grad_of_grad_through_fp8_is_finite_and_near_the_unquantized_one(kind):
     """With fp8 a second derivative is an estimate through straight-through quantization (fused
     and twin differentiate the scales of their backward GEMMs differently): finite, and within
     FP8's error of the unquantized second derivative."""
-    rng = np.random.default_rng()
     mesh = cpu_mesh((4,), ("tp",), AxisType.Auto)
-    S, D, F = 64, 32, 64
-    x = random_array(rng, (S, D), "bfloat16")
-    w1, w2 = random_array(rng, (D, F), "bfloat16", 0.25), random_array(rng, (F, D), "bfloat16", 0.25)
-    v = random_array(rng, (S, D), "bfloat16")
+    x, w1, w2, v = _mlp_operands(64, 32, 64, "bfloat16")
     with jax.set_mesh(mesh):
-        got = _second_order(_block(kind, "fused", fp8=True)[0], x, w1, w2, v)
-        want = _second_order(_block(kind, "xla")[0], x, w1, w2, v)
+        got = _second_order(_block(kind, "fused", fp8=True), x, w1, w2, v)
+        want = _second_order(_block(kind, "xla"), x, w1, w2, v)
     for name, g, w in zip(("d w1", "d w2"), got, want):
         g, w = to64(g), to64(w)
         assert np.all(np.isfinite(g)), f"{kind} {name}: not finite"
