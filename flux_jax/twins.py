@@ -30,7 +30,7 @@ def ag_matmul_xla(x, w, *, axis_name: str | tuple[str, ...], axis: int = 0, retu
         return _ag_matmul_zero_size(x, w, axis_name, axis, return_gathered, recipe)
     if recipe is not None:
         x_front, w = _unify(axis_name, jnp.moveaxis(x, axis, 0), w)
-        outs = _ag_matmul_fp8(x_front, w, axis_name, recipe, return_gathered)
+        outs = _ag_matmul_fp8(x_front, w, axis_name, recipe, return_gathered, False, False)
         outs = [jnp.moveaxis(o, 0, axis) for o in outs]
         return tuple(outs) if return_gathered else outs[0]
     x_full = lax.all_gather(x, axis_name, axis=axis, tiled=True)
@@ -47,7 +47,7 @@ def matmul_rs_xla(x, w, *, axis_name: str | tuple[str, ...], scatter_dimension: 
         return _zeros(shape, x.dtype, axis_name, x, w)
     if recipe is not None:
         x_front, w = _unify(axis_name, jnp.moveaxis(x, scatter_dimension, 0), w)
-        return jnp.moveaxis(_matmul_rs_fp8(x_front, w, axis_name, recipe), 0, scatter_dimension)
+        return jnp.moveaxis(_matmul_rs_fp8(x_front, w, axis_name, recipe, False, False), 0, scatter_dimension)
     return lax.psum_scatter(jnp.dot(x, w), axis_name, scatter_dimension=scatter_dimension, tiled=True)
 
 
@@ -58,7 +58,7 @@ def matmul_ar_xla(x, w, *, axis_name: str | tuple[str, ...], fp8=None):
         return _zeros((*x.shape[:-1], w.shape[1]), x.dtype, axis_name, x, w, varying=False)
     if recipe is not None:
         x, w = _unify(axis_name, x, w)
-        return lax.psum(_local_fp8(x, w, recipe), axis_name)
+        return lax.psum(_local_fp8(x, w, recipe, False, False), axis_name)
     return lax.psum(jnp.dot(x, w), axis_name)
 
 
@@ -92,7 +92,7 @@ def _column_matmul_fwd(x, w, axis_name, recipe):
 
 def _column_matmul_bwd(axis_name, recipe, residuals, dy):
     x, w = residuals
-    dx = _fp8.input_grad(dy, w, recipe)
+    dx = jnp.dot(dy, w.T) if recipe is None else _local_fp8(dy, w, recipe, True, True)
     if frozenset(axis_tuple(axis_name)) <= _varying(w):  # types checked (w was cast to vary over the axis)
         dx = lax.psum(dx, axis_name)
     if isinstance(w, _fp8.Fp8Weight):  # frozen: a zero cotangent
@@ -173,61 +173,66 @@ def _scatter(a, axis_name):
     return lax.psum_scatter(a, axis_name, scatter_dimension=0, tiled=True)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _ag_matmul_fp8(x, w, axis_name, recipe, return_gathered):
-    return _fp8.gathered_matmul(x, w, recipe, _gather(axis_name), return_gathered=return_gathered)
+# Each FP8 twin's forward rule computes through its own custom_vjp and its backward through the
+# paired twin's (as the fused ops' rules do, flux_jax/_autodiff.py), so a second reverse pass
+# treats every quantization as straight-through, as the fused ops do.
 
 
-def _ag_matmul_fp8_fwd(x, w, axis_name, recipe, return_gathered):
-    out, x_full = _fp8.gathered_matmul(x, w, recipe, _gather(axis_name), return_gathered=True)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def _ag_matmul_fp8(x, w, axis_name, recipe, return_gathered, transpose_w, grad):
+    return _fp8.gathered_matmul(
+        x, w, recipe, _gather(axis_name), transpose_w=transpose_w, grad=grad, return_gathered=return_gathered
+    )
+
+
+def _ag_matmul_fp8_fwd(x, w, axis_name, recipe, return_gathered, transpose_w, grad):
+    out, x_full = _ag_matmul_fp8(x, w, axis_name, recipe, True, transpose_w, grad)
     return ([out, x_full] if return_gathered else [out]), (x_full, w)
 
 
-def _ag_matmul_fp8_bwd(axis_name, recipe, return_gathered, residuals, cotangents):
+def _ag_matmul_fp8_bwd(axis_name, recipe, return_gathered, transpose_w, grad, residuals, cotangents):
     x_full, w = residuals
     dy = cotangents[0]
-    dx = _scatter(_fp8.input_grad(dy, w, recipe), axis_name)
+    dx = _matmul_rs_fp8(dy, w, axis_name, recipe, not transpose_w, True)
     if return_gathered:
         dx = dx + _scatter(cotangents[1], axis_name)
-    return dx, _autodiff.weight_grad(x_full, dy, w, False)
+    return dx, _autodiff.weight_grad(x_full, dy, w, transpose_w)
 
 
 _ag_matmul_fp8.defvjp(_ag_matmul_fp8_fwd, _ag_matmul_fp8_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _matmul_rs_fp8(x, w, axis_name, recipe):
-    return _scatter(_fp8.matmul(x, w, recipe), axis_name)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _matmul_rs_fp8(x, w, axis_name, recipe, transpose_w, grad):
+    return _scatter(_fp8.matmul(x, w, recipe, transpose_w=transpose_w, grad=grad), axis_name)
 
 
-def _matmul_rs_fp8_fwd(x, w, axis_name, recipe):
-    return _matmul_rs_fp8(x, w, axis_name, recipe), (x, w)
+def _matmul_rs_fp8_fwd(x, w, axis_name, recipe, transpose_w, grad):
+    return _matmul_rs_fp8(x, w, axis_name, recipe, transpose_w, grad), (x, w)
 
 
-def _matmul_rs_fp8_bwd(axis_name, recipe, residuals, dy):
+def _matmul_rs_fp8_bwd(axis_name, recipe, transpose_w, grad, residuals, dy):
     x, w = residuals
-    dx, dy_full = _fp8.gathered_matmul(
-        dy, w, recipe, _gather(axis_name), transpose_w=True, grad=True, return_gathered=True
-    )
-    return dx, _autodiff.weight_grad(x, dy_full, w, False)
+    dx, dy_full = _ag_matmul_fp8(dy, w, axis_name, recipe, True, not transpose_w, True)
+    return dx, _autodiff.weight_grad(x, dy_full, w, transpose_w)
 
 
 _matmul_rs_fp8.defvjp(_matmul_rs_fp8_fwd, _matmul_rs_fp8_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _local_fp8(x, w, recipe):
-    """x @ w through FP8 on this rank (matmul_ar's GEMM; psum's transpose handles the axis)."""
-    return _fp8.matmul(x, w, recipe)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _local_fp8(x, w, recipe, transpose_w, grad):
+    """x @ op(w) through FP8 on this rank (matmul_ar's GEMM; psum's transpose handles the axis)."""
+    return _fp8.matmul(x, w, recipe, transpose_w=transpose_w, grad=grad)
 
 
-def _local_fp8_fwd(x, w, recipe):
-    return _fp8.matmul(x, w, recipe), (x, w)
+def _local_fp8_fwd(x, w, recipe, transpose_w, grad):
+    return _local_fp8(x, w, recipe, transpose_w, grad), (x, w)
 
 
-def _local_fp8_bwd(recipe, residuals, dy):
+def _local_fp8_bwd(recipe, transpose_w, grad, residuals, dy):
     x, w = residuals
-    return _fp8.input_grad(dy, w, recipe), _autodiff.weight_grad(x, dy, w, False)
+    return _fp8.input_grad(dy, w, recipe, transpose_w=transpose_w), _autodiff.weight_grad(x, dy, w, transpose_w)
 
 
 _local_fp8.defvjp(_local_fp8_fwd, _local_fp8_bwd)

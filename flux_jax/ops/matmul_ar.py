@@ -252,7 +252,7 @@ def _column_primal(x, w, call: Call):
 
 
 def _column_fwd(x, w, call: Call):
-    return _column_primal(x, w, call), (x, w)
+    return _column_core(x, w, call), (x, w)
 
 
 def _column_bwd(call: Call, residuals, dy):
