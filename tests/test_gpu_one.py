@@ -419,3 +419,34 @@ def test_one_gpu_explain_names_the_paths(one_gpu):
     )
     sites = flux_jax.explain(f, place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp")))
     assert len(sites) == 1 and sites[0].plan.fused and sites[0].problem.platform == "cuda"
+
+
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_one_gpu_tp_axis_over_two_mesh_axes(one_gpu, op):
+    """axis_name=("x", "y") over two size-1 mesh axes: the CUDA lowering's device table for a
+    tuple of axes, forward and gradients against float32."""
+    mesh = jax.sharding.Mesh(np.array(one_gpu[:1]).reshape(1, 1), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
+    axes = ("x", "y")
+    rng = np.random.default_rng()
+    x = random_array(rng, (2048, 1024), "bfloat16")
+    w = random_array(rng, (1024, 1536), "bfloat16", scale=1 / np.sqrt(1024))
+    ct = rng.standard_normal((2048, 1536)).astype(np.float32)
+
+    def fn(impl):
+        if op == "ag":
+            body = functools.partial(flux_jax.ag_matmul, axis_name=axes, impl=impl)
+            specs, out = (P(axes), P(None, axes)), P(None, axes)
+        else:
+            body = functools.partial(flux_jax.matmul_rs, axis_name=axes, impl=impl)
+            specs, out = (P(None, axes), P(axes)), P(axes)
+        return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out)
+
+    fused, twin = fn("fused"), fn("xla")
+    assert f"flux_jax_{'ag_matmul' if op == 'ag' else 'matmul_rs'}" in jax.jit(fused).lower(x, w).as_text()
+    x64, w64 = to64(x), to64(w)
+    assert_matches(jax.jit(fused)(x, w), x64 @ w64, jax.jit(twin)(x, w), "bfloat16", f"{op} over {axes}")
+    dx, dw = _grads(fused, x, w, ct)
+    tdx, tdw = _grads(twin, x, w, ct)
+    assert_matches(dx, ct @ w64.T, tdx, "bfloat16", f"{op} over {axes}: dx")
+    assert_matches(dw, x64.T @ ct, tdw, "bfloat16", f"{op} over {axes}: dw")
+    assert not flux_jax.device_errors()
