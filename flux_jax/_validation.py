@@ -41,13 +41,18 @@ def axis_tuple(axis_name) -> tuple[str, ...]:
     return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
 
 
+def axis_set(axis_name) -> frozenset[str]:
+    """The mesh axes of a TP axis name, as a set (to add to or take from a manual-axis type)."""
+    return frozenset(axis_tuple(axis_name))
+
+
 def normalize_axis_name(op: str, axis_name):
     """`axis_name` as the ops carry it: one mesh axis's name (a str; a 1-tuple becomes its name), or
     a tuple of two or more distinct names, one TP axis over their devices in row-major order (as
     lax.all_gather and lax.axis_index read a tuple)."""
     if isinstance(axis_name, str):
         return axis_name
-    if isinstance(axis_name, (tuple, list)) and axis_name and all(isinstance(a, str) for a in axis_name):
+    if isinstance(axis_name, tuple) and axis_name and all(isinstance(a, str) for a in axis_name):
         names = tuple(axis_name)
         if len(set(names)) == len(names):
             return names[0] if len(names) == 1 else names

@@ -30,9 +30,9 @@ _SPLITS = {
 }
 
 
-def _check_global(op: str, x, w, mesh, axis_name, fp8) -> None:
+def _check_global(op: str, x, w, mesh, axis_name, fp8):
     """The global operands and the mesh, checked before the shard_map (whose errors would show
-    per-shard shapes the caller never passed)."""
+    per-shard shapes the caller never passed); returns the axis name as the ops carry it."""
     if not isinstance(mesh, jax.sharding.Mesh):
         raise TypeError(f"flux_jax.{op}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
     axis_name = _validation.normalize_axis_name(op, axis_name)
@@ -50,6 +50,7 @@ def _check_global(op: str, x, w, mesh, axis_name, fp8) -> None:
                 f"flux_jax.{op}: {name} = {a.shape[dim]} ({operand} {jax.numpy.dtype(a.dtype).name}"
                 f"{list(a.shape)}) must be divisible by the size of axis {axis_name!r} ({tp})"
             )
+    return axis_name
 
 
 def _weight_spec(w, spec):
@@ -91,7 +92,7 @@ def ag_matmul_sharded(
       with `return_gathered`, also x itself replicated over `axis_name`.
     M must be divisible by the axis size.
     """
-    _check_global("ag_matmul_sharded", x, w, mesh, axis_name, fp8)
+    axis_name = _check_global("ag_matmul_sharded", x, w, mesh, axis_name, fp8)
     x_spec = P(axis_name, *([None] * (x.ndim - 1)))
     w_spec = _weight_spec(w, P(None, axis_name))
     out_spec = P(*([None] * (x.ndim - 1)), axis_name)
@@ -117,7 +118,7 @@ def matmul_rs_sharded(x, w, *, mesh, axis_name: str | tuple[str, ...], impl: str
       x @ w, global [M, ..., N], row-sharded over `axis_name`: P(axis_name, None, ...).
     M must be divisible by the axis size.
     """
-    _check_global("matmul_rs_sharded", x, w, mesh, axis_name, fp8)
+    axis_name = _check_global("matmul_rs_sharded", x, w, mesh, axis_name, fp8)
     x_spec = P(*([None] * (x.ndim - 1)), axis_name)
     w_spec = _weight_spec(w, P(axis_name, None))
     out_spec = P(axis_name, *([None] * (x.ndim - 1)))
@@ -139,7 +140,7 @@ def matmul_ar_sharded(x, w, *, mesh, axis_name: str | tuple[str, ...], impl: str
     Returns:
       x @ w, global [M, ..., N], replicated over `axis_name`: P(None, ...).
     """
-    _check_global("matmul_ar_sharded", x, w, mesh, axis_name, fp8)
+    axis_name = _check_global("matmul_ar_sharded", x, w, mesh, axis_name, fp8)
     x_spec = P(*([None] * (x.ndim - 1)), axis_name)
     w_spec = _weight_spec(w, P(axis_name, None))
     out_spec = P(*([None] * x.ndim))
@@ -161,7 +162,7 @@ def column_matmul_sharded(x, w, *, mesh, axis_name: str | tuple[str, ...], impl:
     Returns:
       x @ w, global [M, ..., N], column-sharded over `axis_name`: P(None, ..., axis_name).
     """
-    _check_global("column_matmul_sharded", x, w, mesh, axis_name, fp8)
+    axis_name = _check_global("column_matmul_sharded", x, w, mesh, axis_name, fp8)
     x_spec = P(*([None] * x.ndim))
     w_spec = _weight_spec(w, P(None, axis_name))
     out_spec = P(*([None] * (x.ndim - 1)), axis_name)

@@ -20,7 +20,7 @@ from jax import lax
 
 from flux_jax import _autodiff
 from flux_jax import fp8 as _fp8
-from flux_jax._validation import axis_tuple
+from flux_jax._validation import axis_set
 
 
 def ag_matmul_xla(x, w, *, axis_name: str | tuple[str, ...], axis: int = 0, return_gathered: bool = False, fp8=None):
@@ -76,7 +76,7 @@ def column_matmul_xla(x, w, *, axis_name: str | tuple[str, ...], fp8=None):
         return _zeros((*x.shape[:-1], w.shape[1]), x.dtype, axis_name, x, w)
     # Both operands vary over every other manual axis either varies over (x stays as typed over
     # `axis_name`), so the custom_vjp's cotangents type-check; pcast's transpose sums them there.
-    axes = frozenset(axis_tuple(axis_name))
+    axes = axis_set(axis_name)
     others = (_varying(x) | _varying(w)) - axes
     return _column_matmul(_typed_like(x, others), _typed_like(w, others | axes), axis_name, recipe)
 
@@ -93,7 +93,7 @@ def _column_matmul_fwd(x, w, axis_name, recipe):
 def _column_matmul_bwd(axis_name, recipe, residuals, dy):
     x, w = residuals
     dx = jnp.dot(dy, w.T) if recipe is None else _local_fp8(dy, w, recipe, True, True)
-    if frozenset(axis_tuple(axis_name)) <= _varying(w):  # types checked (w was cast to vary over the axis)
+    if axis_set(axis_name) <= _varying(w):  # types checked (w was cast to vary over the axis)
         dx = lax.psum(dx, axis_name)
     if isinstance(w, _fp8.Fp8Weight):  # frozen: a zero cotangent
         return _typed_like(dx, _varying(x)), None
@@ -135,7 +135,7 @@ def _zeros(shape, dtype, axis_name, *operands, varying: bool = True):
     """Zeros typed as the op's result: varying over the operands' manual axes and, unless
     `varying` is False (an all-reduced result), over `axis_name`."""
     axes = frozenset().union(*(_varying(a) for a in operands))
-    tp_axes = frozenset(axis_tuple(axis_name))
+    tp_axes = axis_set(axis_name)
     axes = axes | tp_axes if varying else axes - tp_axes
     return _typed_like(jnp.zeros(shape, dtype), axes)
 

@@ -104,6 +104,8 @@ def test_axis_name_checks():
         call(("x", "x"))
     with pytest.raises(ValueError, match="a tuple of str"):
         call(())
+    with pytest.raises(ValueError, match="a tuple of str"):
+        call(["x", "y"])  # a list is not hashable: lax's collectives take a tuple
     with pytest.raises(ValueError, match="axis 'z' is mapped"):
         call(("x", "z"))
     np.testing.assert_array_equal(call(("x",), "x"), call("x", "x"))  # a 1-tuple is that one axis

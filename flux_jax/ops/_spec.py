@@ -28,7 +28,7 @@ from jax.interpreters import batching
 from flux_jax import fp8 as _fp8
 from flux_jax._config import Config, GpuTuning
 from flux_jax._plan import Plan, Problem
-from flux_jax._validation import axis_tuple
+from flux_jax._validation import axis_set
 from flux_jax.fp8 import Fp8, Fp8Weight
 
 
@@ -221,7 +221,7 @@ def _varying(x) -> frozenset:
 def invariant_over(aval, axis_name):
     """`aval` typed as the same on every rank of `axis_name` (lax.psum's output type)."""
     mat = getattr(aval, "manual_axis_type", None)
-    axes = frozenset(axis_tuple(axis_name))
+    axes = axis_set(axis_name)
     if mat is None or not axes & frozenset(mat.varying):
         return aval
     return aval.update(manual_axis_type=mat.update(varying=mat.varying - axes))
@@ -235,7 +235,7 @@ def unify_varying(axis_name, *xs):
     the psums that invariant operands need in the backward pass (e.g. a weight replicated over a
     data-parallel axis).
     """
-    target = frozenset(axis_tuple(axis_name)).union(*(_varying(x) for x in xs))
+    target = axis_set(axis_name).union(*(_varying(x) for x in xs))
     return [pcast_to(x, target) for x in xs]
 
 

@@ -157,7 +157,9 @@ def ag_matmul(
     x_front = jnp.moveaxis(x, axis, 0)
     call = _common.plan_call(SPEC, x_front, w, info, impl, fp8=recipe, return_gathered=return_gathered)
     if call is None:
-        return twins.ag_matmul_xla(x, w, axis_name=axis_name, axis=axis, return_gathered=return_gathered, fp8=recipe)
+        return twins.ag_matmul_xla(
+            x, w, axis_name=info.axis_name, axis=axis, return_gathered=return_gathered, fp8=recipe
+        )
     outs = _common.run(SPEC, x_front, w, call)
     out = jnp.moveaxis(outs[0], 0, axis)
     return (out, jnp.moveaxis(outs[1], 0, axis)) if return_gathered else out

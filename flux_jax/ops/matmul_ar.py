@@ -30,7 +30,7 @@ from jax import lax
 from flux_jax import _autodiff, _explain, _plan, _validation, twins
 from flux_jax import fp8 as _fp8
 from flux_jax._config import get_config, get_gpu_tuning
-from flux_jax._validation import axis_tuple
+from flux_jax._validation import axis_set
 from flux_jax.ops import _common
 from flux_jax.ops._spec import (
     Call,
@@ -173,7 +173,7 @@ def matmul_ar(x, w, *, axis_name: str | tuple[str, ...], impl: str = "auto", fp8
     info = _validation.check_axis(NAME, axis_name)
     call = _common.plan_call(SPEC, x, w, info, impl, fp8=recipe)
     if call is None:
-        return twins.matmul_ar_xla(x, w, axis_name=axis_name, fp8=recipe)
+        return twins.matmul_ar_xla(x, w, axis_name=info.axis_name, fp8=recipe)
     (out,) = _common.run(SPEC, x, w, call)
     return out
 
@@ -213,12 +213,12 @@ def column_matmul(x, w, *, axis_name: str | tuple[str, ...], impl: str = "auto",
     info = _validation.check_axis("column_matmul", axis_name)
     call = _backward_call(x, w, info, impl, recipe)
     if call is None:
-        return twins.column_matmul_xla(x, w, axis_name=axis_name, fp8=recipe)
+        return twins.column_matmul_xla(x, w, axis_name=info.axis_name, fp8=recipe)
     # x stays typed as it comes (replicated: invariant over the axis); both operands vary over
     # every other manual axis either of them varies over, so the cotangents type-check.
-    others = (_varying(x) | _varying(w)) - frozenset(axis_tuple(info.axis_name))
+    others = (_varying(x) | _varying(w)) - axis_set(info.axis_name)
     x = pcast_to(x, others)
-    w = pcast_to(w, others | frozenset(axis_tuple(info.axis_name)))
+    w = pcast_to(w, others | axis_set(info.axis_name))
     return _column_core(x, w, call)
 
 
@@ -274,4 +274,4 @@ _column_core = _autodiff.make_core(_column_primal, _column_fwd, _column_bwd)
 def _types_checked(w, axis_name) -> bool:
     """Whether the enclosing shard_map checks manual-axis types (check_vma=True): the weight was
     cast to vary over the axis when the op was called, which leaves no trace without checking."""
-    return frozenset(axis_tuple(axis_name)) <= _varying(w)
+    return axis_set(axis_name) <= _varying(w)

@@ -101,6 +101,6 @@ def matmul_rs(x, w, *, axis_name: str | tuple[str, ...], scatter_dimension: int 
     x_front = jnp.moveaxis(x, dim, 0)
     call = _common.plan_call(SPEC, x_front, w, info, impl, fp8=recipe)
     if call is None:
-        return twins.matmul_rs_xla(x, w, axis_name=axis_name, scatter_dimension=dim, fp8=recipe)
+        return twins.matmul_rs_xla(x, w, axis_name=info.axis_name, scatter_dimension=dim, fp8=recipe)
     (out,) = _common.run(SPEC, x_front, w, call)
     return jnp.moveaxis(out, 0, dim)
