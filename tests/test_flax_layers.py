@@ -616,3 +616,73 @@ def test_fp8_argument_is_checked_when_the_layer_is_built():
             mesh=mesh_of("tp8"),
             rngs=nnx.Rngs(0),
         )
+
+
+# ---- TP over two mesh axes: tp_axis=("tpa", "tpb"), ranks row-major in the order named ---------
+
+TUPLE_MESHES = {
+    "dp2xtpa2xtpb2": ((2, 2, 2), ("dp", "tpa", "tpb")),
+    "fsdp2xtpa2xtpb2": ((2, 2, 2), ("fsdp", "tpa", "tpb")),
+}
+
+
+@pytest.mark.parametrize(
+    "mesh_name, tp_axis, impl, axis_type, remat, sp, gspmd",
+    [
+        ("dp2xtpa2xtpb2", ("tpa", "tpb"), "fused", AxisType.Explicit, False, True, False),
+        ("dp2xtpa2xtpb2", ("tpb", "tpa"), "fused", AxisType.Explicit, False, True, False),
+        ("dp2xtpa2xtpb2", ("tpa", "tpb"), "xla", AxisType.Explicit, False, True, False),
+        ("dp2xtpa2xtpb2", ("tpb", "tpa"), "fused", AxisType.Auto, True, False, False),
+        ("fsdp2xtpa2xtpb2", ("tpb", "tpa"), "fused", AxisType.Auto, False, True, True),
+    ],
+)
+def test_gpt_with_tp_over_two_mesh_axes_matches_reference(mesh_name, tp_axis, impl, axis_type, remat, sp, gspmd):
+    """tp_axis a tuple: one TP axis of size 4 over two mesh axes (either order: the parameters'
+    annotations and the ops' ranks must agree on it), against the same float32 reference."""
+    mesh = cpu_mesh(*TUPLE_MESHES[mesh_name], axis_type)
+    fsdp_axis = "fsdp" if gspmd else None
+    config = _gpt_config(impl, remat=remat, sequence_parallel=sp, tp_axis=tp_axis, gspmd=gspmd, fsdp_axis=fsdp_axis)
+    with jax.set_mesh(mesh) if gspmd else contextlib.nullcontext():
+        _check_gpt_against_reference(mesh, config)
+
+
+def test_tp_over_two_mesh_axes_shards_params_and_fuses_every_collective():
+    """The projections' kernels are split over the tuple (one entry of their PartitionSpec) and
+    the compiled train step's TP collectives are all flux calls, as with one TP axis."""
+    import collections
+    import re
+
+    mesh = cpu_mesh(*TUPLE_MESHES["dp2xtpa2xtpb2"])
+    config = _gpt_config("fused", tp_axis=("tpa", "tpb"))
+    model = GPT(config, mesh=mesh, rngs=nnx.Rngs(0))
+    assert model.token_spec() == P("dp", ("tpa", "tpb"))
+    block, tp = model.blocks[0], 4
+    for var, spec, local_shape in [
+        (block.mlp.gate_up.kernel, P(None, ("tpa", "tpb"), None), (HIDDEN, FFN // tp, 2)),
+        (block.mlp.down.kernel, P(("tpa", "tpb"), None), (FFN // tp, HIDDEN)),
+    ]:
+        value = var[...]
+        assert value.sharding.spec == spec
+        assert {s.data.shape for s in value.addressable_shards} == {local_shape}
+    graphdef, params = nnx.split(model, nnx.Param)
+    tokens = jax.device_put(np.zeros((BATCH, SEQ), np.int32), jax.NamedSharding(mesh, model.token_spec()))
+    hlo = jax.jit(jax.grad(lambda p, t: jnp.sum(nnx.merge(graphdef, p)(t)))).lower(params, tokens).compile().as_text()
+    calls = collections.Counter(re.findall(r'custom_call_target="(flux_jax_[a-z_]+)"', hlo))
+    assert calls == {"flux_jax_ag_matmul": 4 * config.layers, "flux_jax_matmul_rs": 4 * config.layers}, calls
+    assert not re.search(r"\b(all-gather|reduce-scatter)(-start)?\(", hlo), "an XLA TP collective is left"
+
+
+def test_tp_axis_tuple_errors_name_the_axes():
+    mesh = cpu_mesh(*TUPLE_MESHES["fsdp2xtpa2xtpb2"], AxisType.Auto)
+    with pytest.raises(ValueError, match=r"tp_axis must name a mesh axis \(a str\) or several distinct ones"):
+        ColumnParallelLinear(HIDDEN, FFN, mesh=mesh, tp_axis=["tpa", "tpb"], rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="several distinct ones"):
+        GPTConfig(vocab_size=VOCAB, tp_axis=("tpa", "tpa"))
+    with pytest.raises(ValueError, match="axis 'model' is not one of them"):
+        RowParallelLinear(FFN, HIDDEN, mesh=mesh, tp_axis=("tpa", "model"), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"ffn=30 is not divisible by tpa\*tpb=4 \(mesh axes \('tpa', 'tpb'\)\)"):
+        SwiGLUMLP(HIDDEN, 30, mesh=mesh, tp_axis=("tpa", "tpb"), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="fsdp_axis 'tpb' is one of tp_axis"):
+        GPT(_gpt_config("fused", tp_axis=("tpa", "tpb"), gspmd=True, fsdp_axis="tpb"), mesh=mesh, rngs=nnx.Rngs(0))
+    # a 1-tuple is the axis's own name
+    assert GPTConfig(vocab_size=VOCAB, tp_axis=("tp",)).tp_axis == "tp"

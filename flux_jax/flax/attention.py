@@ -72,7 +72,7 @@ class GroupedQueryAttention(nnx.Module):
         kv_heads: int,
         *,
         mesh: jax.sharding.Mesh,
-        tp_axis: str = "tp",
+        tp_axis: str | tuple[str, ...] = "tp",
         head_dim: int | None = None,
         rope_theta: float = 10000.0,
         impl: str = "auto",

@@ -13,6 +13,9 @@ mesh as the layer expects.
 The sequence is the leading dimension by default; `seq_axis=1` takes batch-first
 activations [B, S, ...] (the gather / scatter runs over dimension 1).
 
+`tp_axis` names the TP mesh axis, or is a tuple of mesh axes forming one TP axis (ranks
+row-major in the order named, as the ops read it); the kernels' TP dimension is annotated with it.
+
 `fsdp_axis` (inside a GSPMD model only) also shards each kernel's hidden (non-TP) dimension over
 that mesh axis: the partitioner gathers it before the TP region and reduce-scatters its gradient.
 
@@ -39,6 +42,7 @@ kernel again (x still is, per row). The kernel is frozen from then on: its gradi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import jax
@@ -48,23 +52,30 @@ from flax import nnx
 
 import flux_jax
 from flux_jax import fp8 as fp8_lib
+from flux_jax.flax.sharding import normalize_tp_axis, tp_axis_names
 
 IMPLS = ("auto", "fused", "xla")
 
 
-def axis_size(mesh: jax.sharding.Mesh, axis_name: str) -> int:
-    """Size of `axis_name` in `mesh`, with an error naming the mesh's axes if it is missing."""
-    if axis_name not in mesh.axis_names:
-        raise ValueError(
-            f"mesh axes are {tuple(mesh.axis_names)}; the tensor-parallel axis {axis_name!r} is not one of them"
-        )
-    return int(mesh.shape[axis_name])
+def axis_size(mesh: jax.sharding.Mesh, axis_name) -> int:
+    """Size of the TP axis `axis_name` in `mesh` (a tuple of mesh axes: the product of their sizes),
+    with an error naming the mesh's axes if one is missing."""
+    names = tp_axis_names(axis_name)
+    for name in names:
+        if name not in mesh.axis_names:
+            raise ValueError(
+                f"mesh axes are {tuple(mesh.axis_names)}; the tensor-parallel axis {name!r} is not one of them"
+            )
+    return math.prod(int(mesh.shape[name]) for name in names)
 
 
-def check_divisible(what: str, value: int, axis_name: str, size: int, why: str) -> None:
-    """ValueError naming the numbers when `value` cannot be split evenly over a mesh axis."""
+def check_divisible(what: str, value: int, axis_name, size: int, why: str) -> None:
+    """ValueError naming the numbers when `value` cannot be split evenly over a mesh axis (or over
+    a tuple of mesh axes, one TP axis)."""
     if value % size:
-        raise ValueError(f"{what}={value} is not divisible by {axis_name}={size} (mesh axis {axis_name!r}): {why}")
+        names = tp_axis_names(axis_name)
+        label, axes = "*".join(names), f"mesh axes {names}" if len(names) > 1 else f"mesh axis {names[0]!r}"
+        raise ValueError(f"{what}={value} is not divisible by {label}={size} ({axes}): {why}")
 
 
 def check_impl(impl: str) -> None:
@@ -72,12 +83,14 @@ def check_impl(impl: str) -> None:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
-def check_fsdp_axis(mesh: jax.sharding.Mesh, fsdp_axis: str | None, tp_axis: str, what: str, value: int) -> None:
-    """ValueError for an FSDP axis that is missing, is the TP axis, or cannot split `value`."""
+def check_fsdp_axis(mesh: jax.sharding.Mesh, fsdp_axis: str | None, tp_axis, what: str, value: int) -> None:
+    """ValueError for an FSDP axis that is missing, is (one of) the TP axis, or cannot split `value`."""
     if fsdp_axis is None:
         return
     if fsdp_axis == tp_axis:
         raise ValueError(f"fsdp_axis and tp_axis are both {tp_axis!r}: FSDP shards a non-TP dimension")
+    if fsdp_axis in tp_axis_names(tp_axis):
+        raise ValueError(f"fsdp_axis {fsdp_axis!r} is one of tp_axis {tp_axis!r}: FSDP shards a non-TP dimension")
     if fsdp_axis not in mesh.axis_names:
         raise ValueError(f"mesh axes are {tuple(mesh.axis_names)}; the FSDP axis {fsdp_axis!r} is not one of them")
     check_divisible(what, value, fsdp_axis, int(mesh.shape[fsdp_axis]), "FSDP shards the hidden dimension")
@@ -211,7 +224,7 @@ class ColumnParallelLinear(nnx.Module):
         out_features: int | Sequence[int],
         *,
         mesh: jax.sharding.Mesh,
-        tp_axis: str = "tp",
+        tp_axis: str | tuple[str, ...] = "tp",
         use_bias: bool = False,
         impl: str = "auto",
         dtype=None,
@@ -230,6 +243,7 @@ class ColumnParallelLinear(nnx.Module):
         self.seq_axis = seq_axis
         out_shape = tuple(out_features) if isinstance(out_features, (list, tuple)) else (out_features,)
         check_layer_args("ColumnParallelLinear", in_features, out_shape, mesh, dtype)
+        tp_axis = normalize_tp_axis(tp_axis)
         tp = axis_size(mesh, tp_axis)
         check_divisible(
             "out_features" if len(out_shape) == 1 else "out_features[0]",
@@ -314,7 +328,7 @@ class RowParallelLinear(nnx.Module):
         out_features: int,
         *,
         mesh: jax.sharding.Mesh,
-        tp_axis: str = "tp",
+        tp_axis: str | tuple[str, ...] = "tp",
         use_bias: bool = False,
         impl: str = "auto",
         dtype=None,
@@ -332,6 +346,7 @@ class RowParallelLinear(nnx.Module):
         check_layer_args("RowParallelLinear", in_features, (out_features,), mesh, dtype)
         self.fp8 = fp8
         self.seq_axis = seq_axis
+        tp_axis = normalize_tp_axis(tp_axis)
         tp = axis_size(mesh, tp_axis)
         check_divisible(
             "in_features", in_features, tp_axis, tp, "a row-parallel layer splits its input features over TP"

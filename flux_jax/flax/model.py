@@ -31,7 +31,14 @@ from jax.sharding import PartitionSpec as P
 
 from flux_jax.flax.block import DecoderBlock, RMSNorm
 from flux_jax.flax.linear import axis_size, check_divisible, check_fp8, check_fsdp_axis, check_impl
-from flux_jax.flax.sharding import batch_axis_entry, data_axes, data_parallel_size, sharded_call
+from flux_jax.flax.sharding import (
+    batch_axis_entry,
+    data_axes,
+    data_parallel_size,
+    normalize_tp_axis,
+    sharded_call,
+    tp_axis_names,
+)
 from flux_jax.fp8 import Fp8
 
 
@@ -48,7 +55,8 @@ class GPTConfig:
       dtype: compute dtype of the matmuls and activations; param_dtype: storage.
       attention_implementation: jax.nn.dot_product_attention backend (None, "xla", "cudnn").
       remat: recompute each block's activations in the backward pass (saves memory).
-      tp_axis: name of the tensor-parallel mesh axis; every other mesh axis is data parallel.
+      tp_axis: name of the tensor-parallel mesh axis, or a tuple of mesh axes forming one TP axis
+        (ranks row-major in the order named); every other mesh axis is data parallel.
       sequence_parallel: shard the sequence over `tp_axis` between blocks (ag_matmul /
         matmul_rs), or keep it whole on every rank (column_matmul / matmul_ar).
       fp8: the four projections' GEMMs on FP8 operands: False, True or a flux_jax.Fp8 recipe
@@ -76,11 +84,14 @@ class GPTConfig:
     param_dtype: str = "float32"
     attention_implementation: str | None = None
     remat: bool = False
-    tp_axis: str = "tp"
+    tp_axis: str | tuple[str, ...] = "tp"
     sequence_parallel: bool = True
     fp8: bool | Fp8 = False
     gspmd: bool = False
     fsdp_axis: str | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "tp_axis", normalize_tp_axis(self.tp_axis))  # a 1-tuple is its name
 
 
 def check_config(config: GPTConfig, mesh: jax.sharding.Mesh) -> None:
@@ -123,7 +134,7 @@ def check_config(config: GPTConfig, mesh: jax.sharding.Mesh) -> None:
         jnp.dtype(getattr(config, field))  # raises TypeError for an unknown dtype name
 
 
-def check_tokens_shape(shape, mesh: jax.sharding.Mesh, tp_axis: str = "tp", sequence_parallel: bool = True) -> None:
+def check_tokens_shape(shape, mesh: jax.sharding.Mesh, tp_axis="tp", sequence_parallel: bool = True) -> None:
     """Raises ValueError, naming the numbers, for a [batch, seq] that cannot shard on `mesh`."""
     if len(shape) != 2:
         raise ValueError(f"tokens must be [batch, seq], got shape {tuple(shape)}")
@@ -247,7 +258,7 @@ class GPT(nnx.Module):
                 mesh=self.mesh,
                 in_specs=(region,),
                 out_specs=region,
-                axis_names={config.tp_axis},
+                axis_names=set(tp_axis_names(config.tp_axis)),
             )
         # [B, S, D] x [D, V] as it is: a reshape to [B*S, D] would merge the batch (split over the
         # data axes) with the sequence (split over tp), which the partitioner does by gathering.

@@ -19,18 +19,42 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 
-def data_axes(mesh: jax.sharding.Mesh, tp_axis: str) -> tuple[str, ...]:
-    """The mesh axes other than `tp_axis`: the batch is sharded over all of them (data parallel)."""
-    return tuple(a for a in mesh.axis_names if a != tp_axis)
+def tp_axis_names(tp_axis) -> tuple[str, ...]:
+    """The mesh axes of a TP axis: ("tp",) for "tp"; for a tuple of distinct names, those names (one
+    TP axis over their devices, ranks row-major in the order named, as the flux_jax ops read it)."""
+    if isinstance(tp_axis, str):
+        return (tp_axis,)
+    if (
+        isinstance(tp_axis, tuple)
+        and tp_axis
+        and all(isinstance(a, str) for a in tp_axis)
+        and len(set(tp_axis)) == len(tp_axis)
+    ):
+        return tp_axis
+    raise ValueError(
+        f"tp_axis must name a mesh axis (a str) or several distinct ones (a tuple of str), got {tp_axis!r}"
+    )
 
 
-def batch_axis_entry(mesh: jax.sharding.Mesh, tp_axis: str):
+def normalize_tp_axis(tp_axis):
+    """`tp_axis` as the layers keep it: a str, or a tuple of two or more names (a 1-tuple is its name)."""
+    names = tp_axis_names(tp_axis)
+    return names[0] if len(names) == 1 else names
+
+
+def data_axes(mesh: jax.sharding.Mesh, tp_axis) -> tuple[str, ...]:
+    """The mesh axes other than `tp_axis`'s: the batch is sharded over all of them (data parallel)."""
+    tp = tp_axis_names(tp_axis)
+    return tuple(a for a in mesh.axis_names if a not in tp)
+
+
+def batch_axis_entry(mesh: jax.sharding.Mesh, tp_axis):
     """The PartitionSpec entry for a batch dimension: None, one axis name, or a tuple of them."""
     axes = data_axes(mesh, tp_axis)
     return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
-def data_parallel_size(mesh: jax.sharding.Mesh, tp_axis: str) -> int:
+def data_parallel_size(mesh: jax.sharding.Mesh, tp_axis) -> int:
     size = 1
     for a in data_axes(mesh, tp_axis):
         size *= int(mesh.shape[a])
