@@ -421,10 +421,12 @@ def test_one_gpu_explain_names_the_paths(one_gpu):
     assert len(sites) == 1 and sites[0].plan.fused and sites[0].problem.platform == "cuda"
 
 
+@pytest.mark.parametrize("path", ["overlap", "latency"])
 @pytest.mark.parametrize("op", ["ag", "rs"])
-def test_one_gpu_tp_axis_over_two_mesh_axes(one_gpu, op):
+def test_one_gpu_tp_axis_over_two_mesh_axes(one_gpu, op, path):
     """axis_name=("x", "y") over two size-1 mesh axes: the CUDA lowering's device table for a
-    tuple of axes, forward and gradients against float32."""
+    tuple of axes, forward and gradients against float32, on each path (the default picks the
+    latency path for ag_matmul at this size)."""
     mesh = jax.sharding.Mesh(np.array(one_gpu[:1]).reshape(1, 1), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
     axes = ("x", "y")
     rng = np.random.default_rng()
@@ -442,11 +444,17 @@ def test_one_gpu_tp_axis_over_two_mesh_axes(one_gpu, op):
         return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out)
 
     fused, twin = fn("fused"), fn("xla")
-    assert f"flux_jax_{'ag_matmul' if op == 'ag' else 'matmul_rs'}" in jax.jit(fused).lower(x, w).as_text()
+    target = {
+        "overlap": f"flux_jax_{'ag_matmul' if op == 'ag' else 'matmul_rs'}",
+        "latency": f"flux_jax_{'all_gather' if op == 'ag' else 'reduce_scatter'}",
+    }[path]
     x64, w64 = to64(x), to64(w)
-    assert_matches(jax.jit(fused)(x, w), x64 @ w64, jax.jit(twin)(x, w), "bfloat16", f"{op} over {axes}")
-    dx, dw = _grads(fused, x, w, ct)
+    with flux_jax.config(fused_path=path):
+        assert target in jax.jit(fused).lower(x, w).as_text()
+        out = jax.jit(fused)(x, w)
+        dx, dw = _grads(fused, x, w, ct)
+    assert_matches(out, x64 @ w64, jax.jit(twin)(x, w), "bfloat16", f"{op} over {axes} ({path})")
     tdx, tdw = _grads(twin, x, w, ct)
-    assert_matches(dx, ct @ w64.T, tdx, "bfloat16", f"{op} over {axes}: dx")
-    assert_matches(dw, x64.T @ ct, tdw, "bfloat16", f"{op} over {axes}: dw")
+    assert_matches(dx, ct @ w64.T, tdx, "bfloat16", f"{op} over {axes} ({path}): dx")
+    assert_matches(dw, x64.T @ ct, tdw, "bfloat16", f"{op} over {axes} ({path}): dw")
     assert not flux_jax.device_errors()
