@@ -222,18 +222,30 @@ inline bool PreferFp8Pingpong160(int64_t m, int64_t n, int sm_count) {
 }
 
 // The FP8 GEMM instance (gemm_fp8_instance.cuh) for an m x k x n GEMM: ping-pong 128x128 tiles in
-// 2x1 clusters (B multicast) below 8192 x 8192 outputs or at K <= 4096, else cooperative 128x256
-// tiles in 1x1 clusters; GpuTuning.gemm_kernel forces either. Measured on one H200 against
-// cuBLASLt's FP8 GEMM in one run (ours / theirs): ping-pong won five of six shapes (2048 x 2560 x
-// 5120 1.34 -> 1.18, 4096 x 3072 x 4608 1.28 -> 1.16, 8192 x 2048 x 4096 1.19 -> 1.15 against
-// 128x256) and lost 8192^3 (1.09 vs 1.05) (docs/decisions/2026-12-01-gemm-instances.md); at
-// 16384-row outputs it won at K = 3072 and 4096 (1.04 against 1.09-1.11) and lost at K = 8192
-// (docs/decisions/2026-12-04-fp8-pingpong-at-short-k.md). e5m2 rows (a backward's dy) run
-// ping-pong 2x1 at every size: 128x160 tiles where PreferFp8Pingpong160 says, else 128x128.
-// GpuTuning.gemm_kernel forces one of the instances the row format has. The row scales come from
-// `fp8` (the caller offsets them for launches that start below row 0 of x).
-// Ping-pong at 8192 x 8192 outputs and more up to this K (below them at any K).
+// 2x1 clusters (B multicast) at K <= 4096 and below 8192 x 8192 outputs unless
+// Fp8CooperativeByWaves, else cooperative 128x256 tiles in 1x1 clusters; GpuTuning.gemm_kernel
+// forces either. Measured on one H200 against cuBLASLt's FP8 GEMM in one run (ours / theirs):
+// ping-pong won five of six shapes (2048 x 2560 x 5120 1.34 -> 1.18, 4096 x 3072 x 4608 1.28 ->
+// 1.16, 8192 x 2048 x 4096 1.19 -> 1.15 against 128x256) and lost 8192^3 (1.09 vs 1.05)
+// (docs/decisions/2026-12-01-gemm-instances.md); at 16384-row outputs it won at K = 3072 and 4096
+// (1.04 against 1.09-1.11) and lost at K = 8192 (docs/decisions/2026-12-04-fp8-pingpong-at-short-k.md).
+// e5m2 rows (a backward's dy) run ping-pong 2x1 at every size: 128x160 tiles where
+// PreferFp8Pingpong160 says, else 128x128. GpuTuning.gemm_kernel forces one of the instances the
+// row format has. The row scales come from `fp8` (the caller offsets them for launches that start
+// below row 0 of x).
+// Ping-pong at 8192 x 8192 outputs and more up to this K (below them unless
+// Fp8CooperativeByWaves).
 inline constexpr int64_t kFp8PingpongMaxK = 4096;
+
+// Below 8192 x 8192 outputs at K > kFp8PingpongMaxK: cooperative 128x256 where its waves give each
+// SM no more columns than 128x128 tiles' (WaveSpan). CUPTI GEMM kernel time on one H200, ours /
+// cuBLASLt's FP8 GEMM, 4096 x 8192 x 8192 (8 waves of 128x256 tiles, 16 of 128x128): cooperative
+// 1.040x and 1.033x against ping-pong's 1.047x and 1.059x in two runs; at 2048 x 8192 x 5120 and
+// 2048 x 6912 x 5120 (3 waves of 128x256 for 2.4 waves of work, 5 of 128x128 for 4.8) ping-pong
+// 1.026-1.027x against cooperative's 1.19-1.22x (docs/decisions/2026-12-05-fp8-cooperative-by-waves.md).
+inline bool Fp8CooperativeByWaves(int64_t m, int64_t n, int sm_count) {
+  return sm_count > 0 && WaveSpan(m, n, kGemmBlockN, sm_count) <= WaveSpan(m, n, kGemmBlockN128, sm_count);
+}
 inline Status ChooseFp8GemmInstance(const CommConfig& cfg, const Fp8Operands& fp8, int64_t m, int64_t k, int64_t n,
                                     int sm_count, GemmPlan* plan) {
   auto kernel = static_cast<GemmKernel>(cfg.tuning.gemm_kernel);
@@ -241,7 +253,8 @@ inline Status ChooseFp8GemmInstance(const CommConfig& cfg, const Fp8Operands& fp
   // tuning, keep the rule under it.
   if (kernel == GemmKernel::k128x160PingpongCluster2x1 && !fp8.x_e5m2) kernel = GemmKernel::kAuto;
   const bool by_rule = kernel == GemmKernel::kAuto;
-  const bool pingpong_by_shape = m * n < int64_t{8192} * 8192 || k <= kFp8PingpongMaxK;
+  const bool pingpong_by_shape =
+      k <= kFp8PingpongMaxK || (m * n < int64_t{8192} * 8192 && !Fp8CooperativeByWaves(m, n, sm_count));
   if (fp8.x_e5m2 && !by_rule && kernel != GemmKernel::k128x128PingpongCluster2x1 &&
       kernel != GemmKernel::k128x160PingpongCluster2x1) {
     return Status::InvalidArgument(
