@@ -33,10 +33,14 @@ max |out - ref| / max |ref| within 4x XLA's own error (floor 1e-2 bf16, 2e-3 f16
 tests/helpers.py. A variant that fails is WRONG and not timed. Times are the harness's
 (benchmarks/timing.py: difference of two serialized loops, median of shuffled, pre-heated
 rounds). Also the CUPTI kernel time and kernel names of one call of `xla` (cuBLAS's pick) and
-`flux:auto` (every variant with --profile-all), and our FFI handler's host time per call (a loop
-is host-bound where it reaches the device time). --energy-s S: after the rounds, every variant's
-long loop for S seconds, reading NVML's energy counter (benchmarks/gpu_energy.py): time, energy
-and power per call at the GPU's power cap, where clocks follow the power a kernel draws.
+`flux:auto` (every variant with --profile-all), with their kernel time per call in the long loop
+(printed as `kernel <ours / XLA's>`), and our FFI handler's host time per call (a loop is
+host-bound where it reaches the device time). For an A/B of kernels read the kernel time: on one
+H200 it repeated within 0.5% across runs, while the loop time of one kernel read up to 3.6% apart
+within a run (docs/decisions/2026-12-05-tile-groups-of-16-wide-tiles.md).
+--energy-s S: after the rounds, every variant's long loop for S seconds, reading NVML's energy
+counter (benchmarks/gpu_energy.py): time, energy and power per call at the GPU's power cap, where
+clocks follow the power a kernel draws.
 
 The run starts no shape it expects to end after --budget-s (default 380 s, from the start,
 preflight included; the estimate is the time per variant so far); <out>/gemm_parity.json
@@ -904,10 +908,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         variants_run += len(variants)
         rows += shape_rows
         print(f"[{i + 1}/{len(shapes)}] {shape.name} ({shape.layer}) {time.perf_counter() - t0:.1f} s", flush=True)
+        xla_kernel_us = next((r.get("loop_kernel_us") for r in shape_rows if r["variant"] == "xla"), None)
         for r in shape_rows:
             us = f"{r['us']:9.1f} us" if r["us"] is not None else " " * 12
             ratio = f"{r['ratio_vs_xla']:.3f}" if r["ratio_vs_xla"] else "     "
-            print(f"    {r['variant']:<24} {us}  {ratio}  {r['status']} {r['note']}", flush=True)
+            # kernel time under load repeats across runs far better than the loop's time from idle
+            kernel_us = r.get("loop_kernel_us")
+            kernel = f"  kernel {kernel_us / xla_kernel_us:.3f}" if kernel_us and xla_kernel_us else ""
+            print(f"    {r['variant']:<24} {us}  {ratio}{kernel}  {r['status']} {r['note']}", flush=True)
         meta["elapsed_s"] = round(time.perf_counter() - start, 1)
         meta["summary"] = summary(rows)
         report.write_json(json_path, meta, rows)
