@@ -1,7 +1,7 @@
 """Our GEMM and XLA's under Nsight Compute: each variant's GEMM calls, and nothing else, inside
 cudaProfilerStart / cudaProfilerStop, for `ncu --profile-from-start off`.
 
-    ncu --profile-from-start off --clock-control base -k regex:"nvjet|device_kernel" \\
+    ncu --profile-from-start off --clock-control none -k regex:"nvjet|device_kernel" \\
         --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis \\
         --csv --page details \\
         python benchmarks/diagnostics/ncu_gemm.py --shapes 16384:3072:8192,8192:2560:5120 \\
@@ -15,8 +15,8 @@ range, so the ncu report's kernels (in launch order) map to variants.
 
 Variants: `xla` (XLA's GEMM, cuBLAS's nvjet kernels on Hopper) or a gemm_parity kernel spec,
 KERNEL[/gG][/sS] (`python -m benchmarks.gemm_parity --help`): our overlap GEMM with that
-instance, tile group and serpentine order. `--clock-control base` compares kernels at equal
-clocks (their efficiency per cycle); `none` lets the clock and power state vary as in a loop.
+instance, tile group and serpentine order. With `--clock-control none` the clocks stay the GPU's:
+compare kernels per cycle by `Elapsed Cycles`, and their times next to the `SM Frequency` each ran at.
 """
 
 from __future__ import annotations
