@@ -10,7 +10,7 @@ tensor), two programs over a mesh axis of size 1:
   flux  ag_matmul(impl="fused", fp8=True) pinned to the overlap path: the same quantization,
         then our CUTLASS FP8 GEMM (e4m3 x e4m3, the scales in its epilogue) with no peer
         (its rule: ping-pong 128x128 tiles in 2x1 clusters at K <= 4096 and below 8192 x 8192
-        outputs where their waves are shorter, else 128x256 tiles)
+        outputs, except at K >= 8192 where 128x256 tiles' waves tie; else 128x256 tiles)
   flux:128x256, flux:128x128_pp_c2x1  the same with one FP8 instance forced through the private
         GpuTuning.gemm_kernel (`--no-forced` leaves them out)
 

@@ -704,10 +704,12 @@ def test_fp8_gemm_rule_and_tile_groups():
     assert auto_kernel("float8_e4m3fn", True, 8192, 8192, 28672, 132) == "128x256"
     assert auto_kernel("float8_e4m3fn", True, 16384, 4096, 8192, 132) == "128x128_pp_c2x1"  # K <= 4096
     assert auto_kernel("float8_e4m3fn", True, 16384, 3072, 8192, 132) == "128x128_pp_c2x1"
-    # below 8192^2 outputs at K > 4096: cooperative where its waves tie (8 x 256 = 16 x 128 columns)
+    # below 8192^2 outputs: cooperative at K >= 8192 where its 4+ waves tie (8 x 256 = 16 x 128 columns)
     assert auto_kernel("float8_e4m3fn", True, 4096, 8192, 8192, 132) == "128x256"
     assert auto_kernel("float8_e4m3fn", True, 2048, 8192, 5120, 132) == "128x128_pp_c2x1"  # 3 x 256 > 5 x 128
-    assert auto_kernel("float8_e4m3fn", True, 4096, 4096, 8192, 132) == "128x128_pp_c2x1"  # K <= 4096
+    assert auto_kernel("float8_e4m3fn", True, 4096, 6912, 5120, 132) == "128x128_pp_c2x1"  # K < 8192
+    assert auto_kernel("float8_e4m3fn", True, 2048, 14336, 8192, 132) == "128x128_pp_c2x1"  # 3.9 waves of work
+    assert auto_kernel("float8_e4m3fn", True, 64, 8192, 28672, 132) == "128x128_pp_c2x1"  # one wave
     assert auto_kernel("float8_e5m2", True, 2048, 5120, 2560, 132) == "128x160_pp_c2x1"  # 2 x 160 < 3 x 128
     assert auto_kernel("float8_e5m2", True, 2048, 5120, 8192, 132) == "128x128_pp_c2x1"  # 7 x 160 > 8 x 128
     assert auto_kernel("float8_e5m2", True, 8192, 8192, 8192, 132) == "128x128_pp_c2x1"  # e5m2: ping-pong only

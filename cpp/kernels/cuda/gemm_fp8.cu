@@ -1,7 +1,7 @@
 // The FP8 overlap GEMM instances: float8 operands, B K-major, bfloat16 out with row and column
 // scales in the epilogue (gemm_fp8_instance.cuh; op_common.h, ChooseFp8GemmInstance):
 //   e4m3 x e4m3, 128x256          cooperative, 1x1 clusters: K > 4096 at 8192 x 8192 outputs and
-//                                 more, or below them where its waves tie
+//                                 more, or below them at K >= 8192 where its waves tie
 //   e4m3 x e4m3, 128x128 pp, 2x1  ping-pong, B shared by TMA multicast: the rest (K <= 4096 always)
 //   e5m2 x e4m3, 128x128 pp, 2x1  the backward's dy rows (e5m2) times the weight
 //   e5m2 x e4m3, 128x160 pp, 2x1  the same where 160-column tiles make fewer waves

@@ -237,14 +237,17 @@ inline bool PreferFp8Pingpong160(int64_t m, int64_t n, int sm_count) {
 // Fp8CooperativeByWaves).
 inline constexpr int64_t kFp8PingpongMaxK = 4096;
 
-// Below 8192 x 8192 outputs at K > kFp8PingpongMaxK: cooperative 128x256 where its waves give each
-// SM no more columns than 128x128 tiles' (WaveSpan). CUPTI GEMM kernel time on one H200, ours /
-// cuBLASLt's FP8 GEMM, 4096 x 8192 x 8192 (8 waves of 128x256 tiles, 16 of 128x128): cooperative
-// 1.040x and 1.033x against ping-pong's 1.047x and 1.059x in two runs; at 2048 x 8192 x 5120 and
-// 2048 x 6912 x 5120 (3 waves of 128x256 for 2.4 waves of work, 5 of 128x128 for 4.8) ping-pong
-// 1.026-1.027x against cooperative's 1.19-1.22x (docs/decisions/2026-12-05-fp8-cooperative-by-waves.md).
-inline bool Fp8CooperativeByWaves(int64_t m, int64_t n, int sm_count) {
-  return sm_count > 0 && WaveSpan(m, n, kGemmBlockN, sm_count) <= WaveSpan(m, n, kGemmBlockN128, sm_count);
+// Below 8192 x 8192 outputs: cooperative 128x256 at K >= 8192 where 128x256 tiles make at least
+// 4 waves and give each SM no more columns than 128x128 tiles' waves (WaveSpan): the regime of
+// the two shapes where it won, 8192^3 and 4096 x 8192 x 8192. CUPTI GEMM kernel time on one H200,
+// ours / cuBLASLt's FP8 GEMM, 4096 x 8192 x 8192 (8 waves of 128x256 tiles, 16 of 128x128):
+// cooperative 1.040x and 1.033x against ping-pong's 1.047x and 1.059x in two runs; at 2048 x 8192
+// x 5120 (3 waves of 128x256 for 2.4 waves of work, 5 of 128x128 for 4.8) ping-pong 1.026x
+// against cooperative's 1.20x (docs/decisions/2026-12-05-fp8-cooperative-by-waves.md).
+inline constexpr int64_t kFp8CooperativeMinK = 8192;
+inline bool Fp8CooperativeByWaves(int64_t m, int64_t n, int64_t k, int sm_count) {
+  return sm_count > 0 && k >= kFp8CooperativeMinK && TileCount(m, n, kGemmBlockN) >= int64_t{4} * sm_count &&
+         WaveSpan(m, n, kGemmBlockN, sm_count) <= WaveSpan(m, n, kGemmBlockN128, sm_count);
 }
 inline Status ChooseFp8GemmInstance(const CommConfig& cfg, const Fp8Operands& fp8, int64_t m, int64_t k, int64_t n,
                                     int sm_count, GemmPlan* plan) {
@@ -254,7 +257,7 @@ inline Status ChooseFp8GemmInstance(const CommConfig& cfg, const Fp8Operands& fp
   if (kernel == GemmKernel::k128x160PingpongCluster2x1 && !fp8.x_e5m2) kernel = GemmKernel::kAuto;
   const bool by_rule = kernel == GemmKernel::kAuto;
   const bool pingpong_by_shape =
-      k <= kFp8PingpongMaxK || (m * n < int64_t{8192} * 8192 && !Fp8CooperativeByWaves(m, n, sm_count));
+      k <= kFp8PingpongMaxK || (m * n < int64_t{8192} * 8192 && !Fp8CooperativeByWaves(m, n, k, sm_count));
   if (fp8.x_e5m2 && !by_rule && kernel != GemmKernel::k128x128PingpongCluster2x1 &&
       kernel != GemmKernel::k128x160PingpongCluster2x1) {
     return Status::InvalidArgument(
