@@ -46,16 +46,29 @@ def axis_set(axis_name) -> frozenset[str]:
     return frozenset(axis_tuple(axis_name))
 
 
+def parse_axis_name(axis_name) -> tuple[str, ...] | None:
+    """The mesh axes a TP axis name stands for: (name,) for a str, the names of a non-empty tuple of
+    distinct str (one TP axis over their devices in row-major order, as lax.all_gather and
+    lax.axis_index read a tuple); None for anything else (the caller words the error)."""
+    if isinstance(axis_name, str):
+        return (axis_name,)
+    if isinstance(axis_name, tuple) and axis_name and all(isinstance(a, str) for a in axis_name):
+        if len(set(axis_name)) == len(axis_name):
+            return axis_name
+    return None
+
+
+def axis_size(sizes, axis_name) -> int:
+    """Devices along a TP axis name: the product of its mesh axes' sizes (`sizes`: name -> size)."""
+    return int(np.prod([sizes[a] for a in axis_tuple(axis_name)]))
+
+
 def normalize_axis_name(op: str, axis_name):
     """`axis_name` as the ops carry it: one mesh axis's name (a str; a 1-tuple becomes its name), or
-    a tuple of two or more distinct names, one TP axis over their devices in row-major order (as
-    lax.all_gather and lax.axis_index read a tuple)."""
-    if isinstance(axis_name, str):
-        return axis_name
-    if isinstance(axis_name, tuple) and axis_name and all(isinstance(a, str) for a in axis_name):
-        names = tuple(axis_name)
-        if len(set(names)) == len(names):
-            return names[0] if len(names) == 1 else names
+    a tuple of two or more distinct names (parse_axis_name)."""
+    names = parse_axis_name(axis_name)
+    if names is not None:
+        return names[0] if len(names) == 1 else names
     raise ValueError(
         f"flux_jax.{op}: axis_name must name a mesh axis (a str) or several distinct ones (a tuple of "
         f"str), got {axis_name!r}"
@@ -81,8 +94,7 @@ def check_axis(op: str, axis_name) -> AxisInfo:
     device = getattr(mesh, "abstract_device", None)
     platform = getattr(device, "platform", None) or jax.default_backend()
     auto = tuple(a for a in names if sizes[a] > 1 and a not in manual)
-    tp = int(np.prod([sizes[a] for a in axis_tuple(axis_name)]))
-    return AxisInfo(axis_name, tp, platform_name(platform), auto)
+    return AxisInfo(axis_name, axis_size(sizes, axis_name), platform_name(platform), auto)
 
 
 def check_operands(op: str, x, w) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 
 import jax
-import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -41,8 +40,7 @@ def _check_global(op: str, x, w, mesh, axis_name, fp8):
         raise ValueError(f"flux_jax.{op}: axis_name {missing[0]!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
     _validation.check_operands(op, x, w)
     _fp8.resolve(op, fp8, w)
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-    tp = int(np.prod([sizes[a] for a in _validation.axis_tuple(axis_name)]))
+    tp = _validation.axis_size(dict(zip(mesh.axis_names, mesh.axis_sizes)), axis_name)
     for name, operand, dim in _SPLITS[op]:
         a = x if operand == "x" else w
         if a.shape[dim] % tp:

@@ -42,7 +42,6 @@ kernel again (x still is, per row). The kernel is frozen from then on: its gradi
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 
 import jax
@@ -51,6 +50,7 @@ import numpy as np
 from flax import nnx
 
 import flux_jax
+from flux_jax import _validation
 from flux_jax import fp8 as fp8_lib
 from flux_jax.flax.sharding import normalize_tp_axis, tp_axis_names
 
@@ -60,13 +60,12 @@ IMPLS = ("auto", "fused", "xla")
 def axis_size(mesh: jax.sharding.Mesh, axis_name) -> int:
     """Size of the TP axis `axis_name` in `mesh` (a tuple of mesh axes: the product of their sizes),
     with an error naming the mesh's axes if one is missing."""
-    names = tp_axis_names(axis_name)
-    for name in names:
+    for name in tp_axis_names(axis_name):
         if name not in mesh.axis_names:
             raise ValueError(
                 f"mesh axes are {tuple(mesh.axis_names)}; the tensor-parallel axis {name!r} is not one of them"
             )
-    return math.prod(int(mesh.shape[name]) for name in names)
+    return _validation.axis_size(mesh.shape, axis_name)
 
 
 def check_divisible(what: str, value: int, axis_name, size: int, why: str) -> None:

@@ -18,19 +18,15 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from flux_jax._validation import parse_axis_name
+
 
 def tp_axis_names(tp_axis) -> tuple[str, ...]:
     """The mesh axes of a TP axis: ("tp",) for "tp"; for a tuple of distinct names, those names (one
     TP axis over their devices, ranks row-major in the order named, as the flux_jax ops read it)."""
-    if isinstance(tp_axis, str):
-        return (tp_axis,)
-    if (
-        isinstance(tp_axis, tuple)
-        and tp_axis
-        and all(isinstance(a, str) for a in tp_axis)
-        and len(set(tp_axis)) == len(tp_axis)
-    ):
-        return tp_axis
+    names = parse_axis_name(tp_axis)
+    if names is not None:
+        return names
     raise ValueError(
         f"tp_axis must name a mesh axis (a str) or several distinct ones (a tuple of str), got {tp_axis!r}"
     )
