@@ -121,7 +121,13 @@ def check_operands(op: str, x, w) -> None:
         )
     if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
         names = ", ".join(d.name for d in SUPPORTED_DTYPES)
-        raise TypeError(f"flux_jax.{op}: unsupported dtype {jnp.dtype(x.dtype).name}; supported: {names}")
+        hint = ""
+        if jnp.dtype(x.dtype).itemsize == 1 and jnp.issubdtype(x.dtype, jnp.floating):
+            hint = (
+                "; for FP8 GEMMs pass high-precision x and w with fp8=True (the op quantizes them), "
+                "or a weight quantized once with flux_jax.Fp8Weight.quantize"
+            )
+        raise TypeError(f"flux_jax.{op}: unsupported dtype {jnp.dtype(x.dtype).name}; supported: {names}{hint}")
     if x.shape[-1] != w.shape[0]:
         raise ValueError(
             f"flux_jax.{op}: contraction mismatch: x {_describe(x)} has K={x.shape[-1]} but w "

@@ -60,8 +60,10 @@ def test_mixed_dtypes_are_not_promoted(fn):
 @pytest.mark.parametrize("fn", OPS)
 @pytest.mark.parametrize("dtype", [jnp.int32, jnp.float8_e4m3fn])
 def test_unsupported_dtype(fn, dtype):
-    with pytest.raises(TypeError, match=r"unsupported dtype .*supported: float32, bfloat16, float16"):
+    with pytest.raises(TypeError, match=r"unsupported dtype .*supported: float32, bfloat16, float16") as err:
         _run(fn, _zeros((16, 16), dtype), _zeros((16, 8), dtype), in_specs=(P(), P()), out_specs=P(), axis_name="tp")
+    # FP8 operands are pointed at the two ways in: fp8=True, or a weight quantized once
+    assert ("fp8=True" in str(err.value) and "Fp8Weight.quantize" in str(err.value)) == (dtype == jnp.float8_e4m3fn)
 
 
 def test_matmul_rs_rows_not_divisible():

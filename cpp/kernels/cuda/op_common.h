@@ -340,8 +340,9 @@ inline uint64_t TilesTouchingRows(int64_t row0, int64_t row1, int64_t n, int32_t
 // the more a group of 8 over-reads B. Time per call at the power cap on one H200, groups of 16
 // against 8 (serpentine on), 128x256: eight shapes at M = 8192-16384 0.1-1.0% faster (median
 // 1.041 -> 1.034x XLA's); seven at M = 2048-4096, six 0.3-0.7% faster, one tied
-// (docs/decisions/2026-12-04-tile-groups-of-16.md). 128x320 2x1 and 128x192 at M = 2048:
-// docs/decisions/2026-12-05-tile-groups-of-16-wide-tiles.md.
+// (docs/decisions/2026-12-04-tile-groups-of-16.md). 128x320 2x1 and 128x192 at M = 2048-4096,
+// by kernel time: three shapes 1.5-1.8% faster, three within 0.4%
+// (docs/decisions/2026-12-05-tile-groups-of-16-wide-tiles.md).
 // FP8 e4m3 ping-pong 128x128: 16 too where B (k x n bytes) exceeds a third of the 50 MB L2, which
 // then holds no whole B from one group's sweep to the next: half as many groups, half the B
 // reads from HBM.
