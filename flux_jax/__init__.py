@@ -12,6 +12,7 @@ Per-shard ops (inside jax.shard_map):
   fp8=True / fp8=flux_jax.Fp8(...) on every op: FP8 operands, current scaling
   w=flux_jax.Fp8Weight.quantize(w, recipe): a weight quantized once (load time), for any op's w
 Global-view helpers: flux_jax.<op>_sharded for each op above.
+jax.export: disabled_checks=flux_jax.export_disabled_checks()
 """
 
 from flux_jax import _native
@@ -22,6 +23,7 @@ from flux_jax._config import Config, config, get_config, set_config  # noqa: E40
 from flux_jax._distributed import initialize as initialize_distributed  # noqa: E402
 from flux_jax._errors import FusedUnavailableError  # noqa: E402
 from flux_jax._explain import explain, explain_auto  # noqa: E402
+from flux_jax._export import export_disabled_checks  # noqa: E402
 from flux_jax._native import build_info  # noqa: E402
 from flux_jax._state import HandlerHostTime, device_errors, handler_host_time, reset, workspace_bytes  # noqa: E402
 from flux_jax.fp8 import Fp8, Fp8Weight  # noqa: E402
@@ -57,6 +59,7 @@ __all__ = [
     "device_errors",
     "explain",
     "explain_auto",
+    "export_disabled_checks",
     "initialize_distributed",
     "get_config",
     "handler_host_time",

@@ -275,9 +275,8 @@ def _log_once(message: str) -> None:
 def register(spec) -> None:
     """Registers the CPU and CUDA lowerings of `spec.primitive`."""
 
-    def rule(ctx, x, *operands, call):
+    def rule(ctx, x, *operands, call, platform):
         w_ops, rank = operands[:-1], operands[-1]  # the weight's leaves (one array, or q and scale)
-        platform = platform_name(ctx.module_context.platforms[0])
         plan = call.plan
         if platform != call.platform:  # lowered for another platform than it was traced on
             problem = _lowered_problem(spec, ctx, call, platform)
@@ -335,12 +334,54 @@ def register(spec) -> None:
                 f"flux_jax: no CUDA kernel for {spec.name} in this build (flux_jax.build_info() says "
                 "what was built); use impl='xla' or 'auto'"
             )
-        return rule(ctx, *operands, call=call)
+        return rule(ctx, *operands, call=call, platform="cuda")
 
-    # Not cacheable: JAX lowers identical equations of a module once and reuses the result, which
-    # would give same-shape calls (q, k and v projections) one call-site id; each needs its own.
-    mlir.register_lowering(spec.primitive, rule, platform="cpu", cacheable=False)
-    mlir.register_lowering(spec.primitive, cuda_rule, platform="cuda", cacheable=False)
+    def lowering(ctx, *operands, call):
+        platforms = _lowering_platforms(ctx, call, spec.name)
+        if len(platforms) > 1:
+            return _lower_per_platform(spec, ctx, operands, call, platforms)
+        if platforms[0] == "cuda":
+            return cuda_rule(ctx, *operands, call=call)
+        return rule(ctx, *operands, call=call, platform="cpu")
+
+    # One rule for every platform, not one per platform: JAX's own dispatch over several lowering
+    # platforms (jax.export(..., platforms=("cpu", "cuda"))) fails for rules that are not
+    # cacheable (jax 0.11-0.12), so _lower_per_platform does it. Not cacheable: JAX lowers
+    # identical equations of a module once and reuses the result, which would give same-shape
+    # calls (q, k and v projections) one call-site id; each needs its own.
+    mlir.register_lowering(spec.primitive, lowering, cacheable=False)
+
+
+_PLATFORMS = ("cpu", "cuda")  # the platforms with flux_jax handlers
+
+
+def _lowering_platforms(ctx, call, op: str) -> tuple[str, ...]:
+    """The platforms this lowering emits code for: the one a per-platform branch was bound for
+    (`call.lowering_platform`), else the module's (several under a multi-platform export)."""
+    if call.lowering_platform is not None:
+        return (call.lowering_platform,)
+    platforms = tuple(platform_name(p) for p in (ctx.platforms or ctx.module_context.platforms))
+    others = [p for p in platforms if p not in _PLATFORMS]
+    if others:
+        raise NotImplementedError(
+            f"flux_jax.{op} has CPU and CUDA implementations only; it cannot be lowered for "
+            f"{', '.join(others)} (use impl='xla', or leave the platform out of jax.export's platforms)"
+        )
+    return platforms
+
+
+def _lower_per_platform(spec, ctx, operands, call, platforms):
+    """Several lowering platforms (a multi-platform jax.export): the call once per platform, each
+    planned and lowered for its own, chosen at run time by lax.platform_dependent."""
+
+    def branch(platform):
+        bound = dataclasses.replace(call, lowering_platform=platform)
+        return lambda *args: tuple(spec.primitive.bind(*args, call=bound))
+
+    def per_platform(*args):
+        return jax.lax.platform_dependent(*args, **{p: branch(p) for p in platforms})
+
+    return mlir.lower_fun(per_platform, multiple_results=True)(ctx, *operands)
 
 
 def _lowered_problem(spec, ctx, call, platform: str):

@@ -56,6 +56,9 @@ class Call:
     # A pre-quantized weight (Fp8Weight): its scaling, "tensor" or "column"; None for an array.
     # Set by `bind`, which flattens the weight into the primitive's operands (q, scale).
     w_prequantized: str | None = None
+    # Set by the lowering under a multi-platform jax.export: the platform ("cpu" or "cuda") of
+    # the lax.platform_dependent branch this call was bound in.
+    lowering_platform: str | None = None
 
     @property
     def forced(self) -> bool:

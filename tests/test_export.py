@@ -1,0 +1,120 @@
+"""jax.export of functions that call the fused ops: for one platform and for several, serialized,
+deserialized and run here, against the float64 oracle, the twin and the call itself."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import flux_jax
+
+from helpers import assert_matches, cpu_mesh, random_array, to64
+
+TP, S, D, F = 4, 32, 48, 64
+
+
+def _block(mesh, impl, fp8=None):
+    """ag_matmul -> tanh -> matmul_rs, a Megatron MLP with sequence parallelism."""
+
+    def body(x, w1, w2):
+        h = flux_jax.ag_matmul(x, w1, axis_name="tp", impl=impl, fp8=fp8)
+        return flux_jax.matmul_rs(jnp.tanh(h), w2, axis_name="tp", impl=impl, fp8=fp8)
+
+    specs = (P("tp"), P(None, "tp"), P("tp"))
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P("tp"))), specs
+
+
+def _data(seed=0):
+    rng = np.random.default_rng(seed)
+    x = random_array(rng, (S, D), jnp.bfloat16)
+    w1 = random_array(rng, (D, F), jnp.bfloat16, scale=D**-0.5)
+    w2 = random_array(rng, (F, D), jnp.bfloat16, scale=F**-0.5)
+    return x, w1, w2
+
+
+def _reference(x, w1, w2):
+    return np.tanh(to64(x) @ to64(w1)) @ to64(w2)
+
+
+def _targets(module: str) -> list:
+    return re.findall(r"custom_call @(flux_jax_\w+)", module)
+
+
+def _run_restored(exported, mesh, specs, *args):
+    restored = export.deserialize(exported.serialize())
+    return jax.jit(restored.call, in_shardings=tuple(NamedSharding(mesh, s) for s in specs))(*args)
+
+
+@pytest.mark.parametrize("platforms", [("cpu",), ("cpu", "cuda"), ("cuda", "cpu")])
+def test_exported_block_runs_the_fused_ops_and_equals_the_call(platforms):
+    mesh = cpu_mesh((TP,), ("tp",), AxisType.Auto)
+    fused, specs = _block(mesh, "fused")
+    x, w1, w2 = _data()
+    exported = export.export(fused, platforms=platforms, disabled_checks=flux_jax.export_disabled_checks())(x, w1, w2)
+    targets = _targets(exported.mlir_module())
+    # CPU plans the overlap path for these shapes; a CUDA branch plans its own (on this host without
+    # a GPU: for the Hopper GPUs the built-in tables describe), here the latency path's collectives
+    assert targets.count("flux_jax_ag_matmul") == 1 and targets.count("flux_jax_matmul_rs") == 1, targets
+    several = len(platforms) > 1
+    assert ("flux_jax_all_gather" in targets and "flux_jax_reduce_scatter" in targets) == several, targets
+    assert ("stablehlo.case" in exported.mlir_module()) == several
+
+    out = _run_restored(exported, mesh, specs, x, w1, w2)
+    np.testing.assert_array_equal(to64(out), to64(fused(x, w1, w2)))  # the CPU branch is the call itself
+    twin, _ = _block(mesh, "xla")
+    assert_matches(out, _reference(x, w1, w2), twin(x, w1, w2), "bfloat16", f"export {platforms}")
+
+
+@pytest.mark.parametrize("platforms", [("cpu",), ("cpu", "cuda")])
+def test_exported_fp8_block_and_its_gradients(platforms):
+    mesh = cpu_mesh((TP,), ("tp",), AxisType.Auto)
+    fused, specs = _block(mesh, "fused", fp8=True)
+    twin, _ = _block(mesh, "xla", fp8=True)
+    x, w1, w2 = _data(1)
+    checks = flux_jax.export_disabled_checks()
+
+    out = _run_restored(
+        export.export(fused, platforms=platforms, disabled_checks=checks)(x, w1, w2), mesh, specs, x, w1, w2
+    )
+    ref = _reference(x, w1, w2)
+    # Within the FP8 roundings (e4m3: 2^-4 per operand, four on the path) of the float64 result and
+    # close to the FP8 twin: XLA may fuse the quantization differently around a multi-platform
+    # program's branches, which moves some roundings (measured 0.7% relative)
+    for got, bound in ((out, 0.15), (twin(x, w1, w2), 0.15)):
+        assert np.linalg.norm(to64(got) - ref) / np.linalg.norm(ref) < bound
+    assert np.linalg.norm(to64(out) - to64(twin(x, w1, w2))) / np.linalg.norm(ref) < 0.03
+
+    def loss(f):
+        return jax.jit(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) ** 2), argnums=(0, 1, 2)))
+
+    exported = export.export(loss(fused), platforms=platforms, disabled_checks=checks)(x, w1, w2)
+    assert "flux_jax_matmul_rs" in _targets(exported.mlir_module())
+    grads = _run_restored(exported, mesh, specs, x, w1, w2)
+    for got, want in zip(grads, loss(twin)(x, w1, w2)):
+        got, want = to64(got), to64(want)
+        assert np.all(np.isfinite(got))
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.05
+
+
+def test_export_without_the_checks_names_the_custom_call():
+    mesh = cpu_mesh((TP,), ("tp",), AxisType.Auto)
+    fused, _ = _block(mesh, "fused")
+    with pytest.raises(ValueError, match="flux_jax_ag_matmul"):
+        export.export(fused)(*_data())
+    assert {str(c) for c in flux_jax.export_disabled_checks()} >= {
+        f"custom_call:flux_jax_{op}" for op in ("ag_matmul", "matmul_rs", "matmul_ar", "all_gather", "reduce_scatter")
+    }
+
+
+def test_export_for_a_platform_without_flux_jax_kernels_says_so():
+    mesh = cpu_mesh((TP,), ("tp",), AxisType.Auto)
+    fused, _ = _block(mesh, "fused")
+    with pytest.raises(NotImplementedError, match=r"CPU and CUDA implementations only; .* tpu"):
+        export.export(fused, platforms=("cpu", "tpu"), disabled_checks=flux_jax.export_disabled_checks())(*_data())
+    twin, _ = _block(mesh, "xla")  # the twin binds no flux_jax call: any platform
+    assert not _targets(export.export(twin, platforms=("cpu", "tpu"))(*_data()).mlir_module())
