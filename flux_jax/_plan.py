@@ -35,8 +35,9 @@ _ALL_REDUCE_OPS = ("matmul_ar",)
 # that must be fused the latency path (XLA's GEMM next to our collective).
 _UNMEASURED_ON_GPUS = {
     "matmul_ar": 'matmul_ar has not been measured at tp > 1 on GPUs, so impl="auto" takes the twin there '
-    '(impl="fused" takes the decode kernel up to 128 rows, the two-shot overlap from 1024 rows '
-    "divisible by tp, else XLA's GEMM + our all_reduce)",
+    "until this GPU kind is tuned (python -m flux_jax.tune --shapes matmul_ar:MxKxN or --model NAME "
+    '--no-sequence-parallel); impl="fused" takes the decode kernel up to 128 rows, the two-shot '
+    "overlap from 1024 rows divisible by tp, else XLA's GEMM + our all_reduce",
 }
 _GPU_DTYPES = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
 _BF16 = np.dtype(ml_dtypes.bfloat16)

@@ -555,3 +555,82 @@ def test_table_and_tool_errors_name_the_problem(tmp_path):
         _tuning.load(str(table))
     rc, _, err = _tool("--shapes", ",", "--tp", "2", *FAST, "--out", str(tmp_path / "out.json"))
     assert rc == 2 and "no shapes to measure" in err
+
+
+def _ar_block():
+    """Megatron's layout without sequence parallelism: column_matmul -> tanh -> matmul_ar."""
+    mesh = cpu_mesh((4,), ("tp",), AxisType.Auto)
+
+    def block(x, w1, w2):
+        h = flux_jax.column_matmul(x, w1, axis_name="tp")
+        return flux_jax.matmul_ar(jnp.tanh(h), w2, axis_name="tp")
+
+    def loss(x, w1, w2):  # the backward holds column_matmul's dx: a matmul_ar over w1's columns
+        return jnp.sum(fn(x, w1, w2).astype(jnp.float32) ** 2)
+
+    fn = jax.shard_map(block, mesh=mesh, in_specs=(P(), P(None, "tp"), P("tp", None)), out_specs=P())
+    z = functools.partial(jnp.zeros, dtype=jnp.bfloat16)
+    return jax.grad(loss, argnums=(0, 1, 2)), (z((64, 32)), z((32, 128)), z((128, 48)))
+
+
+def test_matmul_ar_shapes_of_a_function_and_of_a_model_preset():
+    shapes = flux_jax.tune.function_shapes(_ar_block)
+    assert sorted((s.op, s.M, s.K, s.N, s.tp, s.label) for s in shapes) == [
+        ("matmul_ar", 64, 128, 32, 4, "backward"),  # column_matmul's dx = dy w1^T, all-reduced
+        ("matmul_ar", 64, 128, 48, 4, "forward"),
+    ]
+    from benchmarks.presets import _row_parallel_layers
+
+    ours = flux_jax.tune._models.layers("llama3-8b", sequence_parallel=False)
+    assert {op for op, *_ in ours} == {"matmul_ar"}
+    row_parallel = [(k, n) for op, k, n, label in ours if "dx" not in label]
+    assert row_parallel == [(k, n) for _, k, n, _ in _row_parallel_layers("8B")]
+    # the column-parallel GEMMs' backward: K = their output columns (sharded), N = their input width
+    with_sp = flux_jax.tune._models.layers("llama3-8b")
+    assert [(k, n) for _, k, n, label in ours if "dx" in label] == [
+        (n, k) for op, k, n, _ in with_sp if op == "ag_matmul"
+    ]
+    preset = flux_jax.tune.model_shapes("llama3-70b", [64], [2], ["bfloat16"], sequence_parallel=False)
+    assert len(preset) == 4 and all(s.op == "matmul_ar" for s in preset)
+    # matmul_ar's rows stay whole: any M is valid; its K is sharded
+    assert flux_jax.tune.parse_shapes("ar:30x64x32", [4], ["bfloat16"])[0].invalid() is None
+    assert "K=62" in flux_jax.tune.parse_shapes("matmul_ar:32x62x32", [4], ["bfloat16"])[0].invalid()
+
+
+def test_matmul_ar_is_measured_and_auto_follows_its_table(tmp_path):
+    path = tmp_path / "ar.json"
+    rc, out, err = _tool("--shapes", "ar:64x64x32", "--tp", "4", "--out", str(path), *FAST)
+    assert rc == 0, err
+    assert "matmul_ar  64x64x32" in out  # the summary table
+    raw = json.loads(path.read_text())
+    (entry,) = raw["entries"]
+    assert entry["op"] == "matmul_ar" and entry["shape"] == {"rows": 64, "k": 16, "n": 32}
+    # every fused path ran, with its own custom call, and was checked against the twin
+    assert set(entry["max_rel_err"]) == {"overlap", "latency", "decode"}
+    assert all(e <= 2e-2 for e in entry["max_rel_err"].values())
+
+    mesh = cpu_mesh((4,), ("tp",), AxisType.Auto)
+    specs = (P(None, "tp"), P("tp", None))
+
+    def fn():  # a fresh function each time: explain and lowering trace under the active config
+        body = functools.partial(flux_jax.matmul_ar, axis_name="tp")
+        return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P())
+
+    rng = np.random.default_rng()
+    x, w = random_array(rng, (64, 64), jnp.bfloat16), random_array(rng, (64, 32), jnp.bfloat16, scale=0.125)
+    xs, ws = place(mesh, x, specs[0]), place(mesh, w, specs[1])
+    twin = jax.jit(
+        jax.shard_map(
+            functools.partial(flux_jax.matmul_ar, axis_name="tp", impl="xla"), mesh=mesh, in_specs=specs, out_specs=P()
+        )
+    )
+    for path_name, target in (("latency", "flux_jax_all_reduce"), ("decode", "flux_jax_matmul_ar")):
+        table = _rewritten(path, tmp_path / f"{path_name}.json", path_name)
+        with flux_jax.config(tuning=table):
+            (site,) = flux_jax.explain(fn(), xs, ws)
+            assert site.plan.path == path_name and site.plan.decided_by == f"tuning table {table}"
+            assert f'custom_call_target="{target}"' in jax.jit(fn()).lower(xs, ws).compile().as_text()
+            out = jax.jit(fn())(xs, ws)
+        assert_matches(out, to64(x) @ to64(w), twin(xs, ws), "bfloat16", f"matmul_ar auto ({path_name} table)")
+    with flux_jax.config(tuning=_rewritten(path, tmp_path / "twin.json", "twin")):
+        assert 'custom_call_target="flux_jax_' not in jax.jit(fn()).lower(xs, ws).compile().as_text()

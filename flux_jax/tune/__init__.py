@@ -44,8 +44,8 @@ from flux_jax.tune._table import MIN_SPEEDUP
 
 __all__ = ["MIN_SPEEDUP", "MODELS", "Result", "TuneError", "TuningTableError", "cache_path", "load", "main", "run"]
 
-OPS = ("ag_matmul", "matmul_rs")
-_OP_ALIASES = {"ag": "ag_matmul", "rs": "matmul_rs", "ag_matmul": "ag_matmul", "matmul_rs": "matmul_rs"}
+OPS = ("ag_matmul", "matmul_rs", "matmul_ar")
+_OP_ALIASES = {"ag": "ag_matmul", "rs": "matmul_rs", "ar": "matmul_ar", **{op: op for op in OPS}}
 DTYPES = ("bfloat16", "float16", "float32")
 # Max |fused - twin| / max |twin| above which a fused output is wrong (as the benchmarks).
 TOLERANCE = {"bfloat16": 2e-2, "float16": 2e-2, "float32": 1e-3}
@@ -53,6 +53,13 @@ _AXIS = "tp"
 _SPECS = {  # (x, w, out) in the global view
     "ag_matmul": (P(_AXIS, None), P(None, _AXIS), P(None, _AXIS)),
     "matmul_rs": (P(None, _AXIS), P(_AXIS, None), P(_AXIS, None)),
+    "matmul_ar": (P(None, _AXIS), P(_AXIS, None), P(None, None)),
+}
+# The custom call that shows a path ran (the lowered program must hold it).
+_LATENCY_CALLS = {
+    "ag_matmul": "flux_jax_all_gather",
+    "matmul_rs": "flux_jax_reduce_scatter",
+    "matmul_ar": "flux_jax_all_reduce",
 }
 _CPU_WARNING = (
     "WARNING: tuning on CPU (--allow-cpu). The CPU backend is a reference of the protocol: its "
@@ -88,7 +95,7 @@ class Shape:
         return self.M, self.K // self.tp, self.N
 
     def invalid(self) -> str | None:
-        if self.M % self.tp:
+        if self.op != "matmul_ar" and self.M % self.tp:  # matmul_ar's rows stay whole on every rank
             return f"M={self.M} is not divisible by tp={self.tp} (rows are sharded)"
         name, value = ("N", self.N) if self.op == "ag_matmul" else ("K", self.K)
         if value % self.tp:
@@ -127,7 +134,7 @@ class Result:
 
 def _op(text: str) -> str:
     if text not in _OP_ALIASES:
-        raise TuneError(f"unknown op {text!r}: use ag_matmul or matmul_rs")
+        raise TuneError(f"unknown op {text!r}: use ag_matmul, matmul_rs or matmul_ar (or ag, rs, ar)")
     return _OP_ALIASES[text]
 
 
@@ -153,7 +160,8 @@ def _names(text, what: str, allowed) -> list[str]:
 
 
 def parse_shapes(text, tps, dtypes) -> list[Shape]:
-    """Shapes from "op:MxKxN,op:MxKxN" (global shapes; op ag_matmul / matmul_rs, or ag / rs)."""
+    """Shapes from "op:MxKxN,op:MxKxN" (global shapes; op ag_matmul / matmul_rs / matmul_ar, or
+    ag / rs / ar)."""
     items = list(text) if isinstance(text, (list, tuple)) else [s for s in str(text).split(",") if s.strip()]
     out = []
     for item in items:
@@ -168,10 +176,11 @@ def parse_shapes(text, tps, dtypes) -> list[Shape]:
     return out
 
 
-def model_shapes(model: str, ms, tps, dtypes) -> list[Shape]:
-    """A model preset's layer GEMMs at every M, TP size and dtype."""
+def model_shapes(model: str, ms, tps, dtypes, sequence_parallel: bool = True) -> list[Shape]:
+    """A model preset's layer GEMMs at every M, TP size and dtype (`sequence_parallel`: the ops of
+    the two layouts, _models.layers)."""
     try:
-        layers = _models.layers(model)
+        layers = _models.layers(model, sequence_parallel)
     except ValueError as err:
         raise TuneError(str(err)) from None
     return [
@@ -206,7 +215,9 @@ def function_shapes(target) -> list[Shape]:
         if all(dataclasses.replace(s, label="") != dataclasses.replace(shape, label="") for s in shapes):
             shapes.append(shape)
     if not shapes:
-        raise TuneError("--from: the function has no ag_matmul / matmul_rs call (flux_jax.explain found none)")
+        raise TuneError(
+            "--from: the function has no ag_matmul / matmul_rs / matmul_ar call (flux_jax.explain found none)"
+        )
     return shapes
 
 
@@ -229,7 +240,7 @@ def _random(key, shape, dtype, mesh, spec):
 def _step(op: str, path: str, mesh, poison: bool = False):
     import flux_jax
 
-    fn = flux_jax.ag_matmul if op == "ag_matmul" else flux_jax.matmul_rs
+    fn = {"ag_matmul": flux_jax.ag_matmul, "matmul_rs": flux_jax.matmul_rs, "matmul_ar": flux_jax.matmul_ar}[op]
     impl = "xla" if path == "twin" else "fused"
     overrides = ({} if path == "twin" else {"fused_path": path}) | ({"debug_poison_outputs": True} if poison else {})
 
@@ -248,10 +259,12 @@ def _rel_err(out, ref):
     return jnp.where(jnp.all(jnp.isfinite(o)), err, jnp.inf)
 
 
-def _custom_call(op: str, path: str) -> str:
+def _custom_call(problem: _plan.Problem, path: str) -> str:
     if path == "latency":
-        return "flux_jax_all_gather" if op == "ag_matmul" else "flux_jax_reduce_scatter"
-    return f"flux_jax_{op}"
+        return _LATENCY_CALLS[problem.op]
+    if path == "overlap" and _plan.composed_overlap(problem.op, problem.rows, problem.tp, problem.platform):
+        return "flux_jax_matmul_rs"  # matmul_ar's two-shot: matmul_rs's overlap call, then our all_gather
+    return f"flux_jax_{problem.op}"
 
 
 def _paths(problem: _plan.Problem) -> list[str]:
@@ -289,8 +302,9 @@ def _measure(shape: Shape, platform: str, params: _timing.Params, seed: int, log
         try:
             step = _step(shape.op, path, mesh)
             text = jax.jit(step).lower(x, w).as_text()
-            if f"custom_call @{_custom_call(shape.op, path)}" not in text:
-                raise RuntimeError(f"the program has no {_custom_call(shape.op, path)} call")
+            call = _custom_call(problem, path)
+            if f"custom_call @{call}" not in text:
+                raise RuntimeError(f"the program has no {call} call")
             err = float(_rel_err(jax.jit(_step(shape.op, path, mesh, poison=True))(x, w), reference))
             row.max_rel_err[path] = err
             if not err <= TOLERANCE[shape.dtype]:
@@ -365,7 +379,9 @@ def _summary(rows: list) -> str:
                 s.dtype,
                 f"{r.ms['twin']:.4f}" if "twin" in r.ms else "-",
                 *(
-                    f"{r.speedup[p]:.2f}x" if p in r.speedup else ("WRONG" if p in r.max_rel_err else "-")
+                    f"{r.speedup[p]:.2f}x"
+                    if p in r.speedup
+                    else ("WRONG" if not r.max_rel_err.get(p, 0.0) <= TOLERANCE[s.dtype] else "-")
                     for p in ("overlap", "latency", "decode")
                 ),
                 r.path or "-",
@@ -422,16 +438,19 @@ def run(
     seed: int = 0,
     log=print,
     dtype=None,
+    sequence_parallel: bool = True,
 ) -> Result:
     """Measures the fused paths against the twin and writes the tuning table; see `main --help`.
 
     Exactly one of `model` (a preset name: MODELS), `shapes` ("op:MxKxN,..." global shapes) and
     `from_function` ("module:function" or a callable returning (fn, args)) says what to measure;
-    `ms` the M values of a model preset, `tp` the TP sizes (default: every local device),
-    `dtypes` (or `dtype`) the dtypes. `out`: the table file (default: this device kind's in the user cache;
-    entries there are kept and skipped). `min_speedup`: the margin a fused path must beat the twin
-    by to be chosen, recorded in the table (None: the existing table's, else MIN_SPEEDUP; another
-    one than an existing table's is refused). Raises TuneError for a request it cannot run.
+    `ms` the M values of a model preset, `sequence_parallel` which ops its layers use (False: the
+    row-parallel GEMMs and the column-parallel ones' backward as matmul_ar), `tp` the TP sizes
+    (default: every local device), `dtypes` (or `dtype`) the dtypes. `out`: the table file
+    (default: this device kind's in the user cache; entries there are kept and skipped).
+    `min_speedup`: the margin a fused path must beat the twin by to be chosen, recorded in the
+    table (None: the existing table's, else MIN_SPEEDUP; another one than an existing table's is
+    refused). Raises TuneError for a request it cannot run.
     """
     start = time.monotonic()
     if sum(v is not None for v in (model, shapes, from_function)) != 1:
@@ -451,7 +470,8 @@ def run(
     else:
         tps = _tp_sizes(tp, count)
         if model is not None:
-            requested = model_shapes(model, _ints(ms, "--m") if ms is not None else _models.DEFAULT_MS, tps, dtypes)
+            ms = _ints(ms, "--m") if ms is not None else _models.DEFAULT_MS
+            requested = model_shapes(model, ms, tps, dtypes, sequence_parallel)
         else:
             requested = parse_shapes(shapes, tps, dtypes)
     if not requested:
@@ -580,6 +600,7 @@ def _parser() -> argparse.ArgumentParser:
             "examples:\n"
             "  python -m flux_jax.tune --model llama3-8b --tp 2\n"
             "  python -m flux_jax.tune --shapes ag_matmul:4096x8192x28672,matmul_rs:4096x28672x8192 --tp 2,4\n"
+            "  python -m flux_jax.tune --model llama3-8b --no-sequence-parallel  # matmul_ar\n"
             "  python -m flux_jax.tune --from mypkg.train:make_step --budget-minutes 30\n"
             "  python -m flux_jax.tune --model llama3-70b --out /shared/flux_jax/h100_tp4.json  "
             "# then Config(tuning=...)\n"
@@ -592,8 +613,9 @@ def _parser() -> argparse.ArgumentParser:
     group.add_argument(
         "--shapes",
         metavar="OP:MxKxN,...",
-        help="global GEMM shapes; OP is ag_matmul (x [M,K] row-sharded, w [K,N] column-sharded) "
-        "or matmul_rs (x and w sharded on K); e.g. ag_matmul:4096x4096x28672",
+        help="global GEMM shapes; OP is ag_matmul (x [M,K] row-sharded, w [K,N] column-sharded), "
+        "matmul_rs or matmul_ar (x and w sharded on K; matmul_ar's rows stay whole); "
+        "e.g. ag_matmul:4096x4096x28672",
     )
     group.add_argument(
         "--from",
@@ -607,6 +629,14 @@ def _parser() -> argparse.ArgumentParser:
         metavar="M,...",
         help="with --model: the M values (rows, i.e. tokens) to sweep "
         f"(default {','.join(map(str, _models.DEFAULT_MS))})",
+    )
+    p.add_argument(
+        "--no-sequence-parallel",
+        dest="sequence_parallel",
+        action="store_false",
+        help="with --model: the layer without sequence parallelism (Megatron's first layout): the "
+        "row-parallel GEMMs are matmul_ar, and so is the column-parallel ones' backward "
+        "(column_matmul's dx); by default the layer has ag_matmul and matmul_rs",
     )
     p.add_argument(
         "--tp", metavar="TP,...", help="TP sizes (mesh axis sizes) to measure, each >= 2 (default: every local device)"
@@ -676,6 +706,7 @@ def main(argv=None) -> int:
             target_ms=args.target_ms,
             min_speedup=args.min_speedup,
             seed=args.seed,
+            sequence_parallel=args.sequence_parallel,
         )
     except (TuneError, TuningTableError) as err:
         print(f"flux_jax.tune: error: {err}", file=sys.stderr)

@@ -2,7 +2,7 @@
 
 The layer shapes of benchmarks/presets.py (benchmarks/ is not installed with the package).
 Shapes are global: ag_matmul's x [M, K] is row-sharded and w [K, N] column-sharded over TP;
-matmul_rs's x [M, K] and w [K, N] are sharded on K.
+matmul_rs's and matmul_ar's x [M, K] and w [K, N] are sharded on K.
 """
 
 from __future__ import annotations
@@ -19,12 +19,25 @@ MODELS = {
 DEFAULT_MS = (8, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
-def layers(model: str) -> tuple:
-    """(op, K, N, label) of the layer's GEMMs: QKV (ag), out-proj (rs), gate+up (ag), down (rs)."""
+def layers(model: str, sequence_parallel: bool = True) -> tuple:
+    """(op, K, N, label) of the layer's GEMMs whose communication a fused op carries.
+
+    With sequence parallelism: QKV (ag), out-proj (rs), gate+up (ag), down (rs). Without it
+    (Megatron's first layout) the column-parallel GEMMs move nothing forward (column_matmul) and
+    all-reduce their input gradient backward, dx = dy w^T (matmul_ar over their N); the
+    row-parallel ones all-reduce their output (matmul_ar).
+    """
     if model not in MODELS:
         raise ValueError(f"unknown model {model!r}; the presets are: {', '.join(MODELS)}")
     hidden, ffn, q_heads, kv_heads, head_dim = MODELS[model]
     qkv = (q_heads + 2 * kv_heads) * head_dim
+    if not sequence_parallel:
+        return (
+            ("matmul_ar", qkv, hidden, f"{model} qkv dx"),
+            ("matmul_ar", q_heads * head_dim, hidden, f"{model} out-proj"),
+            ("matmul_ar", 2 * ffn, hidden, f"{model} gate+up dx"),
+            ("matmul_ar", ffn, hidden, f"{model} down"),
+        )
     return (
         ("ag_matmul", hidden, qkv, f"{model} qkv"),
         ("matmul_rs", q_heads * head_dim, hidden, f"{model} out-proj"),
