@@ -184,9 +184,10 @@ def fp8_overlap_supported(p: Problem) -> bool:
     )
 
 
-def _plan_fp8(p: Problem, config: Config, must_fuse: bool) -> Plan:
-    """FP8 calls (available kernels): the FP8 overlap kernel or the latency composition where
-    they must fuse, else the twin."""
+def _plan_fp8(p: Problem, config: Config, must_fuse: bool, on_hopper: bool = False) -> Plan:
+    """FP8 calls (available kernels): Config.fused_path where set; else a tuning table's measured
+    choice (forward calls, e4m3 rows and bfloat16 x: the tables' dtype "float8_e4m3fn"); else the
+    FP8 overlap kernel or the latency composition where they must fuse, and the twin where not."""
     latency = (
         "the latency composition: quantize, our collective moves the FP8 rows and their scales "
         "(or the partial), XLA's FP8 GEMM"
@@ -212,6 +213,11 @@ def _plan_fp8(p: Problem, config: Config, must_fuse: bool) -> Plan:
         if overlap_ok:
             return Plan("overlap", f'Config.fused_path="overlap": {overlap}', "config")
         return Plan("latency", f"the FP8 overlap kernel does not serve this call: {latency}", "config")
+    tuned = _tuning.lookup(p, config.tuning, on_hopper=on_hopper) if p.tp > 1 else None
+    if tuned is not None and (tuned.path != "twin" or not must_fuse):
+        return _fp8_tuned(p, tuned.path, tuned.reason, tuned.source, overlap, latency)
+    if tuned is not None and tuned.fused is not None:  # must fuse where the table chose the twin
+        return _fp8_tuned(p, tuned.fused, f'impl="fused" ({tuned.reason})', tuned.source, overlap, latency)
     if must_fuse:
         where = "platform" if p.platform == "cpu" else "kernels"
         if overlap_ok and (p.platform == "cpu" or _default_fused(p) == "overlap"):
@@ -224,9 +230,23 @@ def _plan_fp8(p: Problem, config: Config, must_fuse: bool) -> Plan:
         return Plan("twin", "the CPU backend is a protocol reference, slower than XLA:CPU's dot", "platform")
     return Plan(
         "twin",
-        'the fused FP8 paths are not measured at tp > 1 on GPUs yet; impl="fused" runs them',
+        "the fused FP8 paths are not measured at tp > 1 on GPUs yet (python -m flux_jax.tune --dtype fp8 "
+        'measures them on this GPU kind); impl="fused" runs them',
         "FP8 rule (unmeasured: the twin)",
     )
+
+
+def _fp8_tuned(p: Problem, path: str, why: str, source: str, overlap: str, latency: str) -> Plan:
+    """A tuning table's choice for an FP8 call, where its kernels serve it (else the latency
+    composition, which serves every FP8 call)."""
+    if path == "twin":
+        return Plan("twin", why, source)
+    if path == "overlap" and not fp8_overlap_supported(p):
+        return Plan("latency", f"{why}; the FP8 overlap kernel does not serve this call: {latency}", source)
+    if path == "decode" and not fp8_decode_supported(p):
+        return Plan("latency", f"{why}; the FP8 decode kernels do not serve this call: {latency}", source)
+    what = {"overlap": overlap, "latency": latency, "decode": "the FP8 decode kernel (e4m3 rows, bfloat16 out)"}
+    return Plan(path, f"{why}: {what[path]}", source)
 
 
 def fp8_decode_supported(p: Problem) -> bool:
@@ -367,7 +387,7 @@ def _decide(p: Problem, impl: str, config: Config, *, backward: bool = False, on
         return Plan("twin", reason, "kernels")
     must_fuse = impl == "fused" or backward
     if p.fp8:
-        return _plan_fp8(p, config, must_fuse)
+        return _plan_fp8(p, config, must_fuse, on_hopper)
     if config.fused_path != "auto":
         path, why = _feasible(p, config.fused_path)
         return Plan(path, why or f'Config.fused_path="{config.fused_path}"', "config")

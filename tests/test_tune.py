@@ -634,3 +634,86 @@ def test_matmul_ar_is_measured_and_auto_follows_its_table(tmp_path):
         assert_matches(out, to64(x) @ to64(w), twin(xs, ws), "bfloat16", f"matmul_ar auto ({path_name} table)")
     with flux_jax.config(tuning=_rewritten(path, tmp_path / "twin.json", "twin")):
         assert 'custom_call_target="flux_jax_' not in jax.jit(fn()).lower(xs, ws).compile().as_text()
+
+
+def test_fp8_calls_are_measured_and_auto_follows_their_table(tmp_path):
+    path = tmp_path / "fp8.json"
+    rc, out, err = _tool(
+        "--shapes", "ag:64x64x64,rs:64x64x64", "--tp", "4", "--dtype", "fp8", "--out", str(path), *FAST
+    )
+    assert rc == 0, err
+    assert re.search(r"ag_matmul +64x64x64 +4 +fp8 ", out), out  # the summary table
+    raw = json.loads(path.read_text())
+    assert sorted((e["op"], e["dtype"]) for e in raw["entries"]) == [
+        ("ag_matmul", "float8_e4m3fn"),
+        ("matmul_rs", "float8_e4m3fn"),
+    ]
+    for entry in raw["entries"]:  # every FP8 path ran and was checked against the FP8 twin
+        assert set(entry["max_rel_err"]) == {"overlap", "latency", "decode"}
+        assert all(e <= 2e-2 for e in entry["max_rel_err"].values())
+
+    mesh = cpu_mesh((4,), ("tp",), AxisType.Auto)
+    rng = np.random.default_rng()
+    x, w = random_array(rng, (64, 64), jnp.bfloat16), random_array(rng, (64, 64), jnp.bfloat16, scale=0.125)
+    specs = (P("tp", None), P(None, "tp"))
+    xs, ws = place(mesh, x, specs[0]), place(mesh, w, specs[1])
+
+    def fn(fp8=True, impl="auto"):  # a fresh function each time: explain and lowering trace under the config
+        body = functools.partial(flux_jax.ag_matmul, axis_name="tp", impl=impl, fp8=fp8)
+        return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(None, "tp"))
+
+    fp8_twin = jax.jit(fn(impl="xla"))(xs, ws)
+    # Without a table: the twin (the CPU default), the FP8 twin's XLA GEMM
+    assert 'custom_call_target="flux_jax_' not in jax.jit(fn()).lower(xs, ws).compile().as_text()
+    for chosen, target in (("overlap", "flux_jax_ag_matmul"), ("latency", "flux_jax_all_gather")):
+        table = _rewritten(path, tmp_path / f"{chosen}.json", chosen)
+        with flux_jax.config(tuning=table):
+            (site,) = flux_jax.explain(fn(), xs, ws)
+            assert site.plan.path == chosen and site.plan.decided_by == f"tuning table {table}", site
+            assert f'custom_call_target="{target}"' in jax.jit(fn()).lower(xs, ws).compile().as_text()
+            out = jax.jit(fn())(xs, ws)
+            # the table's FP8 entries say nothing of the same shape without FP8
+            (plain,) = flux_jax.explain(fn(fp8=None), xs, ws)
+            assert plain.plan.path == "twin" and plain.plan.decided_by == "platform"
+        assert_matches(out, to64(fp8_twin), fp8_twin, "bfloat16", f"FP8 auto ({chosen} table)")
+    with flux_jax.config(tuning=_rewritten(path, tmp_path / "twin.json", "twin")):
+        (site,) = flux_jax.explain(fn(), xs, ws)
+        assert site.plan.path == "twin" and "measured at this shape class" in site.plan.reason
+        # impl="fused" under a table that chose the twin: the best fused path it measured
+        (forced,) = flux_jax.explain(fn(impl="fused"), xs, ws)
+        assert (
+            forced.plan.path in ("overlap", "latency", "decode")
+            and "measured at this shape class" in forced.plan.reason
+        )
+
+
+def test_fp8_shape_classes_and_function_shapes():
+    device = _tuning.Device("H", "gpu", 132, 100.0, 10.0)
+    ag = [_tuning.moved_bytes("ag_matmul", 4096, 8192, 4096, d, 2) for d in ("bfloat16", _tuning.FP8)]
+    rs = [_tuning.moved_bytes("matmul_rs", 4096, 8192, 4096, d, 2) for d in ("bfloat16", _tuning.FP8)]
+    assert ag[1] == 2048 * (8192 + 4) and ag[0] == 2048 * 8192 * 2  # e4m3 rows and their float32 scales
+    assert rs[1] == rs[0]  # the partial travels in x's dtype
+    classes = [_tuning.shape_class("ag_matmul", 4096, 8192, 4096, d, 2, device) for d in ("bfloat16", _tuning.FP8)]
+    assert classes[1].log2_transfer_us < classes[0].log2_transfer_us and classes[1].log2_flop == classes[0].log2_flop
+
+    def fp8_block():
+        fn, args = _block()
+        return lambda *a: jax.grad(lambda *b: jnp.sum(fp8_fn(*b).astype(jnp.float32)))(*a), args
+
+    mesh = cpu_mesh((4,), ("tp",), AxisType.Auto)
+
+    def fp8_fn(x, w1, w2):
+        def block(x, w1, w2):
+            h = flux_jax.ag_matmul(x, w1, axis_name="tp", fp8=True)
+            return flux_jax.matmul_rs(jnp.tanh(h), w2, axis_name="tp", fp8=True)
+
+        return jax.shard_map(block, mesh=mesh, in_specs=(P("tp"), P(None, "tp"), P("tp", None)), out_specs=P("tp"))(
+            x, w1, w2
+        )
+
+    shapes = flux_jax.tune.function_shapes(fp8_block)
+    # the forward's e4m3 calls; the backward's (dy in e5m2) have no table entries to tune
+    assert sorted((s.op, s.M, s.K, s.N, s.dtype, s.label) for s in shapes) == [
+        ("ag_matmul", 64, 32, 128, "fp8", "forward"),
+        ("matmul_rs", 64, 128, 32, "fp8", "forward"),
+    ]

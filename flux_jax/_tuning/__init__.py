@@ -46,7 +46,10 @@ FORMAT = "flux_jax.tuning"
 SCHEMA_VERSION = 1
 PATHS = ("twin", "overlap", "latency", "decode")
 FUSED_PATHS = PATHS[1:]
-DTYPES = ("bfloat16", "float16", "float32")
+# x's dtype; "float8_e4m3fn": the op's FP8 call (fp8=True: bfloat16 x and w quantized to e4m3 with
+# the default recipe's current scaling), measured against the FP8 twin
+FP8 = "float8_e4m3fn"
+DTYPES = ("bfloat16", "float16", "float32", FP8)
 
 BUILTIN_PATH = Path(__file__).with_name("h200_tp2.json")
 BUILTIN_SOURCE = "built-in table (H200, TP=2)"
@@ -130,11 +133,13 @@ def _waves(ctas: int, sms: int) -> float:
 
 def moved_bytes(op: str, rows: int, k: int, n: int, dtype, tp: int) -> float:
     """Bytes each GPU moves over its links: the other ranks' rows of x (ag_matmul), the other
-    ranks' rows of the partial product (matmul_rs), twice that for an all-reduce."""
-    share = (tp - 1) / tp * rows * np.dtype(dtype).itemsize
+    ranks' rows of the partial product (matmul_rs), twice that for an all-reduce. FP8 calls move
+    the e4m3 rows and their float32 scales, or the partial in x's dtype (bfloat16)."""
+    share = (tp - 1) / tp * rows
     if op == "ag_matmul":
-        return share * k
-    return share * n * (2 if op == "matmul_ar" else 1)
+        return share * (k + 4 if np.dtype(dtype).name == FP8 else k * np.dtype(dtype).itemsize)
+    itemsize = 2 if np.dtype(dtype).name == FP8 else np.dtype(dtype).itemsize
+    return share * itemsize * n * (2 if op == "matmul_ar" else 1)
 
 
 def shape_class(
@@ -560,6 +565,14 @@ def _decide(table: Table, entries: list, query: ShapeClass) -> Decision | None:
     return Decision(path, fused, why, table.source)
 
 
+def table_dtype(problem) -> str | None:
+    """The `dtype` of a call's entries: x's dtype, or FP8 for an FP8 call's forward (e4m3 rows,
+    bfloat16 x); None for FP8 calls no table describes (e5m2 rows of a backward, other x dtypes)."""
+    if getattr(problem, "fp8", None) is None:
+        return np.dtype(problem.dtype).name
+    return FP8 if problem.fp8 == FP8 and np.dtype(problem.dtype).name == "bfloat16" else None
+
+
 def _tables(explicit: str | None, platform: str, local: LocalDevice | None) -> list:
     tables = []
     if explicit is not None:
@@ -585,7 +598,9 @@ def lookup(problem, explicit: str | None, *, on_hopper: bool = False) -> Decisio
     if platform not in ("gpu", "cpu"):
         return None
     local = local_device(platform)
-    dtype = np.dtype(problem.dtype).name
+    dtype = table_dtype(problem)
+    if dtype is None:
+        return None
     for table in _tables(explicit, platform, local):
         kind = None if local is None or table.builtin else local.kind
         entries = _candidates(table, kind, local.count if local else None, problem.tp, dtype, problem.op)

@@ -46,9 +46,12 @@ __all__ = ["MIN_SPEEDUP", "MODELS", "Result", "TuneError", "TuningTableError", "
 
 OPS = ("ag_matmul", "matmul_rs", "matmul_ar")
 _OP_ALIASES = {"ag": "ag_matmul", "rs": "matmul_rs", "ar": "matmul_ar", **{op: op for op in OPS}}
-DTYPES = ("bfloat16", "float16", "float32")
-# Max |fused - twin| / max |twin| above which a fused output is wrong (as the benchmarks).
-TOLERANCE = {"bfloat16": 2e-2, "float16": 2e-2, "float32": 1e-3}
+# "fp8": bfloat16 x and w with fp8=True (the default recipe: e4m3 operands, current scaling),
+# against the FP8 twin; its table entries have dtype "float8_e4m3fn" (flux_jax/_tuning).
+DTYPES = ("bfloat16", "float16", "float32", "fp8")
+# Max |fused - twin| / max |twin| above which a fused output is wrong (as the benchmarks). An FP8
+# path and the FP8 twin quantize alike: they differ by the GEMM's accumulation and rounding only.
+TOLERANCE = {"bfloat16": 2e-2, "float16": 2e-2, "float32": 1e-3, "fp8": 2e-2}
 _AXIS = "tp"
 _SPECS = {  # (x, w, out) in the global view
     "ag_matmul": (P(_AXIS, None), P(None, _AXIS), P(None, _AXIS)),
@@ -87,6 +90,19 @@ class Shape:
     @property
     def text(self) -> str:
         return f"{self.op}:{self.M}x{self.K}x{self.N}"
+
+    @property
+    def fp8(self) -> bool:
+        return self.dtype == "fp8"
+
+    @property
+    def x_dtype(self) -> str:
+        return "bfloat16" if self.fp8 else self.dtype
+
+    @property
+    def table_dtype(self) -> str:
+        """The dtype of the shape's table entry (flux_jax/_tuning.table_dtype)."""
+        return _tuning.FP8 if self.fp8 else self.dtype
 
     def per_rank(self) -> tuple[int, int, int]:
         """(rows, k, n) of the per-rank GEMM, as flux_jax/_plan.Problem counts them."""
@@ -208,10 +224,12 @@ def function_shapes(target) -> list[Shape]:
     shapes = []
     for site in _explain.explain(fn, *tuple(args)):
         p = site.problem
-        if p.op not in OPS:
+        dtype = _tuning.table_dtype(p)
+        if p.op not in OPS or dtype is None:  # (FP8 calls no table describes: a backward's e5m2 rows)
             continue
         m, k, n = (p.rows, p.k, p.n * p.tp) if p.op == "ag_matmul" else (p.rows, p.k * p.tp, p.n)
-        shape = Shape(p.op, m, k, n, p.tp, np.dtype(p.dtype).name, "backward" if site.backward else "forward")
+        dtype = "fp8" if dtype == _tuning.FP8 else dtype
+        shape = Shape(p.op, m, k, n, p.tp, dtype, "backward" if site.backward else "forward")
         if all(dataclasses.replace(s, label="") != dataclasses.replace(shape, label="") for s in shapes):
             shapes.append(shape)
     if not shapes:
@@ -237,7 +255,7 @@ def _random(key, shape, dtype, mesh, spec):
     return make(key)
 
 
-def _step(op: str, path: str, mesh, poison: bool = False):
+def _step(op: str, path: str, mesh, poison: bool = False, fp8: bool = False):
     import flux_jax
 
     fn = {"ag_matmul": flux_jax.ag_matmul, "matmul_rs": flux_jax.matmul_rs, "matmul_ar": flux_jax.matmul_ar}[op]
@@ -246,7 +264,7 @@ def _step(op: str, path: str, mesh, poison: bool = False):
 
     def body(x, w):  # the configuration is read while tracing
         with flux_jax.config(**overrides):
-            return fn(x, w, axis_name=_AXIS, impl=impl)
+            return fn(x, w, axis_name=_AXIS, impl=impl, fp8=fp8 or None)
 
     x_spec, w_spec, out_spec = _SPECS[op]
     return jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=out_spec)
@@ -262,12 +280,16 @@ def _rel_err(out, ref):
 def _custom_call(problem: _plan.Problem, path: str) -> str:
     if path == "latency":
         return _LATENCY_CALLS[problem.op]
-    if path == "overlap" and _plan.composed_overlap(problem.op, problem.rows, problem.tp, problem.platform):
+    two_shot = problem.fp8 is not None or _plan.composed_overlap(problem.op, problem.rows, problem.tp, problem.platform)
+    if path == "overlap" and problem.op == "matmul_ar" and two_shot:
         return "flux_jax_matmul_rs"  # matmul_ar's two-shot: matmul_rs's overlap call, then our all_gather
     return f"flux_jax_{problem.op}"
 
 
 def _paths(problem: _plan.Problem) -> list[str]:
+    if problem.fp8 is not None:  # the latency composition serves every FP8 call
+        overlap = ["overlap"] if _plan.fp8_overlap_supported(problem) else []
+        return overlap + ["latency"] + (["decode"] if _plan.fp8_decode_supported(problem) else [])
     paths = ["overlap"]
     if problem.platform == "cpu" or problem.tp <= _plan.limits()["latency_max_tp"]:
         paths.append("latency")
@@ -285,27 +307,28 @@ def _error_text(err: BaseException) -> str:
 def _measure(shape: Shape, platform: str, params: _timing.Params, seed: int, log) -> Row:
     """Times the twin and every fused path of `shape`, checks the fused outputs; a Row."""
     rows, k, n = shape.per_rank()
-    problem = _plan.Problem(shape.op, rows, k, n, np.dtype(shape.dtype), shape.tp, platform)
+    fp8 = _tuning.FP8 if shape.fp8 else None
+    problem = _plan.Problem(shape.op, rows, k, n, np.dtype(shape.x_dtype), shape.tp, platform, fp8=fp8)
     reason = _plan.unavailable(problem)
     if reason is not None:
         return Row(shape, f"unavailable: {reason}")
     mesh = _mesh(shape.tp)
     x_spec, w_spec, out_spec = _SPECS[shape.op]
     kx, kw = jax.random.split(jax.random.key(seed))
-    x = _random(kx, (shape.M, shape.K), shape.dtype, mesh, x_spec)
-    w = _random(kw, (shape.K, shape.N), shape.dtype, mesh, w_spec)
-    twin = _step(shape.op, "twin", mesh)
+    x = _random(kx, (shape.M, shape.K), shape.x_dtype, mesh, x_spec)
+    w = _random(kw, (shape.K, shape.N), shape.x_dtype, mesh, w_spec)
+    twin = _step(shape.op, "twin", mesh, fp8=shape.fp8)
     reference = jax.jit(twin)(x, w)
     timers = {"twin": _timing.LoopTimer(twin, (x, w), mesh, x_spec, out_spec, params)}
     row = Row(shape, "measured")
     for path in _paths(problem):
         try:
-            step = _step(shape.op, path, mesh)
+            step = _step(shape.op, path, mesh, fp8=shape.fp8)
             text = jax.jit(step).lower(x, w).as_text()
             call = _custom_call(problem, path)
             if f"custom_call @{call}" not in text:
                 raise RuntimeError(f"the program has no {call} call")
-            err = float(_rel_err(jax.jit(_step(shape.op, path, mesh, poison=True))(x, w), reference))
+            err = float(_rel_err(jax.jit(_step(shape.op, path, mesh, poison=True, fp8=shape.fp8))(x, w), reference))
             row.max_rel_err[path] = err
             if not err <= TOLERANCE[shape.dtype]:
                 log(f"    {path}: WRONG output (max relative error {err:.3g} against the twin); not a candidate")
@@ -505,7 +528,7 @@ def run(
         progress = _bar(index, len(requested))
         invalid = shape.invalid()
         rows, k, n = shape.per_rank()
-        key = _table.make_entry(device, count, shape.tp, shape.dtype, shape.op, rows, k, n, {}).key
+        key = _table.make_entry(device, count, shape.tp, shape.table_dtype, shape.op, rows, k, n, {}).key
         skipped = None
         if invalid:
             skipped = Row(shape, f"invalid: {invalid}")
@@ -532,7 +555,16 @@ def run(
             row = _measure(shape, platform, params, seed, log)
             if row.status == "measured":
                 entry = _table.make_entry(
-                    device, count, shape.tp, shape.dtype, shape.op, rows, k, n, row.speedup, min_speedup=min_speedup
+                    device,
+                    count,
+                    shape.tp,
+                    shape.table_dtype,
+                    shape.op,
+                    rows,
+                    k,
+                    n,
+                    row.speedup,
+                    min_speedup=min_speedup,
                 )
                 row.path = entry.path
                 extra = {
@@ -642,7 +674,11 @@ def _parser() -> argparse.ArgumentParser:
         "--tp", metavar="TP,...", help="TP sizes (mesh axis sizes) to measure, each >= 2 (default: every local device)"
     )
     p.add_argument(
-        "--dtype", default="bfloat16", metavar="DTYPE,...", help=f"dtypes among {', '.join(DTYPES)} (default bfloat16)"
+        "--dtype",
+        default="bfloat16",
+        metavar="DTYPE,...",
+        help=f"dtypes among {', '.join(DTYPES)} (default bfloat16); fp8: bfloat16 x and w with fp8=True "
+        "(the default recipe's e4m3 operands), against the FP8 twin",
     )
     p.add_argument(
         "--out",
