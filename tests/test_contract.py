@@ -155,22 +155,45 @@ def test_vmap_over_x_and_its_gradient(op):
     np.testing.assert_allclose(np.asarray(dw), np.asarray(tdw), rtol=1e-4, atol=1e-4)
 
 
-def test_vmap_over_the_weight_is_a_clear_error():
+@pytest.mark.parametrize("op", ["ag", "rs", "ar"])
+@pytest.mark.parametrize("x_batched", [False, True], ids=["shared_x", "batched_x"])
+def test_vmap_over_the_weight_runs_one_fused_call_per_weight(op, x_batched):
+    """Stacked expert weights: vmap over w (and x) runs the op once per weight, in sequence, each
+    fused; values and gradients equal the twin's."""
     import functools
 
     import jax
+    import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 
     import flux_jax
 
-    mesh = cpu_mesh((8,), ("tp",), AxisType.Auto)
-    x, w = np.ones((3, 16, 8), np.float32), np.ones((3, 8, 16), np.float32)
-    per_example = functools.partial(flux_jax.ag_matmul, axis_name="tp", impl="fused")
-    f = jax.shard_map(
-        lambda x, w: jax.vmap(per_example)(x, w),
-        mesh=mesh,
-        in_specs=(P(None, "tp"), P(None, None, "tp")),
-        out_specs=P(None, None, "tp"),
-    )
-    with pytest.raises(NotImplementedError, match="vmap of flux_jax_ag_matmul over the weight"):
-        jax.jit(f)(x, w)
+    rng = np.random.default_rng()
+    mesh = cpu_mesh((4,), ("tp",), AxisType.Auto)
+    e, rows, k, n = 3, 16, 24, 32
+    fn = {"ag": flux_jax.ag_matmul, "rs": flux_jax.matmul_rs, "ar": flux_jax.matmul_ar}[op]
+    x_shape = (rows, k) if op == "ag" else (rows, 4 * k)
+    w = random_array(rng, (e, k, n) if op == "ag" else (e, 4 * k, n), "float32")
+    x = random_array(rng, ((e,) if x_batched else ()) + x_shape, "float32")
+    x_spec = {"ag": P("tp"), "rs": P(None, "tp"), "ar": P(None, "tp")}[op]
+    w_spec = P(None, None, "tp") if op == "ag" else P(None, "tp")
+    out_spec = {"ag": P(None, None, "tp"), "rs": P(None, "tp"), "ar": P()}[op]
+    if x_batched:
+        x_spec = P(None, *x_spec)
+
+    def run(impl):
+        per_expert = functools.partial(fn, axis_name="tp", impl=impl)
+        in_axes = (0 if x_batched else None, 0)
+        body = lambda x, w: jax.vmap(per_expert, in_axes=in_axes)(x, w)  # noqa: E731
+        f = jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=out_spec)
+        value = jax.jit(f)(x, w)
+        grads = jax.jit(jax.grad(lambda x, w: jnp.sum(f(x, w) ** 2), argnums=(0, 1)))(x, w)
+        return value, grads, jax.jit(f).lower(x, w).compile().as_text()
+
+    (v, (dx, dw), hlo), (tv, (tdx, tdw), _) = run("fused"), run("xla")
+    assert f'custom_call_target="flux_jax_{ {"ag": "ag_matmul", "rs": "matmul_rs", "ar": "matmul_ar"}[op] }"' in hlo
+    xs = to64(x) if x_batched else np.broadcast_to(to64(x), (e, *x_shape))
+    ref = np.einsum("emk,ekn->emn", xs, to64(w))
+    assert_matches(v, ref, tv, "float32", f"vmap over w, {op}")
+    np.testing.assert_allclose(np.asarray(dx), np.asarray(tdx), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(dw), np.asarray(tdw), rtol=1e-4, atol=1e-4)

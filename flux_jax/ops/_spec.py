@@ -197,16 +197,25 @@ def bind(spec: OpSpec, x, w, call: Call) -> list:
 
 
 def _batch_rows(prim, args, dims, *, call: Call):
-    """vmap over x only: the batch axis becomes a middle dimension (rows stay first)."""
+    """vmap over x alone: the batch axis becomes a middle dimension (rows stay first), one call.
+    vmap over the weight (stacked experts, say): one call per weight, in sequence (lax.map), each
+    the op on its own weight and its slice of a batched x, with the kernels and protocol of a
+    scan over layers."""
     x, *operands = args
     x_dim, *operand_dims = dims
-    if any(d is not None for d in operand_dims):
-        raise NotImplementedError(
-            f"flux_jax: vmap of {prim.name} over the weight is not supported (vmap over x only; "
-            "for a batch of weights use the XLA twin, impl='xla')"
-        )
-    outs = prim.bind(jnp.moveaxis(x, x_dim, 1), *operands, call=call)
-    return outs, [1] * len(outs)
+    if all(d is None for d in operand_dims):
+        outs = prim.bind(jnp.moveaxis(x, x_dim, 1), *operands, call=call)
+        return outs, [1] * len(outs)
+    batched = [i for i, d in enumerate(dims) if d is not None]
+
+    def one(slices):
+        full = list(args)
+        for i, a in zip(batched, slices):
+            full[i] = a
+        return prim.bind(*full, call=call)
+
+    outs = jax.lax.map(one, [jnp.moveaxis(args[i], dims[i], 0) for i in batched])
+    return outs, [0] * len(outs)
 
 
 def _varying(x) -> frozenset:
