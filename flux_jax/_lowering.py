@@ -337,12 +337,14 @@ def register(spec) -> None:
         return rule(ctx, *operands, call=call, platform="cuda")
 
     def lowering(ctx, *operands, call):
-        platforms = _lowering_platforms(ctx, call, spec.name)
+        platforms = _lowering_platforms(ctx, call)
         if len(platforms) > 1:
             return _lower_per_platform(spec, ctx, operands, call, platforms)
         if platforms[0] == "cuda":
             return cuda_rule(ctx, *operands, call=call)
-        return rule(ctx, *operands, call=call, platform="cpu")
+        # CPU, or a platform without flux_jax kernels: planned again there (auto: the twin;
+        # impl="fused": FusedUnavailableError naming the platform)
+        return rule(ctx, *operands, call=call, platform=platforms[0])
 
     # One rule for every platform, not one per platform: JAX's own dispatch over several lowering
     # platforms (jax.export(..., platforms=("cpu", "cuda"))) fails for rules that are not
@@ -352,22 +354,12 @@ def register(spec) -> None:
     mlir.register_lowering(spec.primitive, lowering, cacheable=False)
 
 
-_PLATFORMS = ("cpu", "cuda")  # the platforms with flux_jax handlers
-
-
-def _lowering_platforms(ctx, call, op: str) -> tuple[str, ...]:
+def _lowering_platforms(ctx, call) -> tuple[str, ...]:
     """The platforms this lowering emits code for: the one a per-platform branch was bound for
     (`call.lowering_platform`), else the module's (several under a multi-platform export)."""
     if call.lowering_platform is not None:
         return (call.lowering_platform,)
-    platforms = tuple(platform_name(p) for p in (ctx.platforms or ctx.module_context.platforms))
-    others = [p for p in platforms if p not in _PLATFORMS]
-    if others:
-        raise NotImplementedError(
-            f"flux_jax.{op} has CPU and CUDA implementations only; it cannot be lowered for "
-            f"{', '.join(others)} (use impl='xla', or leave the platform out of jax.export's platforms)"
-        )
-    return platforms
+    return tuple(platform_name(p) for p in (ctx.platforms or ctx.module_context.platforms))
 
 
 def _lower_per_platform(spec, ctx, operands, call, platforms):

@@ -111,10 +111,16 @@ def test_export_without_the_checks_names_the_custom_call():
     }
 
 
-def test_export_for_a_platform_without_flux_jax_kernels_says_so():
+def test_a_platform_without_flux_jax_kernels_gets_the_twin_or_an_error_naming_it():
     mesh = cpu_mesh((TP,), ("tp",), AxisType.Auto)
+    checks = flux_jax.export_disabled_checks()
     fused, _ = _block(mesh, "fused")
-    with pytest.raises(NotImplementedError, match=r"CPU and CUDA implementations only; .* tpu"):
-        export.export(fused, platforms=("cpu", "tpu"), disabled_checks=flux_jax.export_disabled_checks())(*_data())
-    twin, _ = _block(mesh, "xla")  # the twin binds no flux_jax call: any platform
-    assert not _targets(export.export(twin, platforms=("cpu", "tpu"))(*_data()).mlir_module())
+    with pytest.raises(flux_jax.FusedUnavailableError, match=r"no fused kernel for platform 'tpu'"):
+        export.export(fused, platforms=("cpu", "tpu"), disabled_checks=checks)(*_data())
+    # impl="auto" where it planned a fused path when traced (here forced by Config.fused_path): the
+    # CPU branch holds the fused calls, the TPU branch the twin's XLA collectives
+    with flux_jax.config(fused_path="overlap"):
+        auto, _ = _block(mesh, "auto")
+        module = export.export(auto, platforms=("cpu", "tpu"), disabled_checks=checks)(*_data()).mlir_module()
+    assert _targets(module) == ["flux_jax_ag_matmul", "flux_jax_matmul_rs"]
+    assert "stablehlo.all_gather" in module and "stablehlo.reduce_scatter" in module
