@@ -259,7 +259,7 @@ def test_between_measured_points_auto_interpolates_only_where_the_neighbours_agr
 def test_gpu_tables_in_order_config_then_user_cache_then_built_in(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     kind = "NVIDIA Test GPU"
-    monkeypatch.setattr(_tuning, "local_device", lambda platform: _tuning.LocalDevice(kind, 2, 132))
+    monkeypatch.setattr(_tuning._lookup, "local_device", lambda platform: _tuning.LocalDevice(kind, 2, 132))
     device = _tuning.Device(kind, "gpu", 132, 300.0, 10.0)
     problem = _plan.Problem("ag_matmul", 4096, 8192, 4096, np.dtype(jnp.bfloat16), 2, "cuda")
 
