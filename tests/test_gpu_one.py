@@ -458,3 +458,72 @@ def test_one_gpu_tp_axis_over_two_mesh_axes(one_gpu, op, path):
     assert_matches(dx, ct @ w64.T, tdx, "bfloat16", f"{op} over {axes} ({path}): dx")
     assert_matches(dw, x64.T @ ct, tdw, "bfloat16", f"{op} over {axes} ({path}): dw")
     assert not flux_jax.device_errors()
+
+
+@pytest.mark.parametrize("path", ["overlap", "latency"])
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_one_gpu_vmap_over_stacked_weights(one_gpu, op, path):
+    """vmap over w (stacked experts): one fused call per weight in sequence (lax.map), on the GPU's
+    handlers and workspace; values and gradients against the twin."""
+    mesh = _mesh(one_gpu)
+    rng = np.random.default_rng()
+    e, m, k, n = 3, 512, 256, 384
+    x = random_array(rng, (m, k), "bfloat16")
+    w = random_array(rng, (e, k, n), "bfloat16", scale=1 / np.sqrt(k))
+    fn = flux_jax.ag_matmul if op == "ag" else flux_jax.matmul_rs
+    x_spec, w_spec = (P("tp"), P(None, None, "tp")) if op == "ag" else (P(None, "tp"), P(None, "tp"))
+    out_spec = P(None, None, "tp") if op == "ag" else P(None, "tp")
+
+    def run(impl):
+        per_expert = functools.partial(fn, axis_name="tp", impl=impl)
+        body = lambda x, w: jax.vmap(per_expert, in_axes=(None, 0))(x, w)  # noqa: E731
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=out_spec))
+
+    xs, ws = place(mesh, x, x_spec), place(mesh, w, w_spec)
+    target = {
+        "overlap": f"flux_jax_{'ag_matmul' if op == 'ag' else 'matmul_rs'}",
+        "latency": f"flux_jax_{'all_gather' if op == 'ag' else 'reduce_scatter'}",
+    }[path]
+    ct = rng.standard_normal((e, m, n)).astype(np.float32)
+    with flux_jax.config(fused_path=path):
+        fused = run("fused")
+        assert target in fused.lower(xs, ws).as_text()
+        out = fused(xs, ws)
+        dx, dw = _grads(fused, xs, ws, ct)
+    twin = run("xla")
+    x64, w64 = to64(x), to64(w)
+    assert_matches(out, np.einsum("mk,ekn->emn", x64, w64), twin(xs, ws), "bfloat16", f"vmap over w, {op} {path}")
+    tdx, tdw = _grads(twin, xs, ws, ct)
+    assert_matches(dx, np.einsum("emn,ekn->mk", ct, w64), tdx, "bfloat16", f"vmap over w, {op} {path}: dx")
+    assert_matches(dw, np.einsum("mk,emn->ekn", x64, ct), tdw, "bfloat16", f"vmap over w, {op} {path}: dw")
+    assert not flux_jax.device_errors()
+
+
+def test_one_gpu_runs_the_cuda_branch_of_a_multi_platform_export(one_gpu):
+    """jax.export(..., platforms=("cpu", "cuda")) of the ag -> tanh -> rs block, serialized, restored
+    and run on the GPU: the CUDA branch's fused calls against the twin."""
+    from jax import export
+
+    mesh = _mesh(one_gpu)
+    rng = np.random.default_rng()
+    x = random_array(rng, (2048, 1024), "bfloat16")
+    w1 = random_array(rng, (1024, 1536), "bfloat16", scale=1 / np.sqrt(1024))
+    w2 = random_array(rng, (1536, 1024), "bfloat16", scale=1 / np.sqrt(1536))
+    specs = (P("tp"), P(None, "tp"), P("tp"))
+
+    def block(impl):
+        def body(x, w1, w2):
+            h = flux_jax.ag_matmul(x, w1, axis_name="tp", impl=impl)
+            return flux_jax.matmul_rs(jnp.tanh(h), w2, axis_name="tp", impl=impl)
+
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P("tp")))
+
+    args = [place(mesh, a, s) for a, s in zip((x, w1, w2), specs)]
+    exported = export.export(
+        block("fused"), platforms=("cpu", "cuda"), disabled_checks=flux_jax.export_disabled_checks()
+    )(*args)
+    restored = export.deserialize(exported.serialize())
+    out = jax.jit(restored.call)(*args)
+    ref = np.tanh(to64(x) @ to64(w1)) @ to64(w2)
+    assert_matches(out, ref, block("xla")(*args), "bfloat16", "exported block on the GPU")
+    assert not flux_jax.device_errors()
