@@ -9,7 +9,7 @@ import functools
 import numpy as np
 
 from flux_jax._tuning._files import builtin, cache_path, load
-from flux_jax._tuning._model import FP8, FUSED_PATHS, RADIUS, Entry, ShapeClass, Table, _entry_order, shape_class
+from flux_jax._tuning._model import FP8, FUSED_PATHS, RADIUS, Entry, ShapeClass, Table, entry_order, shape_class
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +106,7 @@ def _decide(table: Table, entries: list, query: ShapeClass) -> Decision | None:
             result = e.path
         what = f"measured at this shape class: {e.op} rows={rows} k={k} n={n}, {result}"
         return Decision(e.path, e.best_fused(), f"{what} ({e.note})" if e.note else what, table.source)
-    near = sorted(entries, key=lambda e: (e.shape_class.distance(query), _entry_order(e)))[:2]
+    near = sorted(entries, key=lambda e: (e.shape_class.distance(query), entry_order(e)))[:2]
     if len(near) < 2 or near[1].shape_class.distance(query) > RADIUS:
         return None
     path, why = _agreement(near)

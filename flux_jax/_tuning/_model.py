@@ -190,11 +190,12 @@ class Table:
             "schema_version": SCHEMA_VERSION,
             "min_speedup": self.min_speedup,
             "devices": {kind: d.to_json() for kind, d in sorted(self.devices.items())},
-            "entries": [dict(e.to_json(), **self.extra.get(e.key, {})) for e in sorted(self.entries, key=_entry_order)],
+            "entries": [dict(e.to_json(), **self.extra.get(e.key, {})) for e in sorted(self.entries, key=entry_order)],
         }
 
 
-def _entry_order(e: Entry):
+def entry_order(e: Entry):
+    """The order of entries in a table file, and between equally near neighbours in a lookup."""
     return (e.device_kind, e.gpu_count, e.tp, e.dtype, e.op, e.shape_class)
 
 
