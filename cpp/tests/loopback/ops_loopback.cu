@@ -22,8 +22,8 @@
 // measured up to 2^-12.6 of sum |x| |w| on one H200, the same as ours element for element); the
 // collectives bit for bit (reduce_scatter, all_reduce: float32 sums in rank order, rounded once).
 // matmul_ar: rank 0 against the reference, every other rank bit for bit against rank 0 (its
-// output must be the same bits on every rank). FP8 cases (ag_matmul, matmul_rs overlap): e4m3 (or
-// e5m2) x and e4m3 w^T with row and column scales, bf16 out, against the same reference with the
+// output must be the same bits on every rank) and failed wherever rank 0's output is. FP8 cases (ag_matmul, matmul_rs
+// overlap): e4m3 (or e5m2) x and e4m3 w^T with row and column scales, bf16 out, against the same reference with the
 // scales applied.
 //
 // Build and run: README.md in this directory (CMake target `ops_loopback`).
@@ -151,8 +151,10 @@ bool HasForcedInstance(const Case& c, GemmKernel k) {
   if (k == GemmKernel::k128x160Cluster2x1) return c.w_transposed;
   return true;  // bfloat16 and float16 have every other instance
 }
-// The last checked output of each rank (matmul_ar: compared across ranks bit for bit).
+// The last checked output of each rank (matmul_ar: compared across ranks bit for bit) and rank 0's
+// verdict on its own (matmul_ar: every rank's output is wrong where rank 0's is).
 std::vector<std::vector<uint16_t>> g_outputs;
+int g_rank0_bad = 0;
 
 std::string Describe(const Case& c, int tp) {
   const char* op[] = {"ag_matmul", "matmul_rs", "all_gather", "reduce_scatter", "matmul_ar", "all_reduce"};
@@ -689,10 +691,14 @@ class RankThread {
     Download(out.data(), b.out, out.size() * 2);
     if (b.gathered) gathered = DownloadOperands(b.gathered, b.gathered_elems, c);
     if (c.op != Op::kMatmulAr) return Compare(c, in, set, out, gathered, call);
-    // matmul_ar: rank 0 against the reference, the others bit for bit against rank 0.
+    // matmul_ar: rank 0 against the reference, the others bit for bit against rank 0, and each
+    // takes rank 0's verdict too (the same bits as a wrong output are wrong: a wrong input on one
+    // rank makes every rank's output the same wrong sum).
     g_outputs[rank_] = out;
     rendezvous_->Arrive();
-    int bad = rank_ == 0 ? Compare(c, in, set, out, gathered, call) : 0;
+    if (rank_ == 0) g_rank0_bad = Compare(c, in, set, out, gathered, call);
+    rendezvous_->Arrive();  // rank 0's verdict is out
+    int bad = g_rank0_bad;
     if (rank_ != 0 && out != g_outputs[0]) {
       size_t first = 0;
       while (out[first] == g_outputs[0][first]) ++first;
