@@ -74,7 +74,7 @@ from benchmarks.variants import error_summary, flux_ar_decode_fn, flux_gemm_fn, 
 
 PRESET = "gemm-parity-1gpu"
 AXIS = "tp"
-FORCED_KERNELS = ("128x256", "128x192", "128x160_c2x1", "128x128_pp_c2x1", "128x320_c2x1")
+FORCED_KERNELS = ("128x256", "128x224", "128x192", "128x160_c2x1", "128x128_pp_c2x1", "128x320_c2x1")
 KERNELS = ("auto", *FORCED_KERNELS)
 # Relative max-norm error floors where XLA's own error is ~0 (tests/helpers.py).
 ERROR_FLOOR = {"bfloat16": 1e-2, "float16": 2e-3}
@@ -110,7 +110,7 @@ QUICK = (
 def kernel_available(kernel: str, dtype: str, dx: bool, rows: int) -> bool:
     """Whether this build has GpuTuning.gemm_kernel=`kernel` for the input (gemm_plan.h
     HasGemmInstance; ag_matmul_decode.h RunDecodeGemmAlone)."""
-    if kernel in ("auto", "128x256", "128x192", "128x128_pp_c2x1", "128x320_c2x1"):
+    if kernel in ("auto", "128x256", "128x224", "128x192", "128x128_pp_c2x1", "128x320_c2x1"):
         return True
     if kernel == "128x160_c2x1":
         return dx

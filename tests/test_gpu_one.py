@@ -93,7 +93,7 @@ FORCED_SHAPES = [(2048, 1024, 5120), (1000, 528, 784), (384, 2048, 2560)]
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("kernel", ["128x320_c2x1", "128x128_pp_c2x1", "128x192"])
+@pytest.mark.parametrize("kernel", ["128x320_c2x1", "128x128_pp_c2x1", "128x224", "128x192"])
 @pytest.mark.parametrize("op", ["ag", "rs"])
 @pytest.mark.parametrize("shape", FORCED_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_one_gpu_forced_gemm_instance_matches_oracle(one_gpu, kernel, op, shape, dtype):

@@ -91,7 +91,7 @@ inline Status DecodeGemm(const GemmAttrs& a, Platform platform, int32_t device_o
   cfg->tuning.tile_n = a.tile_n;
   cfg->tuning.decode_early_launch = a.decode_early_launch;
   if (a.gemm_kernel < static_cast<int64_t>(GemmKernel::kAuto) ||
-      a.gemm_kernel > static_cast<int64_t>(GemmKernel::k128x160PingpongCluster2x1)) {
+      a.gemm_kernel > static_cast<int64_t>(kLastGemmKernel)) {
     return Status::InvalidArgument("unknown gemm_kernel " + std::to_string(a.gemm_kernel));
   }
   cfg->tuning.gemm_kernel = a.gemm_kernel;

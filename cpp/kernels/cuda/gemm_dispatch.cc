@@ -13,6 +13,7 @@ namespace flux_jax::cuda {
 #define FLUX_JAX_DECLARE_GEMM_FAMILY(prefix)          \
   FLUX_JAX_DECLARE_GEMM_INSTANCE(prefix)              \
   FLUX_JAX_DECLARE_GEMM_INSTANCE(prefix##_n192)       \
+  FLUX_JAX_DECLARE_GEMM_INSTANCE(prefix##_n224)       \
   FLUX_JAX_DECLARE_GEMM_INSTANCE(prefix##_pp128_c2x1) \
   FLUX_JAX_DECLARE_GEMM_INSTANCE(prefix##_w320_c2x1)
 
@@ -41,12 +42,12 @@ struct GemmEntry {
 
 // The 16-bit instances of one element type and weight layout (HasGemmInstance).
 struct GemmFamily {
-  GemmEntry w256, w192, w160_c2x1, pp128_c2x1, w320_c2x1;  // w160_c2x1: K-major only
+  GemmEntry w256, w224, w192, w160_c2x1, pp128_c2x1, w320_c2x1;  // w160_c2x1: K-major only
 };
-#define FLUX_JAX_GEMM_FAMILY(prefix, w160_c2x1)                                           \
-  GemmFamily {                                                                            \
-    FLUX_JAX_GEMM_ENTRY(prefix), FLUX_JAX_GEMM_ENTRY(prefix##_n192), w160_c2x1,           \
-        FLUX_JAX_GEMM_ENTRY(prefix##_pp128_c2x1), FLUX_JAX_GEMM_ENTRY(prefix##_w320_c2x1) \
+#define FLUX_JAX_GEMM_FAMILY(prefix, w160_c2x1)                                                                     \
+  GemmFamily {                                                                                                      \
+    FLUX_JAX_GEMM_ENTRY(prefix), FLUX_JAX_GEMM_ENTRY(prefix##_n224), FLUX_JAX_GEMM_ENTRY(prefix##_n192), w160_c2x1, \
+        FLUX_JAX_GEMM_ENTRY(prefix##_pp128_c2x1), FLUX_JAX_GEMM_ENTRY(prefix##_w320_c2x1)                           \
   }
 
 // [float16][B K-major]
@@ -84,7 +85,7 @@ Status RunFp8Gemm(const GemmPlan& plan, DType dtype, cudaStream_t stream, int de
 Status PreloadGemmKernels() {
   for (const auto& by_layout : kGemmFamilies) {
     for (const GemmFamily& f : by_layout) {
-      for (const GemmEntry& e : {f.w256, f.w192, f.w160_c2x1, f.pp128_c2x1, f.w320_c2x1}) {
+      for (const GemmEntry& e : {f.w256, f.w224, f.w192, f.w160_c2x1, f.pp128_c2x1, f.w320_c2x1}) {
         if (e.preload != nullptr) FLUX_JAX_RETURN_IF_ERROR(e.preload());
       }
     }
@@ -111,6 +112,7 @@ Status RunGemm(const GemmPlan& plan, DType dtype, cudaStream_t stream, int devic
   const GemmEntry& e = plan.pingpong                       ? family.pp128_c2x1
                        : plan.block_n == kGemmBlockN320    ? family.w320_c2x1
                        : plan.block_n == kGemmBlockN160    ? family.w160_c2x1
+                       : plan.block_n == kGemmBlockN224    ? family.w224
                        : plan.block_n == kGemmBlockNNarrow ? family.w192
                                                            : family.w256;
   return e.run(plan, stream, device, sm_count);

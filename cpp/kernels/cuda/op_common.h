@@ -116,6 +116,18 @@ inline bool PreferWideTile(const CommConfig& cfg, DType dtype, bool b_kmajor, in
   return ShorterWaves(m, n, kGemmBlockN320, ChooseBlockN(cfg, m, n, sm_count), sm_count);
 }
 
+// Cooperative 128x224 tiles in 1x1 clusters, either weight layout, bf16 and float16, where M > 1024,
+// their waves are 10% shorter than those of the 1x1 tile ChooseBlockN picks and no longer than
+// ping-pong 128x128's (after PreferWideTile and PreferClustered, before PreferPingpongByWaves):
+// N = 3584, 6912 and 7168, whose 128x256 tiles leave most of a last wave idle, are 16, 31 and 32
+// tiles of 224 columns. At 2048 x N = 7168, 512 tiles fill 3.9 waves of 132 SMs (128x256: 448
+// tiles, 3.4 waves run as 4); ping-pong 128x128 ties its waves but does less work per column.
+inline bool PreferTile224(const CommConfig& cfg, DType dtype, bool b_kmajor, int64_t m, int64_t n, int sm_count) {
+  if (m <= 1024 || sm_count <= 0 || !HasGemmInstance(dtype, b_kmajor, kGemmBlockN224, 1)) return false;
+  return ShorterWaves(m, n, kGemmBlockN224, ChooseBlockN(cfg, m, n, sm_count), sm_count) &&
+         WaveSpan(m, n, kGemmBlockN224, sm_count) <= WaveSpan(m, n, kGemmBlockN128, sm_count);
+}
+
 // Ping-pong 128x128 tiles in 2x1 clusters, either weight layout, bf16 and float16, where M > 1024
 // and their waves are 10% shorter than those of the 1x1 tile ChooseBlockN picks (after
 // PreferWideTile and PreferClustered): shapes whose 128x256 and 128x192 tiles leave much of a last
@@ -146,8 +158,8 @@ inline bool PreferPingpongShortK(DType dtype, bool b_kmajor, int64_t m, int64_t 
 // The overlap GEMM instance of a call (GemmPlan.block_n, cluster_m, pingpong).
 // GpuTuning.gemm_kernel forces one, for A/B measurements: an instance this build lacks for the
 // dtype and weight layout is an error, never a silent fallback. kAuto: PreferPingpongShortK, else
-// PreferWideTile, else PreferClustered, else PreferPingpongByWaves, else ChooseBlockN's choice
-// (cluster 1x1).
+// PreferWideTile, else PreferClustered, else PreferTile224, else PreferPingpongByWaves, else
+// ChooseBlockN's choice (cluster 1x1).
 // kDecode is no overlap instance: ag_matmul's tp = 1 branch runs the decode GEMM for it, and
 // every other call rejects it here.
 inline Status ChooseGemmInstance(const CommConfig& cfg, DType dtype, bool b_kmajor, int64_t m, int64_t n, int64_t k,
@@ -167,6 +179,8 @@ inline Status ChooseGemmInstance(const CommConfig& cfg, DType dtype, bool b_kmaj
         plan->block_n = b_kmajor ? kGemmBlockN160 : kGemmBlockN128;
         plan->cluster_m = 2;
         plan->pingpong = !b_kmajor;
+      } else if (cfg.tuning.tile_n == 0 && PreferTile224(cfg, dtype, b_kmajor, m, n, sm_count)) {
+        plan->block_n = kGemmBlockN224;
       } else if (cfg.tuning.tile_n == 0 && PreferPingpongByWaves(cfg, dtype, b_kmajor, m, n, sm_count)) {
         plan->block_n = kGemmBlockN128;
         plan->cluster_m = 2;
@@ -177,6 +191,7 @@ inline Status ChooseGemmInstance(const CommConfig& cfg, DType dtype, bool b_kmaj
       return Status::Ok();
     case GemmKernel::k128x256: plan->block_n = kGemmBlockN; break;
     case GemmKernel::k128x192: plan->block_n = kGemmBlockNNarrow; break;
+    case GemmKernel::k128x224: plan->block_n = kGemmBlockN224; break;
     case GemmKernel::k128x160Cluster2x1:
       plan->block_n = kGemmBlockN160;
       plan->cluster_m = 2;

@@ -131,6 +131,7 @@ CommConfig MakeCommConfig(const Case& c, const CallOptions& o) {
 GemmKernel ForcedKernel(const std::string& name) {
   if (name == "128x256") return GemmKernel::k128x256;
   if (name == "128x192") return GemmKernel::k128x192;
+  if (name == "128x224") return GemmKernel::k128x224;
   if (name == "128x160_c2x1") return GemmKernel::k128x160Cluster2x1;
   if (name == "128x128_pp_c2x1") return GemmKernel::k128x128PingpongCluster2x1;
   if (name == "128x320_c2x1") return GemmKernel::k128x320Cluster2x1;
@@ -957,7 +958,7 @@ int main(int argc, char** argv) {
       g_gemm_kernel = ForcedKernel(argv[i] + 14);
       if (g_gemm_kernel == GemmKernel::kAuto) {
         std::fprintf(stderr,
-                     "--gemm-kernel: 128x256, 128x192, 128x160_c2x1, 128x128_pp_c2x1, 128x320_c2x1 or "
+                     "--gemm-kernel: 128x256, 128x224, 128x192, 128x160_c2x1, 128x128_pp_c2x1, 128x320_c2x1 or "
                      "128x160_pp_c2x1\n");
         return 2;
       }
