@@ -110,9 +110,9 @@ QUICK = (
 def kernel_available(kernel: str, dtype: str, dx: bool, rows: int) -> bool:
     """Whether this build has GpuTuning.gemm_kernel=`kernel` for the input (gemm_plan.h
     HasGemmInstance; ag_matmul_decode.h RunDecodeGemmAlone)."""
-    if kernel in ("auto", "128x256", "128x224", "128x192", "128x128_pp_c2x1", "128x320_c2x1"):
+    if kernel in ("auto", "128x256", "128x192", "128x128_pp_c2x1", "128x320_c2x1"):
         return True
-    if kernel == "128x160_c2x1":
+    if kernel in ("128x160_c2x1", "128x224"):
         return dx
     if dtype != "bfloat16":
         return False

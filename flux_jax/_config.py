@@ -130,8 +130,9 @@ class GpuTuning:
       tile_n: output tile width of the overlap GEMM, 192 or 256 (0: by waves).
       decode_early_launch: 1: the decode GEMM launches while the rows are pushed; 0: after.
       gemm_kernel: the overlap path's GEMM instance: "auto" (by shape: cpp/kernels/cuda/
-        op_common.h), or one forced: "128x256", "128x224", "128x192", "128x160_c2x1" (the transposed
-        weight; 2-CTA clusters along M sharing B by TMA multicast), "128x128_pp_c2x1" (ping-pong
+        op_common.h), or one forced: "128x256", "128x192", "128x224" (the transposed weight),
+        "128x160_c2x1" (the transposed weight; 2-CTA clusters along M sharing B by TMA
+        multicast), "128x128_pp_c2x1" (ping-pong
         128x128 tiles in 2-CTA clusters; also FP8), "128x320_c2x1" (cooperative 128x320 tiles in
         2-CTA clusters), each for bfloat16 and float16; "128x160_pp_c2x1" (ping-pong 128x160
         tiles in 2-CTA clusters, the backward's FP8 GEMM on e5m2 rows of dy: the forward's e4m3

@@ -630,16 +630,9 @@ def test_gemm_parity_variants_follow_the_build():
     def names(m, k, n, dx, dtype):
         return [v.name for v in variants_for(Shape(m, k, n, dx, dtype, ""), "gpu", KERNELS, True, True)]
 
-    forward = [
-        "xla",
-        "flux:auto",
-        "flux:128x256",
-        "flux:128x224",
-        "flux:128x192",
-        "flux:128x128_pp_c2x1",
-        "flux:128x320_c2x1",
-    ]
-    transposed = forward[:5] + ["flux:128x160_c2x1"] + forward[5:]  # 128x160: the transposed weight only
+    forward = ["xla", "flux:auto", "flux:128x256", "flux:128x192", "flux:128x128_pp_c2x1", "flux:128x320_c2x1"]
+    # 128x224 and 128x160: the transposed weight only
+    transposed = forward[:3] + ["flux:128x224", "flux:128x192", "flux:128x160_c2x1"] + forward[4:]
     for dtype in ("bfloat16", "float16"):  # float16 has every bfloat16 instance
         for m, k, n in ((2048, 2560, 5120), (8192, 8192, 8192)):
             assert names(m, k, n, False, dtype) == forward + ["flux:auto+gate_probe"]
@@ -684,10 +677,11 @@ def test_overlap_gemm_rule_picks_by_waves():
     assert auto_kernel("bfloat16", False, 8192, 2560, 5120, 132) == "128x256"  # K > 2048
     assert auto_kernel("bfloat16", True, 2048, 3584, 5120, 132) == "128x320_c2x1"  # transposed: K >= 3584
     assert auto_kernel("bfloat16", True, 2048, 4608, 3072, 132) == "128x192"  # 2 x 192 < 2 x 256, = 3 x 128
-    assert auto_kernel("bfloat16", False, 4096, 5120, 3584, 132) == "128x224"  # 4 x 224 = 7 x 128 < 4 x 256
+    assert auto_kernel("bfloat16", False, 4096, 5120, 3584, 132) == "128x128_pp_c2x1"  # 7 x 128 < 4 x 256
+    assert auto_kernel("bfloat16", True, 4096, 5120, 3584, 132) == "128x224"  # transposed: 4 x 224 = 7 x 128
     assert auto_kernel("bfloat16", True, 2048, 3072, 1536, 132) == "128x192"  # 96 tiles of 256; 128 of 192
     assert auto_kernel("bfloat16", True, 1024, 3072, 1536, 132) == "128x256"  # under a wave at <= 1024 rows
-    assert auto_kernel("bfloat16", False, 2048, 5120, 3584, 132) == "128x224"  # 2 x 224 < 2 x 256 = 4 x 128
+    assert auto_kernel("bfloat16", False, 2048, 5120, 3584, 132) == "128x256"  # 4 x 128 = 2 x 256 ([K, N]: no 128x224)
     assert auto_kernel("bfloat16", False, 1024, 8192, 5120, 132) == "128x192"  # M <= 1024: the 1x1 rule
     assert auto_kernel("bfloat16", True, 2048, 4096, 3072, 132) == "128x192"  # either layout
     assert auto_kernel("bfloat16", True, 2048, 4096, 7168, 132) == "128x224"  # 4 x 224 = 7 x 128 < 4 x 256 (5 x 192)

@@ -93,7 +93,7 @@ FORCED_SHAPES = [(2048, 1024, 5120), (1000, 528, 784), (384, 2048, 2560)]
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("kernel", ["128x320_c2x1", "128x128_pp_c2x1", "128x224", "128x192"])
+@pytest.mark.parametrize("kernel", ["128x320_c2x1", "128x128_pp_c2x1", "128x192"])
 @pytest.mark.parametrize("op", ["ag", "rs"])
 @pytest.mark.parametrize("shape", FORCED_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_one_gpu_forced_gemm_instance_matches_oracle(one_gpu, kernel, op, shape, dtype):
@@ -120,23 +120,30 @@ def test_one_gpu_forced_gemm_instance_matches_oracle(one_gpu, kernel, op, shape,
     assert not flux_jax.device_errors()
 
 
+# (M, K, N) with the weight [N, K]: whole tiles of 160 and 224 columns (N = 2560, 3584) and
+# partial row, column and cluster tiles.
+TRANSPOSED_ONLY_SHAPES = [(2048, 1024, 2560), (2048, 1024, 3584), (1000, 528, 800)]
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("shape", [(2048, 1024, 2560), (1000, 528, 800)], ids=lambda s: "x".join(map(str, s)))
-def test_one_gpu_forced_128x160_transposed_weight_matches_oracle(one_gpu, shape, dtype):
-    """The 128x160 instance in 2x1 clusters exists for the transposed weight only (a backward's
-    dx): ag_matmul's primitive bound with transpose_w, as the backward binds it, forced to it."""
+@pytest.mark.parametrize("kernel", ["128x160_c2x1", "128x224"])
+@pytest.mark.parametrize("shape", TRANSPOSED_ONLY_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_one_gpu_forced_transposed_weight_instance_matches_oracle(one_gpu, shape, kernel, dtype):
+    """The 128x160 instance in 2x1 clusters and the 128x224 one exist for the transposed weight
+    only (a backward's dx): ag_matmul's primitive bound with transpose_w, as the backward binds
+    it, forced to each."""
     from benchmarks.variants import flux_gemm_fn
 
     M, K, N = shape
     mesh = _mesh(one_gpu)
     rng = np.random.default_rng()
     x, w_nk = random_array(rng, (M, K), dtype), random_array(rng, (N, K), dtype, scale=1 / np.sqrt(K))
-    body = flux_gemm_fn("tp", transpose_w=True, tuning={"gemm_kernel": "128x160_c2x1"}, poison=True)
+    body = flux_gemm_fn("tp", transpose_w=True, tuning={"gemm_kernel": kernel}, poison=True)
     fused = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp", None), P()), out_specs=P("tp", None)))
     twin = jax.jit(lambda a, b: jnp.dot(a, b.T, preferred_element_type=jnp.float32).astype(a.dtype))
     xs, ws = place(mesh, x, P("tp", None)), place(mesh, w_nk, P())
     out = fused(xs, ws)
-    assert_matches(out, to64(x) @ to64(w_nk).T, twin(xs, ws), dtype, f"128x160_c2x1 w^T {shape} {dtype}")
+    assert_matches(out, to64(x) @ to64(w_nk).T, twin(xs, ws), dtype, f"{kernel} w^T {shape} {dtype}")
     assert not flux_jax.device_errors()
 
 

@@ -56,7 +56,7 @@ enum class GemmKernel : int64_t {
   k128x128PingpongCluster2x1 = 5,  // bf16, f16, FP8: ping-pong schedule
   k128x320Cluster2x1 = 6,          // bf16: cooperative, two m64n160 MMAs per warpgroup
   k128x160PingpongCluster2x1 = 7,  // FP8 e5m2 x e4m3 (a backward's dy rows): ping-pong
-  k128x224 = 8,                    // bf16, f16: cooperative, 1x1 clusters
+  k128x224 = 8,                    // bf16, f16, the transposed weight: cooperative, 1x1 clusters
 };
 inline constexpr GemmKernel kLastGemmKernel = GemmKernel::k128x224;  // the handlers' range check
 

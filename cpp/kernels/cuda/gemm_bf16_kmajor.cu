@@ -2,7 +2,7 @@
 // (the transposed weight: dx = dy w^T in a backward pass):
 //   128x256          cooperative, 1x1 clusters: the default
 //   128x192          cooperative, 1x1 clusters: where 128x256 tiles leave much of a last wave idle
-//   128x224          cooperative, 1x1 clusters: where its waves fit (N = 3584, 6912, 7168)
+//   128x224          cooperative, 1x1 clusters: dx where its waves fit (N = 6912, 7168)
 //   128x160, 2x1     cooperative (m64n160 atoms): dx at 1024 < M <= 2048 where N % 160 == 0
 //   128x128 pp, 2x1  ping-pong (one warpgroup's epilogue under the other's MMAs)
 //   128x320, 2x1     cooperative, two m64n160 MMAs per warpgroup (wide_tile_mainloop.cuh)

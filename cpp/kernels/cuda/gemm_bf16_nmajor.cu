@@ -1,7 +1,6 @@
 // The overlap GEMM instances of cutlass::bfloat16_t, B N-major (the [K, N] weight):
 //   128x256          cooperative, 1x1 clusters: the default
 //   128x192          cooperative, 1x1 clusters: where 128x256 tiles leave much of a last wave idle
-//   128x224          cooperative, 1x1 clusters: where its waves fit (N = 3584, 6912, 7168)
 //   128x128 pp, 2x1  ping-pong (one warpgroup's epilogue under the other's MMAs)
 //   128x320, 2x1     cooperative, two m64n160 MMAs per warpgroup (wide_tile_mainloop.cuh)
 // 2x1: clusters of 2 CTAs along M sharing B by TMA multicast.
@@ -13,7 +12,6 @@
 
 FLUX_JAX_DEFINE_GEMM_INSTANCE(RunGemm_bf16_nmajor, GemmInstance<cutlass::bfloat16_t, false, kGemmBlockN>)
 FLUX_JAX_DEFINE_GEMM_INSTANCE(RunGemm_bf16_nmajor_n192, GemmInstance<cutlass::bfloat16_t, false, kGemmBlockNNarrow>)
-FLUX_JAX_DEFINE_GEMM_INSTANCE(RunGemm_bf16_nmajor_n224, GemmInstance<cutlass::bfloat16_t, false, kGemmBlockN224>)
 FLUX_JAX_DEFINE_GEMM_INSTANCE(RunGemm_bf16_nmajor_pp128_c2x1,
                               GemmInstance<cutlass::bfloat16_t, false, kGemmBlockN128, 2, true>)
 FLUX_JAX_DEFINE_GEMM_INSTANCE(RunGemm_bf16_nmajor_w320_c2x1,

@@ -13,7 +13,6 @@ namespace flux_jax::cuda {
 #define FLUX_JAX_DECLARE_GEMM_FAMILY(prefix)          \
   FLUX_JAX_DECLARE_GEMM_INSTANCE(prefix)              \
   FLUX_JAX_DECLARE_GEMM_INSTANCE(prefix##_n192)       \
-  FLUX_JAX_DECLARE_GEMM_INSTANCE(prefix##_n224)       \
   FLUX_JAX_DECLARE_GEMM_INSTANCE(prefix##_pp128_c2x1) \
   FLUX_JAX_DECLARE_GEMM_INSTANCE(prefix##_w320_c2x1)
 
@@ -23,6 +22,8 @@ FLUX_JAX_DECLARE_GEMM_FAMILY(RunGemm_f16_nmajor)
 FLUX_JAX_DECLARE_GEMM_FAMILY(RunGemm_f16_kmajor)
 FLUX_JAX_DECLARE_GEMM_INSTANCE(RunGemm_bf16_kmajor_n160_c2x1)
 FLUX_JAX_DECLARE_GEMM_INSTANCE(RunGemm_f16_kmajor_n160_c2x1)
+FLUX_JAX_DECLARE_GEMM_INSTANCE(RunGemm_bf16_kmajor_n224)
+FLUX_JAX_DECLARE_GEMM_INSTANCE(RunGemm_f16_kmajor_n224)
 // gemm_fp8.cu
 FLUX_JAX_DECLARE_GEMM_INSTANCE(RunGemm_e4m3_bf16)
 FLUX_JAX_DECLARE_GEMM_INSTANCE(RunGemm_e4m3_bf16_pp128_c2x1)
@@ -42,20 +43,22 @@ struct GemmEntry {
 
 // The 16-bit instances of one element type and weight layout (HasGemmInstance).
 struct GemmFamily {
-  GemmEntry w256, w224, w192, w160_c2x1, pp128_c2x1, w320_c2x1;  // w160_c2x1: K-major only
+  GemmEntry w256, w224, w192, w160_c2x1, pp128_c2x1, w320_c2x1;  // w224, w160_c2x1: K-major only
 };
-#define FLUX_JAX_GEMM_FAMILY(prefix, w160_c2x1)                                                                     \
-  GemmFamily {                                                                                                      \
-    FLUX_JAX_GEMM_ENTRY(prefix), FLUX_JAX_GEMM_ENTRY(prefix##_n224), FLUX_JAX_GEMM_ENTRY(prefix##_n192), w160_c2x1, \
-        FLUX_JAX_GEMM_ENTRY(prefix##_pp128_c2x1), FLUX_JAX_GEMM_ENTRY(prefix##_w320_c2x1)                           \
+#define FLUX_JAX_GEMM_FAMILY(prefix, w224, w160_c2x1)                                     \
+  GemmFamily {                                                                            \
+    FLUX_JAX_GEMM_ENTRY(prefix), w224, FLUX_JAX_GEMM_ENTRY(prefix##_n192), w160_c2x1,     \
+        FLUX_JAX_GEMM_ENTRY(prefix##_pp128_c2x1), FLUX_JAX_GEMM_ENTRY(prefix##_w320_c2x1) \
   }
 
 // [float16][B K-major]
 const GemmFamily kGemmFamilies[2][2] = {
-    {FLUX_JAX_GEMM_FAMILY(RunGemm_bf16_nmajor, GemmEntry{}),
-     FLUX_JAX_GEMM_FAMILY(RunGemm_bf16_kmajor, FLUX_JAX_GEMM_ENTRY(RunGemm_bf16_kmajor_n160_c2x1))},
-    {FLUX_JAX_GEMM_FAMILY(RunGemm_f16_nmajor, GemmEntry{}),
-     FLUX_JAX_GEMM_FAMILY(RunGemm_f16_kmajor, FLUX_JAX_GEMM_ENTRY(RunGemm_f16_kmajor_n160_c2x1))},
+    {FLUX_JAX_GEMM_FAMILY(RunGemm_bf16_nmajor, GemmEntry{}, GemmEntry{}),
+     FLUX_JAX_GEMM_FAMILY(RunGemm_bf16_kmajor, FLUX_JAX_GEMM_ENTRY(RunGemm_bf16_kmajor_n224),
+                          FLUX_JAX_GEMM_ENTRY(RunGemm_bf16_kmajor_n160_c2x1))},
+    {FLUX_JAX_GEMM_FAMILY(RunGemm_f16_nmajor, GemmEntry{}, GemmEntry{}),
+     FLUX_JAX_GEMM_FAMILY(RunGemm_f16_kmajor, FLUX_JAX_GEMM_ENTRY(RunGemm_f16_kmajor_n224),
+                          FLUX_JAX_GEMM_ENTRY(RunGemm_f16_kmajor_n160_c2x1))},
 };
 
 Status RunFp8Gemm(const GemmPlan& plan, DType dtype, cudaStream_t stream, int device, int sm_count) {

@@ -21,7 +21,7 @@ inline constexpr int kGemmBlockNNarrow = 192;  // the narrow instances (bf16, ei
 inline constexpr int kGemmBlockN160 = 160;     // the 2x1-cluster 128x160 instance (bf16, K-major B)
 inline constexpr int kGemmBlockN128 = 128;     // the 2x1-cluster ping-pong 128x128 instances
 inline constexpr int kGemmBlockN320 = 320;     // the 2x1-cluster cooperative 128x320 instances (bf16)
-inline constexpr int kGemmBlockN224 = 224;     // the 1x1 instances whose waves fit N = 3584, 6912, 7168
+inline constexpr int kGemmBlockN224 = 224;     // the 1x1 instances for dx whose waves fit N = 6912, 7168
 // M tiles swept together across N when the config says 0 (automatic); see the
 // tile order in gated_gemm.cuh and docs/decisions/2026-11-30-grouped-tile-order.md.
 inline constexpr int kDefaultTileGroupM = 8;
@@ -57,12 +57,14 @@ struct GemmPlan {
 };
 
 // Whether this build has the instance of (block_n, cluster_m, pingpong) for this input: bfloat16
-// and float16 alike, 128x256, 128x224 and 128x192 in 1x1 clusters; in 2x1 clusters ping-pong 128x128,
-// cooperative 128x320 and, for the K-major (transposed) weight, 128x160.
+// and float16 alike, 128x256 and 128x192 in 1x1 clusters, and for the K-major (transposed) weight
+// 128x224; in 2x1 clusters ping-pong 128x128, cooperative 128x320 and, for the K-major weight,
+// 128x160.
 inline bool HasGemmInstance(DType dtype, bool b_kmajor, int32_t block_n, int32_t cluster_m, bool pingpong = false) {
   if (dtype != DType::kBF16 && dtype != DType::kF16) return false;
   if (pingpong) return block_n == kGemmBlockN128 && cluster_m == 2;
-  if (cluster_m == 1) return block_n == kGemmBlockN || block_n == kGemmBlockN224 || block_n == kGemmBlockNNarrow;
+  if (cluster_m == 1)
+    return block_n == kGemmBlockN || block_n == kGemmBlockNNarrow || (block_n == kGemmBlockN224 && b_kmajor);
   if (cluster_m != 2) return false;
   return block_n == kGemmBlockN320 || (block_n == kGemmBlockN160 && b_kmajor);
 }

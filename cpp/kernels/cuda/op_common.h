@@ -116,12 +116,18 @@ inline bool PreferWideTile(const CommConfig& cfg, DType dtype, bool b_kmajor, in
   return ShorterWaves(m, n, kGemmBlockN320, ChooseBlockN(cfg, m, n, sm_count), sm_count);
 }
 
-// Cooperative 128x224 tiles in 1x1 clusters, either weight layout, bf16 and float16, where M > 1024,
-// their waves are 10% shorter than those of the 1x1 tile ChooseBlockN picks and no longer than
-// ping-pong 128x128's (after PreferWideTile and PreferClustered, before PreferPingpongByWaves):
-// N = 3584, 6912 and 7168, whose 128x256 tiles leave most of a last wave idle, are 16, 31 and 32
-// tiles of 224 columns. At 2048 x N = 7168, 512 tiles fill 3.9 waves of 132 SMs (128x256: 448
-// tiles, 3.4 waves run as 4); ping-pong 128x128 ties its waves but does less work per column.
+// Cooperative 128x224 tiles in 1x1 clusters for the transposed weight (a backward's dx), bf16 and
+// float16, where M > 1024, their waves are 10% shorter than those of the 1x1 tile ChooseBlockN picks
+// and no longer than ping-pong 128x128's (after PreferWideTile and PreferClustered, before
+// PreferPingpongByWaves): N = 6912 and 7168, 31 and 32 tiles of 224 columns, whose 128x256 tiles
+// leave most of a last wave idle (2048 x 7168: 512 tiles fill 3.9 waves of 132 SMs; 448 of 128x256
+// run 3.4 waves as 4). Ping-pong 128x128 ties its waves but does less work per column. CUPTI kernel
+// time under sustained load on one H200, ours / XLA's, two runs: 8B down dx 2048 x 4096 x 7168
+// 1.063 / 1.064 (ping-pong) -> 1.034 / 1.036, Qwen-14B down dx 2048 x 5120 x 6912 1.067 / 1.068 ->
+// 1.034 / 1.032. With the [K, N] weight (B's 448-byte rows in 64-byte swizzle atoms) it lost:
+// 2048 x 5120 x 3584 1.105 / 1.072 against 128x256's 1.049 / 1.053, 4096 x 5120 x 3584 1.107 /
+// 1.103 against ping-pong's 1.034 / 1.032; that layout has no such instance
+// (docs/decisions/2026-12-05-dx-tile-128x224.md).
 inline bool PreferTile224(const CommConfig& cfg, DType dtype, bool b_kmajor, int64_t m, int64_t n, int sm_count) {
   if (m <= 1024 || sm_count <= 0 || !HasGemmInstance(dtype, b_kmajor, kGemmBlockN224, 1)) return false;
   return ShorterWaves(m, n, kGemmBlockN224, ChooseBlockN(cfg, m, n, sm_count), sm_count) &&
@@ -348,7 +354,7 @@ inline uint64_t TilesTouchingRows(int64_t row0, int64_t row1, int64_t n, int32_t
 }
 
 // Row tiles the overlap GEMM sweeps together across N (GpuTuning.tile_group_m, else by instance):
-// 16 for the bf16 / f16 cooperative tiles 192 or more columns wide (128x192, 128x256, 128x320 2x1)
+// 16 for the bf16 / f16 cooperative tiles 192 or more columns wide (128x192, 128x224, 128x256, 128x320 2x1)
 // where the rows the GEMM reads in order (a rank's chunk; all of them at tp = 1) hold 16 row
 // tiles, else 8. With 132 tiles in flight, 16 rows of 128x256 tiles span ~8 tile columns: about
 // the fewest bytes of A and B per wave (rows x 128 = columns x 256 at 16 x 8); the wider the tile,

@@ -149,7 +149,7 @@ bool HasForcedInstance(const Case& c, GemmKernel k) {
            (k == GemmKernel::k128x160PingpongCluster2x1 && c.x_e5m2);
   }
   if (k == GemmKernel::k128x160PingpongCluster2x1) return false;  // FP8 e5m2 rows only
-  if (k == GemmKernel::k128x160Cluster2x1) return c.w_transposed;
+  if (k == GemmKernel::k128x160Cluster2x1 || k == GemmKernel::k128x224) return c.w_transposed;
   return true;  // bfloat16 and float16 have every other instance
 }
 // The last checked output of each rank (matmul_ar: compared across ranks bit for bit) and rank 0's
