@@ -22,9 +22,9 @@
 // measured up to 2^-12.6 of sum |x| |w| on one H200, the same as ours element for element); the
 // collectives bit for bit (reduce_scatter, all_reduce: float32 sums in rank order, rounded once).
 // matmul_ar: rank 0 against the reference, every other rank bit for bit against rank 0 (its
-// output must be the same bits on every rank) and failed wherever rank 0's output is. FP8 cases (ag_matmul, matmul_rs
-// overlap): e4m3 (or e5m2) x and e4m3 w^T with row and column scales, bf16 out, against the same reference with the
-// scales applied.
+// output must be the same bits on every rank) and failed wherever rank 0's output is. FP8 cases
+// (ag_matmul, matmul_rs overlap): e4m3 (or e5m2) x and e4m3 w^T with row and column scales, bf16
+// out, against the same reference with the scales applied.
 //
 // Build and run: README.md in this directory (CMake target `ops_loopback`).
 // `--cpu` runs the same calls on the CPU backend (no GPU needed: checks this program);
