@@ -10,7 +10,7 @@ import threading
 import jax
 import numpy as np
 
-from flux_jax import _plan
+from flux_jax import _overlap_gemm, _plan
 from flux_jax._config import get_config
 
 _local = threading.local()
@@ -27,7 +27,7 @@ class CallSite:
 
     def __str__(self) -> str:
         role = " (backward)" if self.backward else ""
-        return f"{self.op}{role}: {self.problem.describe()} -> {self.plan.describe()}"
+        return f"{self.op}{role}: {self.problem.describe()} -> {_with_gemm(self.problem, self.plan)}"
 
 
 class Explanation(list):
@@ -37,6 +37,15 @@ class Explanation(list):
         if not self:
             return "no flux_jax op in this function"
         return "\n".join(f"{i}. {site}" for i, site in enumerate(self, 1))
+
+
+def _with_gemm(problem: _plan.Problem, plan: _plan.Plan, sms: int | None = None) -> str:
+    """The plan's description, and on a GPU's overlap path the GEMM instance it runs."""
+    text = plan.describe()
+    if plan.path != "overlap" or problem.platform not in ("cuda", "gpu"):
+        return text
+    gemm = _overlap_gemm.describe(problem, sms or _overlap_gemm.local_sms())
+    return f"{text}; {gemm}" if gemm else text
 
 
 def record(op: str, problem: _plan.Problem, plan: _plan.Plan, backward: bool) -> None:
@@ -80,7 +89,8 @@ def _collecting():
 
 def explain(fn, *args, **kwargs) -> Explanation:
     """Traces and lowers `fn(*args, **kwargs)` (as jax.jit would) and lists every flux_jax call
-    site with its plan: the path that runs (or the twin) and why.
+    site with its plan: the path that runs (or the twin) and why; on a GPU's overlap path, with
+    a CUDA build, also the GEMM instance it runs.
 
     The plans are taken while `fn` is traced and amended where the lowering runs another one
     (the twin where the mesh rules the fused kernels out, the latency path where a manual region
@@ -99,7 +109,8 @@ def explain(fn, *args, **kwargs) -> Explanation:
 
 def explain_auto(op: str, M: int, K: int, N: int, tp: int, dtype="bfloat16", fp8: bool = False) -> str:
     """What impl="auto" runs on Hopper GPUs for a global GEMM shape, why, and which tuning table
-    decided (one sentence; docs/tuning.md).
+    decided (one sentence; docs/tuning.md); on the overlap path, with a CUDA build, also the GEMM
+    instance it runs (on this process's GPU, else on 132 SMs).
 
     `op` is "ag_matmul" (x [M, K] row-sharded, w [K, N] column-sharded), "matmul_rs" or
     "matmul_ar" (x [M, K] and w [K, N] sharded on K). Shapes are global, as in the benchmarks.
@@ -123,4 +134,4 @@ def explain_auto(op: str, M: int, K: int, N: int, tp: int, dtype="bfloat16", fp8
     problem = _plan.Problem(op, M, k, n, dtype, tp, "cuda", fp8="float8_e4m3fn" if fp8 else None)
     where = f"{op} M={M} K={K} N={N} tp={tp} {dtype.name}{' with FP8 operands' if fp8 else ''} on GPU"
     plan = _plan.plan(problem, "auto", get_config(), on_hopper=True)
-    return f"{where}: {plan.describe()}"
+    return f"{where}: {_with_gemm(problem, plan)}"

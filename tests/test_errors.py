@@ -11,7 +11,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flux_jax
-from flux_jax import _config, _plan
+from flux_jax import _config, _native, _overlap_gemm, _plan
 
 from helpers import cpu_mesh
 
@@ -356,6 +356,34 @@ def test_explain_auto_names_the_choice_and_the_reason():
         flux_jax.explain_auto("ag_matmul", 4096, 8192, 8192, True)
     with pytest.raises(TypeError, match="fp8 must be a bool"):
         flux_jax.explain_auto("ag_matmul", 4096, 8192, 8192, 2, fp8="yes")
+
+
+@pytest.mark.skipif(
+    not hasattr(_native.extension(), "cuda_auto_gemm_plan"), reason="the GEMM rule is in CUDA builds only"
+)
+def test_explain_names_the_overlap_gemm_instance():
+    """On a GPU's overlap path explain says which GEMM instance op_common.h's rule runs, for the
+    GEMM each handler launches (ag_matmul: every rank's rows; matmul_rs: one rank's share)."""
+    text = flux_jax.explain_auto("ag_matmul", 4096, 8192, 8192, 2)
+    assert text.endswith("; overlap GEMM: cooperative 128x256 tiles, row tiles in groups of 16 (132 SMs, assumed)"), (
+        text
+    )
+    assert "overlap GEMM" not in flux_jax.explain_auto("matmul_rs", 256, 4096, 4096, 2)  # latency path
+    bf16 = np.dtype(jnp.bfloat16)
+    dx = _plan.Problem("matmul_rs", 4096, 4096, 7168, bf16, 2, "cuda", transpose_w=True)  # 8B down dx
+    assert _overlap_gemm.gemm_rows(dx) == (2048, 2048)
+    assert "cooperative 128x224 tiles, row tiles in groups of 16 (132 SMs)" in _overlap_gemm.describe(dx, 132)
+    ag = _plan.Problem("ag_matmul", 2048, 2560, 5120, bf16, 2, "cuda")
+    assert _overlap_gemm.gemm_rows(ag) == (2048, 1024)
+    assert "ping-pong 128x128 tiles in 2x1 clusters, row tiles in groups of 8" in _overlap_gemm.describe(ag, 132)
+    two_shot = _plan.Problem("matmul_ar", 4096, 2560, 5120, bf16, 2, "cuda")
+    one_call = _plan.Problem("matmul_ar", 4096, 2560, 5120, bf16, 2, "cuda", fp8="float8_e4m3fn")
+    assert _overlap_gemm.gemm_rows(two_shot) == (2048, 2048) and _overlap_gemm.gemm_rows(one_call) == (4096, 4096)
+    assert _overlap_gemm.describe(_plan.Problem("ag_matmul", 2048, 256, 256, np.dtype(np.float32), 2, "cuda")) is None
+    with _config.gpu_tuning(gemm_kernel="128x192"):
+        assert "as GpuTuning forces it (gemm_kernel='128x192'" in _overlap_gemm.describe(ag, 132)
+    with _config.gpu_tuning(tile_group_m=4):
+        assert _overlap_gemm.describe(ag, 132).endswith("groups of 4 (132 SMs)")
 
 
 @pytest.mark.parametrize("fp8", [False, True])

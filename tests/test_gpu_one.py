@@ -426,6 +426,10 @@ def test_one_gpu_explain_names_the_paths(one_gpu):
     )
     sites = flux_jax.explain(f, place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp")))
     assert len(sites) == 1 and sites[0].plan.fused and sites[0].problem.platform == "cuda"
+    with flux_jax.config(fused_path="overlap"):
+        text = str(flux_jax.explain(f, place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp")))[0])
+    sms = one_gpu[0].core_count  # the overlap GEMM's instance is chosen for this GPU's SMs
+    assert text.endswith(f"; overlap GEMM: cooperative 128x256 tiles, row tiles in groups of 8 ({sms} SMs)"), text
 
 
 @pytest.mark.parametrize("path", ["overlap", "latency"])
