@@ -128,11 +128,9 @@ def auto_plan(dtype: str, dx: bool, m: int, k: int, n: int, sms: int, chunk_rows
     rules (ChooseGemmInstance or ChooseFp8GemmInstance, TileGroupM), asked through the extension (a
     CUDA build). dtype: the rows' (bfloat16, float16, float8_e4m3fn or float8_e5m2); chunk_rows:
     the rows read in order (a rank's chunk; all m at tp = 1, the default)."""
-    from flux_jax import _native
-    from flux_jax._config import GEMM_KERNELS
+    from flux_jax import _overlap_gemm
 
-    kernel, group = _native._ext.cuda_auto_gemm_plan(dtype, dx, m, k, n, m if chunk_rows is None else chunk_rows, sms)
-    return GEMM_KERNELS[kernel], group
+    return _overlap_gemm.auto_plan(dtype, dx, m, k, n, m if chunk_rows is None else chunk_rows, sms)
 
 
 def auto_kernel(dtype: str, dx: bool, m: int, k: int, n: int, sms: int) -> str:

@@ -39,12 +39,12 @@ class Explanation(list):
         return "\n".join(f"{i}. {site}" for i, site in enumerate(self, 1))
 
 
-def _with_gemm(problem: _plan.Problem, plan: _plan.Plan, sms: int | None = None) -> str:
+def _with_gemm(problem: _plan.Problem, plan: _plan.Plan) -> str:
     """The plan's description, and on a GPU's overlap path the GEMM instance it runs."""
     text = plan.describe()
     if plan.path != "overlap" or problem.platform not in ("cuda", "gpu"):
         return text
-    gemm = _overlap_gemm.describe(problem, sms or _overlap_gemm.local_sms())
+    gemm = _overlap_gemm.describe(problem, _overlap_gemm.local_sms())
     return f"{text}; {gemm}" if gemm else text
 
 

@@ -30,8 +30,7 @@ def gemm_rows(p: _plan.Problem) -> tuple[int, int]:
         return p.rows, p.rows // p.tp
     composed = p.op == "matmul_ar" and not p.fp8 and _plan.composed_overlap(p.op, p.rows, p.tp, p.platform)
     if p.op == "matmul_rs" or composed:  # one stage per destination rank (matmul_ar: two-shot)
-        rows = p.rows // p.tp if p.tp > 1 else p.rows
-        return rows, rows
+        return p.rows // p.tp, p.rows // p.tp
     return p.rows, p.rows  # matmul_ar: one GEMM over the local rows
 
 
@@ -61,6 +60,16 @@ def describe(p: _plan.Problem, sms: int | None = None) -> str | None:
     assumed = "" if sms else ", assumed"
     sms = sms or HOPPER_SMS
     m, chunk = gemm_rows(p)
-    kernel, group = ext.cuda_auto_gemm_plan(rows_dtype, p.transpose_w, m, p.k, p.n, chunk, sms)
+    kernel, group = auto_plan(rows_dtype, p.transpose_w, m, p.k, p.n, chunk, sms)
     group = tuning.tile_group_m or group
-    return f"overlap GEMM: {_INSTANCES[GEMM_KERNELS[kernel]]}, row tiles in groups of {group} ({sms} SMs{assumed})"
+    return f"overlap GEMM: {_INSTANCES[kernel]}, row tiles in groups of {group} ({sms} SMs{assumed})"
+
+
+def auto_plan(
+    rows_dtype: str, w_transposed: bool, m: int, k: int, n: int, chunk_rows: int, sms: int
+) -> tuple[str, int]:
+    """(GpuTuning.gemm_kernel name, tile group) that gemm_kernel="auto" and tile_group_m=0 run for
+    an m x k x n overlap GEMM read in chunks of chunk_rows (op_common.h: ChooseGemmInstance or
+    ChooseFp8GemmInstance, TileGroupM); a CUDA build only."""
+    kernel, group = _native.extension().cuda_auto_gemm_plan(rows_dtype, w_transposed, m, k, n, chunk_rows, sms)
+    return GEMM_KERNELS[kernel], group
