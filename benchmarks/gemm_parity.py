@@ -71,6 +71,7 @@ from benchmarks.harness import round_order
 from benchmarks.presets import OPS, PRESETS, select_cases
 from benchmarks.timing import Built, LoopTimer, TimingParams, summarize
 from benchmarks.variants import error_summary, flux_ar_decode_fn, flux_gemm_fn, xla_gemm_fn
+from flux_jax import _overlap_gemm
 
 PRESET = "gemm-parity-1gpu"
 AXIS = "tp"
@@ -123,19 +124,20 @@ def kernel_available(kernel: str, dtype: str, dx: bool, rows: int) -> bool:
     raise ValueError(f"unknown kernel {kernel!r}")
 
 
-def auto_plan(dtype: str, dx: bool, m: int, k: int, n: int, sms: int, chunk_rows: int | None = None) -> tuple[str, int]:
+def auto_plan(
+    dtype: str, dx: bool, m: int, k: int, n: int, sms: int, chunk_rows: int | None = None, dram_gbps: int = 0
+) -> tuple[str, int]:
     """(instance, tile group) that GpuTuning.gemm_kernel="auto" and tile_group_m=0 run: op_common.h's
     rules (ChooseGemmInstance or ChooseFp8GemmInstance, TileGroupM), asked through the extension (a
     CUDA build). dtype: the rows' (bfloat16, float16, float8_e4m3fn or float8_e5m2); chunk_rows:
-    the rows read in order (a rank's chunk; all m at tp = 1, the default)."""
-    from flux_jax import _overlap_gemm
+    the rows read in order (a rank's chunk; all m at tp = 1, the default); dram_gbps: the GPU's
+    peak DRAM bandwidth in GB/s (0: unknown, an H200's rule)."""
+    return _overlap_gemm.auto_plan(dtype, dx, m, k, n, m if chunk_rows is None else chunk_rows, sms, dram_gbps)
 
-    return _overlap_gemm.auto_plan(dtype, dx, m, k, n, m if chunk_rows is None else chunk_rows, sms)
 
-
-def auto_kernel(dtype: str, dx: bool, m: int, k: int, n: int, sms: int) -> str:
+def auto_kernel(dtype: str, dx: bool, m: int, k: int, n: int, sms: int, dram_gbps: int = 0) -> str:
     """The instance GpuTuning.gemm_kernel="auto" runs at tp = 1 (auto_plan)."""
-    return auto_plan(dtype, dx, m, k, n, sms)[0]
+    return auto_plan(dtype, dx, m, k, n, sms, dram_gbps=dram_gbps)[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,10 +336,11 @@ def run_shape(
     profile: bool | str,
     energy_s: float = 0.0,
     meter: gpu_energy.EnergyMeter | None = None,
+    dram_gbps: int = 0,
 ) -> list[dict]:
     x, w, ref = make_operands(shape, seed, index, mesh)
     rows = {v.name: _empty_row(shape, v) for v in variants}
-    auto_instance, auto_group = auto_plan(shape.dtype, shape.dx, shape.M, shape.K, shape.N, sms)
+    auto_instance, auto_group = auto_plan(shape.dtype, shape.dx, shape.M, shape.K, shape.N, sms, dram_gbps=dram_gbps)
     auto = f"{auto_instance}/g{auto_group}"  # as a --kernels spec
     entries = []  # (variant, timer, built)
     xla_err = None
@@ -855,7 +858,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             flush=True,
         )
     platform = "gpu" if jax.devices()[0].platform in ("gpu", "cuda") else jax.devices()[0].platform
-    sms = getattr(jax.devices()[0], "core_count", None) or SMS_DEFAULT
+    sms, dram_gbps = _overlap_gemm.local_gpu() or (getattr(jax.devices()[0], "core_count", None) or SMS_DEFAULT, 0)
     shapes = shapes_from_args(args, preset_layers())
     params = TimingParams(
         n1=args.n1, target_ms=args.target_ms, max_calls=args.max_calls, repeats=args.repeats, preheat_ms=args.preheat_ms
@@ -865,6 +868,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         command="python -m benchmarks.gemm_parity " + " ".join(argv),
         seed=args.seed,
         sm_count=sms,
+        dram_gbps=dram_gbps,
         subset=args.shapes and "shapes" or args.subset,
         kernels=list(args.kernels),
         budget_s=args.budget_s,
@@ -901,7 +905,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
             break
         t0 = time.perf_counter()
         profile = ("all" if args.profile_all else True) if not args.no_profiler and platform == "gpu" else False
-        shape_rows = run_shape(shape, variants, mesh, params, args.seed, i, sms, profile, args.energy_s, meter)
+        shape_rows = run_shape(
+            shape, variants, mesh, params, args.seed, i, sms, profile, args.energy_s, meter, dram_gbps=dram_gbps
+        )
         spent_s += time.perf_counter() - t0
         variants_run += len(variants)
         rows += shape_rows

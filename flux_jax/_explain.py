@@ -44,7 +44,7 @@ def _with_gemm(problem: _plan.Problem, plan: _plan.Plan) -> str:
     text = plan.describe()
     if plan.path != "overlap" or problem.platform not in ("cuda", "gpu"):
         return text
-    gemm = _overlap_gemm.describe(problem, _overlap_gemm.local_sms())
+    gemm = _overlap_gemm.describe(problem, _overlap_gemm.local_gpu())
     return f"{text}; {gemm}" if gemm else text
 
 

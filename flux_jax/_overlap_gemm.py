@@ -9,8 +9,10 @@ import numpy as np
 from flux_jax import _native, _plan
 from flux_jax._config import GEMM_KERNELS, get_gpu_tuning
 
-# H100 / H200 SXM: what explain_auto and a plan made without a local GPU assume.
+# What explain_auto and a plan made without a local GPU assume: an H200 (132 SMs, 4.8 TB/s of
+# DRAM), the GPU the rule was tuned on.
 HOPPER_SMS = 132
+H200_DRAM_GBPS = 4800
 
 _INSTANCES = {
     "128x256": "cooperative 128x256 tiles",
@@ -34,17 +36,22 @@ def gemm_rows(p: _plan.Problem) -> tuple[int, int]:
     return p.rows, p.rows  # matmul_ar: one GEMM over the local rows
 
 
-def local_sms() -> int | None:
-    """SMs of this process's first GPU, or None without one."""
+def local_gpu() -> tuple[int, int] | None:
+    """(SMs, peak DRAM bandwidth in GB/s) of this process's first GPU, as the rule reads them
+    (workspace.cc); None without a GPU or a CUDA build."""
     gpus = _plan.local_gpus()
-    count = getattr(gpus[0], "core_count", None) if gpus else None
-    return int(count) if count else None
+    ext = _native.extension()
+    if not gpus or not hasattr(ext, "cuda_gemm_rule_inputs"):
+        return None
+    sms, dram_gbps = ext.cuda_gemm_rule_inputs(int(gpus[0].local_hardware_id))
+    return int(sms), int(dram_gbps)
 
 
-def describe(p: _plan.Problem, sms: int | None = None) -> str | None:
-    """'overlap GEMM: <instance>, row tiles in groups of G (S SMs)' for a call whose plan is the
-    overlap path on a GPU; None where the build has no CUDA kernels or the call's rows are not
-    one of the rule's (float32)."""
+def describe(p: _plan.Problem, gpu: tuple[int, int] | None = None) -> str | None:
+    """'overlap GEMM: <instance>, row tiles in groups of G (S SMs, B TB/s DRAM)' for a call whose
+    plan is the overlap path on a GPU (`gpu`: its SMs and peak DRAM GB/s, local_gpu; None: an
+    H200, assumed); None where the build has no CUDA kernels or the call's rows are not one of
+    the rule's (float32)."""
     ext = _native.extension()
     rows_dtype = p.fp8 or np.dtype(p.dtype).name
     if not hasattr(ext, "cuda_auto_gemm_plan") or rows_dtype not in (
@@ -57,19 +64,23 @@ def describe(p: _plan.Problem, sms: int | None = None) -> str | None:
     tuning = get_gpu_tuning()
     if tuning.gemm_kernel != "auto" or tuning.tile_n:
         return f"overlap GEMM: as GpuTuning forces it (gemm_kernel={tuning.gemm_kernel!r}, tile_n={tuning.tile_n})"
-    assumed = "" if sms else ", assumed"
-    sms = sms or HOPPER_SMS
+    assumed = "" if gpu else ", assumed"
+    sms, dram_gbps = gpu or (HOPPER_SMS, H200_DRAM_GBPS)
     m, chunk = gemm_rows(p)
-    kernel, group = auto_plan(rows_dtype, p.transpose_w, m, p.k, p.n, chunk, sms)
+    kernel, group = auto_plan(rows_dtype, p.transpose_w, m, p.k, p.n, chunk, sms, dram_gbps)
     group = tuning.tile_group_m or group
-    return f"overlap GEMM: {_INSTANCES[kernel]}, row tiles in groups of {group} ({sms} SMs{assumed})"
+    gpu_text = f"{sms} SMs, {dram_gbps / 1000:.1f} TB/s DRAM{assumed}"
+    return f"overlap GEMM: {_INSTANCES[kernel]}, row tiles in groups of {group} ({gpu_text})"
 
 
 def auto_plan(
-    rows_dtype: str, w_transposed: bool, m: int, k: int, n: int, chunk_rows: int, sms: int
+    rows_dtype: str, w_transposed: bool, m: int, k: int, n: int, chunk_rows: int, sms: int, dram_gbps: int = 0
 ) -> tuple[str, int]:
     """(GpuTuning.gemm_kernel name, tile group) that gemm_kernel="auto" and tile_group_m=0 run for
-    an m x k x n overlap GEMM read in chunks of chunk_rows (op_common.h: ChooseGemmInstance or
+    an m x k x n overlap GEMM read in chunks of chunk_rows on a GPU with `sms` SMs and `dram_gbps`
+    GB/s of peak DRAM bandwidth (0: unknown, an H200's rule) (op_common.h: ChooseGemmInstance or
     ChooseFp8GemmInstance, TileGroupM); a CUDA build only."""
-    kernel, group = _native.extension().cuda_auto_gemm_plan(rows_dtype, w_transposed, m, k, n, chunk_rows, sms)
+    kernel, group = _native.extension().cuda_auto_gemm_plan(
+        rows_dtype, w_transposed, m, k, n, chunk_rows, sms, dram_gbps
+    )
     return GEMM_KERNELS[kernel], group

@@ -687,6 +687,17 @@ def test_overlap_gemm_rule_picks_by_waves():
     assert auto_kernel("bfloat16", True, 2048, 4096, 7168, 132) == "128x224"  # 4 x 224 = 7 x 128 < 4 x 256 (5 x 192)
     assert auto_kernel("bfloat16", True, 2048, 5120, 6912, 132) == "128x224"  # 31 tiles of 224 columns a row
     assert auto_kernel("bfloat16", True, 2048, 3072, 4096, 132) == "128x256"  # 4 x 128 = 2 x 256
+    # K <= 2048 above 2048 rows: ping-pong where the DRAM is an H200's (4.8 TB/s), 128x256 where it is
+    # an H100's (3.35 TB/s): docs/decisions/2026-12-05-pingpong-by-gpu.md; 0 (unknown): the H200 rule
+    for m, k, n in ((4096, 2048, 4096), (8192, 2048, 4096), (4096, 1536, 3072), (16384, 1536, 3072)):
+        assert auto_kernel("bfloat16", False, m, k, n, 132, dram_gbps=3352) == "128x256"
+        assert auto_kernel("bfloat16", False, m, k, n, 132, dram_gbps=3999) == "128x256"
+        assert auto_kernel("float16", False, m, k, n, 132, dram_gbps=3352) == "128x256"
+        for dram_gbps in (0, 4000, 4915):
+            assert auto_kernel("bfloat16", False, m, k, n, 132, dram_gbps=dram_gbps) == "128x128_pp_c2x1"
+    # where the waves pick ping-pong the DRAM does not matter
+    assert auto_kernel("bfloat16", False, 2048, 2560, 5120, 132, dram_gbps=3352) == "128x128_pp_c2x1"
+    assert auto_kernel("bfloat16", False, 4096, 5120, 3584, 132, dram_gbps=3352) == "128x128_pp_c2x1"
     # float16 has every instance bfloat16 has: the same rule
     for m in (1024, 2048, 4096, 8192, 16384):
         for k, n in ((1536, 3072), (2048, 4096), (2560, 5120), (3072, 4608), (4096, 7168), (5120, 2560), (8192, 5120)):
@@ -707,6 +718,13 @@ def test_fp8_gemm_rule_and_tile_groups():
     assert auto_kernel("float8_e4m3fn", True, 8192, 8192, 28672, 132) == "128x256"
     assert auto_kernel("float8_e4m3fn", True, 16384, 4096, 8192, 132) == "128x128_pp_c2x1"  # K <= 4096
     assert auto_kernel("float8_e4m3fn", True, 16384, 3072, 8192, 132) == "128x128_pp_c2x1"
+    # 8192^2 outputs and more at K <= 4096: ping-pong on an H200 only (docs/decisions/2026-12-05-pingpong-by-gpu.md)
+    assert auto_kernel("float8_e4m3fn", True, 16384, 3072, 8192, 132, dram_gbps=4915) == "128x128_pp_c2x1"
+    assert auto_kernel("float8_e4m3fn", True, 16384, 3072, 8192, 132, dram_gbps=3352) == "128x256"
+    assert auto_kernel("float8_e4m3fn", True, 16384, 4096, 8192, 132, dram_gbps=3352) == "128x256"
+    for m, k, n in ((8192, 2048, 4096), (2048, 2560, 5120), (4096, 3072, 4608), (2048, 8192, 5120)):
+        assert auto_kernel("float8_e4m3fn", True, m, k, n, 132, dram_gbps=3352) == "128x128_pp_c2x1"  # below 8192^2
+    assert auto_kernel("float8_e5m2", True, 16384, 3072, 8192, 132, dram_gbps=3352) == "128x128_pp_c2x1"  # e5m2
     # below 8192^2 outputs: cooperative at K >= 8192 where its 4+ waves tie (8 x 256 = 16 x 128 columns)
     assert auto_kernel("float8_e4m3fn", True, 4096, 8192, 8192, 132) == "128x256"
     assert auto_kernel("float8_e4m3fn", True, 2048, 8192, 5120, 132) == "128x128_pp_c2x1"  # 3 x 256 > 5 x 128

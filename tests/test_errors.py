@@ -363,27 +363,37 @@ def test_explain_auto_names_the_choice_and_the_reason():
 )
 def test_explain_names_the_overlap_gemm_instance():
     """On a GPU's overlap path explain says which GEMM instance op_common.h's rule runs, for the
-    GEMM each handler launches (ag_matmul: every rank's rows; matmul_rs: one rank's share)."""
+    GEMM each handler launches (ag_matmul: every rank's rows; matmul_rs: one rank's share), on the
+    GPU's SMs and DRAM bandwidth (an H200's without a GPU)."""
     text = flux_jax.explain_auto("ag_matmul", 4096, 8192, 8192, 2)
-    assert text.endswith("; overlap GEMM: cooperative 128x256 tiles, row tiles in groups of 16 (132 SMs, assumed)"), (
-        text
-    )
+    assert text.endswith(
+        "; overlap GEMM: cooperative 128x256 tiles, row tiles in groups of 16 (132 SMs, 4.8 TB/s DRAM, assumed)"
+    ), text
     assert "overlap GEMM" not in flux_jax.explain_auto("matmul_rs", 256, 4096, 4096, 2)  # latency path
+    h200, h100 = (132, 4800), (132, 3352)
     bf16 = np.dtype(jnp.bfloat16)
     dx = _plan.Problem("matmul_rs", 4096, 4096, 7168, bf16, 2, "cuda", transpose_w=True)  # 8B down dx
     assert _overlap_gemm.gemm_rows(dx) == (2048, 2048)
-    assert "cooperative 128x224 tiles, row tiles in groups of 16 (132 SMs)" in _overlap_gemm.describe(dx, 132)
+    assert "cooperative 128x224 tiles, row tiles in groups of 16 (132 SMs, 4.8 TB/s DRAM)" in _overlap_gemm.describe(
+        dx, h200
+    )
     ag = _plan.Problem("ag_matmul", 2048, 2560, 5120, bf16, 2, "cuda")
     assert _overlap_gemm.gemm_rows(ag) == (2048, 1024)
-    assert "ping-pong 128x128 tiles in 2x1 clusters, row tiles in groups of 8" in _overlap_gemm.describe(ag, 132)
+    for gpu in (h200, h100):  # at 2048 rows the waves decide, on either GPU
+        assert "ping-pong 128x128 tiles in 2x1 clusters, row tiles in groups of 8" in _overlap_gemm.describe(ag, gpu)
+    # 8B out-proj, 8192 rows: ping-pong where the DRAM is an H200's, cooperative 128x256 on an H100
+    out_proj = _plan.Problem("ag_matmul", 8192, 2048, 4096, bf16, 2, "cuda")
+    assert "ping-pong 128x128 tiles" in _overlap_gemm.describe(out_proj, h200)
+    assert "cooperative 128x256 tiles" in _overlap_gemm.describe(out_proj, h100)
+    assert _overlap_gemm.describe(out_proj, h100).endswith("(132 SMs, 3.4 TB/s DRAM)")
     two_shot = _plan.Problem("matmul_ar", 4096, 2560, 5120, bf16, 2, "cuda")
     one_call = _plan.Problem("matmul_ar", 4096, 2560, 5120, bf16, 2, "cuda", fp8="float8_e4m3fn")
     assert _overlap_gemm.gemm_rows(two_shot) == (2048, 2048) and _overlap_gemm.gemm_rows(one_call) == (4096, 4096)
     assert _overlap_gemm.describe(_plan.Problem("ag_matmul", 2048, 256, 256, np.dtype(np.float32), 2, "cuda")) is None
     with _config.gpu_tuning(gemm_kernel="128x192"):
-        assert "as GpuTuning forces it (gemm_kernel='128x192'" in _overlap_gemm.describe(ag, 132)
+        assert "as GpuTuning forces it (gemm_kernel='128x192'" in _overlap_gemm.describe(ag, h200)
     with _config.gpu_tuning(tile_group_m=4):
-        assert _overlap_gemm.describe(ag, 132).endswith("groups of 4 (132 SMs)")
+        assert _overlap_gemm.describe(ag, h200).endswith("groups of 4 (132 SMs, 4.8 TB/s DRAM)")
 
 
 @pytest.mark.parametrize("fp8", [False, True])

@@ -428,8 +428,13 @@ def test_one_gpu_explain_names_the_paths(one_gpu):
     assert len(sites) == 1 and sites[0].plan.fused and sites[0].problem.platform == "cuda"
     with flux_jax.config(fused_path="overlap"):
         text = str(flux_jax.explain(f, place(mesh, x, P("tp", None)), place(mesh, w, P(None, "tp")))[0])
-    sms = one_gpu[0].core_count  # the overlap GEMM's instance is chosen for this GPU's SMs
-    assert text.endswith(f"; overlap GEMM: cooperative 128x256 tiles, row tiles in groups of 8 ({sms} SMs)"), text
+    from flux_jax import _overlap_gemm
+
+    # the overlap GEMM's instance is chosen for this GPU's SMs and DRAM bandwidth (the attributes)
+    sms, dram_gbps = _overlap_gemm.local_gpu()
+    assert sms == one_gpu[0].core_count and 2000 <= dram_gbps <= 10000, (sms, dram_gbps)
+    gpu = f"{sms} SMs, {dram_gbps / 1000:.1f} TB/s DRAM"
+    assert text.endswith(f"; overlap GEMM: cooperative 128x256 tiles, row tiles in groups of 8 ({gpu})"), text
 
 
 @pytest.mark.parametrize("path", ["overlap", "latency"])

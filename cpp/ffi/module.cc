@@ -250,19 +250,30 @@ NB_MODULE(_flux_jax_ffi, m) {
         "Workspace bytes held on a GPU outside XLA's pool.");
   m.def(
       "cuda_auto_gemm_plan",
-      [](const std::string& dtype, bool w_transposed, int64_t m, int64_t k, int64_t n, int64_t chunk_rows,
-         int sm_count) {
+      [](const std::string& dtype, bool w_transposed, int64_t m, int64_t k, int64_t n, int64_t chunk_rows, int sm_count,
+         int dram_gbps) {
         int64_t kernel = 0;
         int32_t group = 0;
         flux_jax::Status s =
-            flux_jax::CudaAutoGemmPlan(dtype, w_transposed, m, k, n, chunk_rows, sm_count, &kernel, &group);
+            flux_jax::CudaAutoGemmPlan(dtype, w_transposed, m, k, n, chunk_rows, sm_count, dram_gbps, &kernel, &group);
         if (!s.ok()) throw std::invalid_argument(s.message());
         return nb::make_tuple(kernel, group);
       },
       nb::arg("dtype"), nb::arg("w_transposed"), nb::arg("m"), nb::arg("k"), nb::arg("n"), nb::arg("chunk_rows"),
-      nb::arg("sm_count"),
+      nb::arg("sm_count"), nb::arg("dram_gbps"),
       "(GpuTuning.gemm_kernel, tile_group_m) that auto resolves to for an m x k x n overlap GEMM whose rows are "
-      "read in chunks of chunk_rows: an index of GEMM_KERNELS and a group of row tiles.");
+      "read in chunks of chunk_rows, on sm_count SMs with dram_gbps GB/s of peak DRAM bandwidth (0: unknown): an "
+      "index of GEMM_KERNELS and a group of row tiles.");
+  m.def(
+      "cuda_gemm_rule_inputs",
+      [](int device) {
+        int sm_count = 0, dram_gbps = 0;
+        flux_jax::Status s = flux_jax::CudaGemmRuleInputs(device, &sm_count, &dram_gbps);
+        if (!s.ok()) throw std::runtime_error(s.message());
+        return nb::make_tuple(sm_count, dram_gbps);
+      },
+      nb::arg("device"),
+      "(SMs, peak DRAM bandwidth in GB/s) of CUDA device `device`: what the overlap GEMM rule reads of the GPU.");
   m.def("cuda_device_error", &flux_jax::CudaDeviceError, nb::arg("device"),
         "Diagnostic of the device-side waits that gave up on a GPU (a line per rank), or ''.");
   m.def(

@@ -23,12 +23,17 @@ size_t CudaWorkspaceBytes(int device);
 std::string CudaDeviceError(int device);
 
 // What GpuTuning.gemm_kernel = auto and tile_group_m = 0 resolve to for an m x k x n overlap GEMM
-// on `sm_count` SMs (op_common.h ChooseGemmInstance / ChooseFp8GemmInstance and TileGroupM: the
-// rules themselves, for benchmarks and tests): the GemmKernel that forces the chosen instance and
-// the tile group over `chunk_rows` rows read in order. `dtype` is the rows': "bfloat16" or
-// "float16" (w [n, k] if w_transposed), or "float8_e4m3fn" / "float8_e5m2" (FP8: w [n, k] e4m3).
+// on `sm_count` SMs with `dram_gbps` GB/s of peak DRAM bandwidth (0: unknown) (op_common.h
+// ChooseGemmInstance / ChooseFp8GemmInstance and TileGroupM: the rules themselves, for explain,
+// benchmarks and tests): the GemmKernel that forces the chosen instance and the tile group over
+// `chunk_rows` rows read in order. `dtype` is the rows': "bfloat16" or "float16" (w [n, k] if
+// w_transposed), or "float8_e4m3fn" / "float8_e5m2" (FP8: w [n, k] e4m3).
 Status CudaAutoGemmPlan(const std::string& dtype, bool w_transposed, int64_t m, int64_t k, int64_t n,
-                        int64_t chunk_rows, int sm_count, int64_t* gemm_kernel, int32_t* tile_group_m);
+                        int64_t chunk_rows, int sm_count, int dram_gbps, int64_t* gemm_kernel, int32_t* tile_group_m);
+
+// What the GEMM instance rule reads of GPU `device` (a CUDA ordinal): its SMs and its peak DRAM
+// bandwidth in GB/s.
+Status CudaGemmRuleInputs(int device, int* sm_count, int* dram_gbps);
 
 // Tests (cpp/tests/loopback): the next growth of a workspace area by rank `rank` of any group fails
 // as if its GPU were out of memory (-1: none).

@@ -35,10 +35,10 @@ Status RunAgMatmulCuda(const AgMatmulParams& p, const TpGroup& group, const Comm
   const size_t chunk_bytes = static_cast<size_t>(p.m_local) * row_bytes;
   // The GEMM instance (by shape, forced by the tuning, or the FP8 one), then its tile group over
   // a rank's chunk of rows.
-  auto choose = [&](int sm_count, GemmPlan* plan) {
-    FLUX_JAX_RETURN_IF_ERROR(p.fp8.on
-                                 ? ChooseFp8GemmInstance(cfg, p.fp8, rows, p.k, p.n, sm_count, plan)
-                                 : ChooseGemmInstance(cfg, p.dtype, p.w_transposed, rows, p.n, p.k, sm_count, plan));
+  auto choose = [&](const GroupWorkspace& ws, GemmPlan* plan) {
+    FLUX_JAX_RETURN_IF_ERROR(
+        p.fp8.on ? ChooseFp8GemmInstance(cfg, p.fp8, rows, p.k, p.n, ws.sm_count, ws.dram_gbps, plan)
+                 : ChooseGemmInstance(cfg, p.dtype, p.w_transposed, rows, p.n, p.k, ws.sm_count, ws.dram_gbps, plan));
     plan->group_m_tiles = TileGroupM(cfg, *plan, p.m_local);
     return Status::Ok();
   };
@@ -55,7 +55,7 @@ Status RunAgMatmulCuda(const AgMatmulParams& p, const TpGroup& group, const Comm
       return RunDecodeGemmAlone(p, group, cfg, S);
     GroupWorkspace* ws = nullptr;  // no communication; the workspace only holds alpha
     FLUX_JAX_RETURN_IF_ERROR(AcquireWorkspace(group, 0, cfg, S, &ws));
-    FLUX_JAX_RETURN_IF_ERROR(choose(ws->sm_count, &plan));
+    FLUX_JAX_RETURN_IF_ERROR(choose(*ws, &plan));
     plan.a = p.x;
     plan.alpha_ptr = ws->alpha;
     // No gate runs here (gate_a is empty: its wait returns before the first flag). The probe
@@ -75,7 +75,7 @@ Status RunAgMatmulCuda(const AgMatmulParams& p, const TpGroup& group, const Comm
 
   GroupWorkspace* ws = nullptr;
   FLUX_JAX_RETURN_IF_ERROR(AcquireWorkspace(group, rows * row_bytes, cfg, S, &ws));
-  FLUX_JAX_RETURN_IF_ERROR(choose(ws->sm_count, &plan));
+  FLUX_JAX_RETURN_IF_ERROR(choose(*ws, &plan));
   ws->epoch += 1;
   const uint64_t epoch = ws->epoch;
   const int32_t piece_rows = PieceRows(p.m_local, row_bytes, cfg.tuning.piece_bytes, kGemmBlockM * plan.cluster_m);

@@ -38,9 +38,10 @@ Status RunMatmulArCuda(const MatmulArParams& p, const TpGroup& group, const Comm
     plan.d = partial;
     plan.alpha_ptr = ws.alpha;  // NaN once a wait of this device timed out: NaN, never wrong
     if (p.fp8.on) {
-      FLUX_JAX_RETURN_IF_ERROR(ChooseFp8GemmInstance(cfg, p.fp8, p.m, p.k, p.n, ws.sm_count, &plan));
+      FLUX_JAX_RETURN_IF_ERROR(ChooseFp8GemmInstance(cfg, p.fp8, p.m, p.k, p.n, ws.sm_count, ws.dram_gbps, &plan));
     } else {
-      FLUX_JAX_RETURN_IF_ERROR(ChooseGemmInstance(cfg, p.dtype, p.w_transposed, p.m, p.n, p.k, ws.sm_count, &plan));
+      FLUX_JAX_RETURN_IF_ERROR(
+          ChooseGemmInstance(cfg, p.dtype, p.w_transposed, p.m, p.n, p.k, ws.sm_count, ws.dram_gbps, &plan));
     }
     plan.group_m_tiles = TileGroupM(cfg, plan, p.m);
     return RunGemm(plan, p.dtype, S, device, ws.sm_count);

@@ -57,10 +57,11 @@ Status RunMatmulRsCuda(const MatmulRsParams& p, const TpGroup& group, const Comm
   plan.alpha_ptr = ws->alpha;
   const int64_t gemm_rows = tp == 1 ? p.m : m_out;  // the rows each instance rule weighs
   if (p.fp8.on) {
-    FLUX_JAX_RETURN_IF_ERROR(ChooseFp8GemmInstance(cfg, p.fp8, gemm_rows, p.k, p.n, ws->sm_count, &plan));
+    FLUX_JAX_RETURN_IF_ERROR(
+        ChooseFp8GemmInstance(cfg, p.fp8, gemm_rows, p.k, p.n, ws->sm_count, ws->dram_gbps, &plan));
   } else {
     FLUX_JAX_RETURN_IF_ERROR(
-        ChooseGemmInstance(cfg, p.dtype, p.w_transposed, gemm_rows, p.n, p.k, ws->sm_count, &plan));
+        ChooseGemmInstance(cfg, p.dtype, p.w_transposed, gemm_rows, p.n, p.k, ws->sm_count, ws->dram_gbps, &plan));
   }
   // A stage's rows (or all of them at tp = 1) are the chunk its GEMM reads in order.
   const int32_t group_m = TileGroupM(cfg, plan, gemm_rows);

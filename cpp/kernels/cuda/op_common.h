@@ -148,6 +148,21 @@ inline bool PreferPingpongByWaves(const CommConfig& cfg, DType dtype, bool b_kma
   return ShorterWaves(m, n, kGemmBlockN128, ChooseBlockN(cfg, m, n, sm_count), sm_count);
 }
 
+// Whether ping-pong 128x128 tiles keep their lead where the output is many waves of tiles and K is
+// short (PreferPingpongShortK, FP8's kFp8PingpongMaxK), told by the GPU's peak DRAM bandwidth
+// (GroupWorkspace.dram_gbps; 0: unknown, taken as the H200 the rule was tuned on). On one H200
+// (4.8 TB/s) ping-pong won there; on one H100 SXM (3.35 TB/s; same SMs, clocks and L2) it lost to
+// cooperative 128x256 at all ten bf16 / f16 shapes and both FP8 ones timed, by 6-15% of kernel
+// time: 8192 x 2048 x 4096 bf16 179 -> 210 us against 180 -> 183 (H200 -> H100), FP8 16384 x 3072
+// x 8192 536 -> 618 against 572 -> 571. cuBLAS moves the same way at 4096 rows and at K = 1536
+// (non-cooperative 128x128 / 128x160 tiles on the H200, cooperative 128x256 / 256x128 on the H100).
+// The bandwidth tells the two GPUs apart; it is not shown to be the cause: on the H100 ping-pong
+// moved about as many DRAM bytes as 128x256 (DRAM 19-29% busy) while its L2 ran at 77-87% of peak
+// throughput against 47-62% (docs/decisions/2026-12-05-pingpong-by-gpu.md). At 2048 rows, where
+// the waves decide, ping-pong keeps its lead on both GPUs.
+inline constexpr int kPingpongManyWavesMinDramGbps = 4000;
+inline bool PingpongAtManyWaves(int dram_gbps) { return dram_gbps <= 0 || dram_gbps >= kPingpongManyWavesMinDramGbps; }
+
 // Ping-pong 128x128 tiles in 2x1 clusters for the [K, N] weight where K <= 2048 and M > 2048 (before
 // the wave rules): a short K loop makes the epilogue a large share of each tile, and ping-pong runs
 // one warpgroup's epilogue under the other's MMAs where the cooperative tile idles its tensor cores
@@ -156,9 +171,10 @@ inline bool PreferPingpongByWaves(const CommConfig& cfg, DType dtype, bool b_kma
 // 1.053 / 1.037 / 1.052, K = 2048 (8B out-proj) 1.047 / 1.040 / 1.070 -> 1.038 / 1.036 / 1.054;
 // float16 16384 x 1536 x 3072 1.087 -> 1.052; at K = 2560 0.7% ahead, at K >= 3072 behind or tied
 // (docs/decisions/2026-12-03-pingpong-short-k.md). The transposed weight and 2048 rows or fewer
-// are not measured.
-inline bool PreferPingpongShortK(DType dtype, bool b_kmajor, int64_t m, int64_t k) {
-  return !b_kmajor && m > 2048 && k > 0 && k <= 2048 && HasGemmInstance(dtype, b_kmajor, kGemmBlockN128, 2, true);
+// are not measured. Only where PingpongAtManyWaves: on an H100 128x256 wins these shapes.
+inline bool PreferPingpongShortK(DType dtype, bool b_kmajor, int64_t m, int64_t k, int dram_gbps) {
+  return !b_kmajor && m > 2048 && k > 0 && k <= 2048 && PingpongAtManyWaves(dram_gbps) &&
+         HasGemmInstance(dtype, b_kmajor, kGemmBlockN128, 2, true);
 }
 
 // The overlap GEMM instance of a call (GemmPlan.block_n, cluster_m, pingpong).
@@ -169,12 +185,12 @@ inline bool PreferPingpongShortK(DType dtype, bool b_kmajor, int64_t m, int64_t 
 // kDecode is no overlap instance: ag_matmul's tp = 1 branch runs the decode GEMM for it, and
 // every other call rejects it here.
 inline Status ChooseGemmInstance(const CommConfig& cfg, DType dtype, bool b_kmajor, int64_t m, int64_t n, int64_t k,
-                                 int sm_count, GemmPlan* plan) {
+                                 int sm_count, int dram_gbps, GemmPlan* plan) {
   plan->cluster_m = 1;
   plan->pingpong = false;
   switch (static_cast<GemmKernel>(cfg.tuning.gemm_kernel)) {
     case GemmKernel::kAuto:
-      if (cfg.tuning.tile_n == 0 && PreferPingpongShortK(dtype, b_kmajor, m, k)) {
+      if (cfg.tuning.tile_n == 0 && PreferPingpongShortK(dtype, b_kmajor, m, k, dram_gbps)) {
         plan->block_n = kGemmBlockN128;
         plan->cluster_m = 2;
         plan->pingpong = true;
@@ -249,13 +265,14 @@ inline bool PreferFp8Pingpong160(int64_t m, int64_t n, int sm_count) {
 // ping-pong won five of six shapes (2048 x 2560 x 5120 1.34 -> 1.18, 4096 x 3072 x 4608 1.28 ->
 // 1.16, 8192 x 2048 x 4096 1.19 -> 1.15 against 128x256) and lost 8192^3 (1.09 vs 1.05)
 // (docs/decisions/2026-12-01-gemm-instances.md); at 16384-row outputs it won at K = 3072 and 4096
-// (1.04 against 1.09-1.11) and lost at K = 8192 (docs/decisions/2026-12-04-fp8-pingpong-at-short-k.md).
+// (1.04 against 1.09-1.11) and lost at K = 8192 (docs/decisions/2026-12-04-fp8-pingpong-at-short-k.md);
+// on an H100 it lost at K = 3072 too, so there it needs outputs below 8192 x 8192 (PingpongAtManyWaves).
 // e5m2 rows (a backward's dy) run ping-pong 2x1 at every size: 128x160 tiles where
 // PreferFp8Pingpong160 says, else 128x128. GpuTuning.gemm_kernel forces one of the instances the
 // row format has. The row scales come from `fp8` (the caller offsets them for launches that start
 // below row 0 of x).
-// Ping-pong at 8192 x 8192 outputs and more up to this K (below them unless
-// Fp8CooperativeByWaves).
+// Ping-pong at 8192 x 8192 outputs and more up to this K where PingpongAtManyWaves (below them
+// unless Fp8CooperativeByWaves).
 inline constexpr int64_t kFp8PingpongMaxK = 4096;
 
 // Below 8192 x 8192 outputs: cooperative 128x256 at K >= 8192 where 128x256 tiles make at least
@@ -271,14 +288,15 @@ inline bool Fp8CooperativeByWaves(int64_t m, int64_t n, int64_t k, int sm_count)
          WaveSpan(m, n, kGemmBlockN, sm_count) <= WaveSpan(m, n, kGemmBlockN128, sm_count);
 }
 inline Status ChooseFp8GemmInstance(const CommConfig& cfg, const Fp8Operands& fp8, int64_t m, int64_t k, int64_t n,
-                                    int sm_count, GemmPlan* plan) {
+                                    int sm_count, int dram_gbps, GemmPlan* plan) {
   auto kernel = static_cast<GemmKernel>(cfg.tuning.gemm_kernel);
   // 128x160_pp_c2x1 names the backward's e5m2 GEMM; the forward's e4m3 GEMMs, traced with the same
   // tuning, keep the rule under it.
   if (kernel == GemmKernel::k128x160PingpongCluster2x1 && !fp8.x_e5m2) kernel = GemmKernel::kAuto;
   const bool by_rule = kernel == GemmKernel::kAuto;
-  const bool pingpong_by_shape =
-      k <= kFp8PingpongMaxK || (m * n < int64_t{8192} * 8192 && !Fp8CooperativeByWaves(m, n, k, sm_count));
+  const bool below_8192_squared = m * n < int64_t{8192} * 8192;
+  const bool pingpong_by_shape = (below_8192_squared && !Fp8CooperativeByWaves(m, n, k, sm_count)) ||
+                                 (k <= kFp8PingpongMaxK && PingpongAtManyWaves(dram_gbps));
   if (fp8.x_e5m2 && !by_rule && kernel != GemmKernel::k128x128PingpongCluster2x1 &&
       kernel != GemmKernel::k128x160PingpongCluster2x1) {
     return Status::InvalidArgument(

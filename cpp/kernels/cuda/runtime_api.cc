@@ -16,7 +16,7 @@ std::string CudaDeviceError(int device) {
 }
 
 Status CudaAutoGemmPlan(const std::string& dtype, bool w_transposed, int64_t m, int64_t k, int64_t n,
-                        int64_t chunk_rows, int sm_count, int64_t* gemm_kernel, int32_t* tile_group_m) {
+                        int64_t chunk_rows, int sm_count, int dram_gbps, int64_t* gemm_kernel, int32_t* tile_group_m) {
   const bool fp8 = dtype == "float8_e4m3fn" || dtype == "float8_e5m2";
   if (dtype != "bfloat16" && dtype != "float16" && !fp8) {
     return Status::InvalidArgument(
@@ -28,8 +28,8 @@ Status CudaAutoGemmPlan(const std::string& dtype, bool w_transposed, int64_t m, 
   rows.x_e5m2 = dtype == "float8_e5m2";
   CommConfig cfg;
   auto choose = [&](cuda::GemmPlan* plan) {
-    return fp8 ? cuda::ChooseFp8GemmInstance(cfg, rows, m, k, n, sm_count, plan)
-               : cuda::ChooseGemmInstance(cfg, t, w_transposed, m, n, k, sm_count, plan);
+    return fp8 ? cuda::ChooseFp8GemmInstance(cfg, rows, m, k, n, sm_count, dram_gbps, plan)
+               : cuda::ChooseGemmInstance(cfg, t, w_transposed, m, n, k, sm_count, dram_gbps, plan);
   };
   cuda::GemmPlan chosen{};
   chosen.m = m;  // TileGroupM reads the problem's size
@@ -51,6 +51,11 @@ Status CudaAutoGemmPlan(const std::string& dtype, bool w_transposed, int64_t m, 
     }
   }
   return Status::Internal("flux_jax: the overlap GEMM rule chose an instance no GpuTuning.gemm_kernel names");
+}
+
+Status CudaGemmRuleInputs(int device, int* sm_count, int* dram_gbps) {
+  FLUX_CUDA_TRY(cudaDeviceGetAttribute(sm_count, cudaDevAttrMultiProcessorCount, device));
+  return cuda::PeakDramGbps(device, dram_gbps);
 }
 
 void CudaFailNextWorkspaceGrowthForTesting(int rank) { cuda::FailNextGrowthForTesting(rank); }

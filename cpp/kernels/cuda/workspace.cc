@@ -199,6 +199,7 @@ Status InitMember(const TpGroup& g, GroupWorkspace* w) {
   FLUX_CUDA_TRY(cudaEventCreateWithFlags(&w->ev_comm_done, cudaEventDisableTiming));
   for (auto& ev : w->ev_step) FLUX_CUDA_TRY(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
   FLUX_CUDA_TRY(cudaDeviceGetAttribute(&w->sm_count, cudaDevAttrMultiProcessorCount, device));
+  FLUX_JAX_RETURN_IF_ERROR(PeakDramGbps(device, &w->dram_gbps));
   // Ranks of one group on one GPU (cpp/tests/loopback, which tests the multi-rank paths on one GPU; a
   // JAX mesh never repeats a device) split its SMs: their persistent kernels wait for each other,
   // so all of them must be resident at once, and a tenth stays free for the pushes they wait on.
@@ -678,6 +679,14 @@ size_t WorkspaceBytes(int device) {
     }
   }
   return total;
+}
+
+Status PeakDramGbps(int device, int* gbps) {
+  int clock_khz = 0, bus_bits = 0;
+  FLUX_CUDA_TRY(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrMemoryClockRate, device));
+  FLUX_CUDA_TRY(cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, device));
+  *gbps = static_cast<int>(int64_t{clock_khz} * 2 * bus_bits / 8 / 1000000);
+  return Status::Ok();
 }
 
 }  // namespace flux_jax::cuda

@@ -63,6 +63,7 @@ struct GroupWorkspace {
   int rank = 0;
   int tp = 1;
   int sm_count = 0;
+  int dram_gbps = 0;   // peak DRAM bandwidth in GB/s (PeakDramGbps), for the GEMM instance rule
   uint64_t epoch = 0;  // calls of this group so far (host side)
 
   uint64_t* present = nullptr;        // [kMaxTp]: present[p] = last epoch rank p reached
@@ -137,6 +138,10 @@ void ResetWorkspaces();
 
 // Loads the latency-path kernels (latency_collectives.cu) into the current context.
 Status PreloadLatencyCollectives();
+
+// Peak DRAM bandwidth of `device` in GB/s: memory clock x bus width x 2 (double data rate), from
+// the device attributes (H100 SXM about 3350, H200 about 4900).
+Status PeakDramGbps(int device, int* gbps);
 
 // Bytes held by workspaces on `device`.
 size_t WorkspaceBytes(int device);
