@@ -9,8 +9,10 @@ tensor), two programs over a mesh axis of size 1:
   xla   the FP8 twin: quantize (XLA), XLA's FP8 GEMM (cuBLASLt) with the scales
   flux  ag_matmul(impl="fused", fp8=True) pinned to the overlap path: the same quantization,
         then our CUTLASS FP8 GEMM (e4m3 x e4m3, the scales in its epilogue) with no peer
-        (its rule: ping-pong 128x128 tiles in 2x1 clusters at K <= 4096 and below 8192 x 8192
-        outputs, except at K >= 8192 where 128x256 tiles' waves tie; else 128x256 tiles)
+        (its rule: ping-pong 128x128 tiles in 2x1 clusters below 8192 x 8192 outputs, except at
+        K >= 8192 where 128x256 tiles' waves tie, and at K <= 4096 on GPUs with 4 TB/s of DRAM or
+        more; else 128x256 tiles). On a GPU its line and row name the instance the rule runs
+        there ("flux (auto = 128x256/g8)", `auto_instance`)
   flux:128x256, flux:128x128_pp_c2x1  the same with one FP8 instance forced through the private
         GpuTuning.gemm_kernel (`--no-forced` leaves them out)
 
@@ -78,7 +80,7 @@ from jax.sharding import PartitionSpec as P
 
 import flux_jax
 from benchmarks.gemm_parity import kernel_tuning, parse_kernel_spec
-from flux_jax import _config
+from flux_jax import _config, _overlap_gemm
 
 AXIS = "tp"
 # The forward GEMMs of the GEMM-parity preset at M >= 2048 (benchmarks/gemm_parity.py QUICK),
@@ -129,6 +131,18 @@ def kernel_variants(specs: str) -> tuple:
         if spec != "auto" and all(name != f"flux:{spec}" for name, *_ in out):
             out.append((f"flux:{spec}", "fused", spec))
     return tuple(out)
+
+
+def auto_instance(m: int, k: int, n: int, backward: bool, gpu: tuple[int, int] | None) -> str | None:
+    """What GpuTuning.gemm_kernel="auto" runs for the shape's FP8 GEMM at tp = 1 on a GPU with
+    `gpu` = (SMs, peak DRAM GB/s) (op_common.h, through _overlap_gemm), as a --kernels spec
+    ("128x256/g8"); None without a GPU or a CUDA build. backward: dx = dy @ w^T, e5m2 rows, K and
+    N swapped."""
+    if gpu is None:
+        return None
+    rows, gemm_k, gemm_n = ("float8_e5m2", n, k) if backward else ("float8_e4m3fn", k, n)
+    kernel, group = _overlap_gemm.auto_plan(rows, True, m, gemm_k, gemm_n, m, *gpu)
+    return f"{kernel}/g{group}"
 
 
 def _program(impl: str, mesh, kernel: str = "auto", backward: bool = False):
@@ -453,6 +467,7 @@ def main(argv=None) -> list[dict]:
     if args.decode:
         variants = DECODE_LOOP_VARIANTS if args.steps > 1 else DECODE_VARIANTS
     mesh = _mesh()
+    gpu = _overlap_gemm.local_gpu()
     meter = None
     if args.energy_s > 0:
         from benchmarks import gpu_energy
@@ -465,6 +480,7 @@ def main(argv=None) -> list[dict]:
         command=" ".join(["python -m benchmarks.fp8_gemm", *(sys.argv[1:] if argv is None else argv)]),
         energy_s=args.energy_s if meter is not None else 0.0,
         device=jax.devices()[0].device_kind,
+        gpu_rule_inputs=gpu and dict(sm_count=gpu[0], dram_gbps=gpu[1]),
         jax=jax.__version__,
         flux_jax=flux_jax.build_info(),
         gemm="dx = dy @ w^T (dy e5m2)"
@@ -479,6 +495,10 @@ def main(argv=None) -> list[dict]:
         got = run_shape(
             m, k, n, args.rounds, args.seed + i, mesh, variants, args.backward, decode_steps, args.energy_s, meter
         )
+        auto = None if args.decode else auto_instance(m, k, n, args.backward, gpu)
+        for r in got:
+            if r["variant"] == "flux" and auto:
+                r["auto_instance"] = auto
         rows += got
         if args.out:  # after every shape: a stopped run keeps what it measured
             args.out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1, default=str))
@@ -495,7 +515,8 @@ def main(argv=None) -> list[dict]:
                     f" cap: whole {r['sustained_ratio_vs_xla']:.3f}, energy {r['energy_ratio_vs_xla']:.3f}, GEMM "
                     f"{r.get('sustained_gemm_ratio_vs_xla', float('nan')):.3f}"
                 )
-            cells.append(f"{r['variant']} {us}{ratio} {r['status']} [{r.get('gemm_kernel', '-')[:40]}]")
+            name = f"{r['variant']} (auto = {r['auto_instance']})" if "auto_instance" in r else r["variant"]
+            cells.append(f"{name} {us}{ratio} {r['status']} [{r.get('gemm_kernel', '-')[:40]}]")
         print(f"{m}x{k}x{n}: " + "; ".join(cells), flush=True)
     if args.decode:
         keys = {"total_ratio_vs_xla": "whole call / the twin's"}

@@ -725,6 +725,13 @@ def test_fp8_gemm_rule_and_tile_groups():
     for m, k, n in ((8192, 2048, 4096), (2048, 2560, 5120), (4096, 3072, 4608), (2048, 8192, 5120)):
         assert auto_kernel("float8_e4m3fn", True, m, k, n, 132, dram_gbps=3352) == "128x128_pp_c2x1"  # below 8192^2
     assert auto_kernel("float8_e5m2", True, 16384, 3072, 8192, 132, dram_gbps=3352) == "128x128_pp_c2x1"  # e5m2
+    # benchmarks/fp8_gemm.py labels its rule row with the same answer (dx: e5m2 rows, K and N swapped)
+    from benchmarks.fp8_gemm import auto_instance
+
+    assert auto_instance(16384, 3072, 8192, False, (132, 3352)) == "128x256/g8"
+    assert auto_instance(16384, 3072, 8192, False, (132, 4915)) == "128x128_pp_c2x1/g16"
+    assert auto_instance(2048, 2560, 5120, True, (132, 4915)) == "128x160_pp_c2x1/g8"  # --backward 2048x2560x5120
+    assert auto_instance(2048, 5120, 2560, False, None) is None
     # below 8192^2 outputs: cooperative at K >= 8192 where its 4+ waves tie (8 x 256 = 16 x 128 columns)
     assert auto_kernel("float8_e4m3fn", True, 4096, 8192, 8192, 132) == "128x256"
     assert auto_kernel("float8_e4m3fn", True, 2048, 8192, 5120, 132) == "128x128_pp_c2x1"  # 3 x 256 > 5 x 128
