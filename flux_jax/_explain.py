@@ -39,12 +39,13 @@ class Explanation(list):
         return "\n".join(f"{i}. {site}" for i, site in enumerate(self, 1))
 
 
-def _with_gemm(problem: _plan.Problem, plan: _plan.Plan) -> str:
-    """The plan's description, and on a GPU's overlap path the GEMM instance it runs."""
+def _with_gemm(problem: _plan.Problem, plan: _plan.Plan, gpu: tuple[int, int] | None = None) -> str:
+    """The plan's description, and on a GPU's overlap path the GEMM instance it runs (on `gpu`,
+    (SMs, peak DRAM GB/s), else on this process's first GPU)."""
     text = plan.describe()
     if plan.path != "overlap" or problem.platform not in ("cuda", "gpu"):
         return text
-    gemm = _overlap_gemm.describe(problem, _overlap_gemm.local_gpu())
+    gemm = _overlap_gemm.describe(problem, gpu or _overlap_gemm.local_gpu())
     return f"{text}; {gemm}" if gemm else text
 
 
@@ -107,10 +108,13 @@ def explain(fn, *args, **kwargs) -> Explanation:
     return _amended(sites, amendments)
 
 
-def explain_auto(op: str, M: int, K: int, N: int, tp: int, dtype="bfloat16", fp8: bool = False) -> str:
+def explain_auto(
+    op: str, M: int, K: int, N: int, tp: int, dtype="bfloat16", fp8: bool = False, gpu: tuple[int, int] | None = None
+) -> str:
     """What impl="auto" runs on Hopper GPUs for a global GEMM shape, why, and which tuning table
     decided (one sentence; docs/tuning.md); on the overlap path, with a CUDA build, also the GEMM
-    instance it runs (on this process's GPU, else on 132 SMs).
+    instance it runs on `gpu`: (SMs, peak DRAM bandwidth in GB/s), e.g. (132, 3352) for an H100
+    SXM; by default this process's first GPU, else an H200 (132 SMs, 4.8 TB/s), assumed.
 
     `op` is "ag_matmul" (x [M, K] row-sharded, w [K, N] column-sharded), "matmul_rs" or
     "matmul_ar" (x [M, K] and w [K, N] sharded on K). Shapes are global, as in the benchmarks.
@@ -124,6 +128,12 @@ def explain_auto(op: str, M: int, K: int, N: int, tp: int, dtype="bfloat16", fp8
             raise TypeError(f"explain_auto: {name} must be an int, got {value!r}")
     if not isinstance(fp8, bool):
         raise TypeError(f"explain_auto: fp8 must be a bool, got {fp8!r}")
+    if gpu is not None and not (
+        isinstance(gpu, tuple)
+        and len(gpu) == 2
+        and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v > 0 for v in gpu)
+    ):
+        raise TypeError(f"explain_auto: gpu must be (SMs, peak DRAM GB/s), two positive ints, got {gpu!r}")
     if min(M, K, N, tp) < 1:
         raise ValueError(f"M, K, N and tp must be >= 1, got M={M} K={K} N={N} tp={tp}")
     sharded = N if op == "ag_matmul" else K
@@ -134,4 +144,4 @@ def explain_auto(op: str, M: int, K: int, N: int, tp: int, dtype="bfloat16", fp8
     problem = _plan.Problem(op, M, k, n, dtype, tp, "cuda", fp8="float8_e4m3fn" if fp8 else None)
     where = f"{op} M={M} K={K} N={N} tp={tp} {dtype.name}{' with FP8 operands' if fp8 else ''} on GPU"
     plan = _plan.plan(problem, "auto", get_config(), on_hopper=True)
-    return f"{where}: {_with_gemm(problem, plan)}"
+    return f"{where}: {_with_gemm(problem, plan, gpu and (int(gpu[0]), int(gpu[1])))}"

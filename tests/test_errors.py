@@ -389,6 +389,13 @@ def test_explain_names_the_overlap_gemm_instance():
     two_shot = _plan.Problem("matmul_ar", 4096, 2560, 5120, bf16, 2, "cuda")
     one_call = _plan.Problem("matmul_ar", 4096, 2560, 5120, bf16, 2, "cuda", fp8="float8_e4m3fn")
     assert _overlap_gemm.gemm_rows(two_shot) == (2048, 2048) and _overlap_gemm.gemm_rows(one_call) == (4096, 4096)
+    # explain_auto plans for another GPU on request (an 8192 x 2048 x 4096 GEMM per GPU)
+    on_h100 = flux_jax.explain_auto("ag_matmul", 8192, 2048, 8192, 2, gpu=h100)
+    assert on_h100.endswith("cooperative 128x256 tiles, row tiles in groups of 16 (132 SMs, 3.4 TB/s DRAM)"), on_h100
+    assert "ping-pong 128x128 tiles" in flux_jax.explain_auto("ag_matmul", 8192, 2048, 8192, 2, gpu=h200)
+    for bad in ((132,), (132, 0), [132, 3352], (132.0, 3352), (True, 3352), "h100"):
+        with pytest.raises(TypeError, match="gpu must be"):
+            flux_jax.explain_auto("ag_matmul", 8192, 2048, 8192, 2, gpu=bad)
     assert _overlap_gemm.describe(_plan.Problem("ag_matmul", 2048, 256, 256, np.dtype(np.float32), 2, "cuda")) is None
     with _config.gpu_tuning(gemm_kernel="128x192"):
         assert "as GpuTuning forces it (gemm_kernel='128x192'" in _overlap_gemm.describe(ag, h200)
