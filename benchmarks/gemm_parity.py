@@ -653,6 +653,12 @@ def summary(rows: list[dict]) -> dict:
     }
 
 
+def _gpu_inputs(meta: dict) -> str:
+    """' (132 SMs, 3.4 TB/s DRAM)': what the instance rule read of the GPU, where recorded."""
+    sms, dram_gbps = meta.get("sm_count"), meta.get("dram_gbps")
+    return f" ({sms} SMs, {dram_gbps / 1000:.1f} TB/s DRAM)" if sms and dram_gbps else ""
+
+
 def markdown(meta: dict, rows: list[dict]) -> str:
     names = []
     for r in rows:
@@ -663,7 +669,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         "# GEMM parity on one GPU: ours / XLA's",
         "",
         f"{meta['date_utc']}, commit {meta['git_commit']}{' (dirty)' if meta['git_dirty'] else ''}, "
-        f"{hw['device_kind']}, jax {meta['versions']['jax']}, seed {meta['seed']}",
+        f"{hw['device_kind']}{_gpu_inputs(meta)}, jax {meta['versions']['jax']}, seed {meta['seed']}",
         "",
         "us per call (median of the rounds, on-device loop time) and in brackets ours / XLA's time "
         "(< 1: ours faster); WRONG: failed the float32 check (not timed). XLA kernel: the longest "

@@ -621,6 +621,9 @@ def test_gemm_parity_summary_by_energy():
     }  # fmt: skip
     table = gemm_parity.markdown(meta, rows)
     assert "At the power cap" in table and "| 128x64x64 fwd bfloat16 | flux:auto | 104.0 | 11.000 | 500 |" in table
+    assert ", gpu, jax" in table  # no rule inputs recorded: nothing said of them
+    meta.update(sm_count=132, dram_gbps=3352)  # what the instance rule read of the GPU, in the header
+    assert ", gpu (132 SMs, 3.4 TB/s DRAM), jax" in gemm_parity.markdown(meta, rows)
 
 
 def test_gemm_parity_variants_follow_the_build():
