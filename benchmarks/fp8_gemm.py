@@ -11,7 +11,8 @@ tensor), two programs over a mesh axis of size 1:
         then our CUTLASS FP8 GEMM (e4m3 x e4m3, the scales in its epilogue) with no peer
         (its rule: ping-pong 128x128 tiles in 2x1 clusters below 8192 x 8192 outputs, except at
         K >= 8192 where 128x256 tiles' waves tie, and at K <= 4096 on GPUs with 4 TB/s of DRAM or
-        more; else 128x256 tiles). On a GPU its line and row name the instance the rule runs
+        more; else 128x256 tiles; below 4 TB/s, above 2048 rows, ping-pong 128x192 where its
+        waves are at most 5% longer). On a GPU its line and row name the instance the rule runs
         there ("flux (auto = 128x256/g8)", `auto_instance`)
   flux:128x256, flux:128x128_pp_c2x1  the same with one FP8 instance forced through the private
         GpuTuning.gemm_kernel (`--no-forced` leaves them out)
@@ -104,8 +105,8 @@ def _mesh():
 
 
 # GpuTuning.gemm_kernel values with FP8 instances (cpp/kernels/cuda/gemm_fp8.cu): e4m3 rows take
-# the first three, a backward's e5m2 rows the ping-pong two.
-FP8_KERNELS = ("auto", "128x256", "128x128_pp_c2x1", "128x160_pp_c2x1")
+# all but 128x160_pp_c2x1, a backward's e5m2 rows the ping-pong 128x128 and 128x160.
+FP8_KERNELS = ("auto", "128x256", "128x128_pp_c2x1", "128x160_pp_c2x1", "128x192_pp_c2x1")
 # (name, impl, kernel spec: KERNEL[/gG][/sS], parse_kernel_spec): the twin first (its error bounds
 # the others').
 VARIANTS = (

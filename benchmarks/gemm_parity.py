@@ -75,7 +75,15 @@ from flux_jax import _overlap_gemm
 
 PRESET = "gemm-parity-1gpu"
 AXIS = "tp"
-FORCED_KERNELS = ("128x256", "128x224", "128x192", "128x160_c2x1", "128x128_pp_c2x1", "128x320_c2x1")
+FORCED_KERNELS = (
+    "128x256",
+    "128x224",
+    "128x192",
+    "128x160_c2x1",
+    "128x128_pp_c2x1",
+    "128x320_c2x1",
+    "128x192_pp_c2x1",
+)
 KERNELS = ("auto", *FORCED_KERNELS)
 # Relative max-norm error floors where XLA's own error is ~0 (tests/helpers.py).
 ERROR_FLOOR = {"bfloat16": 1e-2, "float16": 2e-3}
@@ -115,6 +123,8 @@ def kernel_available(kernel: str, dtype: str, dx: bool, rows: int) -> bool:
         return True
     if kernel in ("128x160_c2x1", "128x224"):
         return dx
+    if kernel == "128x192_pp_c2x1":
+        return not dx
     if dtype != "bfloat16":
         return False
     if kernel == "decode":

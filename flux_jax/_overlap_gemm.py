@@ -22,6 +22,7 @@ _INSTANCES = {
     "128x128_pp_c2x1": "ping-pong 128x128 tiles in 2x1 clusters",
     "128x320_c2x1": "cooperative 128x320 tiles in 2x1 clusters",
     "128x160_pp_c2x1": "ping-pong 128x160 tiles in 2x1 clusters",
+    "128x192_pp_c2x1": "ping-pong 128x192 tiles in 2x1 clusters",
 }
 
 

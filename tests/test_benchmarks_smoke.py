@@ -634,8 +634,9 @@ def test_gemm_parity_variants_follow_the_build():
         return [v.name for v in variants_for(Shape(m, k, n, dx, dtype, ""), "gpu", KERNELS, True, True)]
 
     forward = ["xla", "flux:auto", "flux:128x256", "flux:128x192", "flux:128x128_pp_c2x1", "flux:128x320_c2x1"]
+    forward.append("flux:128x192_pp_c2x1")  # the [K, N] weight only
     # 128x224 and 128x160: the transposed weight only
-    transposed = forward[:3] + ["flux:128x224", "flux:128x192", "flux:128x160_c2x1"] + forward[4:]
+    transposed = forward[:3] + ["flux:128x224", "flux:128x192", "flux:128x160_c2x1"] + forward[4:6]
     for dtype in ("bfloat16", "float16"):  # float16 has every bfloat16 instance
         for m, k, n in ((2048, 2560, 5120), (8192, 8192, 8192)):
             assert names(m, k, n, False, dtype) == forward + ["flux:auto+gate_probe"]
@@ -690,17 +691,25 @@ def test_overlap_gemm_rule_picks_by_waves():
     assert auto_kernel("bfloat16", True, 2048, 4096, 7168, 132) == "128x224"  # 4 x 224 = 7 x 128 < 4 x 256 (5 x 192)
     assert auto_kernel("bfloat16", True, 2048, 5120, 6912, 132) == "128x224"  # 31 tiles of 224 columns a row
     assert auto_kernel("bfloat16", True, 2048, 3072, 4096, 132) == "128x256"  # 4 x 128 = 2 x 256
-    # K <= 2048 above 2048 rows: ping-pong where the DRAM is an H200's (4.8 TB/s), 128x256 where it is
-    # an H100's (3.35 TB/s): docs/decisions/2026-12-05-pingpong-by-gpu.md; 0 (unknown): the H200 rule
+    # K <= 2048 above 2048 rows: ping-pong 128x128 where the DRAM is an H200's (4.8 TB/s); where it is an
+    # H100's (3.35 TB/s) ping-pong 128x192 where its waves are at most 5% longer than 128x256's, else
+    # 128x256 (docs/decisions/2026-12-05-pingpong-by-gpu.md, 2026-12-05-pingpong-128x192.md); 0
+    # (unknown): the H200 rule
+    h100_pick = {(4096, 2048, 4096): "128x256"}  # 6 x 192 columns against 4 x 256
     for m, k, n in ((4096, 2048, 4096), (8192, 2048, 4096), (4096, 1536, 3072), (16384, 1536, 3072)):
-        assert auto_kernel("bfloat16", False, m, k, n, 132, dram_gbps=3352) == "128x256"
-        assert auto_kernel("bfloat16", False, m, k, n, 132, dram_gbps=3999) == "128x256"
-        assert auto_kernel("float16", False, m, k, n, 132, dram_gbps=3352) == "128x256"
+        pick = h100_pick.get((m, k, n), "128x192_pp_c2x1")
+        assert auto_kernel("bfloat16", False, m, k, n, 132, dram_gbps=3352) == pick
+        assert auto_kernel("bfloat16", False, m, k, n, 132, dram_gbps=3999) == pick
+        assert auto_kernel("float16", False, m, k, n, 132, dram_gbps=3352) == pick
         for dram_gbps in (0, 4000, 4915):
             assert auto_kernel("bfloat16", False, m, k, n, 132, dram_gbps=dram_gbps) == "128x128_pp_c2x1"
-    # where the waves pick ping-pong the DRAM does not matter
+    # at 2048 rows the waves pick ping-pong 128x128 on either GPU
     assert auto_kernel("bfloat16", False, 2048, 2560, 5120, 132, dram_gbps=3352) == "128x128_pp_c2x1"
-    assert auto_kernel("bfloat16", False, 4096, 5120, 3584, 132, dram_gbps=3352) == "128x128_pp_c2x1"
+    # above them, on an H100, 128x192 tiles in ping-pong (5 x 192 columns against 4 x 256) before 128x128
+    assert auto_kernel("bfloat16", False, 4096, 5120, 3584, 132, dram_gbps=3352) == "128x192_pp_c2x1"
+    assert auto_kernel("bfloat16", True, 4096, 5120, 3584, 132, dram_gbps=3352) == "128x224"  # [K, N] weight only
+    assert auto_kernel("bfloat16", False, 4096, 3072, 2560, 132, dram_gbps=3352) == "128x320_c2x1"  # 2 x 320 first
+    assert auto_kernel("bfloat16", False, 16384, 3072, 8192, 132, dram_gbps=3352) == "128x192_pp_c2x1"
     # float16 has every instance bfloat16 has: the same rule
     for m in (1024, 2048, 4096, 8192, 16384):
         for k, n in ((1536, 3072), (2048, 4096), (2560, 5120), (3072, 4608), (4096, 7168), (5120, 2560), (8192, 5120)):
@@ -721,17 +730,22 @@ def test_fp8_gemm_rule_and_tile_groups():
     assert auto_kernel("float8_e4m3fn", True, 8192, 8192, 28672, 132) == "128x256"
     assert auto_kernel("float8_e4m3fn", True, 16384, 4096, 8192, 132) == "128x128_pp_c2x1"  # K <= 4096
     assert auto_kernel("float8_e4m3fn", True, 16384, 3072, 8192, 132) == "128x128_pp_c2x1"
-    # 8192^2 outputs and more at K <= 4096: ping-pong on an H200 only (docs/decisions/2026-12-05-pingpong-by-gpu.md)
+    # 8192^2 outputs and more at K <= 4096: ping-pong 128x128 on an H200; on an H100 (below 4 TB/s of
+    # DRAM) ping-pong 128x192 above 2048 rows where its waves are at most 5% longer than 128x256's
+    # (docs/decisions/2026-12-05-pingpong-by-gpu.md, 2026-12-05-pingpong-128x192.md)
     assert auto_kernel("float8_e4m3fn", True, 16384, 3072, 8192, 132, dram_gbps=4915) == "128x128_pp_c2x1"
-    assert auto_kernel("float8_e4m3fn", True, 16384, 3072, 8192, 132, dram_gbps=3352) == "128x256"
-    assert auto_kernel("float8_e4m3fn", True, 16384, 4096, 8192, 132, dram_gbps=3352) == "128x256"
-    for m, k, n in ((8192, 2048, 4096), (2048, 2560, 5120), (4096, 3072, 4608), (2048, 8192, 5120)):
-        assert auto_kernel("float8_e4m3fn", True, m, k, n, 132, dram_gbps=3352) == "128x128_pp_c2x1"  # below 8192^2
+    for m, k, n in ((16384, 3072, 8192), (16384, 4096, 8192), (8192, 2048, 4096), (4096, 3072, 4608)):
+        assert auto_kernel("float8_e4m3fn", True, m, k, n, 132, dram_gbps=3352) == "128x192_pp_c2x1"
+        assert auto_kernel("float8_e4m3fn", True, m, k, n, 132) == "128x128_pp_c2x1"  # unknown: the H200 rule
+    for m, k, n in ((2048, 2560, 5120), (2048, 8192, 5120)):  # 2048 rows: 4 x 192 columns against 5 x 128
+        assert auto_kernel("float8_e4m3fn", True, m, k, n, 132, dram_gbps=3352) == "128x128_pp_c2x1"
+    for m, k, n in ((4096, 8192, 8192), (8192, 8192, 5120), (4096, 14336, 8192)):  # K >= 8192: cooperative
+        assert auto_kernel("float8_e4m3fn", True, m, k, n, 132, dram_gbps=3352) == "128x256"
     assert auto_kernel("float8_e5m2", True, 16384, 3072, 8192, 132, dram_gbps=3352) == "128x128_pp_c2x1"  # e5m2
     # benchmarks/fp8_gemm.py labels its rule row with the same answer (dx: e5m2 rows, K and N swapped)
     from benchmarks.fp8_gemm import auto_instance
 
-    assert auto_instance(16384, 3072, 8192, False, (132, 3352)) == "128x256/g8"
+    assert auto_instance(16384, 3072, 8192, False, (132, 3352)) == "128x192_pp_c2x1/g8"
     assert auto_instance(16384, 3072, 8192, False, (132, 4915)) == "128x128_pp_c2x1/g16"
     assert auto_instance(2048, 2560, 5120, True, (132, 4915)) == "128x160_pp_c2x1/g8"  # --backward 2048x2560x5120
     assert auto_instance(2048, 5120, 2560, False, None) is None
@@ -763,6 +777,9 @@ def test_fp8_gemm_rule_and_tile_groups():
     assert auto_plan("float8_e4m3fn", True, 4096, 3072, 4608, 132) == ("128x128_pp_c2x1", 8)  # 13.5 MiB
     assert auto_plan("float8_e4m3fn", True, 8192, 2048, 4096, 132) == ("128x128_pp_c2x1", 8)
     assert auto_plan("float8_e5m2", True, 2048, 5120, 8192, 132) == ("128x128_pp_c2x1", 8)  # e5m2: not measured
+    # ping-pong 128x192 (an H100's rule): groups of 8, as ping-pong 128x128 at 16-bit
+    assert auto_plan("bfloat16", False, 16384, 3072, 8192, 132, dram_gbps=3352) == ("128x192_pp_c2x1", 8)
+    assert auto_plan("float8_e4m3fn", True, 16384, 3072, 8192, 132, dram_gbps=3352) == ("128x192_pp_c2x1", 8)
 
 
 def test_gemm_parity_preflight_child_reports_each_variant(capsys):
@@ -777,6 +794,7 @@ def test_gemm_parity_preflight_child_reports_each_variant(capsys):
         "flux:128x160_c2x1",
         "flux:128x128_pp_c2x1",
         "flux:128x320_c2x1",
+        "flux:128x192_pp_c2x1",
         "flux:auto+gate_probe",
         "flux:decode",
         "flux:ar_decode",

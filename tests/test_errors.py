@@ -381,17 +381,18 @@ def test_explain_names_the_overlap_gemm_instance():
     assert _overlap_gemm.gemm_rows(ag) == (2048, 1024)
     for gpu in (h200, h100):  # at 2048 rows the waves decide, on either GPU
         assert "ping-pong 128x128 tiles in 2x1 clusters, row tiles in groups of 8" in _overlap_gemm.describe(ag, gpu)
-    # 8B out-proj, 8192 rows: ping-pong where the DRAM is an H200's, cooperative 128x256 on an H100
+    # 8B out-proj, 8192 rows: ping-pong 128x128 where the DRAM is an H200's, 128x192 on an H100
     out_proj = _plan.Problem("ag_matmul", 8192, 2048, 4096, bf16, 2, "cuda")
     assert "ping-pong 128x128 tiles" in _overlap_gemm.describe(out_proj, h200)
-    assert "cooperative 128x256 tiles" in _overlap_gemm.describe(out_proj, h100)
+    assert "ping-pong 128x192 tiles" in _overlap_gemm.describe(out_proj, h100)
     assert _overlap_gemm.describe(out_proj, h100).endswith("(132 SMs, 3.4 TB/s DRAM)")
     two_shot = _plan.Problem("matmul_ar", 4096, 2560, 5120, bf16, 2, "cuda")
     one_call = _plan.Problem("matmul_ar", 4096, 2560, 5120, bf16, 2, "cuda", fp8="float8_e4m3fn")
     assert _overlap_gemm.gemm_rows(two_shot) == (2048, 2048) and _overlap_gemm.gemm_rows(one_call) == (4096, 4096)
     # explain_auto plans for another GPU on request (an 8192 x 2048 x 4096 GEMM per GPU)
     on_h100 = flux_jax.explain_auto("ag_matmul", 8192, 2048, 8192, 2, gpu=h100)
-    assert on_h100.endswith("cooperative 128x256 tiles, row tiles in groups of 16 (132 SMs, 3.4 TB/s DRAM)"), on_h100
+    h100_instance = "ping-pong 128x192 tiles in 2x1 clusters, row tiles in groups of 8 (132 SMs, 3.4 TB/s DRAM)"
+    assert on_h100.endswith(h100_instance), on_h100
     assert "ping-pong 128x128 tiles" in flux_jax.explain_auto("ag_matmul", 8192, 2048, 8192, 2, gpu=h200)
     for bad in ((132,), (132, 0), [132, 3352], (132.0, 3352), (True, 3352), "h100"):
         with pytest.raises(TypeError, match="gpu must be"):

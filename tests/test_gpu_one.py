@@ -120,6 +120,31 @@ def test_one_gpu_forced_gemm_instance_matches_oracle(one_gpu, kernel, op, shape,
     assert not flux_jax.device_errors()
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("op", ["ag", "rs"])
+@pytest.mark.parametrize("shape", FORCED_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_one_gpu_forced_kn_weight_instance_matches_oracle(one_gpu, op, shape, dtype):
+    """Ping-pong 128x192 in 2x1 clusters exists for the [K, N] weight only (the forward): forced,
+    the forward matches; the backward's dx (the transposed weight) has no such instance, an error
+    naming it."""
+    from flux_jax import _config
+
+    M, K, N = shape
+    mesh = _mesh(one_gpu)
+    rng = np.random.default_rng()
+    x, w = random_array(rng, (M, K), dtype), random_array(rng, (K, N), dtype, scale=1 / np.sqrt(K))
+    fused, specs = _fn(op, mesh, "fused")
+    twin, _ = _fn(op, mesh, "xla")
+    xs, ws = place(mesh, x, specs[0]), place(mesh, w, specs[1])
+    with flux_jax.config(fused_path="overlap"), _config.gpu_tuning(gemm_kernel="128x192_pp_c2x1"):
+        out = fused(xs, ws)
+        assert_matches(out, to64(x) @ to64(w), twin(xs, ws), dtype, f"128x192_pp_c2x1 {op} {shape} {dtype}")
+        ct = jnp.ones((M, N), jnp.float32)
+        with pytest.raises(Exception, match=r"128x192 tiles in 2x1 clusters \(ping-pong\).*transposed weight"):
+            jax.block_until_ready(_grads(fused, xs, ws, ct))
+    assert not flux_jax.device_errors()
+
+
 # (M, K, N) with the weight [N, K]: whole tiles of 160 and 224 columns (N = 2560, 3584) and
 # partial row, column and cluster tiles.
 TRANSPOSED_ONLY_SHAPES = [(2048, 1024, 2560), (2048, 1024, 3584), (1000, 528, 800)]
@@ -187,7 +212,7 @@ def test_one_gpu_fp8_overlap_matches_the_quantized_product(one_gpu, op, shape, w
     assert not flux_jax.device_errors()
 
 
-@pytest.mark.parametrize("kernel", ["128x256", "128x128_pp_c2x1"])
+@pytest.mark.parametrize("kernel", ["128x256", "128x128_pp_c2x1", "128x192_pp_c2x1"])
 @pytest.mark.parametrize("op", ["ag", "rs"])
 @pytest.mark.parametrize("shape", FORCED_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_one_gpu_fp8_forced_instance_matches_the_quantized_product(one_gpu, kernel, op, shape):

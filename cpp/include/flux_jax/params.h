@@ -57,8 +57,9 @@ enum class GemmKernel : int64_t {
   k128x320Cluster2x1 = 6,          // bf16: cooperative, two m64n160 MMAs per warpgroup
   k128x160PingpongCluster2x1 = 7,  // FP8 e5m2 x e4m3 (a backward's dy rows): ping-pong
   k128x224 = 8,                    // bf16, f16, the transposed weight: cooperative, 1x1 clusters
+  k128x192PingpongCluster2x1 = 9,  // bf16, f16 with the [K, N] weight, FP8 e4m3 rows: ping-pong
 };
-inline constexpr GemmKernel kLastGemmKernel = GemmKernel::k128x224;  // the handlers' range check
+inline constexpr GemmKernel kLastGemmKernel = GemmKernel::k128x192PingpongCluster2x1;  // the handlers' range check
 
 // GPU tuning of the overlap and decode kernels. Every default is the product
 // setting; other values exist for A/B measurements (flux_jax/_config.py, private).

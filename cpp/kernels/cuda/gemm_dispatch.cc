@@ -24,9 +24,12 @@ FLUX_JAX_DECLARE_GEMM_INSTANCE(RunGemm_bf16_kmajor_n160_c2x1)
 FLUX_JAX_DECLARE_GEMM_INSTANCE(RunGemm_f16_kmajor_n160_c2x1)
 FLUX_JAX_DECLARE_GEMM_INSTANCE(RunGemm_bf16_kmajor_n224)
 FLUX_JAX_DECLARE_GEMM_INSTANCE(RunGemm_f16_kmajor_n224)
+FLUX_JAX_DECLARE_GEMM_INSTANCE(RunGemm_bf16_nmajor_pp192_c2x1)
+FLUX_JAX_DECLARE_GEMM_INSTANCE(RunGemm_f16_nmajor_pp192_c2x1)
 // gemm_fp8.cu
 FLUX_JAX_DECLARE_GEMM_INSTANCE(RunGemm_e4m3_bf16)
 FLUX_JAX_DECLARE_GEMM_INSTANCE(RunGemm_e4m3_bf16_pp128_c2x1)
+FLUX_JAX_DECLARE_GEMM_INSTANCE(RunGemm_e4m3_bf16_pp192_c2x1)
 FLUX_JAX_DECLARE_GEMM_INSTANCE(RunGemm_e5m2_bf16_pp128_c2x1)
 FLUX_JAX_DECLARE_GEMM_INSTANCE(RunGemm_e5m2_bf16_pp160_c2x1)
 
@@ -44,21 +47,24 @@ struct GemmEntry {
 // The 16-bit instances of one element type and weight layout (HasGemmInstance).
 struct GemmFamily {
   GemmEntry w256, w224, w192, w160_c2x1, pp128_c2x1, w320_c2x1;  // w224, w160_c2x1: K-major only
+  GemmEntry pp192_c2x1;                                          // N-major only
 };
-#define FLUX_JAX_GEMM_FAMILY(prefix, w224, w160_c2x1)                                     \
-  GemmFamily {                                                                            \
-    FLUX_JAX_GEMM_ENTRY(prefix), w224, FLUX_JAX_GEMM_ENTRY(prefix##_n192), w160_c2x1,     \
-        FLUX_JAX_GEMM_ENTRY(prefix##_pp128_c2x1), FLUX_JAX_GEMM_ENTRY(prefix##_w320_c2x1) \
+#define FLUX_JAX_GEMM_FAMILY(prefix, w224, w160_c2x1, pp192_c2x1)                                     \
+  GemmFamily {                                                                                        \
+    FLUX_JAX_GEMM_ENTRY(prefix), w224, FLUX_JAX_GEMM_ENTRY(prefix##_n192), w160_c2x1,                 \
+        FLUX_JAX_GEMM_ENTRY(prefix##_pp128_c2x1), FLUX_JAX_GEMM_ENTRY(prefix##_w320_c2x1), pp192_c2x1 \
   }
 
 // [float16][B K-major]
 const GemmFamily kGemmFamilies[2][2] = {
-    {FLUX_JAX_GEMM_FAMILY(RunGemm_bf16_nmajor, GemmEntry{}, GemmEntry{}),
+    {FLUX_JAX_GEMM_FAMILY(RunGemm_bf16_nmajor, GemmEntry{}, GemmEntry{},
+                          FLUX_JAX_GEMM_ENTRY(RunGemm_bf16_nmajor_pp192_c2x1)),
      FLUX_JAX_GEMM_FAMILY(RunGemm_bf16_kmajor, FLUX_JAX_GEMM_ENTRY(RunGemm_bf16_kmajor_n224),
-                          FLUX_JAX_GEMM_ENTRY(RunGemm_bf16_kmajor_n160_c2x1))},
-    {FLUX_JAX_GEMM_FAMILY(RunGemm_f16_nmajor, GemmEntry{}, GemmEntry{}),
+                          FLUX_JAX_GEMM_ENTRY(RunGemm_bf16_kmajor_n160_c2x1), GemmEntry{})},
+    {FLUX_JAX_GEMM_FAMILY(RunGemm_f16_nmajor, GemmEntry{}, GemmEntry{},
+                          FLUX_JAX_GEMM_ENTRY(RunGemm_f16_nmajor_pp192_c2x1)),
      FLUX_JAX_GEMM_FAMILY(RunGemm_f16_kmajor, FLUX_JAX_GEMM_ENTRY(RunGemm_f16_kmajor_n224),
-                          FLUX_JAX_GEMM_ENTRY(RunGemm_f16_kmajor_n160_c2x1))},
+                          FLUX_JAX_GEMM_ENTRY(RunGemm_f16_kmajor_n160_c2x1), GemmEntry{})},
 };
 
 Status RunFp8Gemm(const GemmPlan& plan, DType dtype, cudaStream_t stream, int device, int sm_count) {
@@ -66,10 +72,12 @@ Status RunFp8Gemm(const GemmPlan& plan, DType dtype, cudaStream_t stream, int de
   const bool pingpong = plan.cluster_m == 2 && plan.pingpong;
   const bool pp128 = pingpong && plan.block_n == kGemmBlockN128;
   const bool pp160 = pingpong && plan.block_n == kGemmBlockN160;
-  if (dtype != DType::kBF16 || !plan.b_kmajor || !(wide || pp128 || (pp160 && plan.fp8_a_e5m2))) {
+  const bool pp192 = pingpong && plan.block_n == kGemmBlockNNarrow;
+  if (dtype != DType::kBF16 || !plan.b_kmajor ||
+      !(wide || pp128 || (pp192 && !plan.fp8_a_e5m2) || (pp160 && plan.fp8_a_e5m2))) {
     return Status::InvalidArgument(
-        "flux_jax: the FP8 GEMM instances are 128x256 (1x1 clusters) and ping-pong 128x128 (2x1), and for e5m2 "
-        "rows ping-pong 128x128 and 128x160 (2x1), transposed weight, bfloat16 out");
+        "flux_jax: the FP8 GEMM instances are 128x256 (1x1 clusters) and ping-pong 128x128 and 128x192 (2x1), and "
+        "for e5m2 rows ping-pong 128x128 and 128x160 (2x1), transposed weight, bfloat16 out");
   }
   if (plan.fp8_a_e5m2) {
     if (wide) {
@@ -79,8 +87,9 @@ Status RunFp8Gemm(const GemmPlan& plan, DType dtype, cudaStream_t stream, int de
     return pp160 ? RunGemm_e5m2_bf16_pp160_c2x1(plan, stream, device, sm_count)
                  : RunGemm_e5m2_bf16_pp128_c2x1(plan, stream, device, sm_count);
   }
-  return wide ? RunGemm_e4m3_bf16(plan, stream, device, sm_count)
-              : RunGemm_e4m3_bf16_pp128_c2x1(plan, stream, device, sm_count);
+  if (wide) return RunGemm_e4m3_bf16(plan, stream, device, sm_count);
+  return pp192 ? RunGemm_e4m3_bf16_pp192_c2x1(plan, stream, device, sm_count)
+               : RunGemm_e4m3_bf16_pp128_c2x1(plan, stream, device, sm_count);
 }
 
 }  // namespace
@@ -88,13 +97,14 @@ Status RunFp8Gemm(const GemmPlan& plan, DType dtype, cudaStream_t stream, int de
 Status PreloadGemmKernels() {
   for (const auto& by_layout : kGemmFamilies) {
     for (const GemmFamily& f : by_layout) {
-      for (const GemmEntry& e : {f.w256, f.w224, f.w192, f.w160_c2x1, f.pp128_c2x1, f.w320_c2x1}) {
+      for (const GemmEntry& e : {f.w256, f.w224, f.w192, f.w160_c2x1, f.pp128_c2x1, f.w320_c2x1, f.pp192_c2x1}) {
         if (e.preload != nullptr) FLUX_JAX_RETURN_IF_ERROR(e.preload());
       }
     }
   }
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_e4m3_bf16());
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_e4m3_bf16_pp128_c2x1());
+  FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_e4m3_bf16_pp192_c2x1());
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_e5m2_bf16_pp128_c2x1());
   return Preload_RunGemm_e5m2_bf16_pp160_c2x1();
 }
@@ -112,7 +122,7 @@ Status RunGemm(const GemmPlan& plan, DType dtype, cudaStream_t stream, int devic
                                    (plan.b_kmajor ? " with the transposed weight" : ""));
   }
   const GemmFamily& family = kGemmFamilies[dtype == DType::kF16][plan.b_kmajor];
-  const GemmEntry& e = plan.pingpong                       ? family.pp128_c2x1
+  const GemmEntry& e = plan.pingpong ? (plan.block_n == kGemmBlockNNarrow ? family.pp192_c2x1 : family.pp128_c2x1)
                        : plan.block_n == kGemmBlockN320    ? family.w320_c2x1
                        : plan.block_n == kGemmBlockN160    ? family.w160_c2x1
                        : plan.block_n == kGemmBlockN224    ? family.w224

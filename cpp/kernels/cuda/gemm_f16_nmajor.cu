@@ -3,6 +3,7 @@
 //   128x192          cooperative, 1x1 clusters: where 128x256 tiles leave much of a last wave idle
 //   128x128 pp, 2x1  ping-pong (one warpgroup's epilogue under the other's MMAs)
 //   128x320, 2x1     cooperative, two m64n160 MMAs per warpgroup (wide_tile_mainloop.cuh)
+//   128x192 pp, 2x1  ping-pong: where the GPU's DRAM is below 4 TB/s (an H100) and M > 2048
 // 2x1: clusters of 2 CTAs along M sharing B by TMA multicast.
 // The instances share most of their template instantiation, so one file per element type and weight
 // layout compiles far faster than one file per instance (four instances: 87 s in one file, 251 s in
@@ -15,3 +16,5 @@ FLUX_JAX_DEFINE_GEMM_INSTANCE(RunGemm_f16_nmajor_n192, GemmInstance<cutlass::hal
 FLUX_JAX_DEFINE_GEMM_INSTANCE(RunGemm_f16_nmajor_pp128_c2x1,
                               GemmInstance<cutlass::half_t, false, kGemmBlockN128, 2, true>)
 FLUX_JAX_DEFINE_GEMM_INSTANCE(RunGemm_f16_nmajor_w320_c2x1, GemmInstance<cutlass::half_t, false, kGemmBlockN320, 2>)
+FLUX_JAX_DEFINE_GEMM_INSTANCE(RunGemm_f16_nmajor_pp192_c2x1,
+                              GemmInstance<cutlass::half_t, false, kGemmBlockNNarrow, 2, true>)

@@ -3,6 +3,7 @@
 //   e4m3 x e4m3, 128x256          cooperative, 1x1 clusters: K > 4096 at 8192 x 8192 outputs and
 //                                 more, or below them at K >= 8192 where its waves tie
 //   e4m3 x e4m3, 128x128 pp, 2x1  ping-pong, B shared by TMA multicast: the rest (K <= 4096 always)
+//   e4m3 x e4m3, 128x192 pp, 2x1  the same where the GPU's DRAM is below 4 TB/s (an H100), M > 2048
 //   e5m2 x e4m3, 128x128 pp, 2x1  the backward's dy rows (e5m2) times the weight
 //   e5m2 x e4m3, 128x160 pp, 2x1  the same where 160-column tiles make fewer waves
 // One file: the instances share most of their template instantiation (see gemm_bf16_kmajor.cu).
@@ -12,6 +13,8 @@
 FLUX_JAX_DEFINE_GEMM_INSTANCE(RunGemm_e4m3_bf16, GemmInstanceFp8<cutlass::float_e4m3_t, cutlass::bfloat16_t>)
 FLUX_JAX_DEFINE_GEMM_INSTANCE(RunGemm_e4m3_bf16_pp128_c2x1,
                               GemmInstanceFp8<cutlass::float_e4m3_t, cutlass::bfloat16_t, kGemmBlockN128, 2, true>)
+FLUX_JAX_DEFINE_GEMM_INSTANCE(RunGemm_e4m3_bf16_pp192_c2x1,
+                              GemmInstanceFp8<cutlass::float_e4m3_t, cutlass::bfloat16_t, kGemmBlockNNarrow, 2, true>)
 FLUX_JAX_DEFINE_GEMM_INSTANCE(RunGemm_e5m2_bf16_pp128_c2x1,
                               GemmInstanceFp8<cutlass::float_e5m2_t, cutlass::bfloat16_t, kGemmBlockN128, 2, true>)
 FLUX_JAX_DEFINE_GEMM_INSTANCE(RunGemm_e5m2_bf16_pp160_c2x1,

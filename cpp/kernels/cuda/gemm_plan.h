@@ -17,7 +17,7 @@ namespace flux_jax::cuda {
 
 inline constexpr int kGemmBlockM = 128;        // tile rows of every shipped instance
 inline constexpr int kGemmBlockN = 256;        // tile columns of the default instances
-inline constexpr int kGemmBlockNNarrow = 192;  // the narrow instances (bf16, either weight layout)
+inline constexpr int kGemmBlockNNarrow = 192;  // the narrow instances; ping-pong 128x192 in 2x1 clusters
 inline constexpr int kGemmBlockN160 = 160;     // the 2x1-cluster 128x160 instance (bf16, K-major B)
 inline constexpr int kGemmBlockN128 = 128;     // the 2x1-cluster ping-pong 128x128 instances
 inline constexpr int kGemmBlockN320 = 320;     // the 2x1-cluster cooperative 128x320 instances (bf16)
@@ -47,7 +47,7 @@ struct GemmPlan {
   bool serpentine = false;        // odd tile groups sweep N backwards (flux_jax/tile_order.h)
   int32_t block_n = kGemmBlockN;  // tile columns: one of the kGemmBlockN* (HasGemmInstance)
   int32_t cluster_m = 1;          // CTAs per cluster along M (2: B shared by TMA multicast)
-  bool pingpong = false;          // the ping-pong schedule (128x128 in 2x1 clusters only)
+  bool pingpong = false;          // the ping-pong schedule (128x128 and 128x192, 2x1 clusters only)
   // FP8 (gemm_fp8_instance.cuh): A and B float8_e4m3fn, B K-major, D = alpha * row_scale[m] *
   // col_scale[n] * A @ op(B) + beta * C in bfloat16.
   bool fp8 = false;
@@ -58,11 +58,11 @@ struct GemmPlan {
 
 // Whether this build has the instance of (block_n, cluster_m, pingpong) for this input: bfloat16
 // and float16 alike, 128x256 and 128x192 in 1x1 clusters, and for the K-major (transposed) weight
-// 128x224; in 2x1 clusters ping-pong 128x128, cooperative 128x320 and, for the K-major weight,
-// 128x160.
+// 128x224; in 2x1 clusters ping-pong 128x128, cooperative 128x320, for the [K, N] weight ping-pong
+// 128x192 and for the K-major weight 128x160.
 inline bool HasGemmInstance(DType dtype, bool b_kmajor, int32_t block_n, int32_t cluster_m, bool pingpong = false) {
   if (dtype != DType::kBF16 && dtype != DType::kF16) return false;
-  if (pingpong) return block_n == kGemmBlockN128 && cluster_m == 2;
+  if (pingpong) return cluster_m == 2 && (block_n == kGemmBlockN128 || (block_n == kGemmBlockNNarrow && !b_kmajor));
   if (cluster_m == 1)
     return block_n == kGemmBlockN || block_n == kGemmBlockNNarrow || (block_n == kGemmBlockN224 && b_kmajor);
   if (cluster_m != 2) return false;

@@ -177,10 +177,30 @@ inline bool PreferPingpongShortK(DType dtype, bool b_kmajor, int64_t m, int64_t 
          HasGemmInstance(dtype, b_kmajor, kGemmBlockN128, 2, true);
 }
 
+// Ping-pong 128x192 tiles in 2x1 clusters, bf16 and float16 with the [K, N] weight and FP8 e4m3
+// rows, where the GPU is below PingpongAtManyWaves' line (an H100, where ping-pong 128x128 runs
+// into the L2's throughput) and M > 2048, if their waves are at most 5% longer than those of the
+// cooperative tile the rule would run (`cooperative_block_n`: ChooseBlockN's, FP8's 128x256). The
+// warpgroup's tile is 1.5x as wide as ping-pong 128x128's, so it reads 22% fewer L2 bytes per
+// output, and its epilogue stays under the other warpgroup's MMAs, where cooperative tiles idle the
+// tensor cores. Kernel time under sustained load on one H100 SXM, ours / XLA's, the rule before ->
+// ping-pong 128x192: FP8 16384 x 3072 x 8192 1.053 -> 0.972, 8192 x 2048 x 4096 1.041 -> 0.977,
+// 4096 x 3072 x 4608 1.115 -> 0.997; bf16 16384 x 1536 x 3072 1.037 -> 0.976, 16384 x 3072 x 8192
+// 1.056 -> 1.028, 4096 x 5120 x 3584 1.142 (ping-pong 128x128) -> 1.011. Waves 12.5% longer lost
+// (bf16 4096 x 2048 x 4096 1.033 -> 1.155), as did 2048 rows, where the waves are few, and FP8 at
+// K >= 8192 (by 1.5-3.5%: a long K loop hides the cooperative epilogue), so FP8 asks it at K <=
+// 4096 only; bf16 at K >= 4096 within 1% of 128x256
+// (docs/decisions/2026-12-05-pingpong-128x192.md). Not measured on an H200.
+inline bool PreferPingpong192(int64_t m, int64_t n, int32_t cooperative_block_n, int sm_count, int dram_gbps) {
+  return !PingpongAtManyWaves(dram_gbps) && m > 2048 && sm_count > 0 &&
+         WaveSpan(m, n, kGemmBlockNNarrow, sm_count) * 20 <= WaveSpan(m, n, cooperative_block_n, sm_count) * 21;
+}
+
 // The overlap GEMM instance of a call (GemmPlan.block_n, cluster_m, pingpong).
 // GpuTuning.gemm_kernel forces one, for A/B measurements: an instance this build lacks for the
 // dtype and weight layout is an error, never a silent fallback. kAuto: PreferPingpongShortK, else
-// PreferWideTile, else PreferClustered, else PreferTile224, else PreferPingpongByWaves, else
+// PreferWideTile, else PreferClustered, else PreferTile224, else PreferPingpong192, else
+// PreferPingpongByWaves, else
 // ChooseBlockN's choice (cluster 1x1).
 // kDecode is no overlap instance: ag_matmul's tp = 1 branch runs the decode GEMM for it, and
 // every other call rejects it here.
@@ -203,6 +223,11 @@ inline Status ChooseGemmInstance(const CommConfig& cfg, DType dtype, bool b_kmaj
         plan->pingpong = !b_kmajor;
       } else if (cfg.tuning.tile_n == 0 && PreferTile224(cfg, dtype, b_kmajor, m, n, sm_count)) {
         plan->block_n = kGemmBlockN224;
+      } else if (cfg.tuning.tile_n == 0 && HasGemmInstance(dtype, b_kmajor, kGemmBlockNNarrow, 2, true) &&
+                 PreferPingpong192(m, n, ChooseBlockN(cfg, m, n, sm_count), sm_count, dram_gbps)) {
+        plan->block_n = kGemmBlockNNarrow;
+        plan->cluster_m = 2;
+        plan->pingpong = true;
       } else if (cfg.tuning.tile_n == 0 && PreferPingpongByWaves(cfg, dtype, b_kmajor, m, n, sm_count)) {
         plan->block_n = kGemmBlockN128;
         plan->cluster_m = 2;
@@ -229,6 +254,11 @@ inline Status ChooseGemmInstance(const CommConfig& cfg, DType dtype, bool b_kmaj
       break;
     case GemmKernel::k128x160PingpongCluster2x1:  // FP8 e5m2 rows only: HasGemmInstance says no
       plan->block_n = kGemmBlockN160;
+      plan->cluster_m = 2;
+      plan->pingpong = true;
+      break;
+    case GemmKernel::k128x192PingpongCluster2x1:
+      plan->block_n = kGemmBlockNNarrow;
       plan->cluster_m = 2;
       plan->pingpong = true;
       break;
@@ -260,8 +290,9 @@ inline bool PreferFp8Pingpong160(int64_t m, int64_t n, int sm_count) {
 
 // The FP8 GEMM instance (gemm_fp8_instance.cuh) for an m x k x n GEMM: ping-pong 128x128 tiles in
 // 2x1 clusters (B multicast) at K <= 4096 and below 8192 x 8192 outputs unless
-// Fp8CooperativeByWaves, else cooperative 128x256 tiles in 1x1 clusters; GpuTuning.gemm_kernel
-// forces either. Measured on one H200 against cuBLASLt's FP8 GEMM in one run (ours / theirs):
+// Fp8CooperativeByWaves, else cooperative 128x256 tiles in 1x1 clusters; on a GPU below 4 TB/s of
+// DRAM either gives way to ping-pong 128x192 (PreferPingpong192). GpuTuning.gemm_kernel forces
+// any of the three. Measured on one H200 against cuBLASLt's FP8 GEMM in one run (ours / theirs):
 // ping-pong won five of six shapes (2048 x 2560 x 5120 1.34 -> 1.18, 4096 x 3072 x 4608 1.28 ->
 // 1.16, 8192 x 2048 x 4096 1.19 -> 1.15 against 128x256) and lost 8192^3 (1.09 vs 1.05)
 // (docs/decisions/2026-12-01-gemm-instances.md); at 16384-row outputs it won at K = 3072 and 4096
@@ -300,8 +331,8 @@ inline Status ChooseFp8GemmInstance(const CommConfig& cfg, const Fp8Operands& fp
   if (fp8.x_e5m2 && !by_rule && kernel != GemmKernel::k128x128PingpongCluster2x1 &&
       kernel != GemmKernel::k128x160PingpongCluster2x1) {
     return Status::InvalidArgument(
-        "flux_jax: e5m2 rows run the ping-pong FP8 instances only (GpuTuning.gemm_kernel: auto, 128x128_pp_c2x1 or "
-        "128x160_pp_c2x1)");
+        "flux_jax: e5m2 rows run the ping-pong FP8 instances 128x128 and 128x160 only (GpuTuning.gemm_kernel: auto, "
+        "128x128_pp_c2x1 or 128x160_pp_c2x1)");
   }
   if (kernel == GemmKernel::k128x160PingpongCluster2x1 ||
       (by_rule && fp8.x_e5m2 && PreferFp8Pingpong160(m, n, sm_count))) {
@@ -316,10 +347,16 @@ inline Status ChooseFp8GemmInstance(const CommConfig& cfg, const Fp8Operands& fp
     plan->block_n = kGemmBlockN;
     plan->cluster_m = 1;
     plan->pingpong = false;
-  } else {
+  } else if (kernel != GemmKernel::k128x192PingpongCluster2x1) {
     return Status::InvalidArgument(
         "flux_jax: FP8 operands run the FP8 GEMM instances only (GpuTuning.gemm_kernel: auto, 128x256, "
-        "128x128_pp_c2x1, or for e5m2 rows 128x160_pp_c2x1)");
+        "128x128_pp_c2x1, 128x192_pp_c2x1, or for e5m2 rows 128x160_pp_c2x1)");
+  }
+  if (kernel == GemmKernel::k128x192PingpongCluster2x1 ||
+      (by_rule && !fp8.x_e5m2 && k <= kFp8PingpongMaxK && PreferPingpong192(m, n, kGemmBlockN, sm_count, dram_gbps))) {
+    plan->block_n = kGemmBlockNNarrow;
+    plan->cluster_m = 2;
+    plan->pingpong = true;
   }
   plan->fp8 = true;
   plan->fp8_a_e5m2 = fp8.x_e5m2;

@@ -136,6 +136,7 @@ GemmKernel ForcedKernel(const std::string& name) {
   if (name == "128x128_pp_c2x1") return GemmKernel::k128x128PingpongCluster2x1;
   if (name == "128x320_c2x1") return GemmKernel::k128x320Cluster2x1;
   if (name == "128x160_pp_c2x1") return GemmKernel::k128x160PingpongCluster2x1;
+  if (name == "128x192_pp_c2x1") return GemmKernel::k128x192PingpongCluster2x1;
   return GemmKernel::kAuto;
 }
 
@@ -145,10 +146,12 @@ bool HasForcedInstance(const Case& c, GemmKernel k) {
   if (k == GemmKernel::kAuto) return true;
   if (c.path != Path::kOverlap || (c.op != Op::kAgMatmul && c.op != Op::kMatmulRs)) return false;
   if (c.fp8) {
-    return k == GemmKernel::k128x128PingpongCluster2x1 || (k == GemmKernel::k128x256 && !c.x_e5m2) ||
+    return k == GemmKernel::k128x128PingpongCluster2x1 ||
+           ((k == GemmKernel::k128x256 || k == GemmKernel::k128x192PingpongCluster2x1) && !c.x_e5m2) ||
            (k == GemmKernel::k128x160PingpongCluster2x1 && c.x_e5m2);
   }
   if (k == GemmKernel::k128x160PingpongCluster2x1) return false;  // FP8 e5m2 rows only
+  if (k == GemmKernel::k128x192PingpongCluster2x1) return !c.w_transposed;
   if (k == GemmKernel::k128x160Cluster2x1 || k == GemmKernel::k128x224) return c.w_transposed;
   return true;  // bfloat16 and float16 have every other instance
 }
@@ -958,8 +961,8 @@ int main(int argc, char** argv) {
       g_gemm_kernel = ForcedKernel(argv[i] + 14);
       if (g_gemm_kernel == GemmKernel::kAuto) {
         std::fprintf(stderr,
-                     "--gemm-kernel: 128x256, 128x224, 128x192, 128x160_c2x1, 128x128_pp_c2x1, 128x320_c2x1 or "
-                     "128x160_pp_c2x1\n");
+                     "--gemm-kernel: 128x256, 128x224, 128x192, 128x160_c2x1, 128x128_pp_c2x1, 128x320_c2x1, "
+                     "128x160_pp_c2x1 or 128x192_pp_c2x1\n");
         return 2;
       }
     } else if (std::strncmp(argv[i], "--rs-tile-signal=", 17) == 0) {
