@@ -334,8 +334,15 @@ inline Status ChooseFp8GemmInstance(const CommConfig& cfg, const Fp8Operands& fp
         "flux_jax: e5m2 rows run the ping-pong FP8 instances 128x128 and 128x160 only (GpuTuning.gemm_kernel: auto, "
         "128x128_pp_c2x1 or 128x160_pp_c2x1)");
   }
-  if (kernel == GemmKernel::k128x160PingpongCluster2x1 ||
-      (by_rule && fp8.x_e5m2 && PreferFp8Pingpong160(m, n, sm_count))) {
+  const bool pingpong192 =
+      kernel == GemmKernel::k128x192PingpongCluster2x1 ||
+      (by_rule && !fp8.x_e5m2 && k <= kFp8PingpongMaxK && PreferPingpong192(m, n, kGemmBlockN, sm_count, dram_gbps));
+  if (pingpong192) {
+    plan->block_n = kGemmBlockNNarrow;
+    plan->cluster_m = 2;
+    plan->pingpong = true;
+  } else if (kernel == GemmKernel::k128x160PingpongCluster2x1 ||
+             (by_rule && fp8.x_e5m2 && PreferFp8Pingpong160(m, n, sm_count))) {
     plan->block_n = kGemmBlockN160;
     plan->cluster_m = 2;
     plan->pingpong = true;
@@ -347,16 +354,10 @@ inline Status ChooseFp8GemmInstance(const CommConfig& cfg, const Fp8Operands& fp
     plan->block_n = kGemmBlockN;
     plan->cluster_m = 1;
     plan->pingpong = false;
-  } else if (kernel != GemmKernel::k128x192PingpongCluster2x1) {
+  } else {
     return Status::InvalidArgument(
         "flux_jax: FP8 operands run the FP8 GEMM instances only (GpuTuning.gemm_kernel: auto, 128x256, "
         "128x128_pp_c2x1, 128x192_pp_c2x1, or for e5m2 rows 128x160_pp_c2x1)");
-  }
-  if (kernel == GemmKernel::k128x192PingpongCluster2x1 ||
-      (by_rule && !fp8.x_e5m2 && k <= kFp8PingpongMaxK && PreferPingpong192(m, n, kGemmBlockN, sm_count, dram_gbps))) {
-    plan->block_n = kGemmBlockNNarrow;
-    plan->cluster_m = 2;
-    plan->pingpong = true;
   }
   plan->fp8 = true;
   plan->fp8_a_e5m2 = fp8.x_e5m2;
