@@ -1,7 +1,7 @@
 """Our FP8 GEMM against XLA's on one GPU: the fused ops' FP8 overlap kernel at tp = 1.
 
     python -m benchmarks.fp8_gemm [--out FILE] [--rounds 10] [--shapes MxKxN,...] [--backward | --decode]
-        [--energy-s S] [--kernels auto/g16,128x256,...]
+        [--energy-s S] [--kernels auto/g16,128x256,...] [--git-commit SHA]
 
 Per shape (bfloat16 x [M, K] and w [K, N], the recipe `flux_jax.Fp8()`: e4m3, x per row, w per
 tensor), two programs over a mesh axis of size 1:
@@ -80,6 +80,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flux_jax
+from benchmarks import report
 from benchmarks.gemm_parity import kernel_tuning, parse_kernel_spec
 from flux_jax import _config, _overlap_gemm
 
@@ -442,6 +443,7 @@ def main(argv=None) -> list[dict]:
     mode.add_argument("--backward", action="store_true", help="time dx = dy @ w^T (dy in e5m2: our e5m2 x e4m3 GEMM)")
     mode.add_argument("--decode", action="store_true", help="time matmul_ar's FP8 decode path at M = 16-256")
     ap.add_argument("--steps", type=int, default=1, help="--decode: calls per program, in a lax.fori_loop if > 1")
+    ap.add_argument("--git-commit", help="commit to record when the tree has no .git (a copy)")
     ap.add_argument(
         "--energy-s",
         type=float,
@@ -479,6 +481,7 @@ def main(argv=None) -> list[dict]:
     rows = []
     meta = dict(
         command=" ".join(["python -m benchmarks.fp8_gemm", *(sys.argv[1:] if argv is None else argv)]),
+        **report.provenance(args.git_commit),
         energy_s=args.energy_s if meter is not None else 0.0,
         device=jax.devices()[0].device_kind,
         gpu_rule_inputs=gpu and dict(sm_count=gpu[0], dram_gbps=gpu[1]),

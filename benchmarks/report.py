@@ -50,21 +50,28 @@ def _git(*args: str) -> str | None:
         return None
 
 
-def metadata(preset: str, tp: int, argv: list[str], timing: dict, skipped: list[dict], git_commit: str | None) -> dict:
-    """Everything needed to tell where and how the numbers were taken.
+def provenance(git_commit: str | None) -> dict:
+    """The commit the numbers were taken at, whether the tree differed from it, and when.
 
     `git_commit` overrides `git rev-parse HEAD` (for a copy of the tree without .git).
     """
-    devices = jax.devices()
     head = _git("rev-parse", "HEAD")
     status = _git("status", "--porcelain") if head else None
+    return {
+        "git_commit": git_commit or head,
+        "git_dirty": bool(status) if status is not None else None,
+        "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def metadata(preset: str, tp: int, argv: list[str], timing: dict, skipped: list[dict], git_commit: str | None) -> dict:
+    """Everything needed to tell where and how the numbers were taken (`git_commit`: see `provenance`)."""
+    devices = jax.devices()
     return {
         "preset": preset,
         "tp": tp,
         "command": "python -m benchmarks.run " + " ".join(argv),
-        "git_commit": git_commit or head,
-        "git_dirty": bool(status) if status is not None else None,
-        "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        **provenance(git_commit),
         "hardware": {
             "platform": devices[0].platform,
             "device_kind": devices[0].device_kind,

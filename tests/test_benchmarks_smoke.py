@@ -858,6 +858,17 @@ def test_ncu_gemm_programs_and_arguments(dx, capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
+def test_provenance_names_the_commit_and_whether_the_tree_differed():
+    """Every benchmark's metadata names its commit: `git rev-parse HEAD`, or --git-commit for a
+    copy of the tree without .git; the dirty flag is None where git cannot tell."""
+    from benchmarks import report
+
+    got = report.provenance(None)
+    assert len(got["git_commit"]) == 40 and all(c in "0123456789abcdef" for c in got["git_commit"])
+    assert isinstance(got["git_dirty"], bool) and got["date_utc"].startswith("20")
+    assert report.provenance("abc1234")["git_commit"] == "abc1234"
+
+
 def test_fp8_gemm_kernel_specs_set_instance_and_tile_order(monkeypatch):
     """benchmarks.fp8_gemm --kernels: flux:<spec> per KERNEL[/gG][/sS] after the twin and the rule,
     each program traced under that GpuTuning; a bad spec is refused before anything runs."""
