@@ -119,8 +119,9 @@ class GpuTuning:
     Attributes:
       piece_bytes: target size of the pieces a chunk travels in (0: ~1/8 chunk, >= 8 MiB).
       tile_group_m: 128-row tiles the overlap GEMM sweeps together across N, 1..64 (0: by
-        instance: 16 over chunks of >= 2048 rows for bf16 / f16 128x256 tiles and for FP8
-        e4m3 ping-pong 128x128 tiles with a weight of >= 16 MiB, else 8).
+        instance: 16 over chunks of >= 2048 rows for the bf16 / f16 cooperative tiles 192 or
+        more columns wide and for FP8 e4m3 ping-pong 128x128 tiles with a weight of >= 16 MiB,
+        else 8).
       tile_serpentine: 1: every odd group of row tiles sweeps N backwards, starting on the
         columns of the weight the group before it read last; 0: every group sweeps forwards;
         -1: the product's choice (serpentine).
@@ -128,7 +129,9 @@ class GpuTuning:
         each; 2..16: that many).
       rs_tile_signal: when matmul_rs's pushed pieces go: 0 at the launch's end, 1 / 2 by tile
         counters (at the next tile / right after the stores), -1 by shape.
-      tile_n: output tile width of the overlap GEMM, 192 or 256 (0: by waves).
+      tile_n: output tile width of the overlap GEMM's cooperative tiles, 192 or 256 (0: by
+        waves); bfloat16 / float16 rows only: FP8 rows keep their rule (gemm_kernel forces
+        their instances).
       decode_early_launch: 1: the decode GEMM launches while the rows are pushed; 0: after.
       gemm_kernel: the overlap path's GEMM instance: "auto" (by shape: cpp/kernels/cuda/
         op_common.h), or one forced: "128x256", "128x192", "128x224" (the transposed weight),
@@ -140,8 +143,8 @@ class GpuTuning:
         GEMMs keep their rule under it, bfloat16 and float16 have no such instance);
         "128x192_pp_c2x1" (ping-pong 128x192 tiles in 2-CTA clusters: bfloat16 and float16 with
         the [K, N] weight, FP8 e4m3 rows); "decode": the
-        decode path's GEMM alone, ag_matmul at tp = 1 only. A forced instance the build lacks for
-        the call is an error.
+        decode path's GEMM alone, ag_matmul at tp = 1 on bfloat16 / float16 rows only. A forced
+        instance the build lacks for the call is an error.
       gate_probe: 1: at tp = 1 ag_matmul's GEMM waits before every tile's A loads on flags that
         are already set: the gate's cost without peers (at tp = 1 no gate runs otherwise).
     """

@@ -31,8 +31,10 @@ def gemm_rows(p: _plan.Problem) -> tuple[int, int]:
     ag_matmul_cuda.cc, matmul_rs_cuda.cc and matmul_ar_cuda.cc pass them to the rule."""
     if p.op == "ag_matmul":  # every rank's rows, gathered chunk by chunk
         return p.rows, p.rows // p.tp
-    composed = p.op == "matmul_ar" and not p.fp8 and _plan.composed_overlap(p.op, p.rows, p.tp, p.platform)
-    if p.op == "matmul_rs" or composed:  # one stage per destination rank (matmul_ar: two-shot)
+    # matmul_ar's two-shot overlap runs matmul_rs's call: always with FP8 operands (ops/matmul_ar.py,
+    # _fp8_overlap), else where composed_overlap says
+    two_shot = p.op == "matmul_ar" and (p.fp8 or _plan.composed_overlap(p.op, p.rows, p.tp, p.platform))
+    if p.op == "matmul_rs" or two_shot:  # one stage per destination rank
         return p.rows // p.tp, p.rows // p.tp
     return p.rows, p.rows  # matmul_ar: one GEMM over the local rows
 
@@ -63,8 +65,9 @@ def describe(p: _plan.Problem, gpu: tuple[int, int] | None = None) -> str | None
     ):
         return None
     tuning = get_gpu_tuning()
-    if tuning.gemm_kernel != "auto" or tuning.tile_n:
-        return f"overlap GEMM: as GpuTuning forces it (gemm_kernel={tuning.gemm_kernel!r}, tile_n={tuning.tile_n})"
+    forced = _forced(tuning, rows_dtype)
+    if forced:
+        return f"overlap GEMM: as GpuTuning forces it ({forced})"
     assumed = "" if gpu else ", assumed"
     sms, dram_gbps = gpu or (HOPPER_SMS, H200_DRAM_GBPS)
     m, chunk = gemm_rows(p)
@@ -72,6 +75,18 @@ def describe(p: _plan.Problem, gpu: tuple[int, int] | None = None) -> str | None
     group = tuning.tile_group_m or group
     gpu_text = f"{sms} SMs, {dram_gbps / 1000:.1f} TB/s DRAM{assumed}"
     return f"overlap GEMM: {_INSTANCES[kernel]}, row tiles in groups of {group} ({gpu_text})"
+
+
+def _forced(tuning, rows_dtype: str) -> str | None:
+    """The GpuTuning fields that override the rule for rows of `rows_dtype` (op_common.h): tile_n
+    for bfloat16 / float16 rows only; gemm_kernel="128x160_pp_c2x1" (the backward's e5m2 GEMM)
+    leaves e4m3 rows to their rule."""
+    fields = []
+    if tuning.gemm_kernel != "auto" and not (tuning.gemm_kernel == "128x160_pp_c2x1" and rows_dtype == "float8_e4m3fn"):
+        fields.append(f"gemm_kernel={tuning.gemm_kernel!r}")
+    if tuning.tile_n and not rows_dtype.startswith("float8"):
+        fields.append(f"tile_n={tuning.tile_n}")
+    return ", ".join(fields) or None
 
 
 def auto_plan(

@@ -1,6 +1,7 @@
 """Bad input fails in Python, before anything is traced or launched, with a
 message that names the argument and the shapes."""
 
+import dataclasses
 import functools
 
 import jax
@@ -387,8 +388,17 @@ def test_explain_names_the_overlap_gemm_instance():
     assert "ping-pong 128x192 tiles" in _overlap_gemm.describe(out_proj, h100)
     assert _overlap_gemm.describe(out_proj, h100).endswith("(132 SMs, 3.4 TB/s DRAM)")
     two_shot = _plan.Problem("matmul_ar", 4096, 2560, 5120, bf16, 2, "cuda")
-    one_call = _plan.Problem("matmul_ar", 4096, 2560, 5120, bf16, 2, "cuda", fp8="float8_e4m3fn")
-    assert _overlap_gemm.gemm_rows(two_shot) == (2048, 2048) and _overlap_gemm.gemm_rows(one_call) == (4096, 4096)
+    one_call = _plan.Problem("matmul_ar", 512, 2560, 5120, bf16, 2, "cuda")  # below the two-shot's rows
+    assert _overlap_gemm.gemm_rows(two_shot) == (2048, 2048) and _overlap_gemm.gemm_rows(one_call) == (512, 512)
+    # FP8 matmul_ar's overlap is always matmul_rs's FP8 call and an all_gather: it plans matmul_rs's
+    # GEMM (on an H100, 4096 x 2048 x 4096 runs ping-pong 128x128 where 8192 rows would run 128x192)
+    for rows in (512, 8192):
+        fp8_ar = _plan.Problem("matmul_ar", rows, 2048, 4096, bf16, 2, "cuda", fp8="float8_e4m3fn")
+        fp8_rs = dataclasses.replace(fp8_ar, op="matmul_rs")
+        assert _overlap_gemm.gemm_rows(fp8_ar) == _overlap_gemm.gemm_rows(fp8_rs) == (rows // 2, rows // 2)
+        assert _overlap_gemm.describe(fp8_ar, h100) == _overlap_gemm.describe(fp8_rs, h100)
+    fp8_ar = _plan.Problem("matmul_ar", 8192, 2048, 4096, bf16, 2, "cuda", fp8="float8_e4m3fn")
+    assert "ping-pong 128x128 tiles" in _overlap_gemm.describe(fp8_ar, h100)
     # explain_auto plans for another GPU on request (an 8192 x 2048 x 4096 GEMM per GPU)
     on_h100 = flux_jax.explain_auto("ag_matmul", 8192, 2048, 8192, 2, gpu=h100)
     h100_instance = "ping-pong 128x192 tiles in 2x1 clusters, row tiles in groups of 8 (132 SMs, 3.4 TB/s DRAM)"
@@ -399,7 +409,18 @@ def test_explain_names_the_overlap_gemm_instance():
             flux_jax.explain_auto("ag_matmul", 8192, 2048, 8192, 2, gpu=bad)
     assert _overlap_gemm.describe(_plan.Problem("ag_matmul", 2048, 256, 256, np.dtype(np.float32), 2, "cuda")) is None
     with _config.gpu_tuning(gemm_kernel="128x192"):
-        assert "as GpuTuning forces it (gemm_kernel='128x192'" in _overlap_gemm.describe(ag, h200)
+        assert _overlap_gemm.describe(ag, h200) == "overlap GEMM: as GpuTuning forces it (gemm_kernel='128x192')"
+    # tile_n forces the 16-bit rows' tile; FP8 rows keep their rule under it, and e4m3 rows under
+    # the e5m2 GEMM's instance (op_common.h: ChooseFp8GemmInstance)
+    fp8_ag = dataclasses.replace(ag, fp8="float8_e4m3fn")
+    e5m2_ag = dataclasses.replace(ag, fp8="float8_e5m2")
+    rule = _overlap_gemm.describe(fp8_ag, h200)
+    with _config.gpu_tuning(tile_n=192):
+        assert _overlap_gemm.describe(ag, h200) == "overlap GEMM: as GpuTuning forces it (tile_n=192)"
+        assert _overlap_gemm.describe(fp8_ag, h200) == rule and "ping-pong 128x128" in rule
+    with _config.gpu_tuning(gemm_kernel="128x160_pp_c2x1"):
+        assert _overlap_gemm.describe(fp8_ag, h200) == rule
+        assert "forces it (gemm_kernel='128x160_pp_c2x1')" in _overlap_gemm.describe(e5m2_ag, h200)
     with _config.gpu_tuning(tile_group_m=4):
         assert _overlap_gemm.describe(ag, h200).endswith("groups of 4 (132 SMs, 4.8 TB/s DRAM)")
 

@@ -1,9 +1,11 @@
 // The FP8 overlap GEMM instances: float8 operands, B K-major, bfloat16 out with row and column
 // scales in the epilogue (gemm_fp8_instance.cuh; op_common.h, ChooseFp8GemmInstance):
 //   e4m3 x e4m3, 128x256          cooperative, 1x1 clusters: K > 4096 at 8192 x 8192 outputs and
-//                                 more, or below them at K >= 8192 where its waves tie
-//   e4m3 x e4m3, 128x128 pp, 2x1  ping-pong, B shared by TMA multicast: the rest (K <= 4096 always)
-//   e4m3 x e4m3, 128x192 pp, 2x1  the same where the GPU's DRAM is below 4 TB/s (an H100), M > 2048
+//                                 more, or below them at K >= 8192 where its waves tie; on a GPU
+//                                 below 4 TB/s of DRAM (an H100) at any K from 8192 x 8192 outputs
+//   e4m3 x e4m3, 128x128 pp, 2x1  ping-pong, B shared by TMA multicast: the rest
+//   e4m3 x e4m3, 128x192 pp, 2x1  below 4 TB/s of DRAM, M > 2048 and K <= 4096, where its waves are
+//                                 at most 5% longer than 128x256's (either of the two above)
 //   e5m2 x e4m3, 128x128 pp, 2x1  the backward's dy rows (e5m2) times the weight
 //   e5m2 x e4m3, 128x160 pp, 2x1  the same where 160-column tiles make fewer waves
 // One file: the instances share most of their template instantiation (see gemm_bf16_kmajor.cu).

@@ -9,7 +9,8 @@
 // col_scale w's per-column (or broadcast per-tensor) scale. Otherwise the same kernel as
 // gemm_instance.cuh: persistent, warp-specialized, the gated mainloop, gated epilogue and rotated
 // scheduler of gated_gemm.cuh; cooperative 128x256x128 tiles (128 bytes of K per row) in 1x1
-// clusters, or ping-pong 128x128 in 2x1 clusters sharing B; CUTLASS's FP8 fast accumulation (the
+// clusters, or ping-pong 128x128, 128x192 (e4m3 rows) and 128x160 (e5m2 rows) in 2x1 clusters
+// sharing B; CUTLASS's FP8 fast accumulation (the
 // wgmma accumulator is not promoted every few k-blocks: 2x cuBLASLt's accumulation error from
 // K = 7168 to 28672 on one H200, docs/decisions/2026-12-02-fp8-decode-accumulation.md).
 #pragma once

@@ -1,8 +1,8 @@
 // The one GEMM configuration every fused op instantiates (per dtype, B layout,
 // tile width, cluster and schedule): CUTLASS sm90 TMA warp-specialized persistent
-// kernel, cooperative 128x256x64 tiles (128x192x64 for the narrow instance),
-// cluster 1x1 (the 2x1-cluster instances share B by TMA multicast: 128x160,
-// ping-pong 128x128 and cooperative 128x320), f32 accumulation, with the gated mainloop,
+// kernel, cooperative 128x256x64 tiles (128x192x64 and 128x224x64 for the narrower
+// instances), cluster 1x1 (the 2x1-cluster instances share B by TMA multicast: 128x160,
+// ping-pong 128x128 and 128x192, cooperative 128x320), f32 accumulation, with the gated mainloop,
 // gated epilogue and rotated scheduler of gated_gemm.cuh. Included only by the
 // instantiation units (each costs ~1 minute of nvcc on 2 cores).
 #pragma once

@@ -18,9 +18,9 @@ namespace flux_jax::cuda {
 inline constexpr int kGemmBlockM = 128;        // tile rows of every shipped instance
 inline constexpr int kGemmBlockN = 256;        // tile columns of the default instances
 inline constexpr int kGemmBlockNNarrow = 192;  // the narrow instances; ping-pong 128x192 in 2x1 clusters
-inline constexpr int kGemmBlockN160 = 160;     // the 2x1-cluster 128x160 instance (bf16, K-major B)
+inline constexpr int kGemmBlockN160 = 160;     // 2x1 clusters: cooperative (bf16 / f16, K-major B), FP8 e5m2 ping-pong
 inline constexpr int kGemmBlockN128 = 128;     // the 2x1-cluster ping-pong 128x128 instances
-inline constexpr int kGemmBlockN320 = 320;     // the 2x1-cluster cooperative 128x320 instances (bf16)
+inline constexpr int kGemmBlockN320 = 320;     // the 2x1-cluster cooperative 128x320 instances (bf16 / f16)
 inline constexpr int kGemmBlockN224 = 224;     // the 1x1 instances for dx whose waves fit N = 6912, 7168
 // M tiles swept together across N when the config says 0 (automatic); see the
 // tile order in gated_gemm.cuh and docs/decisions/2026-11-30-grouped-tile-order.md.
@@ -47,8 +47,8 @@ struct GemmPlan {
   bool serpentine = false;        // odd tile groups sweep N backwards (flux_jax/tile_order.h)
   int32_t block_n = kGemmBlockN;  // tile columns: one of the kGemmBlockN* (HasGemmInstance)
   int32_t cluster_m = 1;          // CTAs per cluster along M (2: B shared by TMA multicast)
-  bool pingpong = false;          // the ping-pong schedule (128x128 and 128x192, 2x1 clusters only)
-  // FP8 (gemm_fp8_instance.cuh): A and B float8_e4m3fn, B K-major, D = alpha * row_scale[m] *
+  bool pingpong = false;          // the ping-pong schedule (128x128, 128x192, e5m2 128x160; 2x1 clusters only)
+  // FP8 (gemm_fp8_instance.cuh): A float8_e4m3fn (or e5m2), B float8_e4m3fn K-major, D = alpha * row_scale[m] *
   // col_scale[n] * A @ op(B) + beta * C in bfloat16.
   bool fp8 = false;
   bool fp8_a_e5m2 = false;           // A in float8_e5m2 (a backward's dy rows; ping-pong 2x1 only)

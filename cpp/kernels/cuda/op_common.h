@@ -17,7 +17,9 @@
 namespace flux_jax::cuda {
 
 // Rows per piece of a chunk: pieces of ~1/8 chunk (>= 8 MiB), a multiple of the
-// GEMM tile height, at most kMaxPieces per chunk. Finer pieces start the
+// GEMM tile height, at most kMaxPieces per chunk (where that cap binds, as with a small
+// GpuTuning.piece_bytes, pieces may end inside a tile: WaitRows waits for every piece a
+// tile touches). Finer pieces start the
 // consumer earlier; each costs two copy-engine operations. The 8 MiB floor (was
 // 2 MiB) measured 12-15% faster at LLaMA-8B out-projection M = 2048-4096 and 6% at
 // 8192, within +-3% elsewhere (2x H200, 2026-11-30; docs/decisions/2026-11-30-piece-size-floor.md).

@@ -30,7 +30,7 @@
 // `--cpu` runs the same calls on the CPU backend (no GPU needed: checks this program);
 // `--self-test` feeds the last rank a wrong input set and passes only if every check fails;
 // `--tp=N`, `--op=matmul_rs`, `--path=decode` pick cases; `--gemm-kernel=128x160_c2x1` (any forced
-// GpuTuning.gemm_kernel name) runs the overlap cases whose dtype and weight layout have that instance
+// GpuTuning.gemm_kernel name but "decode") runs the overlap cases whose dtype and weight layout have that instance
 // with it (the A/B instances have to pass here before a rule may pick them); `--rs-tile-signal=N`
 // forces GpuTuning.rs_tile_signal (the cases' shapes take 2 by default; 1 signals each tile at the
 // next one); `--tile-group-m=G` and `--tile-serpentine=S` force the overlap GEMM's tile order
