@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from flux_jax import _autodiff
+from flux_jax import _lax_collectives as _lc
 from flux_jax import fp8 as _fp8
 from flux_jax._validation import axis_set
 
@@ -33,7 +34,7 @@ def ag_matmul_xla(x, w, *, axis_name: str | tuple[str, ...], axis: int = 0, retu
         outs = _ag_matmul_fp8(x_front, w, axis_name, recipe, return_gathered, False, False)
         outs = [jnp.moveaxis(o, 0, axis) for o in outs]
         return tuple(outs) if return_gathered else outs[0]
-    x_full = lax.all_gather(x, axis_name, axis=axis, tiled=True)
+    x_full = _lc.all_gather(x, axis_name, axis)
     out = jnp.dot(x_full, w)
     return (out, x_full) if return_gathered else out
 
@@ -48,7 +49,7 @@ def matmul_rs_xla(x, w, *, axis_name: str | tuple[str, ...], scatter_dimension: 
     if recipe is not None:
         x_front, w = _unify(axis_name, jnp.moveaxis(x, scatter_dimension, 0), w)
         return jnp.moveaxis(_matmul_rs_fp8(x_front, w, axis_name, recipe, False, False), 0, scatter_dimension)
-    return lax.psum_scatter(jnp.dot(x, w), axis_name, scatter_dimension=scatter_dimension, tiled=True)
+    return _lc.psum_scatter(jnp.dot(x, w), axis_name, scatter_dimension)
 
 
 def matmul_ar_xla(x, w, *, axis_name: str | tuple[str, ...], fp8=None):
@@ -58,8 +59,8 @@ def matmul_ar_xla(x, w, *, axis_name: str | tuple[str, ...], fp8=None):
         return _zeros((*x.shape[:-1], w.shape[1]), x.dtype, axis_name, x, w, varying=False)
     if recipe is not None:
         x, w = _unify(axis_name, x, w)
-        return lax.psum(_local_fp8(x, w, recipe, False, False), axis_name)
-    return lax.psum(jnp.dot(x, w), axis_name)
+        return _lc.psum(_local_fp8(x, w, recipe, False, False), axis_name)
+    return _lc.psum(jnp.dot(x, w), axis_name)
 
 
 def column_matmul_xla(x, w, *, axis_name: str | tuple[str, ...], fp8=None):
@@ -94,7 +95,7 @@ def _column_matmul_bwd(axis_name, recipe, residuals, dy):
     x, w = residuals
     dx = jnp.dot(dy, w.T) if recipe is None else _local_fp8(dy, w, recipe, True, True)
     if axis_set(axis_name) <= _varying(w):  # types checked (w was cast to vary over the axis)
-        dx = lax.psum(dx, axis_name)
+        dx = _lc.psum(dx, axis_name)
     if isinstance(w, _fp8.Fp8Weight):  # frozen: a zero cotangent
         return _typed_like(dx, _varying(x)), None
     lead = tuple(range(x.ndim - 1))
@@ -151,7 +152,7 @@ def _ag_matmul_zero_size(x, w, axis_name, axis, return_gathered, recipe):
     if recipe is not None:  # the rows as the FP8 GEMM read them, straight-through as in the FP8 twin
         rows = _fp8.dequantize(*_fp8.quantize_rows(x, recipe), x.dtype)
         x = x + lax.stop_gradient(rows - x)
-    return out, lax.all_gather(x, axis_name, axis=axis, tiled=True)
+    return out, _lc.all_gather(x, axis_name, axis)
 
 
 # ---- FP8 twins: x [rows, ..., k] with the gathered / scattered dimension first -----------------
@@ -166,11 +167,11 @@ def _unify(axis_name, *xs):
 
 
 def _gather(axis_name):
-    return lambda a: lax.all_gather(a, axis_name, axis=0, tiled=True)
+    return lambda a: _lc.all_gather(a, axis_name)
 
 
 def _scatter(a, axis_name):
-    return lax.psum_scatter(a, axis_name, scatter_dimension=0, tiled=True)
+    return _lc.psum_scatter(a, axis_name)
 
 
 # Each FP8 twin's forward rule computes through its own custom_vjp and its backward through the

@@ -7,9 +7,9 @@ import functools
 import math
 
 import jax.numpy as jnp
-from jax import lax
 
 from flux_jax import _autodiff, _validation, twins
+from flux_jax import _lax_collectives as _lc
 from flux_jax import fp8 as _fp8
 from flux_jax.ops import _common
 from flux_jax.ops._spec import REGISTRY, Call, OpSpec, define, gathered_gemm, weight_2d
@@ -30,7 +30,7 @@ def _gemm(x_shape, w_shape, call: Call):
 
 def _twin(x, w, call: Call):
     if call.fp8 is not None:  # the FP8 twin's forward (its custom_vjp lives in twins.py)
-        return gathered_gemm(x, w, call, lambda a: lax.all_gather(a, call.axis_name, axis=0, tiled=True))
+        return gathered_gemm(x, w, call, lambda a: _lc.all_gather(a, call.axis_name))
     out = twins.ag_matmul_xla(
         x, weight_2d(w, call.transpose_w), axis_name=call.axis_name, return_gathered=call.return_gathered
     )
@@ -73,7 +73,7 @@ def _bwd(call: Call, residuals, cotangents):
     (dx,) = rs.core(dy, w, _common.backward_call(rs, dy, w, call))
     if call.return_gathered and cotangents[1] is not None:
         # The gathered copy was an output too: all_gather's adjoint is a reduce-scatter.
-        dx = dx + lax.psum_scatter(cotangents[1], call.axis_name, scatter_dimension=0, tiled=True)
+        dx = dx + _lc.psum_scatter(cotangents[1], call.axis_name)
     return dx, _autodiff.weight_grad(x_full, dy, w, call.transpose_w)
 
 

@@ -25,9 +25,9 @@ import functools
 import math
 
 import jax.numpy as jnp
-from jax import lax
 
 from flux_jax import _autodiff, _explain, _plan, _validation, twins
+from flux_jax import _lax_collectives as _lc
 from flux_jax import fp8 as _fp8
 from flux_jax._config import get_config, get_gpu_tuning
 from flux_jax._validation import axis_set
@@ -56,7 +56,7 @@ def _gemm(x_shape, w_shape, call: Call):
 
 def _twin(x, w, call: Call):
     if call.fp8 is not None:  # the FP8 twin's forward (its custom_vjp lives in twins.py)
-        return [lax.psum(local_gemm(x, w, call), call.axis_name)]
+        return [_lc.psum(local_gemm(x, w, call), call.axis_name)]
     return [twins.matmul_ar_xla(x, weight_2d(w, call.transpose_w), axis_name=call.axis_name)]
 
 
@@ -108,7 +108,7 @@ def _bwd(call: Call, residuals, cotangents):
     if not _types_checked(w, call.axis_name):
         # shard_map(check_vma=False): JAX's convention there is that a replicated value's
         # cotangent is a per-rank partial (psum transposes to psum); follow the twin.
-        dy = lax.psum(dy, call.axis_name)
+        dy = _lc.psum(dy, call.axis_name)
     dy = unify_varying(call.axis_name, dy, x)[0]  # typed as x: varying over the axis
     dx = _fp8.input_grad(dy, w, call.fp8, transpose_w=call.transpose_w)
     return dx.astype(x.dtype), _autodiff.weight_grad(x, dy, w, call.transpose_w)

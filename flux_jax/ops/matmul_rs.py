@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
-from jax import lax
 
 from flux_jax import _autodiff, _validation, twins
+from flux_jax import _lax_collectives as _lc
 from flux_jax import fp8 as _fp8
 from flux_jax.ops import _common
 from flux_jax.ops._spec import REGISTRY, Call, OpSpec, define, local_gemm, weight_2d
@@ -25,7 +25,7 @@ def _gemm(x_shape, w_shape, call: Call):
 
 def _twin(x, w, call: Call):
     if call.fp8 is not None:  # the FP8 twin's forward (its custom_vjp lives in twins.py)
-        return [lax.psum_scatter(local_gemm(x, w, call), call.axis_name, scatter_dimension=0, tiled=True)]
+        return [_lc.psum_scatter(local_gemm(x, w, call), call.axis_name)]
     return [twins.matmul_rs_xla(x, weight_2d(w, call.transpose_w), axis_name=call.axis_name)]
 
 
