@@ -237,7 +237,7 @@ inline Status ChooseGemmInstance(const CommConfig& cfg, DType dtype, bool b_kmaj
       } else {
         plan->block_n = ChooseBlockN(cfg, m, n, sm_count);
       }
-      return Status::Ok();
+      break;  // checked below too: a dtype without instances fails here, before any handshake
     case GemmKernel::k128x256: plan->block_n = kGemmBlockN; break;
     case GemmKernel::k128x192: plan->block_n = kGemmBlockNNarrow; break;
     case GemmKernel::k128x224: plan->block_n = kGemmBlockN224; break;
@@ -273,11 +273,11 @@ inline Status ChooseGemmInstance(const CommConfig& cfg, DType dtype, bool b_kmaj
                                      std::to_string(cfg.tuning.gemm_kernel));
   }
   if (!HasGemmInstance(dtype, b_kmajor, plan->block_n, plan->cluster_m, plan->pingpong)) {
-    return Status::InvalidArgument("flux_jax: this build has no overlap GEMM instance with 128x" +
-                                   std::to_string(plan->block_n) + " tiles in " + std::to_string(plan->cluster_m) +
-                                   "x1 clusters" + (plan->pingpong ? " (ping-pong)" : "") + " for " + DTypeName(dtype) +
-                                   (b_kmajor ? " with the transposed weight" : " with a [K, N] weight") +
-                                   " (GpuTuning.gemm_kernel)");
+    return Status::InvalidArgument(
+        "flux_jax: this build has no overlap GEMM instance with 128x" + std::to_string(plan->block_n) + " tiles in " +
+        std::to_string(plan->cluster_m) + "x1 clusters" + (plan->pingpong ? " (ping-pong)" : "") + " for " +
+        DTypeName(dtype) + (b_kmajor ? " with the transposed weight" : " with a [K, N] weight") +
+        (static_cast<GemmKernel>(cfg.tuning.gemm_kernel) == GemmKernel::kAuto ? "" : " (GpuTuning.gemm_kernel)"));
   }
   return Status::Ok();
 }
