@@ -81,6 +81,12 @@ def test_unknown_impl(fn):
         _run(fn, _zeros((16, 16)), _zeros((16, 8)), axis_name="tp", impl="cuda")
 
 
+def test_return_gathered_must_be_a_bool():
+    for bad in ("yes", 1, None):
+        with pytest.raises(TypeError, match=r"ag_matmul: return_gathered must be a bool, got"):
+            _run(flux_jax.ag_matmul, _zeros((16, 16)), _zeros((16, 8)), axis_name="tp", return_gathered=bad)
+
+
 @pytest.mark.parametrize("fn", OPS)
 def test_outside_shard_map(fn):
     with pytest.raises(ValueError, match=r"per-shard op: call it inside jax.shard_map.*no mesh is active"):

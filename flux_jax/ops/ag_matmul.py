@@ -7,6 +7,7 @@ import functools
 import math
 
 import jax.numpy as jnp
+import numpy as np
 
 from flux_jax import _autodiff, _validation, twins
 from flux_jax import _lax_collectives as _lc
@@ -150,6 +151,8 @@ def ag_matmul(
     column scales, on dx's contraction) w dequantized and quantized again per row of w.
     """
     _validation.check_impl(NAME, impl)
+    if not isinstance(return_gathered, (bool, np.bool_)):
+        raise TypeError(f"{NAME}: return_gathered must be a bool, got {return_gathered!r}")
     _validation.check_operands(NAME, x, w)
     recipe = _fp8.resolve(NAME, fp8, w)
     axis = _validation.check_dimension(NAME, x, axis, "axis")
