@@ -178,7 +178,9 @@ def resolve(op: str, fp8, w=None) -> Fp8 | None:
 
 def quantize(a, dtype, axis=None, margin: int = 0):
     """(q, scale) with a ~= q * scale: q in the FP8 `dtype`, scale float32 with the amax taken over
-    `axis` (None: the whole tensor) and kept as size-1 dimensions. Round to nearest even.
+    `axis` (None: the whole tensor) and kept as size-1 dimensions. a / scale rounds to nearest
+    even; XLA may compute that quotient as a times 1 / scale, one float32 rounding off, so a value
+    a tie apart can round to the other neighbour (every implementation runs this same code).
 
     An all-zero slice, or a tensor with no elements, gets scale 1. The scale is at least float32's
     smallest normal number: a slice whose amax is below fmax times that (about 5e-36 for e4m3)
