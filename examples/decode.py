@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flux_jax
-from flux_jax.flax import GPT, GPTConfig, rotary_embedding, sharded_call
+from flux_jax.flax import GPT, GPTConfig, check_config, rotary_embedding, sharded_call
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from training.text import CharVocab, generate_corpus  # noqa: E402
@@ -63,9 +63,36 @@ def parse_args(argv=None):
     )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if args.tp < 1:
+        p.error(f"--tp must be >= 1, got {args.tp}")
     if args.tp > len(jax.devices()):
         p.error(f"--tp {args.tp} needs {args.tp} devices; {len(jax.devices())} are visible")
+    if args.dtype == "float16" and jax.default_backend() == "cpu":
+        p.error("--dtype float16 needs a GPU: XLA:CPU has no float16 attention (dot_general F16_F16_F32)")
+    try:  # shapes that cannot shard: a usage error naming the numbers, before anything runs
+        check_config(model_config(args, 1, args.impl), tp_mesh(args))
+    except ValueError as e:
+        p.error(str(e))
     return args
+
+
+def tp_mesh(args) -> jax.sharding.Mesh:
+    return jax.make_mesh((args.tp,), ("tp",), devices=jax.devices()[: args.tp])
+
+
+def model_config(args, vocab_size: int, impl: str) -> GPTConfig:
+    return GPTConfig(
+        vocab_size=vocab_size,
+        hidden=args.hidden,
+        layers=args.layers,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        ffn=args.ffn,
+        impl=impl,
+        dtype=args.dtype,
+        param_dtype="float32",
+        sequence_parallel=False,
+    )
 
 
 def attend(attn, x, pos, k_cache, v_cache):
@@ -132,20 +159,8 @@ def same_bits_on_every_rank(a: jax.Array) -> bool:
 
 def decode(args, vocab, impl: str) -> dict:
     """Greedy decoding of PROMPT + args.tokens tokens; the same weights (seed) for every impl."""
-    mesh = jax.make_mesh((args.tp,), ("tp",), devices=jax.devices()[: args.tp])
-    config = GPTConfig(
-        vocab_size=len(vocab),
-        hidden=args.hidden,
-        layers=args.layers,
-        heads=args.heads,
-        kv_heads=args.kv_heads,
-        ffn=args.ffn,
-        impl=impl,
-        dtype=args.dtype,
-        param_dtype="float32",
-        sequence_parallel=False,
-    )
-    model = GPT(config, mesh=mesh, rngs=nnx.Rngs(args.seed))
+    mesh = tp_mesh(args)
+    model = GPT(model_config(args, len(vocab), impl), mesh=mesh, rngs=nnx.Rngs(args.seed))
     graphdef, params = nnx.split(model)
     step = jax.jit(make_step(graphdef, mesh), donate_argnums=(3, 4))
     length = len(PROMPT) + args.tokens

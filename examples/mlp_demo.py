@@ -45,6 +45,11 @@ def main():
 
     devices = jax.devices()
     tp = args.tp or len(devices)
+    if not 1 <= tp <= len(devices):
+        parser.error(f"--tp must be between 1 and the {len(devices)} visible devices, got {tp}")
+    for name in ("seq", "ffn"):
+        if getattr(args, name) < 1 or getattr(args, name) % tp:
+            parser.error(f"--{name} must be a positive multiple of tp = {tp}, got {getattr(args, name)}")
     mesh = jax.make_mesh((tp,), ("tp",), devices=devices[:tp], axis_types=(jax.sharding.AxisType.Explicit,))
     dtype = jnp.dtype(args.dtype)
     keys = jax.random.split(jax.random.PRNGKey(0), 3)

@@ -222,6 +222,8 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
         args.attention = "cudnn" if on_gpu and args.dtype in ("bfloat16", "float16") else "xla"
     if args.attention == "cudnn" and (not on_gpu or args.dtype == "float32"):
         p.error("--attention cudnn needs an NVIDIA GPU and --dtype bfloat16 or float16")
+    if args.dtype == "float16" and not on_gpu:
+        p.error("--dtype float16 needs a GPU: XLA:CPU has no float16 attention (dot_general F16_F16_F32)")
     if args.warmup is None:
         args.warmup = max(1, args.steps // 20)
     if args.num_processes > 1:
@@ -234,6 +236,12 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
         p.error("--compare trains twice from scratch; it does not take --ckpt-dir")
     if args.resume and not args.ckpt_dir:
         p.error("--resume needs --ckpt-dir")
+    if args.stop_after is not None and args.stop_after < 1:
+        p.error(f"--stop-after must be >= 1, got {args.stop_after}")
+    if args.ckpt_every < 1:
+        p.error(f"--ckpt-every must be >= 1, got {args.ckpt_every}")
+    if args.compare and min(args.steps, args.stop_after or args.steps) < 2:
+        p.error("--compare times the steps after the compiling one: it needs --steps (and --stop-after) >= 2")
     if min(args.dp, args.tp, args.steps, args.seq, args.batch) < 1:
         p.error("--dp, --tp, --steps, --seq and --batch must be >= 1")
     if args.mesh is not None and np.prod(args.mesh) > n_devices:
@@ -434,7 +442,7 @@ def train(args, mesh, vocab: CharVocab, train_data, eval_data, impl: str) -> dic
 
     settings = trajectory_settings(args, config)
     checkpoints, start, state, losses = open_checkpoints(args, settings, state)
-    last = min(args.steps, args.stop_after or args.steps)
+    last = min(args.steps, args.stop_after if args.stop_after is not None else args.steps)
     tokens_per_step = args.batch * args.seq
     step_times, compile_s, compiled, calls = [], None, None, None
     tracer = StepTracer(args.profile_steps, first=start + 3)  # after the compile step and a warm one
@@ -543,7 +551,7 @@ def main(argv=None) -> dict:
         print(
             f"impl={impl}: loss {r['first_loss']:.3f} -> {r['final_loss']:.3f} (eval {r['eval_loss']:.3f})"
             + (f", {r['step_time_ms']:.1f} ms/step, {r['tokens_per_s']:,.0f} tokens/s" if r["step_time_ms"] else "")
-            + f", compile {r['compile_s']:.1f} s"
+            + (f", compile {r['compile_s']:.1f} s" if r["compile_s"] is not None else ", no step left to run")
             + (f"; fused calls in the step: {r['flux_calls']}" if r["flux_calls"] else "")
         )
         if "profile" in r:

@@ -3,10 +3,11 @@
 Both are part of the traced program. They are registered as JAX configuration
 states that belong to the jit cache key, so a setting always takes effect where
 it is set: `with flux_jax.config(timeout_s=5): f(x)` retraces `f` when its
-compiled version was traced under another configuration, and a function traced
-inside the block keeps that configuration when called outside it (its compiled
-program holds the values as custom-call attributes). Nothing is read from
-environment variables inside the kernels.
+compiled version was traced under another configuration, and a jitted `f` called
+outside the block runs under the configuration there (traced once per
+configuration). A program compiled inside the block (`f.lower(x).compile()`)
+keeps its configuration wherever it is called: it holds the values as custom-call
+attributes. Nothing is read from environment variables inside the kernels.
 
 The process-wide values start from the environment variables FLUX_JAX_CONFIG and
 FLUX_JAX_GPU_TUNING where they are set: a JSON object of the dataclass's fields, e.g.

@@ -10,7 +10,10 @@ def reset() -> None:
 
     Use after a fused op failed (a timeout leaves its TP group in a failed
     state, and later calls of the same compiled program fail fast until this is
-    called). Only call it when no fused op is running.
+    called). Only call it when no fused op is running. On the CPU backend it first
+    waits, at most 5 s, for every rank of each channel to reach the same call (a
+    failed program can leave ranks one call apart, e.g. a rank-dependent branch),
+    so that no rank opens a fresh channel and waits there for peers that left.
 
     In a multi-process job (jax.distributed) reset() is collective: every process
     must call it, and each waits (at most flux_jax.Config.timeout_s) until all

@@ -155,6 +155,11 @@ def test_stopped_run_resumes_with_identical_losses(example, tmp_path):
         example.main([*common, "--lr", "1e-2", "--ckpt-dir", ckpt, "--resume", "--out", str(tmp_path / "d")])
     with pytest.raises(SystemExit, match="already holds checkpoints"):
         example.main([*common, "--ckpt-dir", ckpt, "--out", str(tmp_path / "e")])
+    finished = example.main([*common, "--ckpt-dir", ckpt, "--resume", "--out", str(tmp_path / "f")])
+    run = finished["runs"]["fused"]  # nothing left to train: the restored run, reported
+    assert (
+        run["compile_s"] is None and run["completed_steps"] == 6 and run["losses"] == resumed["runs"]["fused"]["losses"]
+    )
 
 
 @pytest.mark.parametrize(
@@ -176,6 +181,11 @@ def test_stopped_run_resumes_with_identical_losses(example, tmp_path):
         (["--flux-config", "gpu_tile_n=100"], "--flux-config: GpuTuning.tile_n must be"),
         (["--flux-config", "gpu_tile_n"], "--flux-config: expected name=value"),
         (["--flux-config", "no_such_field=1"], "no_such_field"),
+        (["--hidden", "36"], "head_dim=9 is odd: rotary embeddings rotate pairs"),
+        (["--dtype", "float16"], "--dtype float16 needs a GPU"),
+        (["--stop-after", "0"], "--stop-after must be >= 1, got 0"),
+        (["--ckpt-every", "0"], "--ckpt-every must be >= 1, got 0"),
+        (["--compare"], "--compare times the steps after the compiling one: it needs --steps"),
     ],
 )
 def test_shapes_that_cannot_shard_are_usage_errors(example, capsys, flags, message):

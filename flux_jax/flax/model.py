@@ -117,6 +117,9 @@ def check_config(config: GPTConfig, mesh: jax.sharding.Mesh) -> None:
                 f"hidden={config.hidden} is not divisible by heads={config.heads} "
                 "(head_dim = hidden / heads); pass head_dim explicitly"
             )
+    head_dim = config.head_dim if config.head_dim is not None else config.hidden // config.heads
+    if head_dim % 2:
+        raise ValueError(f"head_dim={head_dim} is odd: rotary embeddings rotate pairs of a head's features")
     check_divisible("ffn", config.ffn, name, tp, "the MLP's hidden units are sharded over TP")
     if config.fsdp_axis is not None and not config.gspmd:
         raise ValueError(
