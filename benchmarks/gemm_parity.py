@@ -69,7 +69,7 @@ import flux_jax
 from benchmarks import gpu_energy, gpu_state, report
 from benchmarks.harness import round_order
 from benchmarks.presets import OPS, PRESETS, select_cases
-from benchmarks.timing import Built, LoopTimer, TimingParams, summarize
+from benchmarks.timing import Built, LoopTimer, TimingParams, params_problem, summarize
 from benchmarks.variants import error_summary, flux_ar_decode_fn, flux_gemm_fn, xla_gemm_fn
 from flux_jax import _overlap_gemm
 
@@ -232,15 +232,32 @@ def variants_for(
     return out
 
 
+def parse_shape_specs(text: str) -> list[tuple[int, int, int, bool]]:
+    """--shapes "M:K:N,M:K:N:dx,..." -> [(M, K, N, dx)]; ValueError naming a bad entry."""
+    out = []
+    for item in (v.strip() for v in text.split(",")):
+        if not item:
+            continue
+        fields = item.split(":")
+        try:
+            m, k, n = (int(v) for v in fields[:3])
+        except ValueError:
+            m = k = n = 0
+        if len(fields) not in (3, 4) or min(m, k, n) < 1 or fields[3:] not in ([], ["dx"]):
+            raise ValueError(f"--shapes entry {item!r}: expected M:K:N or M:K:N:dx with positive integers M, K, N")
+        out.append((m, k, n, len(fields) == 4))
+    if not out:
+        raise ValueError(f"--shapes {text!r} names no shape: expected M:K:N or M:K:N:dx, comma separated")
+    return out
+
+
 def shapes_from_args(args, layers: dict) -> list[Shape]:
     if args.shapes:
-        out = []
-        for item in args.shapes.split(","):
-            fields = item.strip().split(":")
-            m, k, n = (int(v) for v in fields[:3])
-            dx = len(fields) > 3 and fields[3] == "dx"
-            out += [Shape(m, k, n, dx, dt, layers.get((m, k, n, dx), "custom")) for dt in args.dtypes]
-        return out
+        return [
+            Shape(m, k, n, dx, dt, layers.get((m, k, n, dx), "custom"))
+            for m, k, n, dx in parse_shape_specs(args.shapes)
+            for dt in args.dtypes
+        ]
     if args.subset == "quick":
         return [
             Shape(m, k, n, dx, dt, layers.get((m, k, n, dx), "custom"))
@@ -840,6 +857,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             parse_kernel_spec(spec)
         except ValueError as err:
             ap.error(str(err))
+    if args.shapes is not None:
+        try:
+            parse_shape_specs(args.shapes)
+        except ValueError as err:
+            ap.error(str(err))
+    problem = params_problem(args.n1, args.repeats, args.target_ms, args.max_calls, args.preheat_ms)
+    if problem:
+        ap.error(problem)
     if args.seed is None:
         args.seed = random.SystemRandom().randrange(1 << 31)
     return args

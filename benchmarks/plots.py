@@ -21,6 +21,7 @@ from benchmarks.variants import LIMIT_VARIANTS, VARIANTS  # noqa: E402
 _OP_NAME = {"ag": "AllGather -> GEMM", "rs": "GEMM -> ReduceScatter", "ar": "GEMM -> AllReduce"}
 # One color per variant in every subplot and every file.
 _COLOR = {variant: plt.get_cmap("tab20")(i % 20) for i, variant in enumerate(VARIANTS)}
+_NOTHING_TIMED = "no variant was timed here (the table says why)"
 
 
 def _layer_shapes(rows: list[dict]) -> dict[tuple, dict[int, dict[str, dict]]]:
@@ -47,10 +48,12 @@ def _grid(count: int, title: str):
 
 
 def _save(fig, path: Path, handles: list) -> None:
-    """One legend for the whole figure, below the subplots (it never hides data)."""
-    fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 5), fontsize=9, frameon=False)
+    """One legend for the whole figure, below the subplots (it never hides data); none where
+    nothing was drawn (no variant timed)."""
+    if handles:
+        fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 5), fontsize=9, frameon=False)
     top = 1 - 0.5 / fig.get_figheight()  # room for the suptitle
-    fig.tight_layout(rect=(0, 0.09 if len(handles) > 5 else 0.05, 1, top))
+    fig.tight_layout(rect=(0, 0.09 if len(handles) > 5 else 0.05 if handles else 0, 1, top))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -169,6 +172,8 @@ def time_plot(rows: list[dict], path: Path, title: str) -> None:
                     label=variant,
                     linewidth=2.2 if variant.startswith("flux") else 1.2,
                 )
+        if not ax.lines:
+            ax.text(0.5, 0.5, _NOTHING_TIMED, transform=ax.transAxes, ha="center")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xticks(ms_sorted, [str(m) for m in ms_sorted])
@@ -217,11 +222,13 @@ def parity_plot(rows: list[dict], path: Path, title: str) -> None:
     variants = sorted({v for by in shapes.values() for v in by}, key=lambda v: (v != "flux:auto", v))
     colors = {v: plt.get_cmap("tab10")(i % 10) for i, v in enumerate(variants)}
     height = 0.8 / max(1, len(variants))
-    fig, ax = plt.subplots(figsize=(9, 0.15 * len(shapes) * max(2, len(variants)) + 1.6))
+    fig, ax = plt.subplots(figsize=(9, (0.15 * len(shapes) * max(2, len(variants)) if shapes else 1.2) + 1.6))
     for i, by in enumerate(shapes.values()):
         for j, variant in enumerate(variants):
             if variant in by:
                 ax.barh(i + (j - (len(variants) - 1) / 2) * height, by[variant], height, color=colors[variant])
+    if not shapes:
+        ax.text(0.5, 0.5, _NOTHING_TIMED, transform=ax.transAxes, ha="center")
     ax.set_yticks(range(len(shapes)), list(shapes), fontsize=8)
     ax.invert_yaxis()
     ax.axvline(1.0, color="black", linewidth=1)

@@ -21,7 +21,7 @@ from benchmarks import plots, report
 from benchmarks.harness import run_case
 from benchmarks.metrics import REFERENCE
 from benchmarks.presets import OPS, PRESETS, preset_tp, select_cases
-from benchmarks.timing import TimingParams
+from benchmarks.timing import TimingParams, params_problem
 from benchmarks.variants import VARIANTS
 from benchmarks.windowed import WindowedEinsum
 
@@ -86,8 +86,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         print(f"note: {REFERENCE} is always measured (it is the reference of the check)", flush=True)
         names.append(REFERENCE)
     args.variant_names = [v for v in VARIANTS if v in names]
-    if args.n1 < 1 or args.repeats < 1 or args.max_calls <= args.n1 or args.preheat_ms < 0:
-        parser.error("need --n1 >= 1, --repeats >= 1, --max-calls > --n1 and --preheat-ms >= 0")
+    problem = params_problem(args.n1, args.repeats, args.target_ms, args.max_calls, args.preheat_ms)
+    if problem:
+        parser.error(problem)
     return args
 
 

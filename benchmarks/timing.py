@@ -38,6 +38,22 @@ class TimingParams:
     preheat_ms: float = 50.0
 
 
+def params_problem(n1, repeats, target_ms, max_calls, preheat_ms) -> str | None:
+    """What is wrong with loop settings given on a command line (--n1, --repeats, --target-ms,
+    --max-calls, --preheat-ms), or None."""
+    if n1 < 1:
+        return f"--n1 must be >= 1, got {n1}"
+    if repeats < 1:
+        return f"--repeats must be >= 1, got {repeats}"
+    if max_calls <= n1:
+        return f"--max-calls must be greater than --n1 ({n1}), got {max_calls}"
+    if not 0 < target_ms < math.inf:
+        return f"--target-ms must be a positive finite number, got {target_ms}"
+    if not 0 <= preheat_ms < math.inf:
+        return f"--preheat-ms must be a finite number >= 0, got {preheat_ms}"
+    return None
+
+
 @dataclasses.dataclass
 class Built:
     """A variant ready to run: `step(*args)` on global (sharded) arrays.

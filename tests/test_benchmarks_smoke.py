@@ -265,6 +265,30 @@ def test_run_notes_flag_tp1_and_cpu_timings():
     assert run_notes(2, "gpu") == []
 
 
+def _refused(parse, argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err, err
+
+
+_BAD_LOOPS = (
+    (["--target-ms", "nan"], "--target-ms must be a positive finite number, got nan"),
+    (["--target-ms", "inf"], "--target-ms must be a positive finite number, got inf"),
+    (["--target-ms", "0"], "--target-ms must be a positive finite number, got 0.0"),
+    (["--target-ms", "-5"], "--target-ms must be a positive finite number, got -5.0"),
+    (["--repeats", "0"], "--repeats must be >= 1, got 0"),
+    (["--n1", "0"], "--n1 must be >= 1, got 0"),
+    (["--n1", "4", "--max-calls", "4"], "--max-calls must be greater than --n1 (4), got 4"),
+    (["--preheat-ms", "nan"], "--preheat-ms must be a finite number >= 0, got nan"),
+)
+
+
+def test_run_refuses_bad_loop_options(capsys):
+    for argv, message in _BAD_LOOPS:
+        _refused(run.parse_args, ["--preset", "cpu-smoke", *argv], message, capsys)
+
+
 @pytest.mark.parametrize("grad", [False, True], ids=["fwd", "grad"])
 @pytest.mark.parametrize("op", ["ag", "rs", "ar"])
 def test_fp8_cases_run_against_the_fp8_twin(op, grad):
@@ -455,6 +479,21 @@ def test_gemm_parity_kernel_spec_sets_the_tile_order():
     assert gemm_parity._variant_from_name("flux:auto/g4/s1").tile_serpentine == 1
     with pytest.raises(SystemExit):
         gemm_parity.parse_args(["--out", "x", "--kernels", "auto,auto/g99"])
+
+
+def test_gemm_parity_refuses_bad_shapes_and_loop_options(capsys):
+    from benchmarks import gemm_parity
+
+    bad_shapes = ("64:64", "a:b:c", "64:64:64:xx", "0:64:64", "64:64:64:dx:1", "64:64:64,64:-1:64")
+    for bad in bad_shapes:
+        entry = bad.split(",")[-1]
+        _refused(gemm_parity.parse_args, ["--out", "x", "--shapes", bad], f"--shapes entry {entry!r}", capsys)
+    _refused(gemm_parity.parse_args, ["--out", "x", "--shapes", ","], "names no shape", capsys)
+    for argv, message in _BAD_LOOPS:
+        _refused(gemm_parity.parse_args, ["--out", "x", *argv], message, capsys)
+    args = gemm_parity.parse_args(["--out", "x", "--shapes", "64:32:48, 8:16:24:dx", "--dtypes", "bfloat16"])
+    shapes = gemm_parity.shapes_from_args(args, {})
+    assert [(s.M, s.K, s.N, s.dx) for s in shapes] == [(64, 32, 48, False), (8, 16, 24, True)]
 
 
 class _FakeGpu:
@@ -823,6 +862,20 @@ def test_gemm_parity_plot_from_a_results_file(tmp_path):
     gemm_parity.main(["--out", str(tmp_path / "out"), "--plot", str(results)])
     png = (tmp_path / "out" / "gemm_parity.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_plots_and_runs_where_no_variant_was_timed(tmp_path, capsys):
+    """Nothing timed (every variant unavailable, or the budget spent before the first shape): the
+    plots are drawn without a legend and the run ends with its table."""
+    from benchmarks import gemm_parity, plots
+
+    row = dict(op="ag", M=64, K=64, N=64, layer="smoke", variant="xla_shard_map", status="unavailable: x", ms=None)
+    for path in plots.write_plots([dict(row, speedup_vs_xla_shard_map=None)], tmp_path, "untimed"):
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path
+    argv = ["--out", str(tmp_path), "--shapes", "64:64:64", "--dtypes", "bfloat16", "--no-preflight", "--budget-s", "0"]
+    assert gemm_parity.main(argv) == []
+    assert (tmp_path / "gemm_parity.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "Not run (time budget spent): 1 shapes." in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("dx", [False, True], ids=["forward", "dx"])

@@ -109,6 +109,44 @@ def test_refuses_cpu_without_allow_cpu_and_tp_1():
     assert rc == 2 and "say what to measure" in err, err
 
 
+def test_refuses_bad_options_and_outputs_before_measuring(tmp_path, monkeypatch):
+    for value in ("nan", "inf", "0", "-5"):
+        rc, _, err = _tool("--shapes", SHAPES, "--tp", "2", *FAST, "--target-ms", value)
+        assert rc == 2 and f"--target-ms must be a positive finite number, got {float(value)}" in err, err
+    rc, _, err = _tool("--shapes", SHAPES, "--tp", "2", *FAST, "--repeats", "0")
+    assert rc == 2 and "--repeats must be an integer >= 1, got 0" in err, err
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    rc, out, err = _tool("--shapes", SHAPES, "--tp", "2", *FAST, "--out", str(blocker / "table.json"))
+    assert rc == 2 and f"cannot write the table {blocker / 'table.json'}" in err, err
+    assert "measuring" not in out  # refused before anything ran
+    rc, _, err = _tool("--shapes", SHAPES, "--tp", "2", *FAST, "--out", str(tmp_path))
+    assert rc == 2 and "is a directory" in err, err
+
+    def full(path, table):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_table, "write", full)
+    rc, _, err = _tool("--shapes", SHAPES, "--tp", "2", *FAST, "--out", str(tmp_path / "table.json"))
+    assert rc == 2 and "cannot write the table" in err and "No space left on device" in err, err
+
+
+def test_from_names_a_function_that_takes_no_arguments():
+    rc, _, err = _tool("--from", "os:path", "--allow-cpu")
+    assert rc == 2 and "--from os:path is a module, not a function that takes no arguments" in err, err
+    rc, _, err = _tool("--from", "os.path:join", "--allow-cpu")
+    assert rc == 2 and "--from os.path:join cannot be called without arguments" in err, err
+
+
+def test_a_tp_beyond_the_host_names_the_devices_it_needs():
+    from flux_jax.tune import _run
+
+    with pytest.raises(flux_jax.tune.TuneError, match="--tp 2 needs 2 devices; this host has 1"):
+        _run._tp_sizes("2", 1)
+    with pytest.raises(flux_jax.tune.TuneError, match="TP=1 has nothing to overlap"):
+        _run._tp_sizes(None, 1)
+
+
 def test_end_to_end_on_cpu_writes_a_table(measured):
     path, out = measured
     assert "timings do not predict GPU speed" in out
@@ -315,6 +353,15 @@ def test_table_errors_are_clear(tmp_path):
     entry = dict(good["entries"][0], shape_class=dict(good["entries"][0]["shape_class"], log2_flop=1.0))
     fails(json.dumps(dict(good, entries=[entry])), "does not match its shape")
     fails(json.dumps(dict(good, entries=[good["entries"][0]] * 2)), "a second entry")
+    kind = next(iter(good["devices"]))
+    for field, value in (("link_gbps", 1e-5), ("link_gbps", 10**400), ("link_latency_us", 10**400)):
+        device = dict(good["devices"][kind], **{field: value})
+        fails(json.dumps(dict(good, devices={kind: device})), rf"device '{kind}': field '{field}' must be a finite")
+    for dim in ("rows", "k", "n"):
+        entry = dict(good["entries"][0], shape=dict(good["entries"][0]["shape"], **{dim: 10**400}))
+        fails(json.dumps(dict(good, entries=[entry])), rf"entry 0: field '{dim}' must be a positive int below 2\*\*63")
+    fails(json.dumps(dict(good, entries=[dict(good["entries"][0], speedup={"overlap": 10**400})])), "speedup 'overlap'")
+    fails(json.dumps(dict(good, min_speedup=10**400)), "field 'min_speedup'")
     with pytest.raises(_tuning.TuningTableError, match="cannot be read"):
         flux_jax.Config(tuning=str(tmp_path / "missing.json"))
     with pytest.raises(ValueError, match="Config.tuning must be None or the path"):
@@ -555,7 +602,7 @@ def test_table_and_tool_errors_name_the_problem(tmp_path):
     with pytest.raises(_tuning.TuningTableError, match=r"field 'op' must be one of"):
         _tuning.load(str(table))
     rc, _, err = _tool("--shapes", ",", "--tp", "2", *FAST, "--out", str(tmp_path / "out.json"))
-    assert rc == 2 and "no shapes to measure" in err
+    assert rc == 2 and "no shapes to measure: --shapes, --model or --from named none" in err, err
 
 
 def _ar_block():

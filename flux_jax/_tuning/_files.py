@@ -25,6 +25,7 @@ from flux_jax._tuning._model import (
     ShapeClass,
     Table,
     TuningTableError,
+    as_float,
     min_speedup_problem,
     path_contradiction,
     shape_class,
@@ -48,6 +49,12 @@ def _field(where: str, obj: dict, name: str, kind, check=None, what: str = ""):
 
 
 _NUMBER = (int, float)
+_MAX_SIZE = 2**63  # a GEMM dimension beyond any array's
+
+
+def _stored(value) -> float:
+    """A device's link figure as the table keeps it (Device: 3 decimals); inf beyond a float."""
+    return round(as_float(value), 3)
 
 
 def parse(data, where: str, *, builtin: bool = False) -> Table:
@@ -73,8 +80,19 @@ def parse(data, where: str, *, builtin: bool = False) -> Table:
             kind,
             _field(at, d, "platform", str, lambda v: v in ("gpu", "cpu"), '"gpu" or "cpu"'),
             _field(at, d, "sms", int, lambda v: v >= 1, "a positive int"),
-            float(_field(at, d, "link_gbps", _NUMBER, lambda v: 0 < v < math.inf, "a positive number")),
-            float(_field(at, d, "link_latency_us", _NUMBER, lambda v: 0 <= v < math.inf, "a number >= 0")),
+            float(
+                _field(
+                    at,
+                    d,
+                    "link_gbps",
+                    _NUMBER,
+                    lambda v: 0 < _stored(v) < math.inf,
+                    "a finite number >= 0.001 (GB/s, kept to 3 decimals)",
+                )
+            ),
+            float(
+                _field(at, d, "link_latency_us", _NUMBER, lambda v: 0 <= _stored(v) < math.inf, "a finite number >= 0")
+            ),
         )
     entries, extra, seen = [], {}, set()
     for i, e in enumerate(_field(where, data, "entries", list, what="a list")):
@@ -83,13 +101,21 @@ def parse(data, where: str, *, builtin: bool = False) -> Table:
         if kind not in devices:
             _fail(at, f"device kind {kind!r} is not in the table's devices")
         raw_shape = _field(at, e, "shape", dict, what="an object")
-        shape = tuple(_field(at, raw_shape, d, int, lambda v: v >= 1, "a positive int") for d in ("rows", "k", "n"))
+        shape = tuple(
+            _field(at, raw_shape, d, int, lambda v: 1 <= v < _MAX_SIZE, "a positive int below 2**63")
+            for d in ("rows", "k", "n")
+        )
         speedup = e.get("speedup", {})
         if not isinstance(speedup, dict):
             _fail(at, f"field 'speedup' must be an object of fused path -> speedup, got {speedup!r}")
         for p, s in speedup.items():
-            if p not in FUSED_PATHS or isinstance(s, bool) or not isinstance(s, _NUMBER) or not 0 < s < math.inf:
-                _fail(at, f"speedup {p!r}: {s!r} (fused paths {FUSED_PATHS}, positive numbers)")
+            if (
+                p not in FUSED_PATHS
+                or isinstance(s, bool)
+                or not isinstance(s, _NUMBER)
+                or not 0 < as_float(s) < math.inf
+            ):
+                _fail(at, f"speedup {p!r}: {s!r} (fused paths {FUSED_PATHS}, positive finite numbers)")
         note = e.get("note", "")
         if not isinstance(note, str):
             _fail(at, f"field 'note' must be a string, got {note!r}")
@@ -202,8 +228,12 @@ def write(path, table: Table) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(dumps(table))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(dumps(table))
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def dumps(table: Table) -> str:

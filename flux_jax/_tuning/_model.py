@@ -199,9 +199,18 @@ def entry_order(e: Entry):
     return (e.device_kind, e.gpu_count, e.tp, e.dtype, e.op, e.shape_class)
 
 
+def as_float(value) -> float:
+    """An int or float `value` as a float: inf for an int beyond a float's range (JSON's integers
+    have no bound)."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
+
+
 def min_speedup_problem(value) -> str | None:
     """What is wrong with `value` as a --min-speedup (the tool's and a table's), or None."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1 <= value < math.inf:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1 <= as_float(value) < math.inf:
         return f"a number >= 1 (auto never runs a slower path) and finite, got {value!r}"
     return None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 
 from flux_jax import _tuning
 from flux_jax.tune import _models
@@ -125,6 +126,7 @@ def function_shapes(target) -> list[Shape]:
     found with flux_jax.explain: every call site's GEMM at its TP size and dtype."""
     from flux_jax import _explain
 
+    given = target if isinstance(target, str) else getattr(target, "__qualname__", repr(target))
     if isinstance(target, str):
         module, sep, name = target.partition(":")
         if not sep or not module or not name:
@@ -133,6 +135,15 @@ def function_shapes(target) -> list[Shape]:
             target = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError) as err:
             raise TuneError(f"--from {module}:{name}: {err}") from None
+    expected = "a function that takes no arguments and returns (fn, args)"
+    if not callable(target):
+        raise TuneError(f"--from {given} is a {type(target).__name__}, not {expected}")
+    try:
+        inspect.signature(target).bind()
+    except TypeError as err:
+        raise TuneError(f"--from {given} cannot be called without arguments ({err}): it must be {expected}") from None
+    except ValueError:  # no signature to check (some built-ins): the call below tells
+        pass
     made = target()
     if not (isinstance(made, tuple) and len(made) == 2 and callable(made[0])):
         raise TuneError("--from: the function must return (fn, args), a callable and its arguments")

@@ -6,8 +6,10 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
+import numbers
 import os
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -106,7 +108,7 @@ def _platform(allow_cpu: bool, log) -> str:
 
 def _tp_sizes(tp, count: int) -> list[int]:
     sizes = parse_ints(tp, "--tp") if tp is not None else [count]
-    if 1 in sizes or count == 1:
+    if 1 in sizes or (tp is None and count == 1):
         raise TuneError(
             "TP=1 has nothing to overlap: a fused op moves no data between GPUs at TP=1, so there is "
             f"nothing to tune. Run with --tp 2 or more (this host has {count} device(s))."
@@ -171,15 +173,19 @@ def run(
         else:
             requested = parse_shapes(shapes, tps, dtypes)
     if not requested:
-        raise TuneError("no shapes to measure: --shapes, --model or --from-function named none")
+        raise TuneError("no shapes to measure: --shapes, --model or --from named none")
     params = _timing.GPU if platform == "cuda" else _timing.CPU
     params = dataclasses.replace(
         params, **{k: v for k, v in (("repeats", repeats), ("target_ms", target_ms)) if v is not None}
     )
-    if params.repeats < 1 or params.target_ms <= 0:
-        raise TuneError("--repeats must be >= 1 and --target-ms > 0")
+    if isinstance(params.repeats, bool) or not isinstance(params.repeats, numbers.Integral) or params.repeats < 1:
+        raise TuneError(f"--repeats must be an integer >= 1, got {params.repeats!r}")
+    target = params.target_ms
+    if isinstance(target, bool) or not isinstance(target, numbers.Real) or not 0 < target < math.inf:
+        raise TuneError(f"--target-ms must be a positive finite number, got {target!r}")
 
     path = Path(out) if out is not None else cache_path(kind)
+    _check_writable(path)
     table = _table.read_or_none(path)  # an invalid file stops the run: it is never overwritten
     min_speedup = _min_speedup(min_speedup, table, path)
     device = table.devices.get(kind) if table is not None else None
@@ -191,7 +197,7 @@ def run(
         device = _tuning.Device(kind, "gpu" if platform == "cuda" else "cpu", int(sms or 1), gbps, latency_us)
         log(f"  {gbps:.1f} GB/s per device, {latency_us:.1f} us for the smallest all-gather, {device.sms} SMs")
     table = dataclasses.replace(_table.merged(table, device, []), min_speedup=min_speedup)
-    _table.write(path, table)
+    _write(path, table)
 
     done_keys = {e.key for e in table.entries}
     results, seen, stopped = [], {}, False
@@ -250,7 +256,7 @@ def run(
                     }
                 }
                 table = _table.merged(table, device, [entry], extra)
-                _table.write(path, table)  # after every entry: nothing measured is lost
+                _write(path, table)  # after every entry: nothing measured is lost
                 done_keys.add(entry.key)
             entry_seconds.append(time.monotonic() - began)
             log(f"    -> {row.path or '-'} ({row.status}; {_fmt_speedups(row)} over the twin)")
@@ -267,6 +273,29 @@ def run(
     else:
         log(f'impl="auto" follows this table with flux_jax.Config(tuning={str(path)!r}).')
     return Result(path, results, stopped, table)
+
+
+def _check_writable(path: Path) -> None:
+    """TuneError unless the table can be written at `path` (its folder made and a file created
+    there), so that a bad --out stops the run before it measures anything."""
+    if path.is_dir():
+        raise TuneError(f"--out {path} is a directory: name the table file, e.g. {path / 'table.json'}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"):
+            pass
+    except OSError as err:
+        raise TuneError(
+            f"cannot write the table {path}: no file can be created in {path.parent} ({err.strerror or err}); "
+            "name a writable file with --out"
+        ) from None
+
+
+def _write(path: Path, table: _tuning.Table) -> None:
+    try:
+        _table.write(path, table)
+    except OSError as err:
+        raise TuneError(f"cannot write the table {path}: {err.strerror or err}") from None
 
 
 def _min_speedup(requested: float | None, table: _tuning.Table | None, path: Path) -> float:
