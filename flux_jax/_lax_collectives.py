@@ -5,10 +5,10 @@ pass; jax 0.11.2 and 0.12) when it compiles a bfloat16 psum or psum_scatter insi
 that leaves a mesh axis automatic (`axis_names={"tp"}` in a GSPMD model); float32 and float16
 compile. That pass exists to reduce bfloat16 in float32, so on CPU these helpers do that
 themselves: the program is the one XLA means to run, and the results are the bits it gives in a
-fully manual shard_map. Every other platform gets lax's collective unchanged: the mesh's platform
-decides at trace time, or where the abstract mesh names none (an export for several platforms)
-lax.platform_dependent at lowering. all_gather is here for its transpose: a bfloat16
-all_gather's gradient is such a psum_scatter.
+fully manual shard_map. Every other platform gets lax's collective unchanged: on a GPU or TPU mesh
+at trace time; on a CPU mesh (which may be exported for GPUs) or one that names no platform,
+through lax.platform_dependent, which lowers only the branch of the lowering's platform.
+all_gather is here for its transpose: a bfloat16 all_gather's gradient is such a psum_scatter.
 """
 
 from __future__ import annotations
@@ -44,10 +44,9 @@ def _reduced(reduce, a):
     def in_float32(v):
         return reduce(v.astype(jnp.float32)).astype(v.dtype)
 
-    platform = _mesh_platform()
-    if platform is None:
-        return lax.platform_dependent(a, cpu=in_float32, default=reduce)
-    return in_float32(a) if platform == "cpu" else reduce(a)
+    if _mesh_platform() not in (None, "cpu"):
+        return reduce(a)
+    return lax.platform_dependent(a, cpu=in_float32, default=reduce)
 
 
 def _mesh_platform() -> str | None:
