@@ -46,6 +46,32 @@ def axis_set(axis_name) -> frozenset[str]:
     return frozenset(axis_tuple(axis_name))
 
 
+def varying_axes(x) -> frozenset[str]:
+    """The manual axes x varies over by its type (empty where the shard_map does not check types);
+    for a pytree (a pre-quantized weight), any of its leaves'."""
+    leaves = jax.tree.leaves(x)
+    if len(leaves) != 1:
+        return frozenset().union(*(varying_axes(leaf) for leaf in leaves))
+    t = jax.typeof(leaves[0])
+    mat = getattr(t, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(t, "vma", ()))
+
+
+def check_replicated(op: str, x, axis_name) -> None:
+    """x must be the same on every rank of the TP axis: an input whose type says it varies over
+    the axis would get an all-reduced gradient where each rank's own is meant."""
+    axes = sorted(varying_axes(x) & axis_set(axis_name))
+    if axes:
+        raise ValueError(
+            f"flux_jax.{op}: x {_describe(x)} varies over mesh axis {', '.join(map(repr, axes))} by its type, but "
+            f"x must be the same on every rank of axis_name={axis_name!r} (its gradient is all-reduced over it). "
+            "Pass x replicated over the axis (no such axis in its in_specs; lax.psum's result is replicated); "
+            "for rows gathered with lax.all_gather use flux_jax.ag_matmul, for rows that differ per rank jnp.dot"
+        )
+
+
 def parse_axis_name(axis_name) -> tuple[str, ...] | None:
     """The mesh axes a TP axis name stands for: (name,) for a str, the names of a non-empty tuple of
     distinct str (one TP axis over their devices in row-major order, as lax.all_gather and

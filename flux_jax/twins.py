@@ -21,7 +21,8 @@ from jax import lax
 from flux_jax import _autodiff
 from flux_jax import _lax_collectives as _lc
 from flux_jax import fp8 as _fp8
-from flux_jax._validation import axis_set
+from flux_jax._validation import axis_set, check_replicated
+from flux_jax._validation import varying_axes as _varying
 
 
 def ag_matmul_xla(x, w, *, axis_name: str | tuple[str, ...], axis: int = 0, return_gathered: bool = False, fp8=None):
@@ -73,6 +74,7 @@ def column_matmul_xla(x, w, *, axis_name: str | tuple[str, ...], fp8=None):
     recipe) and dx's GEMM takes dy per row in the backward format (straight-through).
     """
     recipe = _fp8.resolve("column_matmul_xla", fp8, w)
+    check_replicated("column_matmul_xla", x, axis_name)
     if _zero_size(x, w):
         return _zeros((*x.shape[:-1], w.shape[1]), x.dtype, axis_name, x, w)
     # Both operands vary over every other manual axis either varies over (x stays as typed over
@@ -109,13 +111,6 @@ def _typed_like(a, axes: frozenset):
     from flux_jax.ops._spec import pcast_to
 
     return pcast_to(a, axes)
-
-
-def _varying(a) -> frozenset:
-    """The manual axes `a` varies over (any leaf's, for a pre-quantized weight)."""
-    from flux_jax.ops._spec import _varying
-
-    return _varying(a)
 
 
 _column_matmul.defvjp(_column_matmul_fwd, _column_matmul_bwd)

@@ -103,6 +103,29 @@ def test_unknown_axis(fn):
         _run(fn, _zeros((16, 16)), _zeros((16, 8)), in_specs=(P(), P()), out_specs=P(), axis_name=("tp", 3))
 
 
+@pytest.mark.parametrize("fn", [flux_jax.column_matmul, flux_jax.column_matmul_xla])
+def test_column_matmul_refuses_an_x_that_varies_over_the_axis(fn):
+    """Its dx is all-reduced over the axis: rows that differ per rank (or were all_gathered,
+    whose transpose sums again) would get a wrong gradient. A replicated x runs; check_vma=False
+    leaves no type to read."""
+    x, w = _zeros((16, 16)), _zeros((16, 8))
+    for body in (lambda x: x, lambda x: jax.lax.all_gather(x, "tp", tiled=True)[:2]):
+        with pytest.raises(
+            ValueError, match=r"column_matmul(_xla)?: x float32\[2, 16\] varies over mesh axis 'tp'.*ag_matmul"
+        ):
+            _run(lambda x, w: fn(body(x), w, axis_name="tp"), x, w, out_specs=P("tp"))
+    assert _run(fn, x, w, in_specs=(P(), P(None, "tp")), axis_name="tp").shape == (16, 8)
+    mesh = cpu_mesh((8,), ("tp",), AxisType.Auto)
+    f = jax.shard_map(
+        functools.partial(fn, axis_name="tp"),
+        mesh=mesh,
+        in_specs=(P("tp"), P(None, "tp")),
+        out_specs=P("tp"),
+        check_vma=False,
+    )
+    assert jax.jit(f)(x, w).shape == (16, 1)
+
+
 @pytest.mark.parametrize("fn", FUSED_FORWARD)
 def test_partial_manual_shard_map_runs_fused(fn):
     """shard_map manual over tp only, dp left to the partitioner: the fused op runs (in a manual

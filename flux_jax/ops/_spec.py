@@ -29,6 +29,7 @@ from flux_jax import fp8 as _fp8
 from flux_jax._config import Config, GpuTuning
 from flux_jax._plan import Plan, Problem
 from flux_jax._validation import axis_set
+from flux_jax._validation import varying_axes as _varying
 from flux_jax.fp8 import Fp8, Fp8Weight
 
 
@@ -216,18 +217,6 @@ def _batch_rows(prim, args, dims, *, call: Call):
 
     outs = jax.lax.map(one, [jnp.moveaxis(args[i], dims[i], 0) for i in batched])
     return outs, [0] * len(outs)
-
-
-def _varying(x) -> frozenset:
-    """The manual axes x varies over; for a pytree (a pre-quantized weight), any of its leaves."""
-    leaves = jax.tree.leaves(x)
-    if len(leaves) != 1:
-        return frozenset().union(*(_varying(leaf) for leaf in leaves))
-    t = jax.typeof(leaves[0])
-    mat = getattr(t, "manual_axis_type", None)
-    if mat is not None:
-        return frozenset(mat.varying)
-    return frozenset(getattr(t, "vma", ()))
 
 
 def invariant_over(aval, axis_name):

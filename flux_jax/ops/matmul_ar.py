@@ -190,7 +190,8 @@ def column_matmul(x, w, *, axis_name: str | tuple[str, ...], impl: str = "auto",
     one fused op in each direction.
 
     Sharding contract (per shard, TP degree tp = size of `axis_name`):
-      x: [M, ..., K], the same on every rank of `axis_name` (replicated);
+      x: [M, ..., K], the same on every rank of `axis_name` (replicated; an x typed as varying
+        over the axis, e.g. rows from lax.all_gather, is an error: use ag_matmul there);
       w: [K, n_local], this rank's columns of the weight (column-parallel);
       returns [M, ..., n_local].
 
@@ -211,6 +212,7 @@ def column_matmul(x, w, *, axis_name: str | tuple[str, ...], impl: str = "auto",
     _validation.check_operands("column_matmul", x, w)
     recipe = _fp8.resolve("column_matmul", fp8, w)
     info = _validation.check_axis("column_matmul", axis_name)
+    _validation.check_replicated("column_matmul", x, info.axis_name)
     call = _backward_call(x, w, info, impl, recipe)
     if call is None:
         return twins.column_matmul_xla(x, w, axis_name=info.axis_name, fp8=recipe)
