@@ -133,6 +133,13 @@ def check_operands(op: str, x, w) -> None:
     for name, a in (("x", x), ("w", w)):
         if not hasattr(a, "shape") or not hasattr(a, "dtype"):
             raise TypeError(f"flux_jax.{op}: {name} must be an array, got {type(a).__name__}")
+        symbolic = [d for d in a.shape if not isinstance(d, (int, np.integer))]
+        if symbolic:
+            raise NotImplementedError(
+                f"flux_jax.{op}: {name} has the symbolic dimension {str(symbolic[0])!r} (shape polymorphism, "
+                "jax.export with export.symbolic_shape): the plan, the kernels and the workspace depend on every "
+                "dimension; export with concrete shapes"
+            )
     if len(x.shape) < 2:
         raise ValueError(f"flux_jax.{op}: x must have rank >= 2 ([rows, ..., K]), got x {_describe(x)}")
     if prequantized:

@@ -124,3 +124,15 @@ def test_a_platform_without_flux_jax_kernels_gets_the_twin_or_an_error_naming_it
         module = export.export(auto, platforms=("cpu", "tpu"), disabled_checks=checks)(*_data()).mlir_module()
     assert _targets(module) == ["flux_jax_ag_matmul", "flux_jax_matmul_rs"]
     assert "stablehlo.all_gather" in module and "stablehlo.reduce_scatter" in module
+
+
+@pytest.mark.parametrize("impl", ["fused", "xla", "auto"])
+def test_symbolic_shapes_are_refused_by_name(impl):
+    """Shape polymorphism: every impl plans from concrete dimensions, so a symbolic one is a
+    clear error (JAX's own was an InconclusiveDimensionOperation from deep in the planner)."""
+    mesh = cpu_mesh((TP,), ("tp",), AxisType.Auto)
+    block, _ = _block(mesh, impl)
+    x, w1, w2 = _data()
+    rows = jax.ShapeDtypeStruct(export.symbolic_shape(f"{TP}*b, {D}"), x.dtype)
+    with pytest.raises(NotImplementedError, match=r"ag_matmul: x has the symbolic dimension 'b'.*concrete shapes"):
+        export.export(block, disabled_checks=flux_jax.export_disabled_checks())(rows, w1, w2)
