@@ -28,7 +28,6 @@ _SESSION_KEY = "flux_jax/v1/session"
 _SECRET_KEY = "flux_jax/v1/shm_secret"
 _HOST_KEY = "flux_jax/v1/host/{}"
 _RESET_KEY = "flux_jax/v1/reset/{generation}/{process}"
-_TIMEOUT_MS = 120_000
 _SECRET_BYTES = 16  # 128 bits
 
 _shm_secret = ""  # hex; deliberately not in ProcessInfo (whose repr may end up in logs)
@@ -81,24 +80,65 @@ def _client():
 
 @functools.cache
 def process_info() -> ProcessInfo:
+    """This process, the job's session and every process's host: a handshake through the
+    key-value store that every process of the job joins (at its first fused op whose TP group
+    spans processes, or at initialize()); each wait is bounded by Config.timeout_s."""
+    from flux_jax._config import get_config
+
     index, count = jax.process_index(), jax.process_count()
     host = _host_override or socket.gethostname()
     if count == 1:
         info = ProcessInfo(index, count, "", (host,))
     else:
         client = _client()
-        if index == 0:
-            client.key_value_set(_SECRET_KEY, secrets.token_hex(_SECRET_BYTES))
-            client.key_value_set(_SESSION_KEY, secrets.token_hex(6))
-        session = client.blocking_key_value_get(_SESSION_KEY, _TIMEOUT_MS)
+        deadline = time.monotonic() + get_config().timeout_s
+        if index == 0:  # the same values if an earlier handshake timed out: peers may hold them
+            client.key_value_set(_SECRET_KEY, _job_tokens()[0], allow_overwrite=True)
+            client.key_value_set(_SESSION_KEY, _job_tokens()[1], allow_overwrite=True)
+        client.key_value_set(_HOST_KEY.format(index), host, allow_overwrite=True)
         global _shm_secret
-        _shm_secret = client.blocking_key_value_get(_SECRET_KEY, _TIMEOUT_MS)
-        client.key_value_set(_HOST_KEY.format(index), host)
-        hosts = tuple(client.blocking_key_value_get(_HOST_KEY.format(p), _TIMEOUT_MS) for p in range(count))
+        session, _shm_secret = (_await(client, [0], k, deadline)[0] for k in (_SESSION_KEY, _SECRET_KEY))
+        hosts = tuple(_await(client, range(count), _HOST_KEY, deadline))
         info = ProcessInfo(index, count, session, hosts)
     # one string: the binding takes (index, identity); cpp/include/flux_jax/process.h
     _native.extension().set_process_identity(info.index, f"{info.session}/{_shm_secret}" if info.session else "")
     return info
+
+
+def set_local_identity() -> None:
+    """Tell the extension which process this is, without the handshake: enough for TP groups
+    whose devices are all this process's (they share no memory with other processes)."""
+    if not process_info.cache_info().currsize:
+        _native.extension().set_process_identity(jax.process_index(), "")
+
+
+@functools.cache
+def _job_tokens() -> tuple[str, str]:
+    """Process 0's (secret, session), drawn once."""
+    return secrets.token_hex(_SECRET_BYTES), secrets.token_hex(6)
+
+
+def _await(client, processes, key: str, deadline: float) -> list[str]:
+    """The value of `key` (formatted with each process index) for every process, waiting until
+    `deadline`; a clear error naming the processes that did not publish theirs."""
+    values, missing = [], []
+    for p in processes:
+        try:
+            wait_ms = max(1, int((deadline - time.monotonic()) * 1000))
+            values.append(client.blocking_key_value_get(key.format(p), wait_ms))
+        except Exception:  # noqa: BLE001 - the coordination service raises on timeout
+            missing.append(p)
+    if missing:
+        from flux_jax._config import get_config
+
+        who = ", ".join(map(str, missing))
+        raise FusedUnavailableError(
+            f"flux_jax: process{'es' if len(missing) > 1 else ''} {who} did not join flux_jax's handshake within "
+            f"{get_config().timeout_s:g} s (flux_jax.Config.timeout_s). Every process of the job joins it at its first "
+            "fused op whose TP group spans processes; call flux_jax.initialize_distributed() in every process right "
+            "after jax.distributed.initialize() so that slow starts (loading, compiling) do not count against an op."
+        )
+    return values
 
 
 def register_local_devices(platform: str, devices) -> None:
@@ -110,6 +150,11 @@ def register_local_devices(platform: str, devices) -> None:
         if d.process_index == me and d.local_hardware_id is not None
     ]
     _native.extension().register_local_devices(platform, pairs)
+
+
+def reset_generation() -> int:
+    """Collective resets completed so far: the same in every process of the job."""
+    return _reset_generation
 
 
 def reset_barrier(timeout_s: float) -> None:

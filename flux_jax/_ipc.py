@@ -25,7 +25,6 @@ DEFAULT_WORKSPACE_MIB = 384
 _workspace_mib = DEFAULT_WORKSPACE_MIB
 _ready: set[tuple[int, ...]] = set()
 _failed: dict[tuple[int, ...], str] = {}  # groups whose setup failed (in any process): why
-_generation = 0  # bumped by flux_jax.reset(): fresh keys for the next setup
 
 
 def set_workspace_mib(mib: int) -> None:
@@ -40,10 +39,8 @@ def set_workspace_mib(mib: int) -> None:
 
 
 def forget() -> None:
-    """After reset(): the workspaces are gone; the next lowering sets them up again."""
-    global _generation
-    if _ready or _failed:
-        _generation += 1
+    """After reset(): the workspaces are gone; the next lowering sets them up again, under keys of
+    the new reset generation (collective: the same in every process, whatever each had set up)."""
     _ready.clear()
     _failed.clear()
 
@@ -88,7 +85,7 @@ def _setup(row, key: tuple[int, ...], timeout_s: float) -> None:
     data_bytes = (_workspace_mib << 20) - 2 * slot_bytes
     name = lambda rank: _KEY.format(
         session=info.session,
-        generation=_generation,  # noqa: E731
+        generation=_distributed.reset_generation(),  # noqa: E731
         group="-".join(map(str, key)),
         rank=rank,
     )

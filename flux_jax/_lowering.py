@@ -73,6 +73,9 @@ def tp_groups(mesh, axis_name, tp_size: int) -> np.ndarray:
 
 
 def _spans_hosts(groups: np.ndarray) -> str | None:
+    if all(len({d.process_index for d in row}) == 1 for row in groups):
+        _distributed.set_local_identity()  # no group shares memory between processes: no handshake
+        return None
     info = _distributed.process_info()
     for row in groups:
         hosts = sorted({info.hosts[d.process_index] for d in row})

@@ -54,7 +54,7 @@ def fakes(monkeypatch):
     monkeypatch.setattr(_ipc._distributed, "_client", lambda: store)
     monkeypatch.setattr(_ipc, "_ready", set())
     monkeypatch.setattr(_ipc, "_failed", {})
-    monkeypatch.setattr(_ipc, "_generation", 0)
+    monkeypatch.setattr(_distributed, "_reset_generation", 0)
     return ext, store
 
 
@@ -96,16 +96,23 @@ def test_a_failed_mapping_anywhere_makes_every_process_fall_back(fakes, who):
     assert len(ext.exports) == 1
 
 
-def test_reset_uses_fresh_keys(fakes, monkeypatch):
+@pytest.mark.parametrize("set_up_before", [True, False])
+def test_reset_uses_the_collective_generations_keys(fakes, monkeypatch, set_up_before):
+    """Keys carry the job's reset generation (reset_barrier's count, the same in every process),
+    also in a process that had set nothing up when it reset: a local count would differ there and
+    read the peer's handles to freed workspaces."""
     ext, store = fakes
     for generation, blob in ((0, "aa"), (1, "bb")):
         store.data[f"flux_jax/v1/ipc/s3ss10n/{generation}/0-1/1"] = blob
         store.data[f"flux_jax/v1/ipc/s3ss10n/{generation}/0-1/1/status"] = "ok"
     groups = np.array([[FakeDevice(0, 0, 0), FakeDevice(1, 1, 0)]])
-    _ipc.ensure_groups(groups, timeout_s=1.0)
+    if set_up_before:
+        _ipc.ensure_groups(groups, timeout_s=1.0)
+    monkeypatch.setattr(_distributed, "_reset_generation", 1)  # what reset()'s barrier does
     _ipc.forget()
     _ipc.ensure_groups(groups, timeout_s=1.0)  # would raise "written twice" with the old keys
-    assert [blob for *_, blob in ext.imports] == [b"\xaa", b"\xbb"]
+    assert [blob for *_, blob in ext.imports] == ([b"\xaa"] if set_up_before else []) + [b"\xbb"]
+    assert "flux_jax/v1/ipc/s3ss10n/1/0-1/0" in store.data
 
 
 def test_workspace_size_is_checked_and_fixed_before_first_use(fakes):

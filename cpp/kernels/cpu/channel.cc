@@ -523,8 +523,10 @@ std::string Channel::NeverMapped() const {
     first = false;
   }
   os << " never opened this call site's channel (flux_jax.reset() generation " << generation_ << " of process "
-     << ProcessIndex() << "): not running this program, died before it, or on "
-     << "another reset generation (flux_jax.reset() must be called in every process).";
+     << ProcessIndex() << "): not running this program, died before it, on "
+     << "another reset generation (flux_jax.reset() must be called in every process), or it lowered this call "
+     << "site differently (another flux_jax.Config, e.g. FLUX_JAX_CONFIG set in one process only, or other "
+     << "shapes or dtypes: they are part of the channel's name).";
   return os.str();
 }
 
@@ -597,8 +599,9 @@ Status OpenShared(ChannelLayout** layout, const TpGroup& group, int64_t callsite
   const std::string session = Session(), secret = ShmSecret();
   if (session.empty() || secret.size() < 16) {
     return Status::InvalidArgument("flux_jax (cpu backend): this TP group spans processes (" + group.Describe() +
-                                   ") but no session secret is set; fused ops across processes need jax.distributed "
-                                   "(flux_jax.initialize_distributed)");
+                                   ") but this process has no session secret: call flux_jax.initialize_distributed() "
+                                   "in every process after jax.distributed.initialize() (lowering a fused op does "
+                                   "it; a program deserialized from jax.export is not lowered here)");
   }
   const std::string name = SegmentName(session, secret, generation, callsite, group);
   const std::string what = SegmentWhat(name, callsite, group);
