@@ -137,6 +137,39 @@ def test_killed_peer_leaves_no_segment_in_dev_shm():
     assert error is not None and "timed out after 3 s" in error, error
 
 
+@pytest.mark.slow
+def test_segments_orphaned_by_killed_jobs_are_swept():
+    """A job SIGKILLed before every process mapped a segment leaves its name in /dev/shm (no
+    atexit runs). The next job removes this user's sized segments that no process holds a lock
+    on; one still held (a live job's) and one not yet sized (being created) stay."""
+    import fcntl
+
+    def segment(name, size):
+        path = f"/dev/shm/{name}"
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        os.ftruncate(fd, size)
+        return path, fd
+
+    tag = f"{os.getpid():x}{random.getrandbits(32):08x}"
+    orphan, fd_orphan = segment(f"fluxjax-dead{tag}-00", 4096)
+    held, fd_held = segment(f"fluxjax-live{tag}-00", 4096)
+    unsized, fd_unsized = segment(f"fluxjax-new{tag}-00", 0)
+    fcntl.flock(fd_held, fcntl.LOCK_SH)
+    os.close(fd_orphan)
+    try:
+        results, _ = _run("spanning")
+        _assert_ops_match(results[0])
+        assert not os.path.exists(orphan)
+        assert os.path.exists(held) and os.path.exists(unsized)
+    finally:
+        for path, fd in ((held, fd_held), (unsized, fd_unsized)):
+            os.close(fd)
+            if os.path.exists(path):
+                os.unlink(path)
+        if os.path.exists(orphan):
+            os.unlink(orphan)
+
+
 def test_segment_names_match_the_reference_siphash():
     from shm_names import siphash24
 

@@ -2,7 +2,9 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <dirent.h>
 #include <linux/futex.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
@@ -324,14 +326,41 @@ Status Reserve(int fd, size_t bytes, const std::string& what) {
   return rc == ENOSPC || rc == ENOMEM || rc == EFBIG ? Status::ResourceExhausted(os.str()) : Status::Internal(os.str());
 }
 
+// A process holds a shared flock on every segment it has open, from right after shm_open until
+// its channel goes, and the last process to map a segment unlinks its name. So a sized segment
+// of this user's (mode 0600, as flux_jax makes them) that nobody holds a lock on was left by
+// processes killed before every peer mapped it (SIGKILL skips atexit): nothing can pair with
+// it, and it would hold /dev/shm until reboot. Removed once per process, before its first
+// segment; the job's own names are left alone.
+void SweepOrphanedSegments(const std::string& own_prefix) {
+  DIR* dir = opendir("/dev/shm");
+  if (dir == nullptr) return;
+  while (const dirent* entry = readdir(dir)) {
+    const std::string file = entry->d_name;
+    if (file.rfind("fluxjax-", 0) != 0 || file.rfind(own_prefix, 0) == 0) continue;
+    const std::string name = "/" + file;
+    const int fd = shm_open(name.c_str(), O_RDWR, 0);  // another user's (mode 0600) does not open
+    if (fd < 0) continue;
+    struct stat st;
+    const bool ours = fstat(fd, &st) == 0 && st.st_uid == geteuid() && (st.st_mode & 07777) == 0600;
+    if (ours && st.st_size > 0 && flock(fd, LOCK_EX | LOCK_NB) == 0) {
+      shm_unlink(name.c_str());
+    }
+    close(fd);
+  }
+  closedir(dir);
+}
+
 // Creates (O_EXCL, 0600, reserved) or opens-and-checks the segment `name` and
-// maps it. `*created` says which. Every wait is bounded by `deadline`.
+// maps it. `*created` says which; `*fd_out` is the open, shared-locked descriptor to close
+// after unmapping. Every wait is bounded by `deadline`.
 Status MapSegment(const std::string& name, const std::string& what, size_t bytes, Clock::time_point deadline,
-                  void** out, bool* created) {
+                  void** out, bool* created, int* fd_out) {
   for (;;) {
     int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
     if (fd >= 0) {
       *created = true;
+      flock(fd, LOCK_SH);  // before it is sized: a sweeper passes over unsized segments
       // umask-proof; before the size, so an opener that sees a size also sees the mode
       if (fchmod(fd, 0600) != 0) {
         const int err = errno;
@@ -347,12 +376,13 @@ Status MapSegment(const std::string& name, const std::string& what, size_t bytes
       }
       void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
       const int err = errno;
-      close(fd);
       if (p == MAP_FAILED) {
+        close(fd);
         shm_unlink(name.c_str());
         return SysError("mmap of the " + what, err);
       }
       *out = p;
+      *fd_out = fd;
       return Status::Ok();
     }
     if (const int err = errno; err != EEXIST) return SysError("shm_open of the " + what, err);
@@ -363,6 +393,7 @@ Status MapSegment(const std::string& name, const std::string& what, size_t bytes
       return SysError("shm_open of the " + what, err);
     }
     *created = false;
+    flock(fd, LOCK_SH);
     for (;;) {  // the creator may not have reserved it yet
       struct stat st;
       if (fstat(fd, &st) != 0) {
@@ -416,9 +447,12 @@ Status MapSegment(const std::string& name, const std::string& what, size_t bytes
     }
     void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     const int err = errno;
-    close(fd);
-    if (p == MAP_FAILED) return SysError("mmap of the " + what, err);
+    if (p == MAP_FAILED) {
+      close(fd);
+      return SysError("mmap of the " + what, err);
+    }
     *out = p;
+    *fd_out = fd;
     return Status::Ok();
   }
 }
@@ -433,6 +467,7 @@ Channel::~Channel() {
   if (layout_ == nullptr) return;
   if (shared_) {
     munmap(layout_, region_bytes_);
+    if (shm_fd_ >= 0) close(shm_fd_);
   } else {
     ::operator delete(static_cast<void*>(layout_), std::align_val_t(kAlign));
   }
@@ -595,7 +630,7 @@ namespace {
 // process as mapped (the last one unlinks the name); see channel.h.
 Status OpenShared(ChannelLayout** layout, const TpGroup& group, int64_t callsite, uint64_t generation,
                   size_t slot_bytes, uint64_t signature, size_t region_bytes, Clock::time_point deadline,
-                  std::string* name_out) {
+                  std::string* name_out, int* fd_out) {
   const std::string session = Session(), secret = ShmSecret();
   if (session.empty() || secret.size() < 16) {
     return Status::InvalidArgument("flux_jax (cpu backend): this TP group spans processes (" + group.Describe() +
@@ -610,7 +645,9 @@ Status OpenShared(ChannelLayout** layout, const TpGroup& group, int64_t callsite
 
   void* region = nullptr;
   bool created = false;
-  FLUX_JAX_RETURN_IF_ERROR(MapSegment(name, what, region_bytes, deadline, &region, &created));
+  static std::once_flag swept;
+  std::call_once(swept, [&] { SweepOrphanedSegments("fluxjax-" + session + "-"); });
+  FLUX_JAX_RETURN_IF_ERROR(MapSegment(name, what, region_bytes, deadline, &region, &created, fd_out));
   RememberLinked(name);
   *name_out = name;
   auto* l = static_cast<ChannelLayout*>(region);
@@ -684,7 +721,7 @@ std::shared_ptr<Channel> GetChannel(const TpGroup& group, int64_t callsite, size
     } else {
       channel->shared_ = true;
       Status s = OpenShared(&channel->layout_, group, callsite, channel->generation_, slot_bytes, signature,
-                            channel->region_bytes_, deadline, &channel->shm_name_);
+                            channel->region_bytes_, deadline, &channel->shm_name_, &channel->shm_fd_);
       if (!s.ok()) {
         if (channel->layout_ == nullptr) channel->shared_ = false;  // nothing mapped
         // A region that is ours but unusable: tell the peers instead of letting them time out.

@@ -114,6 +114,7 @@ class Channel {
   size_t region_bytes_ = 0;
   bool shared_ = false;   // mmap'ed segment (else heap)
   std::string shm_name_;  // the segment's name (shared only)
+  int shm_fd_ = -1;       // held open with a shared flock while mapped (SweepOrphanedSegments)
 };
 
 // Returns the channel of (call site, TP group), creating or opening it on first
