@@ -558,7 +558,8 @@ std::string Channel::NeverMapped() const {
     first = false;
   }
   os << " never opened this call site's channel (flux_jax.reset() generation " << generation_ << " of process "
-     << ProcessIndex() << "): not running this program, died before it, on "
+     << ProcessIndex() << "): not running this program, died before it, gave up on it before this "
+     << "process came (its own error says so), on "
      << "another reset generation (flux_jax.reset() must be called in every process), or it lowered this call "
      << "site differently (another flux_jax.Config, e.g. FLUX_JAX_CONFIG set in one process only, or other "
      << "shapes or dtypes: they are part of the channel's name).";
