@@ -118,16 +118,22 @@ def _job_tokens() -> tuple[str, str]:
     return secrets.token_hex(_SECRET_BYTES), secrets.token_hex(6)
 
 
+def _gather(client, keys: dict[int, str], deadline: float) -> tuple[dict[int, str], list[int]]:
+    """({process: value} of every key in `keys` ({process: key}) published by `deadline`, the
+    processes whose key was not)."""
+    values, missing = {}, []
+    for p, key in keys.items():
+        try:
+            values[p] = client.blocking_key_value_get(key, max(1, int((deadline - time.monotonic()) * 1000)))
+        except Exception:  # noqa: BLE001 - the coordination service raises on timeout
+            missing.append(p)
+    return values, missing
+
+
 def _await(client, processes, key: str, deadline: float) -> list[str]:
     """The value of `key` (formatted with each process index) for every process, waiting until
     `deadline`; a clear error naming the processes that did not publish theirs."""
-    values, missing = [], []
-    for p in processes:
-        try:
-            wait_ms = max(1, int((deadline - time.monotonic()) * 1000))
-            values.append(client.blocking_key_value_get(key.format(p), wait_ms))
-        except Exception:  # noqa: BLE001 - the coordination service raises on timeout
-            missing.append(p)
+    values, missing = _gather(client, {p: key.format(p) for p in processes}, deadline)
     if missing:
         from flux_jax._config import get_config
 
@@ -138,7 +144,7 @@ def _await(client, processes, key: str, deadline: float) -> list[str]:
             "fused op whose TP group spans processes; call flux_jax.initialize_distributed() in every process right "
             "after jax.distributed.initialize() so that slow starts (loading, compiling) do not count against an op."
         )
-    return values
+    return list(values.values())
 
 
 def register_local_devices(platform: str, devices) -> None:
@@ -177,15 +183,8 @@ def reset_barrier(timeout_s: float) -> None:
         return _RESET_KEY.format(generation=generation, process=p)
 
     client.key_value_set(key(info.index), "1", allow_overwrite=True)
-    deadline = time.monotonic() + timeout_s
-    missing = []
-    for p in range(info.count):
-        if p == info.index:
-            continue
-        try:
-            client.blocking_key_value_get(key(p), max(1, int((deadline - time.monotonic()) * 1000)))
-        except Exception:  # noqa: BLE001 - the coordination service raises on timeout
-            missing.append(p)
+    others = {p: key(p) for p in range(info.count) if p != info.index}
+    _, missing = _gather(client, others, time.monotonic() + timeout_s)
     if missing:
         who = ", ".join(map(str, missing))
         raise RuntimeError(
