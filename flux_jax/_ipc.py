@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 
+import jax
 import numpy as np
 
 from flux_jax import _distributed, _native
@@ -47,7 +48,7 @@ def forget() -> None:
 
 def ensure_groups(groups: np.ndarray, timeout_s: float) -> None:
     """Sets up every cross-process TP group (rows of `groups`) that has a device of this process."""
-    me = _distributed.process_info().index
+    me = jax.process_index()  # no handshake for groups within this process
     for row in groups:
         procs = {d.process_index for d in row}
         key = tuple(int(d.id) for d in row)

@@ -121,3 +121,11 @@ def test_workspace_size_is_checked_and_fixed_before_first_use(fakes):
     _ipc._ready.add((0, 1))
     with pytest.raises(RuntimeError, match="before the first fused op"):
         _ipc.set_workspace_mib(512)
+
+
+def test_groups_within_this_process_need_no_handshake(fakes, monkeypatch):
+    """GPUs of one process share no IPC: no waiting for the other processes' handshake."""
+    ext, _ = fakes
+    monkeypatch.setattr(_ipc._distributed, "process_info", lambda: pytest.fail("waited for the other processes"))
+    _ipc.ensure_groups(np.array([[FakeDevice(0, 0, 0), FakeDevice(1, 0, 1)]]), timeout_s=1.0)
+    assert ext.exports == []
