@@ -22,6 +22,7 @@ import time
 import jax
 
 from flux_jax import _native
+from flux_jax._config import get_config
 from flux_jax._errors import FusedUnavailableError
 
 _SESSION_KEY = "flux_jax/v1/session"
@@ -83,8 +84,6 @@ def process_info() -> ProcessInfo:
     """This process, the job's session and every process's host: a handshake through the
     key-value store that every process of the job joins (at its first fused op whose TP group
     spans processes, or at initialize()); each wait is bounded by Config.timeout_s."""
-    from flux_jax._config import get_config
-
     index, count = jax.process_index(), jax.process_count()
     host = _host_override or socket.gethostname()
     if count == 1:
@@ -97,8 +96,8 @@ def process_info() -> ProcessInfo:
             client.key_value_set(_SESSION_KEY, _job_tokens()[1], allow_overwrite=True)
         client.key_value_set(_HOST_KEY.format(index), host, allow_overwrite=True)
         global _shm_secret
-        session, _shm_secret = (_await(client, [0], k, deadline)[0] for k in (_SESSION_KEY, _SECRET_KEY))
-        hosts = tuple(_await(client, range(count), _HOST_KEY, deadline))
+        session, _shm_secret = _await(client, [(0, _SESSION_KEY), (0, _SECRET_KEY)], deadline)
+        hosts = tuple(_await(client, [(p, _HOST_KEY.format(p)) for p in range(count)], deadline))
         info = ProcessInfo(index, count, session, hosts)
     # one string: the binding takes (index, identity); cpp/include/flux_jax/process.h
     _native.extension().set_process_identity(info.index, f"{info.session}/{_shm_secret}" if info.session else "")
@@ -118,25 +117,23 @@ def _job_tokens() -> tuple[str, str]:
     return secrets.token_hex(_SECRET_BYTES), secrets.token_hex(6)
 
 
-def _gather(client, keys: dict[int, str], deadline: float) -> tuple[dict[int, str], list[int]]:
-    """({process: value} of every key in `keys` ({process: key}) published by `deadline`, the
-    processes whose key was not)."""
-    values, missing = {}, []
-    for p, key in keys.items():
+def _gather(client, keys: list[tuple[int, str]], deadline: float) -> tuple[list[str], list[int]]:
+    """(the values of `keys`, (publishing process, key) pairs, in order; the processes whose key
+    was not published by `deadline`, each once)."""
+    values, missing = [], []
+    for p, key in keys:
         try:
-            values[p] = client.blocking_key_value_get(key, max(1, int((deadline - time.monotonic()) * 1000)))
+            values.append(client.blocking_key_value_get(key, max(1, int((deadline - time.monotonic()) * 1000))))
         except Exception:  # noqa: BLE001 - the coordination service raises on timeout
-            missing.append(p)
+            if p not in missing:
+                missing.append(p)
     return values, missing
 
 
-def _await(client, processes, key: str, deadline: float) -> list[str]:
-    """The value of `key` (formatted with each process index) for every process, waiting until
-    `deadline`; a clear error naming the processes that did not publish theirs."""
-    values, missing = _gather(client, {p: key.format(p) for p in processes}, deadline)
+def _await(client, keys: list[tuple[int, str]], deadline: float) -> list[str]:
+    """_gather's values; a clear error naming the processes that did not publish theirs."""
+    values, missing = _gather(client, keys, deadline)
     if missing:
-        from flux_jax._config import get_config
-
         who = ", ".join(map(str, missing))
         raise FusedUnavailableError(
             f"flux_jax: process{'es' if len(missing) > 1 else ''} {who} did not join flux_jax's handshake within "
@@ -144,7 +141,7 @@ def _await(client, processes, key: str, deadline: float) -> list[str]:
             "fused op whose TP group spans processes; call flux_jax.initialize_distributed() in every process right "
             "after jax.distributed.initialize() so that slow starts (loading, compiling) do not count against an op."
         )
-    return list(values.values())
+    return values
 
 
 def register_local_devices(platform: str, devices) -> None:
@@ -183,7 +180,7 @@ def reset_barrier(timeout_s: float) -> None:
         return _RESET_KEY.format(generation=generation, process=p)
 
     client.key_value_set(key(info.index), "1", allow_overwrite=True)
-    others = {p: key(p) for p in range(info.count) if p != info.index}
+    others = [(p, key(p)) for p in range(info.count) if p != info.index]
     _, missing = _gather(client, others, time.monotonic() + timeout_s)
     if missing:
         who = ", ".join(map(str, missing))
