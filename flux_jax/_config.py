@@ -69,7 +69,7 @@ class Config:
         that moves the rows itself: decode sizes; FP8 calls of matmul_rs and matmul_ar too;
         calls its kernels cannot serve take "latency"), or "auto" (the planner's choice, flux_jax/_plan.py; see
         `flux_jax.explain`).
-      tuning: the path (a str or os.PathLike such as pathlib.Path; kept as a str) of a tuning
+      tuning: the path (a str or os.PathLike such as pathlib.Path; kept as an absolute str) of a tuning
         table (written by `python -m flux_jax.tune`; docs/tuning.md) that impl="auto" follows
         before this GPU kind's table in the user cache and the built-in one; e.g. one file on a
         shared file system for a whole cluster. None: those two only. CPU calls follow a table

@@ -228,6 +228,13 @@ def _plan_fp8(p: Problem, config: Config, must_fuse: bool, on_hopper: bool = Fal
         return _single_device(p)
     if p.platform == "cpu":
         return Plan("twin", "the CPU backend is a protocol reference, slower than XLA:CPU's dot", "platform")
+    if _tuning.table_dtype(p) is None:  # e5m2 rows, or x other than bfloat16: no table holds it
+        return Plan(
+            "twin",
+            f"no tuning table holds FP8 calls with {p.fp8} rows of {np.dtype(p.dtype).name} x, only "
+            'bfloat16 x with e4m3 rows; impl="fused" runs the fused paths',
+            "FP8 rule (unmeasured: the twin)",
+        )
     return Plan(
         "twin",
         "the fused FP8 paths are not measured at tp > 1 on GPUs yet (python -m flux_jax.tune --dtype fp8 "

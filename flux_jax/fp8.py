@@ -72,7 +72,7 @@ WEIGHT_SCALINGS = ("tensor", "column")
 _SCALE_ALIGN = 4
 
 
-def _format_name(value, field: str) -> str:
+def _format_name(value, field: str, allowed=FORMATS, why: str = "") -> str:
     if isinstance(value, str):
         name = _ALIASES.get(value.lower(), value.lower())
     else:
@@ -82,8 +82,10 @@ def _format_name(value, field: str) -> str:
             raise TypeError(
                 f"flux_jax.Fp8: {field} must be an FP8 dtype or its name ({', '.join(FORMATS)}), got {value!r}"
             ) from None
-    if name not in FORMATS:
-        raise ValueError(f"flux_jax.Fp8: {field} must be one of {FORMATS} (or 'e4m3' / 'e5m2'), got {value!r}")
+    if name not in allowed:
+        aliases = " / ".join(repr(a) for a, full in _ALIASES.items() if full in allowed and a != "e4m3fn")
+        what = f"one of {allowed}" if len(allowed) > 1 else allowed[0]
+        raise ValueError(f"flux_jax.Fp8: {field} must be {what} (or {aliases}){why}; got {value!r}")
     return name
 
 
@@ -113,14 +115,13 @@ class Fp8:
     margin: int = 0
 
     def __post_init__(self):
-        forward = _format_name(self.forward_format, "forward_format")
+        forward = _format_name(
+            self.forward_format,
+            "forward_format",
+            ("float8_e4m3fn",),
+            ": w takes it in every GEMM, and an FP8 GEMM needs an e4m3 operand (there is no e5m2 x e5m2 GEMM)",
+        )
         backward = _format_name(self.backward_format, "backward_format")
-        if forward != "float8_e4m3fn":
-            raise ValueError(
-                "flux_jax.Fp8: forward_format must be float8_e4m3fn: w takes it in every "
-                "GEMM, and an FP8 GEMM needs an e4m3 operand (there is no e5m2 x e5m2 "
-                f"GEMM); got {self.forward_format!r}"
-            )
         if self.weight_scaling not in WEIGHT_SCALINGS:
             raise ValueError(
                 f"flux_jax.Fp8: weight_scaling must be one of {WEIGHT_SCALINGS}, got {self.weight_scaling!r}"

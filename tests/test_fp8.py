@@ -466,8 +466,9 @@ def test_recipe_fields_and_their_errors():
     assert hash(flux_jax.Fp8()) == hash(flux_jax.Fp8(forward_format="e4m3"))
     with pytest.raises(dataclasses.FrozenInstanceError):
         r.margin = 3
-    with pytest.raises(ValueError, match="forward_format must be float8_e4m3fn.*e5m2 x e5m2"):
-        flux_jax.Fp8(forward_format="e5m2")
+    for bad in ("e5m2", jnp.bfloat16):  # the error names e4m3 alone, whatever else was given
+        with pytest.raises(ValueError, match=r"forward_format must be float8_e4m3fn \(or 'e4m3'\).*e5m2 x e5m2"):
+            flux_jax.Fp8(forward_format=bad)
     with pytest.raises(ValueError, match=r"backward_format must be one of \('float8_e4m3fn', 'float8_e5m2'\).*float16"):
         flux_jax.Fp8(backward_format="float16")
     with pytest.raises(ValueError, match="backward_format must be one of"):

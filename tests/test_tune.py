@@ -145,6 +145,8 @@ def test_a_tp_beyond_the_host_names_the_devices_it_needs():
         _run._tp_sizes("2", 1)
     with pytest.raises(flux_jax.tune.TuneError, match="TP=1 has nothing to overlap"):
         _run._tp_sizes(None, 1)
+    with pytest.raises(flux_jax.tune.TuneError, match="Build its mesh with a TP axis of 2 or more devices"):
+        _run._tp_sizes([1], 8, from_function=True)
 
 
 def test_end_to_end_on_cpu_writes_a_table(measured):
@@ -285,7 +287,7 @@ def test_between_measured_points_auto_interpolates_only_where_the_neighbours_agr
         name="both.json",
     )
     plan = _plan_cpu(512, both_beat)
-    assert plan.path == "latency" and "beat the twin at both" in plan.reason, plan
+    assert plan.path == "latency" and "beat the twin by the table's --min-speedup 1.02 at both" in plan.reason, plan
     # Far from every measured point the table says nothing: CPU calls keep the CPU default.
     assert _plan_cpu(64 * 1024, agree).decided_by == "platform"
     # Exactly at a measured point its entry decides.
@@ -346,6 +348,13 @@ def test_table_errors_are_clear(tmp_path):
     fails("{not json", "is not JSON")
     fails("[]", "not a flux_jax tuning table")
     fails(json.dumps(dict(good, schema_version=99)), r"schema version 99; this flux_jax reads version 1")
+    fails(json.dumps(dict(good, schema_version=True)), r"schema version True; this flux_jax reads version 1")
+    fails("[" * 100_000 + "]" * 100_000, "is nested too deeply to be a tuning table")
+    kind = next(iter(good["devices"]))
+    device = dict(good["devices"][kind], link_latency_us="1.0")
+    fails(json.dumps(dict(good, devices={kind: device})), r"field 'link_latency_us' must be a finite number")
+    odd_class = dict(good["entries"][0], shape_class={"log2_flop": "x"})
+    fails(json.dumps(dict(good, entries=[odd_class])), "field 'log2_flop' must be a number")
     fails(json.dumps(dict(good, entries=[dict(good["entries"][0], path="fastest")])), r"entry 0: field 'path'")
     fails(
         json.dumps(dict(good, entries=[dict(good["entries"][0], device_kind="TPU")])), "is not in the table's devices"
@@ -371,6 +380,67 @@ def test_table_errors_are_clear(tmp_path):
     lean = tmp_path / "lean.json"
     lean.write_text(json.dumps(good))
     assert len(_tuning.load(lean).entries) == len(good["entries"])
+
+
+def test_between_measured_points_a_fused_path_must_beat_the_twin_by_the_tables_margin(tmp_path):
+    """Neither neighbour chose overlap; it beat the twin at both by 1.10x: below a 1.2 margin
+    (the twin), above a 1.05 one (overlap)."""
+    entries = [_entry(256, "twin", {"overlap": 1.10}), _entry(1024, "latency", {"overlap": 1.10, "latency": 1.5})]
+    strict = _write(tmp_path, entries, name="strict.json", min_speedup=1.2)
+    plan = _plan_cpu(512, strict)
+    assert plan.path == "twin" and "disagree" in plan.reason, plan
+    loose = _write(tmp_path, entries, name="loose.json", min_speedup=1.05)
+    plan = _plan_cpu(512, loose)
+    assert plan.path == "overlap" and "by the table's --min-speedup 1.05 at both" in plan.reason, plan
+
+
+def test_entries_of_this_hosts_gpu_count_are_preferred_not_required(tmp_path):
+    """The CPU process has 8 devices: entries measured on 16 answer where no 8-device entry
+    does, and 8-device entries answer first where they cover the call."""
+    near16 = [
+        _entry(256, "latency", {"latency": 1.5}, gpu_count=16),
+        _entry(1024, "latency", {"latency": 1.5}, gpu_count=16),
+    ]
+    far8 = _entry(64 * 1024, "overlap", {"overlap": 1.3}, gpu_count=8)
+    plan = _plan_cpu(512, _write(tmp_path, [*near16, far8], name="far8.json"))
+    assert plan.path == "latency" and "between measured points that agree" in plan.reason, plan
+    near8 = [_entry(384, "overlap", {"overlap": 1.3}), _entry(768, "overlap", {"overlap": 1.3})]
+    plan = _plan_cpu(512, _write(tmp_path, [*near16, *near8], name="near8.json"))
+    assert plan.path == "overlap", plan
+
+
+def test_a_tiny_measured_speedup_is_stored_positive_and_reads_back(tmp_path):
+    """A noisy twin median far below ours gives a speedup of 3e-05: four decimals made it 0.0,
+    which the reader refuses; five significant digits keep it."""
+    device = _tuning.Device("cpu", "cpu", 2, 1.0, 10.0)
+    entry = _table.make_entry(device, 2, 2, "float32", "ag_matmul", 8, 8, 8, {"overlap": 3.14159e-5})
+    assert entry.path == "twin" and entry.speedup == {"overlap": 3.1416e-5}
+    path = tmp_path / "table.json"
+    _table.write(path, _table.merged(None, device, [entry]))
+    assert _tuning.load(path).entries == (entry,)
+    broken = _table.merged(None, device, [dataclasses_replace(entry, speedup={"overlap": 0.0})])
+    with pytest.raises(_tuning.TuningTableError, match=r"not written: .*speedup 'overlap': 0.0"):
+        _table.write(tmp_path / "never.json", broken)
+    assert not (tmp_path / "never.json").exists()
+
+
+def test_a_relative_config_tuning_path_is_resolved_once(tmp_path, monkeypatch):
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir()
+    second.mkdir()
+    _write(first, [_entry(256, "overlap", {"overlap": 1.3})])
+    monkeypatch.chdir(first)
+    cfg = flux_jax.Config(tuning="table.json")
+    assert cfg.tuning == str(first / "table.json")
+    monkeypatch.chdir(second)  # no table.json here: the Config still names the first one
+    assert _plan_cpu(256, cfg.tuning).decided_by == f"tuning table {first / 'table.json'}"
+
+
+def test_options_the_request_would_ignore_are_refused():
+    rc, _, err = _tool("--from", "os.path:join", "--tp", "4", "--dtype", "fp8", "--allow-cpu")
+    assert rc == 2 and "--tp, --dtype cannot be used with --from" in err, err
+    rc, _, err = _tool("--shapes", SHAPES, "--m", "2048", "--no-sequence-parallel", "--allow-cpu")
+    assert rc == 2 and "--m, --no-sequence-parallel cannot be used with --shapes" in err, err
 
 
 def test_config_tuning_takes_a_path_like(tmp_path):
@@ -484,7 +554,7 @@ def test_min_speedup_of_a_table_is_checked_and_optional(tmp_path):
     path.write_text(json.dumps(dict(good, min_speedup=1)))
     assert _tuning.load(path).min_speedup == 1.0
     unwritable = dataclasses_replace(_tuning.load(older), min_speedup=0.5)
-    with pytest.raises(_tuning.TuningTableError, match=r"not written: min_speedup must be a number >= 1"):
+    with pytest.raises(_tuning.TuningTableError, match=r"not written: .*'min_speedup'.* must be a number >= 1"):
         _table.write(tmp_path / "never.json", unwritable)
     assert not (tmp_path / "never.json").exists()
 
@@ -577,7 +647,8 @@ def test_a_table_the_tool_writes_loads_again(tmp_path):
     """The device's link figures are kept as the file stores them (3 decimals): a shape class
     computed from the measured values equals the one a reader recomputes, even next to a class
     boundary (10.7060796 us rounds across one). The speedups are kept as the file stores them too
-    (4 decimals), so the path was chosen by the numbers a reader sees (1.019996 is 1.02 there)."""
+    (5 significant digits), so the path was chosen by the numbers a reader sees (1.019996 is 1.02
+    there)."""
     device = _tuning.Device("cpu", "cpu", 2, 1.0, 10.7060796)
     entry = _table.make_entry(device, 2, 2, "float32", "ag_matmul", 8, 8, 8, {"overlap": 1.019996})
     path = tmp_path / "table.json"
@@ -735,6 +806,16 @@ def test_fp8_calls_are_measured_and_auto_follows_their_table(tmp_path):
         )
 
 
+def test_fp8_calls_no_table_holds_say_so_on_gpus():
+    for dtype, rows in ((jnp.float16, "float8_e4m3fn"), (jnp.bfloat16, "float8_e5m2")):
+        problem = _plan.Problem("ag_matmul", 4096, 8192, 2048, np.dtype(dtype), 2, "cuda", fp8=rows)
+        plan = _plan.plan(problem, "auto", flux_jax.Config())
+        name = np.dtype(dtype).name
+        assert plan.path == "twin" and f"no tuning table holds FP8 calls with {rows} rows of {name} x" in plan.reason
+    problem = _plan.Problem("ag_matmul", 4096, 8192, 2048, np.dtype(jnp.bfloat16), 2, "cuda", fp8="float8_e4m3fn")
+    assert "python -m flux_jax.tune --dtype fp8" in _plan.plan(problem, "auto", flux_jax.Config()).reason
+
+
 def test_fp8_shape_classes_and_function_shapes():
     device = _tuning.Device("H", "gpu", 132, 100.0, 10.0)
     ag = [_tuning.moved_bytes("ag_matmul", 4096, 8192, 4096, d, 2) for d in ("bfloat16", _tuning.FP8)]
@@ -765,3 +846,15 @@ def test_fp8_shape_classes_and_function_shapes():
         ("ag_matmul", 64, 32, 128, "fp8", "forward"),
         ("matmul_rs", 64, 128, 32, "fp8", "forward"),
     ]
+
+    def float32_fp8_block():  # FP8 on float32 x only: no table describes it, and the error says so
+        fn = jax.shard_map(
+            lambda x, w: flux_jax.ag_matmul(x, w, axis_name="tp", fp8=True),
+            mesh=mesh,
+            in_specs=(P("tp"), P(None, "tp")),
+            out_specs=P("tp"),
+        )
+        return fn, (jnp.zeros((64, 32), jnp.float32), jnp.zeros((32, 128), jnp.float32))
+
+    with pytest.raises(flux_jax.tune.TuneError, match=r"only flux_jax calls \(ag_matmul with fp8 on float32 x"):
+        flux_jax.tune.function_shapes(float32_fp8_block)

@@ -66,6 +66,7 @@ from flux_jax._tuning._model import (
     moved_bytes,
     path_contradiction,
     shape_class,
+    stored_speedup,
 )
 
 __all__ = [
@@ -101,6 +102,7 @@ __all__ = [
     "parse",
     "path_contradiction",
     "shape_class",
+    "stored_speedup",
     "table_dtype",
     "write",
 ]

@@ -44,8 +44,12 @@ def _field(where: str, obj: dict, name: str, kind, check=None, what: str = ""):
     value = obj[name]
     ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
     if not ok or (check is not None and not check(value)):
-        _fail(where, f"field {name!r} must be {what or getattr(kind, '__name__', kind)}, got {value!r}")
+        _fail(where, f"field {name!r} must be {what or _kind_name(kind)}, got {value!r}")
     return value
+
+
+def _kind_name(kind) -> str:
+    return "a number" if kind == _NUMBER else getattr(kind, "__name__", str(kind))
 
 
 _NUMBER = (int, float)
@@ -62,7 +66,7 @@ def parse(data, where: str, *, builtin: bool = False) -> Table:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         _fail(where, f'not a flux_jax tuning table (expected a JSON object with "format": "{FORMAT}")')
     version = data.get("schema_version")
-    if version != SCHEMA_VERSION:
+    if type(version) is not int or version != SCHEMA_VERSION:
         _fail(
             where,
             f"schema version {version!r}; this flux_jax reads version {SCHEMA_VERSION} "
@@ -171,6 +175,8 @@ def _read(path: str, *, builtin: bool = False) -> Table:
         data = json.loads(text)
     except json.JSONDecodeError as err:
         _fail(path, f"is not JSON ({err})")
+    except RecursionError:
+        _fail(path, "is nested too deeply to be a tuning table")
     return parse(data, path, builtin=builtin)
 
 
@@ -196,8 +202,9 @@ def builtin() -> Table:
 
 
 def checked_path(value) -> str | None:
-    """Config.tuning: None, or the path (a str or os.PathLike) of a readable, valid table, as a
-    str (the Config stays hashable: it is part of the jit cache key); else ValueError."""
+    """Config.tuning: None, or the path (a str or os.PathLike) of a readable, valid table, as an
+    absolute str (the Config stays hashable: it is part of the jit cache key; a relative path is
+    resolved once, so that a later chdir does not change which file it names); else ValueError."""
     if value is None:
         return None
     path = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
@@ -206,19 +213,18 @@ def checked_path(value) -> str | None:
             "Config.tuning must be None or the path of a tuning table (a str or os.PathLike such as "
             f"pathlib.Path), got {value!r}"
         )
+    path = os.path.abspath(path)
     load(path)
     return path
 
 
 def _check_writable(path, table: Table) -> None:
-    """TuningTableError where `table` has a field or an entry a reader would refuse."""
-    problem = min_speedup_problem(table.min_speedup)
-    if problem:
-        raise TuningTableError(f"flux_jax tuning table {path}: not written: min_speedup must be {problem}")
-    for e in table.entries:
-        contradiction = path_contradiction(e.path, e.speedup)
-        if contradiction:
-            raise TuningTableError(f"flux_jax tuning table {path}: not written: entry {e.describe()}: {contradiction}")
+    """TuningTableError where a reader would refuse `table`'s file: the text is parsed as `load`
+    parses it, so that the tool never writes a table it cannot read back."""
+    try:
+        parse(json.loads(dumps(table)), str(path))
+    except TuningTableError as err:
+        raise TuningTableError(f"not written: {err}") from None
 
 
 def write(path, table: Table) -> None:

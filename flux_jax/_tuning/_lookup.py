@@ -46,10 +46,10 @@ def local_device(platform: str) -> LocalDevice | None:
     return LocalDevice(d.device_kind, len(devices), sms if isinstance(sms, int) and sms > 0 else None)
 
 
-def _candidates(table: Table, kind: str | None, count: int | None, tp: int, dtype: str, op: str) -> list:
-    """The entries of `table` that may answer a call: same TP, dtype and op; the same device kind
-    (any kind for the built-in table; any of the platform's kinds when `kind` is None); the same
-    GPU count where the table has it."""
+def _candidates(table: Table, kind: str | None, count: int | None, tp: int, dtype: str, op: str) -> list[list]:
+    """The entries of `table` that may answer a call, in the order to ask them: same TP, dtype and
+    op; the same device kind (any kind for the built-in table; any of the platform's kinds when
+    `kind` is None). Those measured with this host's GPU count are asked first, then all."""
     same = [
         e
         for e in table.entries
@@ -59,20 +59,23 @@ def _candidates(table: Table, kind: str | None, count: int | None, tp: int, dtyp
         first = min(e.device_kind for e in same)
         same = [e for e in same if e.device_kind == first]
     counted = [e for e in same if e.gpu_count == count]
-    return counted or same
+    return [counted, same] if counted and len(counted) < len(same) else [same]
 
 
-def _agreement(near: list) -> tuple[str, str]:
-    """The path two neighbouring entries agree on, and why."""
+def _agreement(near: list, min_speedup: float) -> tuple[str, str]:
+    """The path two neighbouring entries agree on, and why: their common path, else the fused
+    path whose worse speedup of the two is the best, where it beat the twin by the table's
+    `min_speedup` at both (the margin each entry was chosen by)."""
     a, b = near
     where = f"{a.describe()}, {b.describe()}"
     if a.path == b.path:
         return a.path, f"between measured points that agree ({where})"
     safe = [(min(a.speedup.get(p, 0.0), b.speedup.get(p, 0.0)), p) for p in FUSED_PATHS]
     worst, best = max(safe)
-    if worst > 1.0:
+    if worst >= min_speedup:
         return best, (
-            f"between measured points where {best} beat the twin at both "
+            f"between measured points where {best} beat the twin by the table's --min-speedup "
+            f"{min_speedup:g} at both "
             f"({a.describe()}: {a.speedup[best]:.2f}x, {b.describe()}: {b.speedup[best]:.2f}x)"
         )
     return "twin", f"the measured points nearest this shape disagree ({where})"
@@ -109,7 +112,7 @@ def _decide(table: Table, entries: list, query: ShapeClass) -> Decision | None:
     near = sorted(entries, key=lambda e: (e.shape_class.distance(query), entry_order(e)))[:2]
     if len(near) < 2 or near[1].shape_class.distance(query) > RADIUS:
         return None
-    path, why = _agreement(near)
+    path, why = _agreement(near, table.min_speedup)
     fused = path if path != "twin" else near[0].best_fused()
     return Decision(path, fused, why, table.source)
 
@@ -152,14 +155,14 @@ def lookup(problem, explicit: str | None, *, on_hopper: bool = False) -> Decisio
         return None
     for table in _tables(explicit, platform, local):
         kind = None if local is None or table.builtin else local.kind
-        entries = _candidates(table, kind, local.count if local else None, problem.tp, dtype, problem.op)
-        entries = [e for e in entries if table.devices[e.device_kind].platform == platform]
-        if not entries:
-            continue
-        device = table.devices[entries[0].device_kind]
-        sms = local.sms if local is not None and platform == "gpu" else None
-        query = shape_class(problem.op, problem.rows, problem.k, problem.n, dtype, problem.tp, device, sms)
-        decision = _decide(table, entries, query)
-        if decision is not None:
-            return decision
+        for entries in _candidates(table, kind, local.count if local else None, problem.tp, dtype, problem.op):
+            entries = [e for e in entries if table.devices[e.device_kind].platform == platform]
+            if not entries:
+                continue
+            device = table.devices[entries[0].device_kind]
+            sms = local.sms if local is not None and platform == "gpu" else None
+            query = shape_class(problem.op, problem.rows, problem.k, problem.n, dtype, problem.tp, device, sms)
+            decision = _decide(table, entries, query)
+            if decision is not None:
+                return decision
     return None

@@ -166,7 +166,7 @@ class Entry:
             "shape_class": self.shape_class.to_json(),
             "shape": {"rows": rows, "k": k, "n": n},
             "path": self.path,
-            "speedup": {p: round(s, 4) for p, s in sorted(self.speedup.items())},
+            "speedup": {p: stored_speedup(s) for p, s in sorted(self.speedup.items())},
         }
         if self.note:
             out["note"] = self.note
@@ -206,6 +206,12 @@ def as_float(value) -> float:
         return float(value)
     except OverflowError:
         return math.inf
+
+
+def stored_speedup(value) -> float:
+    """A speedup as a table file keeps it: five significant digits (four decimals from 1 to 10;
+    a tiny one stays positive, as a reader demands)."""
+    return float(f"{float(value):.5g}")
 
 
 def min_speedup_problem(value) -> str | None:

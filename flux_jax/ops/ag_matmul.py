@@ -136,8 +136,9 @@ def ag_matmul(
         FP8 overlap kernel (the rows gathered inside our FP8 GEMM, the scales in its epilogue;
         bfloat16 x, K % 16 == 0, N % 8 == 0) or, for other calls and
         Config.fused_path="latency", our all_gather next to XLA's FP8 GEMM; impl="xla" is the
-        same quantization with lax.all_gather; impl="auto" takes the latter on GPU (the fused
-        FP8 paths are not measured at tp > 1 yet). See flux_jax/fp8.py and docs/design.md.
+        same quantization with lax.all_gather; impl="auto" takes the path a tuning table's FP8
+        entries chose (python -m flux_jax.tune --dtype fp8; docs/tuning.md), else the twin. See
+        flux_jax/fp8.py and docs/design.md.
         With an Fp8Weight w: None or True runs the default recipe with the weight's scaling, an
         Fp8 recipe must have the weight's weight_scaling (else ValueError), False is a TypeError.
 

@@ -150,8 +150,9 @@ def matmul_ar(x, w, *, axis_name: str | tuple[str, ...], impl: str = "auto", fp8
       axis_name: the mesh axis to all-reduce over (the tensor-parallel axis). A tuple of
         mesh axes makes one TP axis over their devices, ranked row-major in the order named (as
         `lax.axis_index` counts them).
-      impl: "fused", "xla" or "auto" (see `ag_matmul`). It has not been measured at tp > 1 on
-        GPUs yet: "auto" takes the twin there; "fused" takes the decode kernel where it serves
+      impl: "fused", "xla" or "auto" (see `ag_matmul`). "auto" follows a tuning table's
+        matmul_ar entries (python -m flux_jax.tune --no-sequence-parallel; docs/tuning.md), else
+        the twin at tp > 1 on GPUs; "fused" takes the decode kernel where it serves
         the call (bfloat16, the [k, N] weight, M <= 128), the two-shot overlap from 1024 rows
         divisible by tp, else the latency path (XLA's GEMM + our all_reduce).
       fp8: None / False, True or an `Fp8` recipe (see `ag_matmul`): x is quantized per row and

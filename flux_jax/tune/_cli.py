@@ -66,14 +66,15 @@ def _parser() -> argparse.ArgumentParser:
         "(column_matmul's dx); by default the layer has ag_matmul and matmul_rs",
     )
     p.add_argument(
-        "--tp", metavar="TP,...", help="TP sizes (mesh axis sizes) to measure, each >= 2 (default: every local device)"
+        "--tp",
+        metavar="TP,...",
+        help="with --model or --shapes: TP sizes (mesh axis sizes) to measure, each >= 2 (default: every local device)",
     )
     p.add_argument(
         "--dtype",
-        default="bfloat16",
         metavar="DTYPE,...",
-        help=f"dtypes among {', '.join(DTYPES)} (default bfloat16); fp8: bfloat16 x and w with fp8=True "
-        "(the default recipe's e4m3 operands), against the FP8 twin",
+        help=f"with --model or --shapes: dtypes among {', '.join(DTYPES)} (default bfloat16); fp8: bfloat16 "
+        "x and w with fp8=True (the default recipe's e4m3 operands), against the FP8 twin",
     )
     p.add_argument(
         "--out",

@@ -7,6 +7,8 @@ import dataclasses
 import importlib
 import inspect
 
+import numpy as np
+
 from flux_jax import _tuning
 from flux_jax.tune import _models
 
@@ -148,17 +150,25 @@ def function_shapes(target) -> list[Shape]:
     if not (isinstance(made, tuple) and len(made) == 2 and callable(made[0])):
         raise TuneError("--from: the function must return (fn, args), a callable and its arguments")
     fn, args = made
-    shapes = []
+    shapes, undescribed = [], []
     for site in _explain.explain(fn, *tuple(args)):
         p = site.problem
         dtype = _tuning.table_dtype(p)
-        if p.op not in OPS or dtype is None:  # (FP8 calls no table describes: a backward's e5m2 rows)
+        if p.op in OPS and dtype is None:  # FP8 calls no table describes: e5m2 rows, x not bfloat16
+            undescribed.append(f"{p.op} with fp8 on {np.dtype(p.dtype).name} x ({p.fp8} rows)")
+        if p.op not in OPS or dtype is None:
             continue
         m, k, n = (p.rows, p.k, p.n * p.tp) if p.op == "ag_matmul" else (p.rows, p.k * p.tp, p.n)
         dtype = "fp8" if dtype == _tuning.FP8 else dtype
         shape = Shape(p.op, m, k, n, p.tp, dtype, "backward" if site.backward else "forward")
         if all(dataclasses.replace(s, label="") != dataclasses.replace(shape, label="") for s in shapes):
             shapes.append(shape)
+    if not shapes and undescribed:
+        raise TuneError(
+            f"--from: the function's only flux_jax calls ({', '.join(sorted(set(undescribed)))}) are FP8 calls "
+            'no tuning table describes: tables hold FP8 calls with bfloat16 x (e4m3 rows); impl="auto" '
+            'runs the twin for the others, impl="fused" the fused paths'
+        )
     if not shapes:
         raise TuneError(
             "--from: the function has no ag_matmul / matmul_rs / matmul_ar call (flux_jax.explain found none)"

@@ -106,8 +106,32 @@ def _platform(allow_cpu: bool, log) -> str:
     return "cpu"
 
 
-def _tp_sizes(tp, count: int) -> list[int]:
+def _check_unused(from_function, shapes, tp, dtypes, ms, sequence_parallel: bool) -> None:
+    """A TuneError for options the request would ignore: --from measures the function's own
+    calls (their TP sizes and dtypes), --shapes its shapes at --tp and --dtype."""
+    given = {"--tp": tp is not None, "--dtype": dtypes is not None, "--m": ms is not None}
+    given["--no-sequence-parallel"] = not sequence_parallel
+    if from_function is not None:
+        ignored = [name for name, on in given.items() if on]
+        why = "--from measures the TP sizes, dtypes and shapes of the function's own calls"
+    elif shapes is not None:
+        ignored = [name for name in ("--m", "--no-sequence-parallel") if given[name]]
+        why = "--shapes names each op and global shape itself (--m and --no-sequence-parallel go with --model)"
+    else:
+        return
+    if ignored:
+        mode = "--from" if from_function is not None else "--shapes"
+        raise TuneError(f"{', '.join(ignored)} cannot be used with {mode}: {why}")
+
+
+def _tp_sizes(tp, count: int, *, from_function: bool = False) -> list[int]:
     sizes = parse_ints(tp, "--tp") if tp is not None else [count]
+    if from_function and 1 in sizes:
+        raise TuneError(
+            "TP=1 has nothing to overlap: the function's flux_jax calls run over a mesh axis of size 1, "
+            "where a fused op moves no data between GPUs. Build its mesh with a TP axis of 2 or more "
+            f"devices (this host has {count})."
+        )
     if 1 in sizes or (tp is None and count == 1):
         raise TuneError(
             "TP=1 has nothing to overlap: a fused op moves no data between GPUs at TP=1, so there is "
@@ -126,7 +150,7 @@ def run(
     from_function=None,
     ms=None,
     tp=None,
-    dtypes=("bfloat16",),
+    dtypes=None,
     out=None,
     budget_minutes: float | None = None,
     allow_cpu: bool = False,
@@ -161,10 +185,13 @@ def run(
     platform = _platform(allow_cpu, log)
     devices = jax.local_devices()
     kind, count = devices[0].device_kind, len(devices)
-    dtypes = parse_names(dtype if dtype is not None else dtypes, "--dtype", DTYPES)
+    if dtype is not None:
+        dtypes = dtype
+    _check_unused(from_function, shapes, tp, dtypes, ms, sequence_parallel)
+    dtypes = parse_names(dtypes if dtypes is not None else "bfloat16", "--dtype", DTYPES)
     if from_function is not None:
         requested = function_shapes(from_function)
-        _tp_sizes([s.tp for s in requested], count)
+        _tp_sizes([s.tp for s in requested], count, from_function=True)
     else:
         tps = _tp_sizes(tp, count)
         if model is not None:

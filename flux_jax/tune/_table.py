@@ -48,7 +48,7 @@ def make_entry(
     `path` its speedup contradicts (_tuning.path_contradiction) is a ValueError. The speedups are
     rounded as the file stores them, so that a reader sees the numbers the path was chosen by."""
     dtype = np.dtype(dtype).name
-    speedup = {p: round(float(s), 4) for p, s in speedup.items()}
+    speedup = {p: _tuning.stored_speedup(s) for p, s in speedup.items()}
     path = path or choose(speedup, min_speedup)
     contradiction = _tuning.path_contradiction(path, speedup)
     if contradiction:
