@@ -230,8 +230,18 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
         args.sample_chars = 0  # sampling reads whole logits arrays, which no process holds alone
         if args.ckpt_dir:
             p.error("checkpoints are single-process in this example; drop --ckpt-dir with --num-processes")
-    if args.profile_steps < 0 or (args.profile_steps and args.profile_steps + 2 > args.steps):
+    if args.profile_steps < 0:
+        p.error(f"--profile-steps must be >= 0, got {args.profile_steps}")
+    if args.profile_steps and args.profile_steps + 2 > args.steps:
         p.error(f"--profile-steps {args.profile_steps} needs --steps >= profile steps + 2 (got {args.steps})")
+    if args.seed < 0:
+        p.error(f"--seed must be >= 0, got {args.seed}")
+    if args.lr is not None and not 0 < args.lr < float("inf"):
+        p.error(f"--lr must be a positive finite number, got {args.lr}")
+    if args.warmup is not None and not 0 <= args.warmup <= args.steps:
+        p.error(f"--warmup must be in 0..--steps ({args.steps}), got {args.warmup}")
+    if args.sample_chars < 0:
+        p.error(f"--sample-chars must be >= 0, got {args.sample_chars}")
     if args.compare and args.ckpt_dir:
         p.error("--compare trains twice from scratch; it does not take --ckpt-dir")
     if args.resume and not args.ckpt_dir:
@@ -244,6 +254,11 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
         p.error("--compare times the steps after the compiling one: it needs --steps (and --stop-after) >= 2")
     if min(args.dp, args.tp, args.steps, args.seq, args.batch) < 1:
         p.error("--dp, --tp, --steps, --seq and --batch must be >= 1")
+    if args.sample_chars and args.seq <= len(SAMPLE_PROMPT):
+        p.error(
+            f"--seq {args.seq} leaves no room to sample after the {len(SAMPLE_PROMPT)}-character prompt "
+            f"{SAMPLE_PROMPT!r}: pass --seq {len(SAMPLE_PROMPT) + 1} or more, or --sample-chars 0"
+        )
     if args.mesh is not None and np.prod(args.mesh) > n_devices:
         p.error(
             f"--mesh {','.join(map(str, args.mesh))} needs dp x fsdp x tp = {np.prod(args.mesh)} devices, "

@@ -421,13 +421,22 @@ def gathered_matmul(
     transpose_w: bool = False,
     grad: bool = False,
     return_gathered: bool = False,
+    blocking_gather: bool = False,
 ):
     """AG(x) @ op(w) through FP8, x [rows, ..., k] gathered on dimension 0 by `gather`: quantize
     per row, gather the FP8 rows and (alongside) their scales, FP8 GEMM. Returns [out] or
-    [out, AG(x) dequantized in x's dtype]."""
+    [out, AG(x) dequantized in x's dtype].
+
+    `blocking_gather` (our collective, whose CPU handler blocks a thread of XLA:CPU until its
+    peers arrive): the scales are gathered after the rows. Two independent blocking calls let
+    XLA:CPU start them in either order on each device, and with its threads held by other
+    waiting calls a device can wait in one while its peer waits in the other until the timeout
+    (measured: FP8 training of float32 layers timed out at TP 4 on a 2-core host)."""
     xq, xs = quantize_rows(x, recipe, grad)
     wq, ws, wq_transposed = gemm_weight(w, recipe, transpose_w)
     xq_full = gather(xq)
+    if blocking_gather:
+        xq_full, xs = lax.optimization_barrier((xq_full, xs))
     xs_full = gather_scales(gather, xs)
     out = scaled_dot(xq_full, xs_full, wq, ws, wq_transposed, x.dtype)
     if not return_gathered:
@@ -459,8 +468,9 @@ def fused_gathered_matmul(
     outs = fused(xq, wq, (xs if scales_travel else xs_full).reshape(-1), ws)
     if not return_gathered:
         return [outs[0]]
-    if xs_full is None:
-        xs_full = gather_scales(gather, xs)
+    if xs_full is None:  # after the fused call: two blocking calls in one order (gathered_matmul)
+        gathered, xs = lax.optimization_barrier((outs[1], xs))
+        return [outs[0], dequantize(gathered, gather_scales(gather, xs), x.dtype)]
     return [outs[0], dequantize(outs[1], xs_full, x.dtype)]
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -112,6 +113,27 @@ def test_output_is_fp8_accurate_quantized_and_matches_the_twin(op, dtype_name):
     assert np.all(np.abs(got - twin_out) <= 2 * tp * EPS[dtype_name] * ab + 1e-30)
 
 
+def _ssa_results(text: str, what: str) -> list[str]:
+    """The SSA names of the StableHLO ops in `text` whose line holds `what`, in program order."""
+    return [line.split("=")[0].strip().split(":")[0] for line in text.splitlines() if what in line and " = " in line]
+
+
+def _ssa_ancestors(text: str, name: str) -> set[str]:
+    """Every SSA value of `text` (one function's names) that `name` depends on."""
+    uses = {}
+    for line in text.splitlines():
+        head, sep, rest = line.partition(" = ")
+        if sep and head.strip().startswith("%"):
+            uses[head.strip().split(":")[0]] = {u.split("#")[0] for u in re.findall(r"%[\w#]+", rest)}
+    seen, todo = set(), [name]
+    while todo:
+        for used in uses.get(todo.pop(), ()):
+            if used not in seen:
+                seen.add(used)
+                todo.append(used)
+    return seen
+
+
 @pytest.mark.parametrize("op", ["ag", "rs"])
 def test_fused_latency_program_holds_our_collective_and_an_fp8_gemm(op):
     rng = np.random.default_rng()
@@ -125,6 +147,10 @@ def test_fused_latency_program_holds_our_collective_and_an_fp8_gemm(op):
     if op == "ag":  # the FP8 rows and, alongside, their float32 scales
         assert hlo.count("custom_call @flux_jax_all_gather") == 2, hlo
         assert "f8E4M3FN" in hlo and "flux_jax_reduce_scatter" not in hlo
+        # ... in one order on every device: two independent blocking calls can wait on each
+        # other across devices on XLA:CPU (fp8.gathered_matmul)
+        rows, scales = _ssa_results(hlo, "custom_call @flux_jax_all_gather")
+        assert rows in _ssa_ancestors(hlo, scales), hlo
     else:  # the FP8 GEMM's partial, in x's dtype
         assert hlo.count("custom_call @flux_jax_reduce_scatter") == 1
         assert "flux_jax_all_gather" not in hlo

@@ -186,6 +186,12 @@ def test_stopped_run_resumes_with_identical_losses(example, tmp_path):
         (["--stop-after", "0"], "--stop-after must be >= 1, got 0"),
         (["--ckpt-every", "0"], "--ckpt-every must be >= 1, got 0"),
         (["--compare"], "--compare times the steps after the compiling one: it needs --steps"),
+        (["--seed", "-1"], "--seed must be >= 0, got -1"),
+        (["--lr", "-1"], "--lr must be a positive finite number, got -1.0"),
+        (["--warmup", "-5"], "--warmup must be in 0..--steps (1), got -5"),
+        (["--sample-chars", "-3"], "--sample-chars must be >= 0, got -3"),
+        (["--profile-steps", "-1"], "--profile-steps must be >= 0, got -1"),
+        (["--seq", "4", "--sample-chars", "8"], "--seq 4 leaves no room to sample after the 4-character prompt 'the '"),
     ],
 )
 def test_shapes_that_cannot_shard_are_usage_errors(example, capsys, flags, message):

@@ -146,10 +146,11 @@ def local_gemm(x, w, call: Call):
     return jnp.dot(x, weight_2d(w, call.transpose_w))
 
 
-def gathered_gemm(x, w, call: Call, gather) -> list:
+def gathered_gemm(x, w, call: Call, gather, *, blocking_gather: bool = False) -> list:
     """[AG(x) @ op(w)] (+ [AG(x)] with `call.return_gathered`), the AllGather-first ops, with
-    `gather(a)` the all_gather of dimension 0 (lax's or our collective). With `call.fp8` the FP8
-    rows and their scales are gathered and the gathered x comes back dequantized."""
+    `gather(a)` the all_gather of dimension 0 (lax's or, `blocking_gather`, our collective). With
+    `call.fp8` the FP8 rows and their scales are gathered and the gathered x comes back
+    dequantized."""
     if call.fp8 is not None:
         return _fp8.gathered_matmul(
             x,
@@ -159,6 +160,7 @@ def gathered_gemm(x, w, call: Call, gather) -> list:
             transpose_w=call.transpose_w,
             grad=call.backward,
             return_gathered=call.return_gathered,
+            blocking_gather=blocking_gather,
         )
     x_full = gather(x)
     out = jnp.dot(x_full, weight_2d(w, call.transpose_w))

@@ -39,7 +39,10 @@ def _twin(x, w, call: Call):
 
 
 def _latency(x, w, call: Call, collective):
-    return gathered_gemm(x, w, call, lambda a: collective("all_gather", a, (call.tp * a.shape[0], *a.shape[1:])))
+    def gather(a):
+        return collective("all_gather", a, (call.tp * a.shape[0], *a.shape[1:]))
+
+    return gathered_gemm(x, w, call, gather, blocking_gather=True)
 
 
 def _fp8_fused(x, w, call: Call, collective, fused, *, scales_travel=False):
