@@ -450,6 +450,8 @@ def test_params_are_sharded_as_annotated(fsdp):
         (dict(hidden=72, heads=16, kv_heads=8, ffn=32), "hidden=72 is not divisible by heads=16"),
         (dict(ffn=30), "ffn=30 is not divisible by tp=4"),
         (dict(impl="cuda"), "impl must be one of"),
+        (dict(head_dim=0), r"head_dim must be a positive int \(or None: hidden / heads\), got 0"),
+        (dict(head_dim=9), "head_dim=9 is odd"),
     ],
 )
 def test_config_that_cannot_shard_raises(overrides, message):
@@ -493,6 +495,16 @@ def test_tokens_that_cannot_shard_raise(shape, message):
         model(jnp.zeros(shape, jnp.int32))
 
 
+def test_parameters_put_back_unsharded_are_placed_on_explicit_meshes():
+    """Host values written into a model (a checkpoint read without shardings) land on one device;
+    the call reshards them to their annotations instead of failing shard_map's spec check."""
+    model = GPT(_gpt_config("fused", layers=1), mesh=mesh_of("dp2xtp4"), rngs=nnx.Rngs(0))
+    tokens = jnp.asarray(np.random.default_rng().integers(0, VOCAB, (BATCH, SEQ)), jnp.int32)
+    before = np.asarray(model(tokens))
+    nnx.update(model, jax.tree.map(lambda a: jnp.asarray(np.asarray(a)), nnx.state(model, nnx.Param)))
+    np.testing.assert_array_equal(np.asarray(model(tokens)), before)
+
+
 def test_without_sequence_parallelism_any_sequence_length_shards():
     model = GPT(_gpt_config("fused", layers=1, sequence_parallel=False), mesh=mesh_of("dp2xtp4"), rngs=nnx.Rngs(0))
     assert model.token_spec() == P("dp", None)
@@ -519,6 +531,14 @@ def test_layer_shapes_that_cannot_shard_raise():
         ColumnParallelLinear(HIDDEN, FFN, mesh=None, rngs=nnx.Rngs(0))
     with pytest.raises(TypeError, match="dtype must be a JAX dtype"):
         RowParallelLinear(HIDDEN, FFN, mesh=mesh, dtype="bf16", rngs=nnx.Rngs(0))
+    for layer in (ColumnParallelLinear, RowParallelLinear):
+        with pytest.raises(TypeError, match=f"{layer.__name__}: sequence_parallel must be a bool, got 'no'"):
+            layer(HIDDEN, FFN, mesh=mesh, sequence_parallel="no", rngs=nnx.Rngs(0))
+        for bad in (-1, 1.0, True):
+            with pytest.raises(ValueError, match=f"{layer.__name__}: seq_axis must be the sequence's dimension"):
+                layer(HIDDEN, FFN, mesh=mesh, seq_axis=bad, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="head_dim=9 is odd: rotary embeddings rotate pairs"):
+        GroupedQueryAttention(36, 4, 4, mesh=mesh, rngs=nnx.Rngs(0))
 
 
 FP8_LAYERS = {  # constructor, in and out features, x's and the output's specs

@@ -98,6 +98,8 @@ class GroupedQueryAttention(nnx.Module):
             if hidden % heads:
                 raise ValueError(f"hidden={hidden} is not divisible by heads={heads}; pass head_dim")
             head_dim = hidden // heads
+        if head_dim % 2:
+            raise ValueError(f"head_dim={head_dim} is odd: rotary embeddings rotate pairs of a head's features")
         check_divisible("heads", heads, tp_axis, tp, "query heads are sharded over TP")
         check_divisible("kv_heads", kv_heads, tp_axis, tp, "key/value heads are sharded over TP")
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim

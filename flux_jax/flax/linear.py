@@ -113,6 +113,18 @@ def check_layer_args(layer: str, in_features, out_shape: tuple, mesh, dtype) -> 
             raise TypeError(f"{layer}: dtype must be a JAX dtype (or None), got {dtype!r}") from None
 
 
+def check_sequence_args(layer: str, sequence_parallel, seq_axis) -> None:
+    """sequence_parallel a bool, seq_axis a dimension index >= 0 (never the features' last one,
+    which a layer cannot know the rank of until it is called: the op checks that)."""
+    if not isinstance(sequence_parallel, (bool, np.bool_)):
+        raise TypeError(f"{layer}: sequence_parallel must be a bool, got {sequence_parallel!r}")
+    if isinstance(seq_axis, bool) or not isinstance(seq_axis, (int, np.integer)) or seq_axis < 0:
+        raise ValueError(
+            f"{layer}: seq_axis must be the sequence's dimension, an int >= 0 (0 for [S, B, D], "
+            f"1 for batch-first [B, S, D]), got {seq_axis!r}"
+        )
+
+
 def check_fp8(layer: str, fp8) -> None:
     """fp8 must be what the flux_jax ops take: None, a bool or a flux_jax.Fp8."""
     fp8_lib.resolve(layer, fp8)
@@ -238,6 +250,7 @@ class ColumnParallelLinear(nnx.Module):
     ):
         check_impl(impl)
         check_fp8("ColumnParallelLinear", fp8)
+        check_sequence_args("ColumnParallelLinear", sequence_parallel, seq_axis)
         self.fp8 = fp8
         self.seq_axis = seq_axis
         out_shape = tuple(out_features) if isinstance(out_features, (list, tuple)) else (out_features,)
@@ -342,6 +355,7 @@ class RowParallelLinear(nnx.Module):
     ):
         check_impl(impl)
         check_fp8("RowParallelLinear", fp8)
+        check_sequence_args("RowParallelLinear", sequence_parallel, seq_axis)
         check_layer_args("RowParallelLinear", in_features, (out_features,), mesh, dtype)
         self.fp8 = fp8
         self.seq_axis = seq_axis

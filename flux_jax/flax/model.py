@@ -25,6 +25,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
@@ -118,6 +119,8 @@ def check_config(config: GPTConfig, mesh: jax.sharding.Mesh) -> None:
                 "(head_dim = hidden / heads); pass head_dim explicitly"
             )
     head_dim = config.head_dim if config.head_dim is not None else config.hidden // config.heads
+    if isinstance(head_dim, bool) or not isinstance(head_dim, (int, np.integer)) or head_dim < 1:
+        raise ValueError(f"head_dim must be a positive int (or None: hidden / heads), got {config.head_dim!r}")
     if head_dim % 2:
         raise ValueError(f"head_dim={head_dim} is odd: rotary embeddings rotate pairs of a head's features")
     check_divisible("ffn", config.ffn, name, tp, "the MLP's hidden units are sharded over TP")

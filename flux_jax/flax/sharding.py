@@ -91,7 +91,8 @@ def sharded_call(
       module: an nnx module whose parameters carry sharding annotations
         (nnx.with_partitioning); inside `fn` it holds this rank's shards.
       fn: per-shard code, e.g. `lambda layer, x: layer(x)`.
-      *args: global arrays, one per entry of `in_specs`.
+      *args: global arrays, one per entry of `in_specs`. On meshes with Explicit axes the
+        arguments and the parameters are resharded to their specs first.
       mesh: the device mesh; every axis is mapped (the fused kernels need that).
       in_specs, out_specs: PartitionSpecs of the arguments and results, as for jax.shard_map.
       axis_names: map only these axes (e.g. {"tp"}); the others stay automatic: the arguments
@@ -121,4 +122,7 @@ def sharded_call(
         )
         return mapped(state, *args)
     mapped = jax.shard_map(per_shard, mesh=mesh, in_specs=(state_specs, *in_specs), out_specs=out_specs)
+    # The parameters too: values put back by hand (nnx.update with host or one-device arrays, a
+    # checkpoint read without shardings) lose their annotation's placement on Explicit meshes.
+    state = jax.tree.map(lambda a, s: place(a, mesh, s), state, state_specs)
     return mapped(state, *(place(a, mesh, s) for a, s in zip(args, in_specs)))
