@@ -106,7 +106,7 @@ def _mesh():
 
 
 # GpuTuning.gemm_kernel values with FP8 instances (cpp/kernels/cuda/gemm_fp8.cu): e4m3 rows take
-# all but 128x160_pp_c2x1, a backward's e5m2 rows the ping-pong 128x128 and 128x160.
+# all but 128x160_pp_c2x1, a backward's e5m2 rows the ping-pong 128x128, 128x160 and 128x192.
 FP8_KERNELS = ("auto", "128x256", "128x128_pp_c2x1", "128x160_pp_c2x1", "128x192_pp_c2x1")
 # (name, impl, kernel spec: KERNEL[/gG][/sS], parse_kernel_spec): the twin first (its error bounds
 # the others').

@@ -143,7 +143,7 @@ class GpuTuning:
         tiles in 2-CTA clusters, the backward's FP8 GEMM on e5m2 rows of dy: the forward's e4m3
         GEMMs keep their rule under it, bfloat16 and float16 have no such instance);
         "128x192_pp_c2x1" (ping-pong 128x192 tiles in 2-CTA clusters: bfloat16 and float16 with
-        the [K, N] weight, FP8 e4m3 rows); "decode": the
+        the [K, N] weight, FP8 e4m3 and e5m2 rows); "decode": the
         decode path's GEMM alone, ag_matmul at tp = 1 on bfloat16 / float16 rows only. A forced
         instance the build lacks for the call is an error.
       gate_probe: 1: at tp = 1 ag_matmul's GEMM waits before every tile's A loads on flags that

@@ -780,7 +780,14 @@ def test_fp8_gemm_rule_and_tile_groups():
         assert auto_kernel("float8_e4m3fn", True, m, k, n, 132, dram_gbps=3352) == "128x128_pp_c2x1"
     for m, k, n in ((4096, 8192, 8192), (8192, 8192, 5120), (4096, 14336, 8192)):  # K >= 8192: cooperative
         assert auto_kernel("float8_e4m3fn", True, m, k, n, 132, dram_gbps=3352) == "128x256"
-    assert auto_kernel("float8_e5m2", True, 16384, 3072, 8192, 132, dram_gbps=3352) == "128x128_pp_c2x1"  # e5m2
+    # e5m2 rows (dx: M x N output, K deep) too, at K <= 4608 (2026-12-06-fp8-e5m2-pingpong-128x192.md)
+    for m, k, n in ((16384, 4096, 2048), (4096, 4608, 3072), (16384, 3072, 8192)):
+        assert auto_kernel("float8_e5m2", True, m, k, n, 132, dram_gbps=3352) == "128x192_pp_c2x1"
+        assert auto_kernel("float8_e5m2", True, m, k, n, 132, dram_gbps=4915) == "128x128_pp_c2x1"
+    for m, k, n in ((8192, 4096, 2048), (4096, 3072, 4096), (4096, 4096, 2048)):  # waves 12.5% longer
+        assert auto_kernel("float8_e5m2", True, m, k, n, 132, dram_gbps=3352) == "128x128_pp_c2x1"
+    assert auto_kernel("float8_e5m2", True, 2048, 5120, 2560, 132, dram_gbps=3352) == "128x160_pp_c2x1"  # 2048 rows
+    assert auto_kernel("float8_e5m2", True, 16384, 8192, 8192, 132, dram_gbps=3352) == "128x128_pp_c2x1"  # K > 4608
     # benchmarks/fp8_gemm.py labels its rule row with the same answer (dx: e5m2 rows, K and N swapped)
     from benchmarks.fp8_gemm import auto_instance
 

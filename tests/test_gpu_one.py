@@ -276,7 +276,7 @@ def test_one_gpu_fp8_middle_dimensions_and_gradients(one_gpu, op):
 E5M2_SHAPES = [(2048, 1024, 2048), (1000, 512, 768), (2048, 2560, 1024)]
 
 
-@pytest.mark.parametrize("kernel", ["auto", "128x128_pp_c2x1", "128x160_pp_c2x1"])
+@pytest.mark.parametrize("kernel", ["auto", "128x128_pp_c2x1", "128x160_pp_c2x1", "128x192_pp_c2x1"])
 @pytest.mark.parametrize("op", ["ag", "rs"])
 @pytest.mark.parametrize("shape", E5M2_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_one_gpu_fp8_backward_e5m2_gemm_matches_the_quantized_product(one_gpu, kernel, op, shape):

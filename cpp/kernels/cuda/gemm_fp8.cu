@@ -8,6 +8,8 @@
 //                                 at most 5% longer than 128x256's (either of the two above)
 //   e5m2 x e4m3, 128x128 pp, 2x1  the backward's dy rows (e5m2) times the weight
 //   e5m2 x e4m3, 128x160 pp, 2x1  the same where 160-column tiles make fewer waves
+//   e5m2 x e4m3, 128x192 pp, 2x1  the same on GPUs below PingpongAtManyWaves' DRAM line (an
+//                                 H100) at K <= 4608, where its waves are at most 5% longer
 // One file: the instances share most of their template instantiation (see gemm_bf16_kmajor.cu).
 #define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED  // m64n160 atoms; other tiles keep their standard atoms
 #include "gemm_fp8_instance.cuh"
@@ -21,3 +23,5 @@ FLUX_JAX_DEFINE_GEMM_INSTANCE(RunGemm_e5m2_bf16_pp128_c2x1,
                               GemmInstanceFp8<cutlass::float_e5m2_t, cutlass::bfloat16_t, kGemmBlockN128, 2, true>)
 FLUX_JAX_DEFINE_GEMM_INSTANCE(RunGemm_e5m2_bf16_pp160_c2x1,
                               GemmInstanceFp8<cutlass::float_e5m2_t, cutlass::bfloat16_t, kGemmBlockN160, 2, true>)
+FLUX_JAX_DEFINE_GEMM_INSTANCE(RunGemm_e5m2_bf16_pp192_c2x1,
+                              GemmInstanceFp8<cutlass::float_e5m2_t, cutlass::bfloat16_t, kGemmBlockNNarrow, 2, true>)

@@ -192,7 +192,8 @@ inline bool PreferPingpongShortK(DType dtype, bool b_kmajor, int64_t m, int64_t 
 // (bf16 4096 x 2048 x 4096 1.033 -> 1.155), as did 2048 rows, where the waves are few, and FP8 at
 // K >= 8192 (by 1.5-3.5%: a long K loop hides the cooperative epilogue), so FP8 asks it at K <=
 // 4096 only; bf16 at K >= 4096 within 1% of 128x256
-// (docs/decisions/2026-12-05-pingpong-128x192.md). Not measured on an H200.
+// (docs/decisions/2026-12-05-pingpong-128x192.md). Not measured on an H200. A backward's e5m2 rows
+// ask it at K <= 4608 (kFp8E5m2Pingpong192MaxK).
 inline bool PreferPingpong192(int64_t m, int64_t n, int32_t cooperative_block_n, int sm_count, int dram_gbps) {
   return !PingpongAtManyWaves(dram_gbps) && m > 2048 && sm_count > 0 &&
          WaveSpan(m, n, kGemmBlockNNarrow, sm_count) * 20 <= WaveSpan(m, n, cooperative_block_n, sm_count) * 21;
@@ -300,13 +301,21 @@ inline bool PreferFp8Pingpong160(int64_t m, int64_t n, int sm_count) {
 // (docs/decisions/2026-12-01-gemm-instances.md); at 16384-row outputs it won at K = 3072 and 4096
 // (1.04 against 1.09-1.11) and lost at K = 8192 (docs/decisions/2026-12-04-fp8-pingpong-at-short-k.md);
 // on an H100 it lost at K = 3072 too, so there it needs outputs below 8192 x 8192 (PingpongAtManyWaves).
-// e5m2 rows (a backward's dy) run ping-pong 2x1 at every size: 128x160 tiles where
-// PreferFp8Pingpong160 says, else 128x128. GpuTuning.gemm_kernel forces one of the instances the
+// e5m2 rows (a backward's dy) run ping-pong 2x1 at every size: 128x192 tiles where
+// PreferPingpong192 says (K <= kFp8E5m2Pingpong192MaxK), else 128x160 where PreferFp8Pingpong160
+// says, else 128x128. GpuTuning.gemm_kernel forces one of the instances the
 // row format has. The row scales come from `fp8` (the caller offsets them for launches that start
 // below row 0 of x).
 // Ping-pong at 8192 x 8192 outputs and more up to this K where PingpongAtManyWaves (below them
 // unless Fp8CooperativeByWaves).
 inline constexpr int64_t kFp8PingpongMaxK = 4096;
+// e5m2 rows (dx = dy w^T) take ping-pong 128x192 where PreferPingpong192 says, up to this K (the
+// largest measured). H100 SXM, ours / XLA's FP8 GEMM, M x N output, K deep, ping-pong 128x128 ->
+// 128x192 where the rule now takes it: 16384 x 2048, K = 4096 1.111 -> 0.994; 4096 x 3072, K =
+// 4608 1.069 -> 0.989; where PreferPingpong192 does not (waves more than 5% longer, 2048 rows) it
+// lost 5-12% (4096 x 4096, K = 3072 1.028 -> 1.080), except 8192 x 2048, K = 4096 (1.100 ->
+// 1.074) (docs/decisions/2026-12-06-fp8-e5m2-pingpong-128x192.md).
+inline constexpr int64_t kFp8E5m2Pingpong192MaxK = 4608;
 
 // Below 8192 x 8192 outputs: cooperative 128x256 at K >= 8192 where 128x256 tiles make at least
 // 4 waves and give each SM no more columns than 128x128 tiles' waves (WaveSpan): the regime of
@@ -331,14 +340,15 @@ inline Status ChooseFp8GemmInstance(const CommConfig& cfg, const Fp8Operands& fp
   const bool pingpong_by_shape = (below_8192_squared && !Fp8CooperativeByWaves(m, n, k, sm_count)) ||
                                  (k <= kFp8PingpongMaxK && PingpongAtManyWaves(dram_gbps));
   if (fp8.x_e5m2 && !by_rule && kernel != GemmKernel::k128x128PingpongCluster2x1 &&
-      kernel != GemmKernel::k128x160PingpongCluster2x1) {
+      kernel != GemmKernel::k128x160PingpongCluster2x1 && kernel != GemmKernel::k128x192PingpongCluster2x1) {
     return Status::InvalidArgument(
-        "flux_jax: e5m2 rows run the ping-pong FP8 instances 128x128 and 128x160 only (GpuTuning.gemm_kernel: auto, "
-        "128x128_pp_c2x1 or 128x160_pp_c2x1)");
+        "flux_jax: e5m2 rows run the ping-pong FP8 instances 128x128, 128x160 and 128x192 only "
+        "(GpuTuning.gemm_kernel: auto, 128x128_pp_c2x1, 128x160_pp_c2x1 or 128x192_pp_c2x1)");
   }
+  const int64_t pingpong192_max_k = fp8.x_e5m2 ? kFp8E5m2Pingpong192MaxK : kFp8PingpongMaxK;
   const bool pingpong192 =
       kernel == GemmKernel::k128x192PingpongCluster2x1 ||
-      (by_rule && !fp8.x_e5m2 && k <= kFp8PingpongMaxK && PreferPingpong192(m, n, kGemmBlockN, sm_count, dram_gbps));
+      (by_rule && k <= pingpong192_max_k && PreferPingpong192(m, n, kGemmBlockN, sm_count, dram_gbps));
   if (pingpong192) {
     plan->block_n = kGemmBlockNNarrow;
     plan->cluster_m = 2;
