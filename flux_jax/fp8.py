@@ -427,11 +427,10 @@ def gathered_matmul(
     per row, gather the FP8 rows and (alongside) their scales, FP8 GEMM. Returns [out] or
     [out, AG(x) dequantized in x's dtype].
 
-    `blocking_gather` (our collective, whose CPU handler blocks a thread of XLA:CPU until its
-    peers arrive): the scales are gathered after the rows. Two independent blocking calls let
-    XLA:CPU start them in either order on each device, and with its threads held by other
-    waiting calls a device can wait in one while its peer waits in the other until the timeout
-    (measured: FP8 training of float32 layers timed out at TP 4 on a 2-core host)."""
+    `blocking_gather` (our collective, whose calls wait for their peers): the scales are gathered
+    after the rows, so that every device runs the two in one order. Independent, XLA may start
+    them in either order on each device; while waiting calls held XLA:CPU's threads that timed
+    out FP8 training of float32 layers at TP 4 on a 2-core host (docs/design.md)."""
     xq, xs = quantize_rows(x, recipe, grad)
     wq, ws, wq_transposed = gemm_weight(w, recipe, transpose_w)
     xq_full = gather(xq)

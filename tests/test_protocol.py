@@ -96,6 +96,28 @@ def test_independent_calls_that_xla_may_run_concurrently():
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
 
 
+def test_many_independent_calls_hold_no_xla_thread_while_they_wait():
+    """64 independent fused calls at TP 8 on CI's 2 cores: each call waits for its peers on a
+    thread of its own (cpp/ffi/cpu_async.h). While the waits held XLA:CPU's threads, 32 such
+    calls timed out: a device waited in one call while its peers' threads waited in others."""
+    mesh = cpu_mesh((8,), ("tp",))
+    rng = np.random.default_rng()
+    x = random_array(rng, (64, 32), "float32")
+    ws = [random_array(rng, (32, 64), "float32") / 8 for _ in range(64)]
+
+    def body(x, *ws):
+        return [flux_jax.ag_matmul(x, w, axis_name="tp", impl="fused") for w in ws]
+
+    specs = (P("tp"),) + (P(None, "tp"),) * 64
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=[P(None, "tp")] * 64))
+    with flux_jax.config(timeout_s=20.0):
+        got = f(place(mesh, x, P("tp")), *[place(mesh, w, P(None, "tp")) for w in ws])
+    for w, out in zip(ws, got):
+        np.testing.assert_allclose(
+            np.asarray(out), np.asarray(x, np.float64) @ np.asarray(w, np.float64), rtol=1e-5, atol=1e-5
+        )
+
+
 @pytest.mark.parametrize("op", ["ag", "rs"])
 def test_bitwise_deterministic_across_runs(op):
     mesh = cpu_mesh((8,), ("tp",))

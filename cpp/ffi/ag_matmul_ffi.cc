@@ -3,6 +3,7 @@
 #include <optional>
 
 #include "attrs.h"
+#include "cpu_async.h"
 #include "ffi_common.h"
 #include "flux_jax/ag_matmul.h"
 #include "handler_stats.h"
@@ -44,33 +45,38 @@ Status MakeParams(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::RemainingArgs& scales
   return AgMatmulCanImplement(*p, group);
 }
 
-// `stream` is null on CPU. `host_rank` is lax.axis_index, cross-checked against
-// the mesh table: on CPU only. On GPU the rank would live in device memory, so the
-// GPU lowering does not pass it (computing it cost a ~1 us convert kernel per call).
-ffi::Error AgMatmul(void* stream, int32_t device_ordinal, std::optional<int32_t> host_rank, ffi::AnyBuffer x,
-                    ffi::AnyBuffer w, ffi::RemainingArgs scales, ffi::Result<ffi::AnyBuffer> out,
-                    ffi::RemainingRets extra, const GemmAttrs& attrs) {
-  ScopedHandlerTimer timer(HandlerOp::kAgMatmul);
+// `host_rank` is lax.axis_index, cross-checked against the mesh table: on CPU only. On GPU the
+// rank would live in device memory, so the GPU lowering does not pass it (computing it cost a
+// ~1 us convert kernel per call).
+Status Decode(Platform platform, int32_t device_ordinal, std::optional<int32_t> host_rank, ffi::AnyBuffer x,
+              ffi::AnyBuffer w, ffi::RemainingArgs& scales, ffi::Result<ffi::AnyBuffer> out, ffi::RemainingRets& extra,
+              const GemmAttrs& attrs, TpGroup* group, CommConfig* cfg, AgMatmulParams* p) {
+  FLUX_JAX_RETURN_IF_ERROR(DecodeGemm(attrs, platform, device_ordinal, host_rank, group, cfg));
+  return MakeParams(x, w, scales, out, extra, attrs, *group, p);
+}
+
+ffi::Future AgMatmulCpu(int32_t device_ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> rank,
+                        ffi::RemainingArgs scales, ffi::Result<ffi::AnyBuffer> out, ffi::RemainingRets extra,
+                        GemmAttrs attrs) {
   TpGroup group;
   CommConfig cfg;
   AgMatmulParams p;
-  const Platform platform = stream ? Platform::kCuda : Platform::kCpu;
-  Status s = DecodeGemm(attrs, platform, device_ordinal, host_rank, &group, &cfg);
-  if (s.ok()) s = MakeParams(x, w, scales, out, extra, attrs, group, &p);
-  if (s.ok()) s = stream ? RunAgMatmulCuda(p, group, cfg, stream) : RunAgMatmulCpu(p, group, cfg);
-  return ToFfiError(s);
-}
-
-ffi::Error AgMatmulCpu(int32_t device_ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> rank,
-                       ffi::RemainingArgs scales, ffi::Result<ffi::AnyBuffer> out, ffi::RemainingRets extra,
-                       GemmAttrs attrs) {
-  return AgMatmul(nullptr, device_ordinal, rank.typed_data()[0], x, w, scales, out, extra, attrs);
+  Status s =
+      Decode(Platform::kCpu, device_ordinal, rank.typed_data()[0], x, w, scales, out, extra, attrs, &group, &cfg, &p);
+  if (!s.ok()) return FailedFuture(s);
+  return RunOnOwnThread(HandlerOp::kAgMatmul, [p, group, cfg] { return RunAgMatmulCpu(p, group, cfg); });
 }
 
 ffi::Error AgMatmulCuda(void* stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
                         ffi::RemainingArgs scales, ffi::Result<ffi::AnyBuffer> out, ffi::RemainingRets extra,
                         GemmAttrs attrs) {
-  return AgMatmul(stream, device_ordinal, std::nullopt, x, w, scales, out, extra, attrs);
+  ScopedHandlerTimer timer(HandlerOp::kAgMatmul);
+  TpGroup group;
+  CommConfig cfg;
+  AgMatmulParams p;
+  Status s = Decode(Platform::kCuda, device_ordinal, std::nullopt, x, w, scales, out, extra, attrs, &group, &cfg, &p);
+  if (s.ok()) s = RunAgMatmulCuda(p, group, cfg, stream);
+  return ToFfiError(s);
 }
 
 }  // namespace

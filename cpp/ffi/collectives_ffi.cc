@@ -3,6 +3,7 @@
 #include <optional>
 
 #include "attrs.h"
+#include "cpu_async.h"
 #include "ffi_common.h"
 #include "flux_jax/collectives.h"
 #include "handler_stats.h"
@@ -36,47 +37,47 @@ Status MakeParams(Collective op, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> o
   return CheckElements("reduce_scatter out", out->element_count(), p->rows / group.size * p->cols);
 }
 
-// `stream` is null on CPU; `host_rank` only there (see ag_matmul_ffi.cc).
-template <Collective op>
-ffi::Error Run(void* stream, int32_t device_ordinal, std::optional<int32_t> host_rank, ffi::AnyBuffer x,
-               ffi::Result<ffi::AnyBuffer> out, const CollectiveAttrs& attrs) {
-  ScopedHandlerTimer timer(op == Collective::kAllGather ? HandlerOp::kAllGather : HandlerOp::kReduceScatter);
-  TpGroup group;
-  CommConfig cfg;
-  CollectiveParams p;
-  const Platform platform = stream ? Platform::kCuda : Platform::kCpu;
-  Status s = DecodeCommon(attrs, platform, device_ordinal, host_rank, &group, &cfg);
-  if (s.ok()) s = MakeParams(op, x, out, group, &p);
-  if (s.ok()) {
-    if (op == Collective::kAllGather) {
-      s = stream ? RunAllGatherCuda(p, group, cfg, stream) : RunAllGatherCpu(p, group, cfg);
-    } else {
-      s = stream ? RunReduceScatterCuda(p, group, cfg, stream) : RunReduceScatterCpu(p, group, cfg);
-    }
-  }
-  return ToFfiError(s);
+constexpr HandlerOp TimerOp(Collective op) {
+  return op == Collective::kAllGather ? HandlerOp::kAllGather : HandlerOp::kReduceScatter;
 }
 
 template <Collective op>
-ffi::Error RunCpu(int32_t device_ordinal, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> out,
-                  CollectiveAttrs attrs) {
-  return Run<op>(nullptr, device_ordinal, rank.typed_data()[0], x, out, attrs);
+ffi::Future RunCpu(int32_t device_ordinal, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank,
+                   ffi::Result<ffi::AnyBuffer> out, CollectiveAttrs attrs) {
+  TpGroup group;
+  CommConfig cfg;
+  CollectiveParams p;
+  Status s = DecodeCommon(attrs, Platform::kCpu, device_ordinal, rank.typed_data()[0], &group, &cfg);
+  if (s.ok()) s = MakeParams(op, x, out, group, &p);
+  if (!s.ok()) return FailedFuture(s);
+  return RunOnOwnThread(TimerOp(op), [p, group, cfg] {
+    return op == Collective::kAllGather ? RunAllGatherCpu(p, group, cfg) : RunReduceScatterCpu(p, group, cfg);
+  });
 }
 
 template <Collective op>
 ffi::Error RunCuda(void* stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
                    CollectiveAttrs attrs) {
-  return Run<op>(stream, device_ordinal, std::nullopt, x, out, attrs);
-}
-
-// all_reduce: out has x's shape; every rank gets the rank-ordered sum.
-ffi::Error RunAllReduce(void* stream, int32_t device_ordinal, std::optional<int32_t> host_rank, ffi::AnyBuffer x,
-                        ffi::Result<ffi::AnyBuffer> out, const CollectiveAttrs& attrs) {
-  ScopedHandlerTimer timer(HandlerOp::kAllReduce);
+  ScopedHandlerTimer timer(TimerOp(op));
   TpGroup group;
   CommConfig cfg;
   CollectiveParams p;
-  const Platform platform = stream ? Platform::kCuda : Platform::kCpu;
+  Status s = DecodeCommon(attrs, Platform::kCuda, device_ordinal, std::nullopt, &group, &cfg);
+  if (s.ok()) s = MakeParams(op, x, out, group, &p);
+  if (s.ok()) {
+    s = op == Collective::kAllGather ? RunAllGatherCuda(p, group, cfg, stream)
+                                     : RunReduceScatterCuda(p, group, cfg, stream);
+  }
+  return ToFfiError(s);
+}
+
+// all_reduce: out has x's shape; every rank gets the rank-ordered sum.
+Status DecodeAllReduce(Platform platform, int32_t device_ordinal, std::optional<int32_t> host_rank, ffi::AnyBuffer x,
+                       ffi::Result<ffi::AnyBuffer> out, const CollectiveAttrs& attrs, TpGroup* group_out,
+                       CommConfig* cfg_out, CollectiveParams* p_out) {
+  TpGroup& group = *group_out;
+  CommConfig& cfg = *cfg_out;
+  CollectiveParams& p = *p_out;
   Status s = DecodeCommon(attrs, platform, device_ordinal, host_rank, &group, &cfg);
   Folded xf;
   if (s.ok()) s = Fold(x, "all_reduce", &xf);
@@ -92,18 +93,28 @@ ffi::Error RunAllReduce(void* stream, int32_t device_ordinal, std::optional<int3
     s = CheckElements("all_reduce out", out->element_count(), p.rows * p.cols);
   }
   if (s.ok()) s = AllReduceCanImplement(p, group);
-  if (s.ok()) s = stream ? RunAllReduceCuda(p, group, cfg, stream) : RunAllReduceCpu(p, group, cfg);
-  return ToFfiError(s);
+  return s;
 }
 
-ffi::Error RunAllReduceCpuHandler(int32_t device_ordinal, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank,
-                                  ffi::Result<ffi::AnyBuffer> out, CollectiveAttrs attrs) {
-  return RunAllReduce(nullptr, device_ordinal, rank.typed_data()[0], x, out, attrs);
+ffi::Future RunAllReduceCpuHandler(int32_t device_ordinal, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank,
+                                   ffi::Result<ffi::AnyBuffer> out, CollectiveAttrs attrs) {
+  TpGroup group;
+  CommConfig cfg;
+  CollectiveParams p;
+  Status s = DecodeAllReduce(Platform::kCpu, device_ordinal, rank.typed_data()[0], x, out, attrs, &group, &cfg, &p);
+  if (!s.ok()) return FailedFuture(s);
+  return RunOnOwnThread(HandlerOp::kAllReduce, [p, group, cfg] { return RunAllReduceCpu(p, group, cfg); });
 }
 
 ffi::Error RunAllReduceCudaHandler(void* stream, int32_t device_ordinal, ffi::AnyBuffer x,
                                    ffi::Result<ffi::AnyBuffer> out, CollectiveAttrs attrs) {
-  return RunAllReduce(stream, device_ordinal, std::nullopt, x, out, attrs);
+  ScopedHandlerTimer timer(HandlerOp::kAllReduce);
+  TpGroup group;
+  CommConfig cfg;
+  CollectiveParams p;
+  Status s = DecodeAllReduce(Platform::kCuda, device_ordinal, std::nullopt, x, out, attrs, &group, &cfg, &p);
+  if (s.ok()) s = RunAllReduceCuda(p, group, cfg, stream);
+  return ToFfiError(s);
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 #include <optional>
 
 #include "attrs.h"
+#include "cpu_async.h"
 #include "ffi_common.h"
 #include "flux_jax/matmul_rs.h"
 #include "handler_stats.h"
@@ -33,29 +34,33 @@ Status MakeParams(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::RemainingArgs& scales
   return CheckElements("matmul_rs out", out->element_count(), p->m / group.size * p->n);
 }
 
-// `stream` is null on CPU; `host_rank` only there (see ag_matmul_ffi.cc).
-ffi::Error MatmulRs(void* stream, int32_t device_ordinal, std::optional<int32_t> host_rank, ffi::AnyBuffer x,
-                    ffi::AnyBuffer w, ffi::RemainingArgs scales, ffi::Result<ffi::AnyBuffer> out,
-                    const GemmAttrs& attrs) {
-  ScopedHandlerTimer timer(HandlerOp::kMatmulRs);
+// `host_rank` on CPU only (see ag_matmul_ffi.cc).
+Status Decode(Platform platform, int32_t device_ordinal, std::optional<int32_t> host_rank, ffi::AnyBuffer x,
+              ffi::AnyBuffer w, ffi::RemainingArgs& scales, ffi::Result<ffi::AnyBuffer> out, const GemmAttrs& attrs,
+              TpGroup* group, CommConfig* cfg, MatmulRsParams* p) {
+  FLUX_JAX_RETURN_IF_ERROR(DecodeGemm(attrs, platform, device_ordinal, host_rank, group, cfg));
+  return MakeParams(x, w, scales, out, attrs, *group, p);
+}
+
+ffi::Future MatmulRsCpu(int32_t device_ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> rank,
+                        ffi::RemainingArgs scales, ffi::Result<ffi::AnyBuffer> out, GemmAttrs attrs) {
   TpGroup group;
   CommConfig cfg;
   MatmulRsParams p;
-  const Platform platform = stream ? Platform::kCuda : Platform::kCpu;
-  Status s = DecodeGemm(attrs, platform, device_ordinal, host_rank, &group, &cfg);
-  if (s.ok()) s = MakeParams(x, w, scales, out, attrs, group, &p);
-  if (s.ok()) s = stream ? RunMatmulRsCuda(p, group, cfg, stream) : RunMatmulRsCpu(p, group, cfg);
-  return ToFfiError(s);
-}
-
-ffi::Error MatmulRsCpu(int32_t device_ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> rank,
-                       ffi::RemainingArgs scales, ffi::Result<ffi::AnyBuffer> out, GemmAttrs attrs) {
-  return MatmulRs(nullptr, device_ordinal, rank.typed_data()[0], x, w, scales, out, attrs);
+  Status s = Decode(Platform::kCpu, device_ordinal, rank.typed_data()[0], x, w, scales, out, attrs, &group, &cfg, &p);
+  if (!s.ok()) return FailedFuture(s);
+  return RunOnOwnThread(HandlerOp::kMatmulRs, [p, group, cfg] { return RunMatmulRsCpu(p, group, cfg); });
 }
 
 ffi::Error MatmulRsCuda(void* stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
                         ffi::RemainingArgs scales, ffi::Result<ffi::AnyBuffer> out, GemmAttrs attrs) {
-  return MatmulRs(stream, device_ordinal, std::nullopt, x, w, scales, out, attrs);
+  ScopedHandlerTimer timer(HandlerOp::kMatmulRs);
+  TpGroup group;
+  CommConfig cfg;
+  MatmulRsParams p;
+  Status s = Decode(Platform::kCuda, device_ordinal, std::nullopt, x, w, scales, out, attrs, &group, &cfg, &p);
+  if (s.ok()) s = RunMatmulRsCuda(p, group, cfg, stream);
+  return ToFfiError(s);
 }
 
 }  // namespace
