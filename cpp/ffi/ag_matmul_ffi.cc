@@ -63,8 +63,7 @@ ffi::Future AgMatmulCpu(int32_t device_ordinal, ffi::AnyBuffer x, ffi::AnyBuffer
   AgMatmulParams p;
   Status s =
       Decode(Platform::kCpu, device_ordinal, rank.typed_data()[0], x, w, scales, out, extra, attrs, &group, &cfg, &p);
-  if (!s.ok()) return FailedFuture(s);
-  return RunOnOwnThread(HandlerOp::kAgMatmul, [p, group, cfg] { return RunAgMatmulCpu(p, group, cfg); });
+  return RunOnOwnThread(HandlerOp::kAgMatmul, s, p, group, cfg, RunAgMatmulCpu);
 }
 
 ffi::Error AgMatmulCuda(void* stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,

@@ -49,10 +49,8 @@ ffi::Future RunCpu(int32_t device_ordinal, ffi::AnyBuffer x, ffi::Buffer<ffi::S3
   CollectiveParams p;
   Status s = DecodeCommon(attrs, Platform::kCpu, device_ordinal, rank.typed_data()[0], &group, &cfg);
   if (s.ok()) s = MakeParams(op, x, out, group, &p);
-  if (!s.ok()) return FailedFuture(s);
-  return RunOnOwnThread(TimerOp(op), [p, group, cfg] {
-    return op == Collective::kAllGather ? RunAllGatherCpu(p, group, cfg) : RunReduceScatterCpu(p, group, cfg);
-  });
+  return RunOnOwnThread(TimerOp(op), s, p, group, cfg,
+                        op == Collective::kAllGather ? RunAllGatherCpu : RunReduceScatterCpu);
 }
 
 template <Collective op>
@@ -102,8 +100,7 @@ ffi::Future RunAllReduceCpuHandler(int32_t device_ordinal, ffi::AnyBuffer x, ffi
   CommConfig cfg;
   CollectiveParams p;
   Status s = DecodeAllReduce(Platform::kCpu, device_ordinal, rank.typed_data()[0], x, out, attrs, &group, &cfg, &p);
-  if (!s.ok()) return FailedFuture(s);
-  return RunOnOwnThread(HandlerOp::kAllReduce, [p, group, cfg] { return RunAllReduceCpu(p, group, cfg); });
+  return RunOnOwnThread(HandlerOp::kAllReduce, s, p, group, cfg, RunAllReduceCpu);
 }
 
 ffi::Error RunAllReduceCudaHandler(void* stream, int32_t device_ordinal, ffi::AnyBuffer x,

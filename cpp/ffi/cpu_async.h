@@ -27,16 +27,20 @@ inline ffi::Future FailedFuture(const Status& s) {
   return future;
 }
 
-// `run` returns a Status and holds only copies of decoded parameters (no FFI views).
-template <typename Run>
-ffi::Future RunOnOwnThread(HandlerOp op, Run run) {
+// A CPU handler's tail: `decoded` is its decode's Status (an error fails the future at once),
+// `p`, `group` and `cfg` what it decoded, `run` the backend (RunAgMatmulCpu, ...). The thread
+// holds copies of them, no FFI views.
+template <typename Params>
+ffi::Future RunOnOwnThread(HandlerOp op, const Status& decoded, const Params& p, const TpGroup& group,
+                           const CommConfig& cfg, Status (*run)(const Params&, const TpGroup&, const CommConfig&)) {
+  if (!decoded.ok()) return FailedFuture(decoded);
   ffi::Promise promise;
   ffi::Future future(promise);
-  auto body = [promise, op, run]() mutable {
+  auto body = [promise, op, p, group, cfg, run]() mutable {
     Status s;
     {
       ScopedHandlerTimer timer(op);
-      s = run();
+      s = run(p, group, cfg);
     }
     if (s.ok()) {
       promise.SetAvailable();

@@ -48,8 +48,7 @@ ffi::Future MatmulArCpu(int32_t device_ordinal, ffi::AnyBuffer x, ffi::AnyBuffer
   CommConfig cfg;
   MatmulArParams p;
   Status s = Decode(Platform::kCpu, device_ordinal, rank.typed_data()[0], x, w, scales, out, attrs, &group, &cfg, &p);
-  if (!s.ok()) return FailedFuture(s);
-  return RunOnOwnThread(HandlerOp::kMatmulAr, [p, group, cfg] { return RunMatmulArCpu(p, group, cfg); });
+  return RunOnOwnThread(HandlerOp::kMatmulAr, s, p, group, cfg, RunMatmulArCpu);
 }
 
 ffi::Error MatmulArCuda(void* stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,

@@ -48,8 +48,7 @@ ffi::Future MatmulRsCpu(int32_t device_ordinal, ffi::AnyBuffer x, ffi::AnyBuffer
   CommConfig cfg;
   MatmulRsParams p;
   Status s = Decode(Platform::kCpu, device_ordinal, rank.typed_data()[0], x, w, scales, out, attrs, &group, &cfg, &p);
-  if (!s.ok()) return FailedFuture(s);
-  return RunOnOwnThread(HandlerOp::kMatmulRs, [p, group, cfg] { return RunMatmulRsCpu(p, group, cfg); });
+  return RunOnOwnThread(HandlerOp::kMatmulRs, s, p, group, cfg, RunMatmulRsCpu);
 }
 
 ffi::Error MatmulRsCuda(void* stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
