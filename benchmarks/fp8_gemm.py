@@ -12,7 +12,8 @@ tensor), two programs over a mesh axis of size 1:
         (its rule: ping-pong 128x128 tiles in 2x1 clusters below 8192 x 8192 outputs, except at
         K >= 8192 where 128x256 tiles' waves tie, and at K <= 4096 on GPUs with 4 TB/s of DRAM or
         more; else 128x256 tiles; below 4 TB/s, above 2048 rows, ping-pong 128x192 where its
-        waves are at most 5% longer). On a GPU its line and row name the instance the rule runs
+        waves are at most 5% longer than 128x256's, and at 2048 rows or fewer where they are no
+        longer than ping-pong 128x128's). On a GPU its line and row name the instance the rule runs
         there ("flux (auto = 128x256/g8)", `auto_instance`)
   flux:128x256, flux:128x128_pp_c2x1  the same with one FP8 instance forced through the private
         GpuTuning.gemm_kernel (`--no-forced` leaves them out)

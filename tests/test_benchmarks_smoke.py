@@ -778,6 +778,25 @@ def test_fp8_gemm_rule_and_tile_groups():
         assert auto_kernel("float8_e4m3fn", True, m, k, n, 132) == "128x128_pp_c2x1"  # unknown: the H200 rule
     for m, k, n in ((2048, 2560, 5120), (2048, 8192, 5120)):  # 2048 rows: 4 x 192 columns against 5 x 128
         assert auto_kernel("float8_e4m3fn", True, m, k, n, 132, dram_gbps=3352) == "128x128_pp_c2x1"
+    # 2048 rows or fewer: ping-pong 128x192 in place of the ping-pong tile where its waves give each SM
+    # no more columns, at any K (docs/decisions/2026-12-06-fp8-pingpong-128x192-at-2048-rows.md)
+    for m, k, n in ((2048, 4096, 1536), (2048, 3072, 3072), (2048, 8192, 3072), (2048, 4096, 6144)):
+        assert auto_kernel("float8_e4m3fn", True, m, k, n, 132, dram_gbps=3352) == "128x192_pp_c2x1"
+        assert auto_kernel("float8_e4m3fn", True, m, k, n, 132, dram_gbps=4915) == "128x128_pp_c2x1"
+    assert (
+        auto_kernel("float8_e4m3fn", True, 2048, 5120, 4096, 132, dram_gbps=3352) == "128x128_pp_c2x1"
+    )  # 3 x 192 > 4 x 128
+    assert (
+        auto_kernel("float8_e4m3fn", True, 1024, 4096, 3072, 132, dram_gbps=3352) == "128x192_pp_c2x1"
+    )  # 1 x 192 < 2 x 128
+    assert (
+        auto_kernel("float8_e4m3fn", True, 512, 4096, 8192, 132, dram_gbps=3352) == "128x128_pp_c2x1"
+    )  # 2 x 192 > 2 x 128
+    assert auto_kernel("float8_e5m2", True, 2048, 8192, 3072, 132, dram_gbps=3352) == "128x192_pp_c2x1"  # dx, K 8192
+    assert (
+        auto_kernel("float8_e5m2", True, 2048, 3072, 4096, 132, dram_gbps=3352) == "128x128_pp_c2x1"
+    )  # 3 x 192 > 4 x 128
+    assert auto_kernel("float8_e5m2", True, 2048, 8192, 3072, 132, dram_gbps=4915) == "128x128_pp_c2x1"
     for m, k, n in ((4096, 8192, 8192), (8192, 8192, 5120), (4096, 14336, 8192)):  # K >= 8192: cooperative
         assert auto_kernel("float8_e4m3fn", True, m, k, n, 132, dram_gbps=3352) == "128x256"
     # e5m2 rows (dx: M x N output, K deep) too, at K <= 4608 (2026-12-06-fp8-e5m2-pingpong-128x192.md)
