@@ -155,6 +155,33 @@ elif scenario in ("peer_dies", "peer_killed"):
         result["error"] = str(e)
     print("RESULT " + json.dumps(result), flush=True)
     os._exit(0)  # the coordinator lost a peer; do not wait for a clean shutdown
+elif scenario == "peer_throws":
+    # Process 1 caps its address space after a good call, so its ranks' protocol threads throw
+    # std::bad_alloc on the float copy of w (64 MiB each); process 0's ranks are waiting for them.
+    # Both processes must survive with an error, process 0's well before its timeout.
+    import resource
+
+    mesh = jax.make_mesh((8,), ("tp",), axis_types=(AxisType.Explicit,))
+    k, n = 4096, 8 * 4096  # per rank w [4096, 4096] float32: 64 MiB, its float copy as much
+    x = global_array(mesh, P("tp", None), np.ones((64, k), np.float32))
+    w = jax.jit(lambda: jnp.ones((k, n), jnp.float32), out_shardings=NamedSharding(mesh, P(None, "tp")))()
+    compiled = ag_matmul_fn(mesh, "fused").lower(x, w).compile()
+    result["session"] = flux_jax._distributed.process_info().session
+    jax.block_until_ready(compiled(x, w))
+    sync(flux_jax._distributed._client(), "warm")
+    if process_id == 1:
+        with open("/proc/self/status") as f:
+            vm = int(next(line for line in f if line.startswith("VmSize")).split()[1]) * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (vm + (48 << 20), resource.RLIM_INFINITY))
+    t0 = time.time()
+    try:
+        jax.block_until_ready(compiled(x, w))
+        result["error"] = None
+    except Exception as e:  # noqa: BLE001 - the point is the message
+        result["error"] = str(e)
+    result["failing_call_s"] = time.time() - t0
+    print("RESULT " + json.dumps(result), flush=True)
+    os._exit(0)
 elif scenario in ("squat_legacy", "squat_exact"):
     # Another local user pre-creates segment names. squat_legacy: the names the channel used to
     # take (job token + call-site counter, mode 0666, never sized); the ops must not notice.

@@ -129,6 +129,20 @@ def test_dead_peer_process_is_an_error_naming_the_missing_rank():
 
 
 @pytest.mark.slow
+def test_exception_in_a_peer_fails_its_call_and_the_survivor_at_once():
+    """Process 1's protocol threads throw (std::bad_alloc under an address-space cap): its call
+    fails with the exception named, the process lives on, and process 0's ranks, waiting for it,
+    fail at once with the rank that left the call, not at their 30 s timeout."""
+    results, _ = _run("peer_throws", timeout_s="30")
+    thrower, survivor = results[1], results[0]
+    assert thrower["error"] is not None and "bad_alloc" in thrower["error"], thrower
+    assert "(cpu backend): rank" in thrower["error"], thrower
+    assert survivor["error"] is not None, "process 0 returned a result although its peers threw"
+    assert "before finishing it" in survivor["error"] and "of TP group 0" in survivor["error"], survivor
+    assert survivor["failing_call_s"] < 15, survivor
+
+
+@pytest.mark.slow
 def test_killed_peer_leaves_no_segment_in_dev_shm():
     """Process 1 is SIGKILLed after a good call: process 0 fails with the diagnostic, and
     neither process leaves a segment behind (they are unlinked once every process mapped them)."""

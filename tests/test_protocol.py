@@ -3,6 +3,10 @@ program, injected jitter, independent calls XLA may run concurrently,
 bitwise determinism, and bounded waits that fail clearly instead of hanging."""
 
 import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -116,6 +120,46 @@ def test_many_independent_calls_hold_no_xla_thread_while_they_wait():
         np.testing.assert_allclose(
             np.asarray(out), np.asarray(x, np.float64) @ np.asarray(w, np.float64), rtol=1e-5, atol=1e-5
         )
+
+
+# Runs in a child: caps its address space after a warm run, so that no thread can be started.
+_NO_THREADS = """
+import os, resource
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax, numpy as np
+from jax.sharding import PartitionSpec as P
+import flux_jax
+from helpers import cpu_mesh, place, random_array
+mesh = cpu_mesh((8,), ("tp",))
+rng = np.random.default_rng(0)
+x = place(mesh, random_array(rng, (64, 32), "float32"), P("tp"))
+ws = [place(mesh, random_array(rng, (32, 64), "float32") / 8, P(None, "tp")) for _ in range(16)]
+body = lambda x, *ws: [flux_jax.ag_matmul(x, w, axis_name="tp", impl="fused") for w in ws]
+f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp"),) + (P(None, "tp"),) * 16, out_specs=[P(None, "tp")] * 16))
+with flux_jax.config(timeout_s=5.0):
+    c = f.lower(x, *ws).compile()
+    jax.block_until_ready(c(x, *ws))
+    with open("/proc/self/status") as fh:
+        vm = int(next(line for line in fh if line.startswith("VmSize")).split()[1]) * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (vm + (48 << 20), resource.RLIM_INFINITY))
+    try:
+        jax.block_until_ready(c(x, *ws))
+        print("ERROR: none")
+    except Exception as e:
+        print("ERROR:", e)
+"""
+
+
+def test_a_call_with_no_thread_to_run_on_fails_naming_the_cause():
+    """When no thread can be started for a call (here: an address-space cap), its rank fails at
+    once with the cause, and does not run the protocol on XLA's thread (which brought back the
+    deadlock of many independent calls: the error read as a peer that never came)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parent), *sys.path]))
+    out = subprocess.run([sys.executable, "-c", _NO_THREADS], capture_output=True, text=True, timeout=240, env=env)
+    error = next((line for line in out.stdout.splitlines() if line.startswith("ERROR:")), None)
+    assert error is not None, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "could not start a thread for the call" in error and "(cpu backend): rank" in error, error
 
 
 @pytest.mark.parametrize("op", ["ag", "rs"])

@@ -11,7 +11,8 @@
 //   return future           (no XLA thread held meanwhile)
 #pragma once
 
-#include <system_error>
+#include <exception>
+#include <string>
 #include <thread>
 #include <utility>
 
@@ -36,11 +37,21 @@ ffi::Future RunOnOwnThread(HandlerOp op, const Status& decoded, const Params& p,
   if (!decoded.ok()) return FailedFuture(decoded);
   ffi::Promise promise;
   ffi::Future future(promise);
-  auto body = [promise, op, p, group, cfg, run]() mutable {
+  const std::string where = "flux_jax (cpu backend): rank " + std::to_string(group.rank) + " of " + group.Describe() +
+                            ", call site " + std::to_string(cfg.callsite) + ": ";
+  auto body = [promise, op, p, group, cfg, run, where]() mutable {
     Status s;
     {
       ScopedHandlerTimer timer(op);
-      s = run(p, group, cfg);
+      // Nothing may leave this frame: an exception on a detached thread ends the process. The
+      // call's channel, unwound, has told the peers already (ChannelCall: Abandon).
+      try {
+        s = run(p, group, cfg);
+      } catch (const std::exception& e) {
+        s = Status::Internal(where + e.what());
+      } catch (...) {
+        s = Status::Internal(where + "an unknown exception");
+      }
     }
     if (s.ok()) {
       promise.SetAvailable();
@@ -48,10 +59,13 @@ ffi::Future RunOnOwnThread(HandlerOp op, const Status& decoded, const Params& p,
       promise.SetError(ToFfiError(s));
     }
   };
+  // No thread, no call: waiting on XLA's thread instead could hold the thread a peer's call needs.
+  // The peers time out on this rank; its error names the cause.
   try {
     std::thread(body).detach();
-  } catch (const std::system_error&) {
-    body();  // no thread to be had: wait here, as a blocking handler would
+  } catch (const std::exception& e) {
+    promise.SetError(ToFfiError(Status::ResourceExhausted(where + "could not start a thread for the call (" + e.what() +
+                                                          "): raise the process's thread or memory limits")));
   }
   return future;
 }

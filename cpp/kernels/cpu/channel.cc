@@ -580,6 +580,12 @@ void Channel::Fail(const std::string& message) {
   WakeAll();
 }
 
+void Channel::Abandon(int rank, uint64_t epoch) {
+  Fail("flux_jax (cpu backend): rank " + std::to_string(rank) + " of " + group_.Describe() + " left call site " +
+       std::to_string(callsite_) + "'s call (epoch " + std::to_string(epoch) +
+       ") before finishing it; that rank's own error says why.");
+}
+
 Status Channel::Health() const {
   int32_t state = layout_->failed.load(std::memory_order_acquire);
   if (state == 0) return Status::Ok();
@@ -751,6 +757,7 @@ std::shared_ptr<Channel> GetChannel(const TpGroup& group, int64_t callsite, size
 }
 
 Status ChannelCall::Finish(const CommConfig& cfg, const char* op) {
+  finished_ = true;
   const int tp = channel_->size();
   if (rank_ != cfg.drop_rank) {  // drop_rank (tests): silent to the end
     for (int q = 0; q < tp; ++q) {

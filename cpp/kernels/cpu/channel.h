@@ -86,6 +86,9 @@ class Channel {
   // Marks the channel failed (in every process of the group) and wakes every
   // waiter; later calls fail fast. Never blocks.
   void Fail(const std::string& message);
+  // Fails the channel for a rank that leaves its call at `epoch` before ChannelCall::Finish (an
+  // exception unwinding it): its peers stop waiting for it at once, not at their timeout.
+  void Abandon(int rank, uint64_t epoch);
   Status Health() const;
 
   // Every rank has begun the same number of calls (failed ones included) and none is running:
@@ -134,7 +137,9 @@ class ChannelCall {
   ChannelCall(const ChannelCall&) = delete;
   ChannelCall& operator=(const ChannelCall&) = delete;
   ~ChannelCall() {
-    if (begun_) channel_->EndCall(rank_);
+    if (!begun_) return;
+    if (!finished_) channel_->Abandon(rank_, epoch_);  // an error return has failed it already
+    channel_->EndCall(rank_);
   }
 
   Status Open(const TpGroup& group, const CommConfig& cfg, size_t slot_bytes, uint64_t signature) {
@@ -162,6 +167,7 @@ class ChannelCall {
   int rank_ = 0;
   uint64_t epoch_ = 0;
   bool begun_ = false;
+  bool finished_ = false;
 };
 
 }  // namespace flux_jax::cpu
