@@ -54,6 +54,17 @@ def ag_matmul_fn(mesh, impl):
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("tp", None), P(None, "tp")), out_specs=P(None, "tp")))
 
 
+def timed_error(call):
+    """(the message of what `call()` raised, or None; its seconds)."""
+    t0 = time.time()
+    try:
+        call()
+        error = None
+    except Exception as e:  # noqa: BLE001 - the point is the message
+        error = str(e)
+    return error, time.time() - t0
+
+
 def global_array(mesh, spec, host):
     return jax.make_array_from_callback(host.shape, NamedSharding(mesh, spec), lambda idx: host[idx])
 
@@ -173,13 +184,7 @@ elif scenario == "peer_throws":
         with open("/proc/self/status") as f:
             vm = int(next(line for line in f if line.startswith("VmSize")).split()[1]) * 1024
         resource.setrlimit(resource.RLIMIT_AS, (vm + (48 << 20), resource.RLIM_INFINITY))
-    t0 = time.time()
-    try:
-        jax.block_until_ready(compiled(x, w))
-        result["error"] = None
-    except Exception as e:  # noqa: BLE001 - the point is the message
-        result["error"] = str(e)
-    result["failing_call_s"] = time.time() - t0
+    result["error"], result["failing_call_s"] = timed_error(lambda: jax.block_until_ready(compiled(x, w)))
     print("RESULT " + json.dumps(result), flush=True)
     os._exit(0)
 elif scenario in ("squat_legacy", "squat_exact"):
@@ -261,13 +266,9 @@ elif scenario == "small_shm":
     f = ag_matmul_fn(mesh, "fused")
     twin = ag_matmul_fn(mesh, "xla")
     compiled = f.lower(x, w).compile()
-    t0 = time.time()
-    try:
-        result["diff"] = max_rel_diff(compiled(x, w), twin(x, w))
-        result["error"] = None
-    except Exception as e:  # noqa: BLE001 - the point is the message
-        result["error"] = str(e)
-    result["seconds"] = time.time() - t0
+    result["error"], result["seconds"] = timed_error(
+        lambda: result.update(diff=max_rel_diff(compiled(x, w), twin(x, w)))
+    )
     print("RESULT " + json.dumps(result), flush=True)
     os._exit(0)
 elif scenario == "reset":
