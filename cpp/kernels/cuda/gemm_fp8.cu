@@ -5,11 +5,13 @@
 //                                 below 4 TB/s of DRAM (an H100) at any K from 8192 x 8192 outputs
 //   e4m3 x e4m3, 128x128 pp, 2x1  ping-pong, B shared by TMA multicast: the rest
 //   e4m3 x e4m3, 128x192 pp, 2x1  below 4 TB/s of DRAM, M > 2048 and K <= 4096, where its waves are
-//                                 at most 5% longer than 128x256's (either of the two above)
+//                                 at most 5% longer than 128x256's (either of the two above); at
+//                                 M <= 2048, any K, where they are no longer than 128x128's
 //   e5m2 x e4m3, 128x128 pp, 2x1  the backward's dy rows (e5m2) times the weight
 //   e5m2 x e4m3, 128x160 pp, 2x1  the same where 160-column tiles make fewer waves
 //   e5m2 x e4m3, 128x192 pp, 2x1  the same on GPUs below PingpongAtManyWaves' DRAM line (an
-//                                 H100) at K <= 4608, where its waves are at most 5% longer
+//                                 H100) at K <= 4608, where its waves are at most 5% longer; at
+//                                 M <= 2048 as for e4m3 rows
 // One file: the instances share most of their template instantiation (see gemm_bf16_kmajor.cu).
 #define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED  // m64n160 atoms; other tiles keep their standard atoms
 #include "gemm_fp8_instance.cuh"
