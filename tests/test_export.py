@@ -2,6 +2,7 @@
 deserialized and run here, against the float64 oracle, the twin and the call itself."""
 
 import re
+import time
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,10 @@ import flux_jax
 from helpers import assert_matches, cpu_mesh, random_array, to64
 
 TP, S, D, F = 4, 32, 48, 64
+# A CPU-only build (FLUX_JAX_CUDA=OFF, or no nvcc) lowers no CUDA branch: impl="fused" refuses it.
+_NEEDS_CUDA_BUILD = pytest.mark.skipif(
+    "ag_matmul" not in flux_jax.build_info()["cuda_kernels"], reason="a CUDA branch needs a build with CUDA kernels"
+)
 
 
 def _block(mesh, impl, fp8=None):
@@ -50,7 +55,14 @@ def _run_restored(exported, mesh, specs, *args):
     return jax.jit(restored.call, in_shardings=tuple(NamedSharding(mesh, s) for s in specs))(*args)
 
 
-@pytest.mark.parametrize("platforms", [("cpu",), ("cpu", "cuda"), ("cuda", "cpu")])
+@pytest.mark.parametrize(
+    "platforms",
+    [
+        ("cpu",),
+        pytest.param(("cpu", "cuda"), marks=_NEEDS_CUDA_BUILD),
+        pytest.param(("cuda", "cpu"), marks=_NEEDS_CUDA_BUILD),
+    ],
+)
 def test_exported_block_runs_the_fused_ops_and_equals_the_call(platforms):
     mesh = cpu_mesh((TP,), ("tp",), AxisType.Auto)
     fused, specs = _block(mesh, "fused")
@@ -70,7 +82,7 @@ def test_exported_block_runs_the_fused_ops_and_equals_the_call(platforms):
     assert_matches(out, _reference(x, w1, w2), twin(x, w1, w2), "bfloat16", f"export {platforms}")
 
 
-@pytest.mark.parametrize("platforms", [("cpu",), ("cpu", "cuda")])
+@pytest.mark.parametrize("platforms", [("cpu",), pytest.param(("cpu", "cuda"), marks=_NEEDS_CUDA_BUILD)])
 def test_exported_fp8_block_and_its_gradients(platforms):
     mesh = cpu_mesh((TP,), ("tp",), AxisType.Auto)
     fused, specs = _block(mesh, "fused", fp8=True)
@@ -136,3 +148,23 @@ def test_symbolic_shapes_are_refused_by_name(impl):
     rows = jax.ShapeDtypeStruct(export.symbolic_shape(f"{TP}*b, {D}"), x.dtype)
     with pytest.raises(NotImplementedError, match=r"ag_matmul: x has the symbolic dimension 'b'.*concrete shapes"):
         export.export(block, disabled_checks=flux_jax.export_disabled_checks())(rows, w1, w2)
+
+
+@pytest.mark.parametrize("order", [(1, 0, 2, 3), (0, 1, 3, 2), (3, 2, 1, 0)])
+def test_exported_program_on_its_devices_in_another_order_fails_at_once_naming_the_rank(order):
+    """Run on the exported devices in another order, a rank's lax.axis_index disagrees with the
+    mesh table it carries: an error naming the device and both ranks, from every rank at once
+    (the ranks whose place did not change used to wait out Config.timeout_s), never wrong rows."""
+    fused, specs = _block(cpu_mesh((TP,), ("tp",), AxisType.Auto), "fused")
+    x, w1, w2 = _data()
+    exported = export.export(fused, disabled_checks=flux_jax.export_disabled_checks())(x, w1, w2)
+    flux_jax.reset()
+    try:
+        start = time.monotonic()
+        with pytest.raises(Exception, match=r"lax.axis_index says rank \d but device \d sits at rank \d"):
+            jax.block_until_ready(
+                _run_restored(exported, cpu_mesh((TP,), ("tp",), AxisType.Auto, order), specs, x, w1, w2)
+            )
+        assert time.monotonic() - start < 10  # the exported calls' timeout is Config's default, 60 s
+    finally:
+        flux_jax.reset()

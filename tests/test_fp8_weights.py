@@ -103,9 +103,11 @@ def _config(path):
 
 def _rows(x):
     """x's rows through e4m3, dequantized, float64: fp8=True's row quantization (checked against
-    its rounding bounds in test_fp8.py), run eagerly here. A numpy copy of it would differ where
-    XLA divides by a constant as a multiply by its reciprocal (the scales move by an ulp)."""
-    q, scale = fp8_lib.quantize_rows(x, Fp8())
+    its rounding bounds in test_fp8.py), compiled as in the ops. Neither a numpy copy nor an eager
+    run matches it: compiled, XLA divides by a constant as a multiply by its reciprocal, and jax
+    0.12 divides exactly when eager (either moves a scale by an ulp and rounds values the other
+    way)."""
+    q, scale = jax.jit(lambda a: fp8_lib.quantize_rows(a, Fp8()))(x)
     return np.asarray(q).astype(np.float64) * np.asarray(scale, dtype=np.float64)
 
 

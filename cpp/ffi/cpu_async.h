@@ -17,6 +17,7 @@
 #include <utility>
 
 #include "ffi_common.h"
+#include "flux_jax/cpu_channels.h"
 #include "handler_stats.h"
 
 namespace flux_jax::ffi_adapter {
@@ -34,7 +35,11 @@ inline ffi::Future FailedFuture(const Status& s) {
 template <typename Params>
 ffi::Future RunOnOwnThread(HandlerOp op, const Status& decoded, const Params& p, const TpGroup& group,
                            const CommConfig& cfg, Status (*run)(const Params&, const TpGroup&, const CommConfig&)) {
-  if (!decoded.ok()) return FailedFuture(decoded);
+  if (!decoded.ok()) {
+    // A rank that resolved its group but cannot run the call: its peers must not wait for it.
+    if (!group.devices.empty()) FailCpuCallSite(group, cfg.callsite, decoded);
+    return FailedFuture(decoded);
+  }
   ffi::Promise promise;
   ffi::Future future(promise);
   const std::string where = "flux_jax (cpu backend): rank " + std::to_string(group.rank) + " of " + group.Describe() +

@@ -816,6 +816,19 @@ void ResetCpuChannels() {
   cpu::UnlinkLinkedSegments();
 }
 
+void FailCpuCallSite(const TpGroup& group, int64_t callsite, const Status& error) {
+  std::unique_lock<std::timed_mutex> lock(cpu::RegistryMutex(), std::defer_lock);
+  // Bounded: another channel's setup may hold the registry while it waits for a peer process.
+  if (!lock.try_lock_for(std::chrono::seconds(1))) return;
+  cpu::Entry& entry = cpu::Registry()[cpu::ChannelKey{callsite, group.group_index, group.size}];
+  if (entry.channel) {
+    entry.channel->Fail(error.message());
+  } else if (entry.error.ok()) {
+    entry.error = Status::Internal("flux_jax: this fused call site failed on another rank of " + group.Describe() +
+                                   ": " + error.message() + ". Call flux_jax.reset() before running it again.");
+  }
+}
+
 size_t CpuChannelCount() {
   std::lock_guard<std::timed_mutex> lock(cpu::RegistryMutex());
   size_t n = 0;
