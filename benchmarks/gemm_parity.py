@@ -367,13 +367,17 @@ def run_shape(
 ) -> list[dict]:
     x, w, ref = make_operands(shape, seed, index, mesh)
     rows = {v.name: _empty_row(shape, v) for v in variants}
-    auto_instance, auto_group = auto_plan(shape.dtype, shape.dx, shape.M, shape.K, shape.N, sms, dram_gbps=dram_gbps)
-    auto = f"{auto_instance}/g{auto_group}"  # as a --kernels spec
+    auto = None  # the GPU rule's instance as a --kernels spec; a CPU-only build has no GPU rule
+    if "ag_matmul" in flux_jax.build_info()["cuda_kernels"]:
+        auto_instance, auto_group = auto_plan(
+            shape.dtype, shape.dx, shape.M, shape.K, shape.N, sms, dram_gbps=dram_gbps
+        )
+        auto = f"{auto_instance}/g{auto_group}"
     entries = []  # (variant, timer, built)
     xla_err = None
     for v in variants:
         row = rows[v.name]
-        if v.kernel == "auto":
+        if v.kernel == "auto" and auto:
             row["note"] = f"auto = {auto}"
         try:
             checked = build(v, shape, mesh, x, w, poison=v.kernel is not None)

@@ -10,7 +10,10 @@ def reset() -> None:
 
     Use after a fused op failed (a timeout leaves its TP group in a failed
     state, and later calls of the same compiled program fail fast until this is
-    called). Only call it when no fused op is running. On the CPU backend it first
+    called). It first waits for every computation this process has dispatched (JAX
+    dispatches asynchronously, so fused calls may still be queued; their errors are
+    left to their results), so call it from one thread with no other fused calls in
+    flight. On the CPU backend it then
     waits, at most 5 s, for every rank of each channel to reach the same call (a
     failed program can leave ranks one call apart, e.g. a rank-dependent branch),
     so that no rank opens a fresh channel and waits there for peers that left.
@@ -23,8 +26,15 @@ def reset() -> None:
     process that missed one cannot pair with fresh state: its fused calls fail
     with an error saying which process reset.
     """
+    import jax
+
     from flux_jax import _config, _distributed
 
+    for array in jax.live_arrays():  # a queued fused call would run on the state dropped below
+        try:
+            array.block_until_ready()
+        except Exception:  # noqa: BLE001 - a failed call's error belongs to its result, not to reset()
+            pass
     _distributed.reset_barrier(_config.get_config().timeout_s)
     ext = _native.extension()
     ext.reset_cpu_channels()
