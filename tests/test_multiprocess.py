@@ -135,8 +135,9 @@ def test_exception_in_a_peer_fails_its_call_and_the_survivor_at_once():
     fail at once with the rank that left the call, not at their 30 s timeout."""
     results, _ = _run("peer_throws", timeout_s="30")
     thrower, survivor = results[1], results[0]
-    assert thrower["error"] is not None and "bad_alloc" in thrower["error"], thrower
-    assert "(cpu backend): rank" in thrower["error"], thrower
+    # its error: one of its ranks' std::bad_alloc, or a sibling rank's report of a rank that left
+    assert thrower["error"] is not None and "(cpu backend): rank" in thrower["error"], thrower
+    assert "bad_alloc" in thrower["error"] or "before finishing it" in thrower["error"], thrower
     assert survivor["error"] is not None, "process 0 returned a result although its peers threw"
     assert "before finishing it" in survivor["error"] and "of TP group 0" in survivor["error"], survivor
     assert survivor["failing_call_s"] < 15, survivor
