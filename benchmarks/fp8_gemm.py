@@ -25,8 +25,9 @@ e.g. `--kernels auto/g8,auto/g16,auto/g16/s0` for the tile order of the rule's i
 
 `--backward` times the input gradient instead, dx = dy @ w^T (an M x K output, N deep): dy
 quantized per row to float8_e5m2, so ours is the e5m2 x e4m3 GEMM inside matmul_rs at tp = 1 (its
-rule: ping-pong 2x1 with 128x160 tiles where they make fewer waves, else 128x128; both forced as
-flux:128x128_pp_c2x1 and flux:128x160_pp_c2x1), the twin XLA's FP8 GEMM of the same formats. The
+rule: ping-pong 2x1 with 128x160 tiles where they make fewer waves, else 128x128, on an H100 also
+128x192 and 128x160 where op_common.h says; forced as flux:128x128_pp_c2x1 and
+flux:128x160_pp_c2x1), the twin XLA's FP8 GEMM of the same formats. The
 programs take dx alone (the weight gradient and the forward are dead code).
 
 `--decode` times matmul_ar at decode sizes (M = 16-256 rows) instead, the whole call:
@@ -107,7 +108,7 @@ def _mesh():
 
 
 # GpuTuning.gemm_kernel values with FP8 instances (cpp/kernels/cuda/gemm_fp8.cu): e4m3 rows take
-# all but 128x160_pp_c2x1, a backward's e5m2 rows the ping-pong 128x128, 128x160 and 128x192.
+# all, a backward's e5m2 rows the ping-pong 128x128, 128x160 and 128x192.
 FP8_KERNELS = ("auto", "128x256", "128x128_pp_c2x1", "128x160_pp_c2x1", "128x192_pp_c2x1")
 # (name, impl, kernel spec: KERNEL[/gG][/sS], parse_kernel_spec): the twin first (its error bounds
 # the others').

@@ -140,8 +140,8 @@ class GpuTuning:
         multicast), "128x128_pp_c2x1" (ping-pong
         128x128 tiles in 2-CTA clusters; also FP8), "128x320_c2x1" (cooperative 128x320 tiles in
         2-CTA clusters), each for bfloat16 and float16; "128x160_pp_c2x1" (ping-pong 128x160
-        tiles in 2-CTA clusters, the backward's FP8 GEMM on e5m2 rows of dy: the forward's e4m3
-        GEMMs keep their rule under it, bfloat16 and float16 have no such instance);
+        tiles in 2-CTA clusters: FP8 e4m3 and e5m2 rows; bfloat16 and float16 have no such
+        instance);
         "128x192_pp_c2x1" (ping-pong 128x192 tiles in 2-CTA clusters: bfloat16 and float16 with
         the [K, N] weight, FP8 e4m3 and e5m2 rows); "decode": the
         decode path's GEMM alone, ag_matmul at tp = 1 on bfloat16 / float16 rows only. A forced

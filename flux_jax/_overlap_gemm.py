@@ -78,11 +78,10 @@ def describe(p: _plan.Problem, gpu: tuple[int, int] | None = None) -> str | None
 
 
 def _forced(tuning, rows_dtype: str) -> str | None:
-    """The GpuTuning fields that override the rule for rows of `rows_dtype` (op_common.h): tile_n
-    for bfloat16 / float16 rows only; gemm_kernel="128x160_pp_c2x1" (the backward's e5m2 GEMM)
-    leaves e4m3 rows to their rule."""
+    """The GpuTuning fields that override the rule for rows of `rows_dtype` (op_common.h):
+    gemm_kernel, and tile_n for bfloat16 / float16 rows only."""
     fields = []
-    if tuning.gemm_kernel != "auto" and not (tuning.gemm_kernel == "128x160_pp_c2x1" and rows_dtype == "float8_e4m3fn"):
+    if tuning.gemm_kernel != "auto":
         fields.append(f"gemm_kernel={tuning.gemm_kernel!r}")
     if tuning.tile_n and not rows_dtype.startswith("float8"):
         fields.append(f"tile_n={tuning.tile_n}")

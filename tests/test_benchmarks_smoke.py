@@ -777,7 +777,7 @@ def test_fp8_gemm_rule_and_tile_groups():
         assert auto_kernel("float8_e4m3fn", True, m, k, n, 132, dram_gbps=3352) == "128x192_pp_c2x1"
         assert auto_kernel("float8_e4m3fn", True, m, k, n, 132) == "128x128_pp_c2x1"  # unknown: the H200 rule
     for m, k, n in ((2048, 2560, 5120), (2048, 8192, 5120)):  # 2048 rows: 4 x 192 columns against 5 x 128
-        assert auto_kernel("float8_e4m3fn", True, m, k, n, 132, dram_gbps=3352) == "128x128_pp_c2x1"
+        assert auto_kernel("float8_e4m3fn", True, m, k, n, 132, dram_gbps=3352) != "128x192_pp_c2x1"
     # 2048 rows or fewer: ping-pong 128x192 in place of the ping-pong tile where its waves give each SM
     # no more columns, at any K (docs/decisions/2026-12-06-fp8-pingpong-128x192-at-2048-rows.md)
     for m, k, n in ((2048, 4096, 1536), (2048, 3072, 3072), (2048, 8192, 3072), (2048, 4096, 6144)):
@@ -807,6 +807,18 @@ def test_fp8_gemm_rule_and_tile_groups():
         assert auto_kernel("float8_e5m2", True, m, k, n, 132, dram_gbps=3352) == "128x128_pp_c2x1"
     assert auto_kernel("float8_e5m2", True, 2048, 5120, 2560, 132, dram_gbps=3352) == "128x160_pp_c2x1"  # 2048 rows
     assert auto_kernel("float8_e5m2", True, 16384, 8192, 8192, 132, dram_gbps=3352) == "128x128_pp_c2x1"  # K > 4608
+    # Ping-pong 128x160 in place of the ping-pong tile where N % 160 == 0 and its waves give each SM no
+    # more columns, either row format (docs/decisions/2026-12-06-fp8-pingpong-128x160-equal-waves.md)
+    for rows in ("float8_e4m3fn", "float8_e5m2"):
+        for m, k, n in ((2048, 2560, 5120), (2048, 6912, 5120), (2048, 8192, 5120), (4096, 6912, 5120)):
+            assert auto_kernel(rows, True, m, k, n, 132, dram_gbps=3352) == "128x160_pp_c2x1"  # 4 x 160 = 5 x 128
+            assert auto_kernel(rows, True, m, k, n, 132, dram_gbps=4915) == "128x128_pp_c2x1"
+    for m, k, n in ((4096, 2560, 5120), (8192, 2560, 5120), (1024, 8192, 5120)):  # in place of 128x192
+        assert auto_kernel("float8_e4m3fn", True, m, k, n, 132, dram_gbps=3352) == "128x160_pp_c2x1"
+    for k in (3584, 4096, 6912):  # dx 2048 x 5120, K deep
+        assert auto_kernel("float8_e5m2", True, 2048, k, 5120, 132, dram_gbps=3352) == "128x160_pp_c2x1"
+    assert auto_kernel("float8_e4m3fn", True, 256, 4096, 5120, 132, dram_gbps=3352) == "128x128_pp_c2x1"  # 160 > 128
+    assert auto_kernel("float8_e4m3fn", True, 8192, 8192, 5120, 132, dram_gbps=3352) == "128x256"  # cooperative
     # benchmarks/fp8_gemm.py labels its rule row with the same answer (dx: e5m2 rows, K and N swapped)
     from benchmarks.fp8_gemm import auto_instance
 

@@ -29,6 +29,7 @@ FLUX_JAX_DECLARE_GEMM_INSTANCE(RunGemm_f16_nmajor_pp192_c2x1)
 // gemm_fp8.cu
 FLUX_JAX_DECLARE_GEMM_INSTANCE(RunGemm_e4m3_bf16)
 FLUX_JAX_DECLARE_GEMM_INSTANCE(RunGemm_e4m3_bf16_pp128_c2x1)
+FLUX_JAX_DECLARE_GEMM_INSTANCE(RunGemm_e4m3_bf16_pp160_c2x1)
 FLUX_JAX_DECLARE_GEMM_INSTANCE(RunGemm_e4m3_bf16_pp192_c2x1)
 FLUX_JAX_DECLARE_GEMM_INSTANCE(RunGemm_e5m2_bf16_pp128_c2x1)
 FLUX_JAX_DECLARE_GEMM_INSTANCE(RunGemm_e5m2_bf16_pp160_c2x1)
@@ -74,10 +75,10 @@ Status RunFp8Gemm(const GemmPlan& plan, DType dtype, cudaStream_t stream, int de
   const bool pp128 = pingpong && plan.block_n == kGemmBlockN128;
   const bool pp160 = pingpong && plan.block_n == kGemmBlockN160;
   const bool pp192 = pingpong && plan.block_n == kGemmBlockNNarrow;
-  if (dtype != DType::kBF16 || !plan.b_kmajor || !(wide || pp128 || pp192 || (pp160 && plan.fp8_a_e5m2))) {
+  if (dtype != DType::kBF16 || !plan.b_kmajor || !(wide || pp128 || pp160 || pp192)) {
     return Status::InvalidArgument(
-        "flux_jax: the FP8 GEMM instances are 128x256 (1x1 clusters) and ping-pong 128x128 and 128x192 (2x1), and "
-        "for e5m2 rows ping-pong 128x128, 128x160 and 128x192 (2x1), transposed weight, bfloat16 out");
+        "flux_jax: the FP8 GEMM instances are ping-pong 128x128, 128x160 and 128x192 (2x1 clusters), and for e4m3 "
+        "rows 128x256 (1x1), transposed weight, bfloat16 out");
   }
   if (plan.fp8_a_e5m2) {
     if (wide) {
@@ -89,6 +90,7 @@ Status RunFp8Gemm(const GemmPlan& plan, DType dtype, cudaStream_t stream, int de
                  : RunGemm_e5m2_bf16_pp128_c2x1(plan, stream, device, sm_count);
   }
   if (wide) return RunGemm_e4m3_bf16(plan, stream, device, sm_count);
+  if (pp160) return RunGemm_e4m3_bf16_pp160_c2x1(plan, stream, device, sm_count);
   return pp192 ? RunGemm_e4m3_bf16_pp192_c2x1(plan, stream, device, sm_count)
                : RunGemm_e4m3_bf16_pp128_c2x1(plan, stream, device, sm_count);
 }
@@ -105,6 +107,7 @@ Status PreloadGemmKernels() {
   }
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_e4m3_bf16());
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_e4m3_bf16_pp128_c2x1());
+  FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_e4m3_bf16_pp160_c2x1());
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_e4m3_bf16_pp192_c2x1());
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_e5m2_bf16_pp128_c2x1());
   FLUX_JAX_RETURN_IF_ERROR(Preload_RunGemm_e5m2_bf16_pp192_c2x1());

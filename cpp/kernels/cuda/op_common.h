@@ -294,8 +294,8 @@ inline bool PreferFp8Pingpong160(int64_t m, int64_t n, int sm_count) {
 // The FP8 GEMM instance (gemm_fp8_instance.cuh) for an m x k x n GEMM: ping-pong 128x128 tiles in
 // 2x1 clusters (B multicast) at K <= 4096 and below 8192 x 8192 outputs unless
 // Fp8CooperativeByWaves, else cooperative 128x256 tiles in 1x1 clusters; on a GPU below 4 TB/s of
-// DRAM either gives way to ping-pong 128x192 (PreferPingpong192). GpuTuning.gemm_kernel forces
-// any of the three. Measured on one H200 against cuBLASLt's FP8 GEMM in one run (ours / theirs):
+// DRAM either gives way to ping-pong 128x192 (PreferPingpong192). Measured on one H200 against
+// cuBLASLt's FP8 GEMM in one run (ours / theirs):
 // ping-pong won five of six shapes (2048 x 2560 x 5120 1.34 -> 1.18, 4096 x 3072 x 4608 1.28 ->
 // 1.16, 8192 x 2048 x 4096 1.19 -> 1.15 against 128x256) and lost 8192^3 (1.09 vs 1.05)
 // (docs/decisions/2026-12-01-gemm-instances.md); at 16384-row outputs it won at K = 3072 and 4096
@@ -304,7 +304,8 @@ inline bool PreferFp8Pingpong160(int64_t m, int64_t n, int sm_count) {
 // e5m2 rows (a backward's dy) run ping-pong 2x1 at every size: 128x192 tiles where
 // PreferPingpong192 says (K <= kFp8E5m2Pingpong192MaxK), else 128x160 where PreferFp8Pingpong160
 // says, else 128x128. At 2048 rows or fewer, on a GPU below 4 TB/s of DRAM, either row format runs
-// ping-pong 128x192 in place of the ping-pong tile where PreferFp8Pingpong192FewRows says.
+// ping-pong 128x192 in place of the ping-pong tile where PreferFp8Pingpong192FewRows says; on such
+// a GPU the ping-pong tile then gives way to 128x160 where PreferFp8Pingpong160EqualWaves says.
 // GpuTuning.gemm_kernel forces one of the instances the row format has. The row scales come from
 // `fp8` (the caller offsets them for launches that start below row 0 of x).
 // Ping-pong at 8192 x 8192 outputs and more up to this K where PingpongAtManyWaves (below them
@@ -334,6 +335,24 @@ inline bool PreferFp8Pingpong192FewRows(int64_t m, int64_t n, int32_t pingpong_b
          WaveSpan(m, n, kGemmBlockNNarrow, sm_count) <= WaveSpan(m, n, pingpong_block_n, sm_count);
 }
 
+// Where the FP8 rule runs ping-pong 128x128 or 128x192 (`pingpong_block_n`), either row format, on
+// GPUs below PingpongAtManyWaves' line (an H100): ping-pong 128x160 where N is a multiple of 160
+// and its waves give each SM no more columns (WaveSpan). At 5120 columns 160-column tiles make 4
+// waves where 128-column ones make 5: the same columns per SM, 20% fewer L2 bytes per output than
+// 128x128's, and cuBLASLt's pick there (nvjet_sm90_qqsss_128x160_128x5_2x1). CUPTI GEMM kernel
+// time on one H100 SXM, ours / XLA's FP8 GEMM, the rule before -> 128x160 (M x N output, K deep):
+// e4m3 2048 x 5120, K 2560 / 6912 / 8192 1.028 / 1.114 / 1.130 -> 0.994 / 1.008 / 1.008; 4096 x
+// 5120, K 2560 / 6912 1.036 (128x192) / 1.166 -> 1.003 / 0.990; 8192 x 5120, K 2560 1.011 (128x192)
+// -> 0.998; 1024 x 5120, K 8192 1.162 (128x192) -> 0.991; e5m2 2048 x 5120, K 3584 / 4096 / 6912
+// 1.041 / 1.053 / 1.059 -> 0.983 / 1.008 / 0.981. With partial tiles it lost: 2048 x 4096, K 5120
+// 1.107 -> 1.213 (docs/decisions/2026-12-06-fp8-pingpong-128x160-equal-waves.md). Not measured on
+// an H200.
+inline bool PreferFp8Pingpong160EqualWaves(int64_t m, int64_t n, int32_t pingpong_block_n, int sm_count,
+                                           int dram_gbps) {
+  return !PingpongAtManyWaves(dram_gbps) && sm_count > 0 && n % kGemmBlockN160 == 0 &&
+         WaveSpan(m, n, kGemmBlockN160, sm_count) <= WaveSpan(m, n, pingpong_block_n, sm_count);
+}
+
 // Below 8192 x 8192 outputs: cooperative 128x256 at K >= 8192 where 128x256 tiles make at least
 // 4 waves and give each SM no more columns than 128x128 tiles' waves (WaveSpan): the regime of
 // the two shapes where it won, 8192^3 and 4096 x 8192 x 8192. CUPTI GEMM kernel time on one H200,
@@ -348,10 +367,7 @@ inline bool Fp8CooperativeByWaves(int64_t m, int64_t n, int64_t k, int sm_count)
 }
 inline Status ChooseFp8GemmInstance(const CommConfig& cfg, const Fp8Operands& fp8, int64_t m, int64_t k, int64_t n,
                                     int sm_count, int dram_gbps, GemmPlan* plan) {
-  auto kernel = static_cast<GemmKernel>(cfg.tuning.gemm_kernel);
-  // 128x160_pp_c2x1 names the backward's e5m2 GEMM; the forward's e4m3 GEMMs, traced with the same
-  // tuning, keep the rule under it.
-  if (kernel == GemmKernel::k128x160PingpongCluster2x1 && !fp8.x_e5m2) kernel = GemmKernel::kAuto;
+  const auto kernel = static_cast<GemmKernel>(cfg.tuning.gemm_kernel);
   const bool by_rule = kernel == GemmKernel::kAuto;
   const bool below_8192_squared = m * n < int64_t{8192} * 8192;
   const bool pingpong_by_shape = (below_8192_squared && !Fp8CooperativeByWaves(m, n, k, sm_count)) ||
@@ -388,7 +404,11 @@ inline Status ChooseFp8GemmInstance(const CommConfig& cfg, const Fp8Operands& fp
   } else {
     return Status::InvalidArgument(
         "flux_jax: FP8 operands run the FP8 GEMM instances only (GpuTuning.gemm_kernel: auto, 128x256, "
-        "128x128_pp_c2x1, 128x192_pp_c2x1, or for e5m2 rows 128x160_pp_c2x1)");
+        "128x128_pp_c2x1, 128x160_pp_c2x1 or 128x192_pp_c2x1)");
+  }
+  if (by_rule && plan->pingpong && plan->block_n != kGemmBlockN160 &&
+      PreferFp8Pingpong160EqualWaves(m, n, plan->block_n, sm_count, dram_gbps)) {
+    plan->block_n = kGemmBlockN160;
   }
   plan->fp8 = true;
   plan->fp8_a_e5m2 = fp8.x_e5m2;

@@ -146,10 +146,10 @@ bool HasForcedInstance(const Case& c, GemmKernel k) {
   if (k == GemmKernel::kAuto) return true;
   if (c.path != Path::kOverlap || (c.op != Op::kAgMatmul && c.op != Op::kMatmulRs)) return false;
   if (c.fp8) {
-    return k == GemmKernel::k128x128PingpongCluster2x1 || k == GemmKernel::k128x192PingpongCluster2x1 ||
-           (k == GemmKernel::k128x256 && !c.x_e5m2) || (k == GemmKernel::k128x160PingpongCluster2x1 && c.x_e5m2);
+    return k == GemmKernel::k128x128PingpongCluster2x1 || k == GemmKernel::k128x160PingpongCluster2x1 ||
+           k == GemmKernel::k128x192PingpongCluster2x1 || (k == GemmKernel::k128x256 && !c.x_e5m2);
   }
-  if (k == GemmKernel::k128x160PingpongCluster2x1) return false;  // FP8 e5m2 rows only
+  if (k == GemmKernel::k128x160PingpongCluster2x1) return false;  // FP8 only
   if (k == GemmKernel::k128x192PingpongCluster2x1) return !c.w_transposed;
   if (k == GemmKernel::k128x160Cluster2x1 || k == GemmKernel::k128x224) return c.w_transposed;
   return true;  // bfloat16 and float16 have every other instance
