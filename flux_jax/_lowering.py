@@ -357,6 +357,19 @@ def register(spec) -> None:
     # identical equations of a module once and reuses the result, which would give same-shape
     # calls (q, k and v projections) one call-site id; each needs its own.
     mlir.register_lowering(spec.primitive, lowering, cacheable=False)
+    _requires_devices(spec.primitive)
+
+
+def _requires_devices(primitive) -> None:
+    """Keys JAX's lowering cache of programs that hold `primitive` on their devices: the lowering
+    embeds the concrete mesh's device ids (a shard_map without mesh= takes them from
+    jax.set_mesh), so one jitted function called under two meshes of the same shape must lower
+    twice. Without this JAX reuses the first mesh's module: on GPU the second mesh's ranks would
+    compute with the first mesh's device table. A private JAX registry (jax 0.11-0.12);
+    tests/test_sharding.py fails if it goes away."""
+    from jax._src import dispatch
+
+    dispatch.prim_requires_devices_during_lowering.add(primitive)
 
 
 def _lowering_platforms(ctx, call) -> tuple[str, ...]:

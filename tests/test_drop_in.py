@@ -191,6 +191,37 @@ def test_nested_shard_maps_without_a_concrete_mesh_are_clear():
         fused.lower(xs, ws)
 
 
+@pytest.mark.parametrize("op", ["ag_matmul", "matmul_rs"])
+def test_one_jitted_function_under_meshes_of_other_devices_lowers_for_each(op):
+    """A shard_map without mesh= takes its devices from jax.set_mesh at lowering: one jitted
+    function called under meshes of the same shape on other devices, or the same devices in
+    another order, lowers again for each (flux_jax's primitives require devices during lowering),
+    and each call is right against float32 with its outputs poisoned first."""
+    from jax._src import dispatch
+
+    from flux_jax.ops import _spec
+
+    assert all(spec.primitive in dispatch.prim_requires_devices_during_lowering for spec in _spec.REGISTRY.values())
+    in_specs = (P("tp"), P(None, "tp")) if op == "ag_matmul" else (P(None, "tp"), P("tp"))
+    out_spec = P(None, "tp") if op == "ag_matmul" else P("tp")
+    fn = getattr(flux_jax, op)
+    body = lambda x, w: fn(x, w, axis_name="tp", impl="fused")  # noqa: E731
+    f = jax.jit(jax.shard_map(body, in_specs=in_specs, out_specs=out_spec))
+    rng = np.random.default_rng()
+    x, w = random_array(rng, (64, 32), "float32"), random_array(rng, (32, 48), "float32", scale=1 / np.sqrt(32))
+    with flux_jax.config(debug_poison_outputs=True):
+        for order in ((0, 1, 2, 3), (3, 1, 0, 2), (4, 5, 6, 7), (1, 0, 3, 2)):
+            devices = np.array(jax.devices("cpu"))[list(order)]
+            mesh = jax.sharding.Mesh(devices, ("tp",), axis_types=(AxisType.Explicit,))
+            with jax.set_mesh(mesh):
+                xs, ws = (jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, w), in_specs))
+                text = f.lower(xs, ws).as_text()
+                ids = ", ".join(str(d.id) for d in mesh.devices.ravel())
+                assert f"tp_devices = dense<[{ids}]>" in text, (order, text[:2000])
+                out = np.asarray(f(xs, ws))
+            assert rel_max_err(out, to64(x) @ to64(w)) < 1e-5, order
+
+
 def test_config_takes_effect_on_an_already_compiled_function():
     """Config is part of the jit cache key: a `with flux_jax.config(...)` around a call of a compiled
     function retraces it with the new settings."""
