@@ -93,7 +93,9 @@ def explain(fn, *args, **kwargs) -> Explanation:
     site with its plan: the path that runs (or the twin) and why; on a GPU's overlap path, with
     a CUDA build, also the GEMM instance it runs.
 
-    The plans are taken while `fn` is traced and amended where the lowering runs another one
+    Every call site traced is listed, also one whose result XLA then drops as dead code (the
+    forward of a loss whose gradient does not need it). The plans are taken while `fn` is
+    traced and amended where the lowering runs another one
     (the twin where the mesh rules the fused kernels out, the latency path where a manual region
     leaves rows the two-shot cannot split). JAX does not trace again a function it traced before
     with the same argument types, so this clears JAX's caches first (`jax.clear_caches()`):

@@ -4,14 +4,16 @@ partner `column_matmul`, whose backward is a fused matmul_ar.
 Tensor parallelism without sequence parallelism (inference decode, small TP): the row-parallel
 projection's partial sums are all-reduced and every rank keeps the whole output. Paths:
   CPU    "overlap": one custom call, flux_jax_matmul_ar (GEMM, push of the float32 partial,
-         rank-ordered sum); "latency": XLA's GEMM next to our flux_jax_all_reduce.
-         "overlap" from 1024 rows divisible by tp: two-shot, matmul_rs's overlap call then our
-         flux_jax_all_gather (each chunk of rows summed once, by its owner, in matmul_rs's order).
+         rank-ordered sum) at every size (the protocol reference); "latency": XLA's GEMM next to
+         our flux_jax_all_reduce.
   CUDA   "latency": XLA's GEMM next to our one-kernel all_reduce (NVLink stores, per-block
          epoch flags, rank-ordered float32 sum); "overlap": one custom call whose handler enqueues
-         our GEMM into the workspace and then the same all_reduce kernel; "decode" (bfloat16, the
-         [k, N] weight, M <= 128): one decode GEMM whose epilogue pushes each output tile to every
-         peer and sums the tp partials tile by tile (a one-shot all-reduce, one launch).
+         our GEMM into the workspace and then the same all_reduce kernel, or from 1024 rows
+         divisible by tp the two-shot: matmul_rs's overlap call then our flux_jax_all_gather (each
+         chunk of rows summed once, by its owner, in matmul_rs's order; _plan.composed_overlap);
+         "decode" (bfloat16, the [k, N] weight, M <= 128): one decode GEMM whose epilogue pushes
+         each output tile to every peer and sums the tp partials tile by tile (a one-shot
+         all-reduce, one launch).
 Every path sums the tp partials in one fixed order in float32 and rounds once (rank order
 0..tp-1, or matmul_rs's for the two-shot overlap), so the output is bitwise the same on every rank.
 With FP8 operands (`fp8=`) the overlap path is the two-shot one on every platform, its first half
