@@ -241,7 +241,7 @@ elif scenario in ("squat_legacy", "squat_exact"):
                 if uid is not None and os.geteuid() != 0:
                     continue  # only root can give a file away
                 for c in sites:
-                    name = shm_names.segment_name(session, secret, c, 0, 8)
+                    name = shm_names.segment_name(session, secret, c, 0, [d.id for d in mesh.devices.ravel()])
                     squat(name, mode, uid)
                     result.setdefault("names", []).append(name)
         sync(client, "squatted")

@@ -4,8 +4,9 @@ the squatter (cpp/kernels/cpu/channel.cc, SegmentName, is the product's definiti
     /fluxjax-<session>-<SipHash-2-4(secret, 0, ...)><SipHash-2-4(secret, 1, ...)>
 
 over the little-endian int64 words (half, reset generation, call site, group index, group
-size). `legacy_name` is the name the channel used before it took a secret: predictable from
-the job token (visible in /dev/shm) and a call-site counter.
+size, then the group's global device ids in rank order). `legacy_name` is the name the channel
+used before it took a secret: predictable from the job token (visible in /dev/shm) and a
+call-site counter.
 """
 
 import struct
@@ -51,12 +52,11 @@ def siphash24(key: bytes, msg: bytes) -> int:
 
 
 def segment_name(
-    session: str, secret_hex: str, callsite: int, group_index: int, group_size: int, generation: int = 0
+    session: str, secret_hex: str, callsite: int, group_index: int, devices: list[int], generation: int = 0
 ) -> str:
     key = bytes.fromhex(secret_hex)
-    halves = [
-        siphash24(key, struct.pack("<5q", half, generation, callsite, group_index, group_size)) for half in (0, 1)
-    ]
+    words = (generation, callsite, group_index, len(devices), *devices)
+    halves = [siphash24(key, struct.pack(f"<{1 + len(words)}q", half, *words)) for half in (0, 1)]
     return f"/fluxjax-{session}-{halves[0]:016x}{halves[1]:016x}"
 
 

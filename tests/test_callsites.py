@@ -7,12 +7,14 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import flux_jax
 
-from helpers import cpu_mesh
+from helpers import cpu_mesh, random_array, rel_max_err, to64
 
 
 def _step(mesh):
@@ -58,3 +60,22 @@ def test_rejitting_a_dropped_function_reuses_its_channels():
         counts.append(ext.cpu_channel_count())
         del f
     assert counts == [counts[0]] * 12, counts
+
+
+def test_one_program_on_two_sets_of_devices_keeps_its_groups_apart():
+    """The same program on devices 0-3 and on devices 4-7 has the same call-site ids; its TP
+    groups still get a channel each (the CPU backend keys channels by the group's devices too),
+    so a call site failed on one set of devices leaves the other's usable, and right."""
+    flux_jax.reset()
+    devices = np.array(jax.devices("cpu"))
+    meshes = [jax.sharding.Mesh(devices[s], ("tp",), axis_types=(AxisType.Auto,)) for s in (slice(0, 4), slice(4, 8))]
+    rng = np.random.default_rng()
+    x, w1, w2 = (random_array(rng, shape, "float32", scale=0.25) for shape in ((16, 8), (8, 16), (16, 8)))
+    texts = [jax.jit(_step(m)).lower(x, w1, w2).as_text() for m in meshes]
+    assert _callsites(texts[0]) == _callsites(texts[1]) and len(_callsites(texts[0])) == 2
+    with flux_jax.config(timeout_s=0.5, debug_drop_rank=1):
+        with pytest.raises(Exception, match="rank 1"):
+            jax.block_until_ready(jax.jit(_step(meshes[0]))(x, w1, w2))
+    out = jax.jit(_step(meshes[1]))(x, w1, w2)
+    assert rel_max_err(out, np.tanh(to64(x) @ to64(w1)) @ to64(w2)) < 1e-5
+    flux_jax.reset()

@@ -55,9 +55,9 @@ enum class GemmKernel : int64_t {
   kDecode = 4,
   k128x128PingpongCluster2x1 = 5,  // bf16, f16, FP8: ping-pong schedule
   k128x320Cluster2x1 = 6,          // bf16, f16: cooperative, two m64n160 MMAs per warpgroup
-  k128x160PingpongCluster2x1 = 7,  // FP8 e5m2 x e4m3 (a backward's dy rows): ping-pong
+  k128x160PingpongCluster2x1 = 7,  // FP8, e4m3 and e5m2 rows: ping-pong
   k128x224 = 8,                    // bf16, f16, the transposed weight: cooperative, 1x1 clusters
-  k128x192PingpongCluster2x1 = 9,  // bf16, f16 with the [K, N] weight, FP8 e4m3 rows: ping-pong
+  k128x192PingpongCluster2x1 = 9,  // bf16, f16 with the [K, N] weight, FP8: ping-pong
 };
 inline constexpr GemmKernel kLastGemmKernel = GemmKernel::k128x192PingpongCluster2x1;  // the handlers' range check
 

@@ -163,8 +163,13 @@ struct Entry {
   std::shared_ptr<Channel> channel;
   Status error;
 };
-// (call site, group index, group size): no device ids (they may be unknown in some modes).
-using ChannelKey = std::tuple<int64_t, int64_t, int>;
+// (call site, group index, group size, the group's global device ids in rank order): one program
+// run on two sets of devices (a function jitted for two meshes, pipeline stages of one layer) has
+// the same call-site ids, and its groups must not share a channel.
+using ChannelKey = std::tuple<int64_t, int64_t, int, std::vector<int64_t>>;
+ChannelKey KeyOf(int64_t callsite, const TpGroup& group) {
+  return ChannelKey{callsite, group.group_index, group.size, group.devices};
+}
 
 // Timed: a setup that waits for a peer process holds it, and no other thread may
 // wait for it longer than its own call's timeout.
@@ -265,22 +270,23 @@ uint64_t SipHash24(const uint8_t key[16], const uint8_t* msg, size_t len) {
   return v0 ^ v1 ^ v2 ^ v3;
 }
 
-// /fluxjax-<session>-<128-bit keyed hash of (generation, call site, group)> in hex
+// /fluxjax-<session>-<128-bit keyed hash of (generation, call site, group and its devices)> in hex
 // (tests/shm_names.py recomputes it). The job token only groups a job's
 // segments for people; the hash is what makes the name unpredictable.
 std::string SegmentName(const std::string& session, const std::string& secret, uint64_t generation, int64_t callsite,
                         const TpGroup& group) {
   std::string out = "/fluxjax-" + session + "-";
   for (int64_t half = 0; half < 2; ++half) {
-    const int64_t words[5] = {half, static_cast<int64_t>(generation), callsite, group.group_index, group.size};
-    uint8_t msg[sizeof(words)];
-    for (size_t i = 0; i < sizeof(words); ++i) {
+    std::vector<int64_t> words = {half, static_cast<int64_t>(generation), callsite, group.group_index, group.size};
+    words.insert(words.end(), group.devices.begin(), group.devices.end());
+    std::vector<uint8_t> msg(words.size() * 8);
+    for (size_t i = 0; i < msg.size(); ++i) {
       msg[i] = static_cast<uint8_t>(static_cast<uint64_t>(words[i / 8]) >> (8 * (i % 8)));
     }
     char hex[17];
-    std::snprintf(
-        hex, sizeof(hex), "%016llx",
-        static_cast<unsigned long long>(SipHash24(reinterpret_cast<const uint8_t*>(secret.data()), msg, sizeof(msg))));
+    std::snprintf(hex, sizeof(hex), "%016llx",
+                  static_cast<unsigned long long>(
+                      SipHash24(reinterpret_cast<const uint8_t*>(secret.data()), msg.data(), msg.size())));
     out += hex;
   }
   return out;
@@ -706,7 +712,7 @@ std::shared_ptr<Channel> GetChannel(const TpGroup& group, int64_t callsite, size
     *status = Status::DeadlineExceeded(os.str());
     return nullptr;
   }
-  Entry& entry = Registry()[ChannelKey{callsite, group.group_index, group.size}];
+  Entry& entry = Registry()[KeyOf(callsite, group)];
   if (!entry.error.ok()) {
     *status = entry.error;
     return nullptr;
@@ -820,7 +826,7 @@ void FailCpuCallSite(const TpGroup& group, int64_t callsite, const Status& error
   std::unique_lock<std::timed_mutex> lock(cpu::RegistryMutex(), std::defer_lock);
   // Bounded: another channel's setup may hold the registry while it waits for a peer process.
   if (!lock.try_lock_for(std::chrono::seconds(1))) return;
-  cpu::Entry& entry = cpu::Registry()[cpu::ChannelKey{callsite, group.group_index, group.size}];
+  cpu::Entry& entry = cpu::Registry()[cpu::KeyOf(callsite, group)];
   if (entry.channel) {
     entry.channel->Fail(error.message());
   } else if (entry.error.ok()) {
