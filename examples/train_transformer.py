@@ -153,7 +153,8 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.ArgumentParser]:
     g.add_argument(
         "--flux-config",
         default="",
-        help="flux_jax.Config fields for the whole run, e.g. 'gpu_tile_group_m=16' (GPU tuning)",
+        help="flux_jax.Config fields for the whole run, and GPU tuning knobs as gpu_<GpuTuning field>, e.g. "
+        "'timeout_s=30,gpu_tile_group_m=16'",
     )
     g.add_argument(
         "--sequence-parallel",

@@ -66,7 +66,7 @@ class Config:
       fused_path: which fused implementation runs where a fused op runs: "overlap" (one kernel
         whose GEMM consumes rows as they arrive: large M), "latency" (our one-kernel NVLink
         collective next to XLA's GEMM: small and mid M), "decode" (one weight-streaming GEMM
-        that moves the rows itself: decode sizes; FP8 calls of matmul_rs and matmul_ar too;
+        that moves the rows itself: decode sizes; FP8 calls of every op too;
         calls its kernels cannot serve take "latency"), or "auto" (the planner's choice, flux_jax/_plan.py; see
         `flux_jax.explain`).
       tuning: the path (a str or os.PathLike such as pathlib.Path; kept as an absolute str) of a tuning

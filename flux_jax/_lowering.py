@@ -366,7 +366,7 @@ def _requires_devices(primitive) -> None:
     jax.set_mesh), so one jitted function called under two meshes of the same shape must lower
     twice. Without this JAX reuses the first mesh's module: on GPU the second mesh's ranks would
     compute with the first mesh's device table. A private JAX registry (jax 0.11-0.12);
-    tests/test_sharding.py fails if it goes away."""
+    tests/test_drop_in.py fails if it goes away."""
     from jax._src import dispatch
 
     dispatch.prim_requires_devices_during_lowering.add(primitive)

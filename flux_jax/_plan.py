@@ -36,8 +36,8 @@ _ALL_REDUCE_OPS = ("matmul_ar",)
 _UNMEASURED_ON_GPUS = {
     "matmul_ar": 'matmul_ar has not been measured at tp > 1 on GPUs, so impl="auto" takes the twin there '
     "until this GPU kind is tuned (python -m flux_jax.tune --shapes matmul_ar:MxKxN or --model NAME "
-    '--no-sequence-parallel); impl="fused" takes the decode kernel up to 128 rows, the two-shot '
-    "overlap from 1024 rows divisible by tp, else XLA's GEMM + our all_reduce",
+    '--no-sequence-parallel); impl="fused" takes the decode kernel up to 128 rows (tp x rows x N <= 2^22), '
+    "the two-shot overlap from 1024 rows divisible by tp, else XLA's GEMM + our all_reduce",
 }
 _GPU_DTYPES = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
 _BF16 = np.dtype(ml_dtypes.bfloat16)

@@ -136,8 +136,9 @@ def ag_matmul(
         travel with their own scales), w per tensor (or per output column); the gather moves
         the FP8 rows and their float32 scales, the GEMM runs on FP8 operands with float32
         accumulation and the scales after, and the result has x's dtype. impl="fused" runs our
-        FP8 overlap kernel (the rows gathered inside our FP8 GEMM, the scales in its epilogue;
-        bfloat16 x, K % 16 == 0, N % 8 == 0) or, for other calls and
+        FP8 overlap kernel in the overlap region (on GPUs without an FP8 tuning table: 2048 rows
+        and more, as for bfloat16; the rows gathered inside our FP8 GEMM, the scales in its
+        epilogue; bfloat16 x, K % 16 == 0, N % 8 == 0) or, for other calls and
         Config.fused_path="latency", our all_gather next to XLA's FP8 GEMM; impl="xla" is the
         same quantization with lax.all_gather; impl="auto" takes the path a tuning table's FP8
         entries chose (python -m flux_jax.tune --dtype fp8; docs/tuning.md), else the twin. See

@@ -81,8 +81,8 @@ def matmul_rs(x, w, *, axis_name: str | tuple[str, ...], scatter_dimension: int 
       fp8: None / False, True or an `Fp8` recipe (see `ag_matmul`): x is quantized per row and
         w per tensor (or per output column), each rank runs the FP8 GEMM (float32 accumulation,
         the scales after) and the partial, in x's dtype, is reduce-scattered (impl="fused": our
-        FP8 overlap kernel, the scales in its GEMM's epilogue, for bfloat16 x with K % 16 == 0
-        and N % 8 == 0, else XLA's FP8 GEMM and our reduce_scatter; impl="xla":
+        FP8 overlap kernel in the overlap region, the scales in its GEMM's epilogue, for bfloat16
+        x with K % 16 == 0 and N % 8 == 0, else XLA's FP8 GEMM and our reduce_scatter; impl="xla":
         lax.psum_scatter).
 
     The fused CPU and GPU kernels sum the partials in a fixed rank order, so results are
