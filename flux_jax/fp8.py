@@ -395,14 +395,6 @@ def matmul(x, w, recipe: Fp8, *, transpose_w: bool = False, grad: bool = False):
     return scaled_dot(xq, xs, wq, ws, wq_transposed, x.dtype)
 
 
-def input_grad(dy, w, recipe: Fp8 | None, *, transpose_w: bool = False):
-    """dy @ op(w)^T, the input gradient of x @ op(w) taken locally: XLA's dot, or with a recipe
-    (straight-through) the FP8 GEMM of dy per row in the backward format and w per the recipe."""
-    if recipe is None:
-        return jnp.dot(dy, w if transpose_w else w.T)
-    return matmul(dy, w, recipe, transpose_w=not transpose_w, grad=True)
-
-
 def gather_scales(gather: Callable, scale):
     """Gathers row scales [rows, ..., 1] with `gather` (dimension 0, rank order) -> [tp * rows,
     ..., 1]. Each row's float32 travels padded to 16 bytes (the latency collectives move 16-byte

@@ -228,7 +228,17 @@ def _local_fp8_fwd(x, w, recipe, transpose_w, grad):
 
 def _local_fp8_bwd(recipe, transpose_w, grad, residuals, dy):
     x, w = residuals
-    return _fp8.input_grad(dy, w, recipe, transpose_w=transpose_w), _autodiff.weight_grad(x, dy, w, transpose_w)
+    return local_input_grad(dy, w, recipe, transpose_w=transpose_w), _autodiff.weight_grad(x, dy, w, transpose_w)
 
 
 _local_fp8.defvjp(_local_fp8_fwd, _local_fp8_bwd)
+
+
+def local_input_grad(dy, w, recipe, *, transpose_w: bool = False):
+    """dy @ op(w)^T, the input gradient of x @ op(w) taken on this rank (matmul_ar's and
+    column_matmul's dx): XLA's dot, or with a recipe the FP8 GEMM of dy per row in the backward
+    format, itself through _local_fp8, so a further reverse pass stays straight-through (it
+    does not differentiate the quantization)."""
+    if recipe is None:
+        return jnp.dot(dy, w if transpose_w else w.T)
+    return _local_fp8(dy, w, recipe, not transpose_w, True)

@@ -164,3 +164,35 @@ def test_grad_of_grad_through_fp8_matches_the_twin_and_nears_the_unquantized_one
         assert twin_rel < 1e-2, f"{kind} {name}: {twin_rel:.3e} from the FP8 twin's second derivative"
         rel = np.linalg.norm(g - w) / np.linalg.norm(w)
         assert rel < 0.2, f"{kind} {name}: {rel:.3f} from the unquantized second derivative"
+
+
+@pytest.mark.parametrize("impl", ["fused", "xla"])
+@pytest.mark.parametrize("op", ["matmul_ar", "column_matmul"])
+def test_grad_of_grad_through_fp8_local_input_gradient_is_straight_through(op, impl):
+    """matmul_ar's dx (and column_matmul's with check_vma=False) is a local FP8 GEMM of dy and w;
+    a second reverse pass must not differentiate its quantization: d/dw <dx(v), u> is u^T v up to
+    float32 rounding, not a tangent rounded to FP8 (fused and twin alike)."""
+    mesh = cpu_mesh((2,), ("tp",), AxisType.Auto)
+    rng = np.random.default_rng()
+    x, u, w, v = (random_array(rng, s, "float32") for s in ((8, 32), (8, 32), (32, 16), (8, 16)))
+    if op == "matmul_ar":  # row-parallel: x and w split over K, the output replicated
+        specs, out_spec, check = (P(None, "tp"), P("tp", None)), P(), True
+    else:  # column-parallel: x replicated, w and the output split over N
+        specs, out_spec, check = (P(), P(None, "tp")), P(None, "tp"), False
+    fn = getattr(flux_jax, op)
+    f = jax.shard_map(
+        lambda a, b: fn(a, b, axis_name="tp", impl=impl, fp8=True),
+        mesh=mesh,
+        in_specs=specs,
+        out_specs=out_spec,
+        check_vma=check,
+    )
+
+    def along_u(w):
+        gx = jax.grad(lambda a: jnp.sum(f(a, w) * v))(x)
+        return jnp.sum(gx * u)
+
+    got = jax.jit(jax.grad(along_u))(w)
+    want = to64(u).T @ to64(v)
+    rel = np.linalg.norm(to64(got) - want) / np.linalg.norm(want)
+    assert rel < 1e-5, f"{op} {impl}: {rel:.3e} from u^T v"

@@ -112,7 +112,7 @@ def _bwd(call: Call, residuals, cotangents):
         # cotangent is a per-rank partial (psum transposes to psum); follow the twin.
         dy = _lc.psum(dy, call.axis_name)
     dy = unify_varying(call.axis_name, dy, x)[0]  # typed as x: varying over the axis
-    dx = _fp8.input_grad(dy, w, call.fp8, transpose_w=call.transpose_w)
+    dx = twins.local_input_grad(dy, w, call.fp8, transpose_w=call.transpose_w)
     return dx.astype(x.dtype), _autodiff.weight_grad(x, dy, w, call.transpose_w)
 
 
@@ -265,7 +265,7 @@ def _column_bwd(call: Call, residuals, dy):
     if not _types_checked(w, call.axis_name):
         # shard_map(check_vma=False): the sum of dx over the axis is JAX's (the shard_map boundary
         # or the transpose of whatever replicated x), as for jnp.dot and the twin: dx stays local.
-        dx = _fp8.input_grad(dy, w, call.fp8)
+        dx = twins.local_input_grad(dy, w, call.fp8)
         return dx.astype(x.dtype), _autodiff.weight_grad(x, dy, w, False)
     dy, w_u = unify_varying(call.axis_name, dy, w)
     (dx,) = SPEC.core(dy, w_u, call)  # [M, ..., K] = sum over ranks of dy @ w^T, replicated
