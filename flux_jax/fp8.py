@@ -28,8 +28,8 @@ per column (a second rounding, and another pass over the gathered rows).
 
 Pre-quantized weights. Current scaling reads w twice on every call (its amax, then the
 transposing quantization); at decode sizes that is most of the call (94-96 us of a 120-134 us
-matmul_ar at 7168 x 8192 and 14336 x 4096 on one H200, benchmarks/RESULTS.md "FP8 at decode sizes"), and XLA does
-not hoist it out of a generation loop. `Fp8Weight.quantize(w, recipe)` runs it once (at load
+matmul_ar at 7168 x 8192 and 14336 x 4096 on one H200, benchmarks/RESULTS.md "FP8 at decode
+sizes"), and XLA does not hoist it out of a generation loop. `Fp8Weight.quantize(w, recipe)` runs it once (at load
 time) and every op takes the resulting `Fp8Weight` as its `w`: the FP8 values K-major, [n, k], as
 the fused FP8 GEMMs read them, and their float32 scales (fp8=None then means the default recipe
 with the weight's scaling). No path quantizes it again, except the backward of a per-column

@@ -11,9 +11,9 @@ projection's partial sums are all-reduced and every rank keeps the whole output.
          our GEMM into the workspace and then the same all_reduce kernel, or from 1024 rows
          divisible by tp the two-shot: matmul_rs's overlap call then our flux_jax_all_gather (each
          chunk of rows summed once, by its owner, in matmul_rs's order; _plan.composed_overlap);
-         "decode" (bfloat16, the [k, N] weight, M <= 128, tp x M x N <= 2^22): one decode GEMM whose epilogue pushes
-         each output tile to every peer and sums the tp partials tile by tile (a one-shot
-         all-reduce, one launch).
+         "decode" (bfloat16, the [k, N] weight, M <= 128, tp x M x N <= 2^22): one decode GEMM
+         whose epilogue pushes each output tile to every peer and sums the tp partials tile by
+         tile (a one-shot all-reduce, one launch).
 Every path sums the tp partials in one fixed order in float32 and rounds once (rank order
 0..tp-1, or matmul_rs's for the two-shot overlap), so the output is bitwise the same on every rank.
 With FP8 operands (`fp8=`) the overlap path is the two-shot one on every platform, its first half
@@ -155,8 +155,8 @@ def matmul_ar(x, w, *, axis_name: str | tuple[str, ...], impl: str = "auto", fp8
       impl: "fused", "xla" or "auto" (see `ag_matmul`). "auto" follows a tuning table's
         matmul_ar entries (python -m flux_jax.tune --no-sequence-parallel; docs/tuning.md), else
         the twin at tp > 1 on GPUs; "fused" takes the decode kernel where it serves
-        the call (bfloat16, the [k, N] weight, M <= 128, tp x M x N <= 2^22), the two-shot overlap from 1024 rows
-        divisible by tp, else the latency path (XLA's GEMM + our all_reduce).
+        the call (bfloat16, the [k, N] weight, M <= 128, tp x M x N <= 2^22), the two-shot
+        overlap from 1024 rows divisible by tp, else the latency path (XLA's GEMM + our all_reduce).
       fp8: None / False, True or an `Fp8` recipe (see `ag_matmul`): x is quantized per row and
         w per tensor (or per output column), each rank runs the FP8 GEMM (float32 accumulation,
         the scales after) and the partials, in x's dtype, are all-reduced. impl="fused": the

@@ -276,9 +276,10 @@ uint64_t SipHash24(const uint8_t key[16], const uint8_t* msg, size_t len) {
 std::string SegmentName(const std::string& session, const std::string& secret, uint64_t generation, int64_t callsite,
                         const TpGroup& group) {
   std::string out = "/fluxjax-" + session + "-";
+  std::vector<int64_t> words = {0, static_cast<int64_t>(generation), callsite, group.group_index, group.size};
+  words.insert(words.end(), group.devices.begin(), group.devices.end());
   for (int64_t half = 0; half < 2; ++half) {
-    std::vector<int64_t> words = {half, static_cast<int64_t>(generation), callsite, group.group_index, group.size};
-    words.insert(words.end(), group.devices.begin(), group.devices.end());
+    words[0] = half;
     std::vector<uint8_t> msg(words.size() * 8);
     for (size_t i = 0; i < msg.size(); ++i) {
       msg[i] = static_cast<uint8_t>(static_cast<uint64_t>(words[i / 8]) >> (8 * (i % 8)));

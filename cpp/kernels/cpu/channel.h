@@ -30,8 +30,8 @@
 // Segment names: /fluxjax-<session>-<keyed hash>, the hash (SipHash-2-4, two
 // halves) keyed by the job's secret (>= 128 bits from jax.distributed's key-value
 // store, never in a name) over (reset generation, call site, group index, group
-// size, the group's device ids). Whoever comes first creates the segment (O_EXCL, mode 0600, space
-// reserved with posix_fallocate); the others check its owner and mode before
+// size, the group's device ids). Whoever comes first creates the segment (O_EXCL,
+// mode 0600, space reserved with posix_fallocate); the others check its owner and mode before
 // mapping it. Once every process of the group has mapped it, the last one unlinks
 // the name: nothing is left in /dev/shm, whatever happens to the processes later.
 //

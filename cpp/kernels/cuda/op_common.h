@@ -292,12 +292,12 @@ inline bool PreferFp8Pingpong160(int64_t m, int64_t n, int sm_count) {
 }
 
 // The FP8 GEMM instance (gemm_fp8_instance.cuh) for an m x k x n GEMM: ping-pong 128x128 tiles in
-// 2x1 clusters (B multicast) at K <= 4096 and below 8192 x 8192 outputs unless
-// Fp8CooperativeByWaves, else cooperative 128x256 tiles in 1x1 clusters; on a GPU below 4 TB/s of
-// DRAM either gives way to ping-pong 128x192 (PreferPingpong192). Measured on one H200 against
-// cuBLASLt's FP8 GEMM in one run (ours / theirs):
-// ping-pong won five of six shapes (2048 x 2560 x 5120 1.34 -> 1.18, 4096 x 3072 x 4608 1.28 ->
-// 1.16, 8192 x 2048 x 4096 1.19 -> 1.15 against 128x256) and lost 8192^3 (1.09 vs 1.05)
+// 2x1 clusters (B multicast) below 8192 x 8192 outputs unless Fp8CooperativeByWaves, and at larger
+// outputs where K <= 4096 and PingpongAtManyWaves, else cooperative 128x256 tiles in 1x1
+// clusters; on a GPU below 4 TB/s of DRAM either gives way to ping-pong 128x192
+// (PreferPingpong192). Measured on one H200 against cuBLASLt's FP8 GEMM in one run (ours /
+// theirs): ping-pong won five of six shapes (2048 x 2560 x 5120 1.34 -> 1.18, 4096 x 3072 x 4608
+// 1.28 -> 1.16, 8192 x 2048 x 4096 1.19 -> 1.15 against 128x256) and lost 8192^3 (1.09 vs 1.05)
 // (docs/decisions/2026-12-01-gemm-instances.md); at 16384-row outputs it won at K = 3072 and 4096
 // (1.04 against 1.09-1.11) and lost at K = 8192 (docs/decisions/2026-12-04-fp8-pingpong-at-short-k.md);
 // on an H100 it lost at K = 3072 too, so there it needs outputs below 8192 x 8192 (PingpongAtManyWaves).
