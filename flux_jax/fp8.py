@@ -380,10 +380,12 @@ def check_weight(op: str, w) -> None:
 
 def scaled_dot(xq, x_scale, wq, w_scale, transpose_w: bool, out_dtype):
     """(xq * x_scale) @ op(wq * w_scale) in `out_dtype`: the GEMM on the FP8 operands with float32
-    accumulation, the scales after (row scales [rows, ..., 1], column scales [n] or [])."""
+    accumulation, the scales after (row scales [rows, ..., 1], column scales [n] or []). The
+    weight's scale multiplies first, as in the CUDA kernels' epilogue (fp8_scale_epilogue.cuh), so
+    the two round alike and huge rows (|x| near float32's limit) do not overflow in between."""
     dims = (((xq.ndim - 1,), (1 if transpose_w else 0,)), ((), ()))
     acc = lax.dot_general(xq, wq, dims, preferred_element_type=jnp.float32)
-    return (acc * x_scale * w_scale).astype(out_dtype)
+    return (acc * w_scale * x_scale).astype(out_dtype)
 
 
 def matmul(x, w, recipe: Fp8, *, transpose_w: bool = False, grad: bool = False):

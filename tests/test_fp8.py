@@ -113,6 +113,28 @@ def test_output_is_fp8_accurate_quantized_and_matches_the_twin(op, dtype_name):
     assert np.all(np.abs(got - twin_out) <= 2 * tp * EPS[dtype_name] * ab + 1e-30)
 
 
+@pytest.mark.parametrize("op", ["ag", "rs", "ar"])
+def test_rows_near_float32s_limit_stay_finite_in_the_fused_op_and_the_twin(op):
+    """|x| ~ 1e36: the float32 accumulator times x's row scale (~1e34) would overflow before the
+    weight's scale brings it back; the scales apply weight first (as the CUDA epilogue does)."""
+    rng = np.random.default_rng()
+    tp = 2
+    mesh = cpu_mesh((tp,), ("tp",))
+    x, w = _operands(rng, op, tp, 3, 32, 16, jnp.float32)
+    x = x * np.float32(1e36)
+    fused, specs = _fn(op, mesh, 2, "fused", True)
+    twin, _ = _fn(op, mesh, 2, "xla", True)
+    xs, ws = _placed(mesh, specs, x, w)
+    x64, w64 = to64(x), to64(w)
+    ref = np.tensordot(x64, w64, axes=1)
+    assert np.all(np.isfinite(ref)) and np.max(np.abs(ref)) > 1e36
+    bound = _fp8_bound(x64, w64, "float32", op, tp)
+    for name, f in (("fused", fused), ("twin", twin)):
+        got = to64(f(xs, ws))
+        assert np.all(np.isfinite(got)), f"{op} {name}: overflowed"
+        assert np.all(np.abs(got - ref) <= bound), f"{op} {name}: {np.max(np.abs(got - ref) / bound):.2f}x the bound"
+
+
 def _ssa_results(text: str, what: str) -> list[str]:
     """The SSA names of the StableHLO ops in `text` whose line holds `what`, in program order."""
     return [line.split("=")[0].strip().split(":")[0] for line in text.splitlines() if what in line and " = " in line]
