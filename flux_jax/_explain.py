@@ -56,12 +56,13 @@ def record(op: str, problem: _plan.Problem, plan: _plan.Plan, backward: bool) ->
         sites.append(CallSite(op, problem, plan, backward))
 
 
-def amend(planned: _plan.Plan, lowered: _plan.Plan) -> None:
+def amend(planned: _plan.Plan, lowered: _plan.Plan, problem: _plan.Problem | None = None) -> None:
     """Called by the lowering where it runs another plan than the one traced (the mesh rules the
-    fused kernels out, a manual region's layout, rows a shard no longer divides)."""
+    fused kernels out, a manual region's layout, rows a shard no longer divides), or plans for
+    other operands (`problem`: a manual region's shard, a vmapped batch)."""
     amendments = getattr(_local, "amendments", None)
-    if amendments is not None and lowered != planned:
-        amendments.append((planned, lowered))
+    if amendments is not None and (lowered != planned or problem is not None):
+        amendments.append((planned, lowered, problem))
 
 
 def _amended(sites: Explanation, amendments: list) -> Explanation:
@@ -69,10 +70,10 @@ def _amended(sites: Explanation, amendments: list) -> Explanation:
     it (the lowering meets the sites in program order; identical sites share a plan)."""
     out = Explanation(sites)
     done = set()
-    for planned, lowered in amendments:
+    for planned, lowered, problem in amendments:
         for i, site in enumerate(out):
             if i not in done and site.plan is planned:
-                out[i] = dataclasses.replace(site, plan=lowered)
+                out[i] = dataclasses.replace(site, plan=lowered, problem=problem or site.problem)
                 done.add(i)
                 break
     return out
@@ -115,8 +116,9 @@ def explain_auto(
 ) -> str:
     """What impl="auto" runs on Hopper GPUs for a global GEMM shape, why, and which tuning table
     decided (one sentence; docs/tuning.md); on the overlap path, with a CUDA build, also the GEMM
-    instance it runs on `gpu`: (SMs, peak DRAM bandwidth in GB/s), e.g. (132, 3352) for an H100
-    SXM; by default this process's first GPU, else an H200 (132 SMs, 4.8 TB/s), assumed.
+    instance it runs. Both for `gpu`: (SMs, peak DRAM bandwidth in GB/s), e.g. (132, 3352) for an
+    H100 SXM (the SM count scales the tables' shape classes, as on that GPU); by default this
+    process's first GPU, else an H200 (132 SMs, 4.8 TB/s), assumed.
 
     `op` is "ag_matmul" (x [M, K] row-sharded, w [K, N] column-sharded), "matmul_rs" or
     "matmul_ar" (x [M, K] and w [K, N] sharded on K). Shapes are global, as in the benchmarks.
@@ -145,5 +147,5 @@ def explain_auto(
     dtype = np.dtype(dtype)
     problem = _plan.Problem(op, M, k, n, dtype, tp, "cuda", fp8="float8_e4m3fn" if fp8 else None)
     where = f"{op} M={M} K={K} N={N} tp={tp} {dtype.name}{' with FP8 operands' if fp8 else ''} on GPU"
-    plan = _plan.plan(problem, "auto", get_config(), on_hopper=True)
+    plan = _plan.plan(problem, "auto", get_config(), on_hopper=True, sms=gpu and int(gpu[0]))
     return f"{where}: {_with_gemm(problem, plan, gpu and (int(gpu[0]), int(gpu[1])))}"

@@ -129,6 +129,26 @@ def _automatic_axes(ctx) -> tuple[str, ...]:
     return auto if any(sizes[a] > 1 for a in auto) else ()
 
 
+def _mesh_position(ctx, rank, call):
+    """The device's place in the TP device table by the program's own axis indices: group * tp +
+    rank, the group counted row-major over the mesh's other axes (as `tp_groups` lays them out).
+    The CPU handlers check it against the table, so a program run on its devices in another order
+    or grouping (an exported one) is an error, not other ranks' rows."""
+    mesh = ctx.module_context.axis_context.mesh
+    tp_axes = axis_tuple(call.axis_name)
+    others = tuple(a for a, n in zip(mesh.axis_names, mesh.axis_sizes) if a not in tp_axes and n > 1)
+    if not others:
+        return rank
+
+    def position(rank):
+        return rank + np.int32(call.tp) * jax.lax.axis_index(others).astype(rank.dtype)
+
+    aval = ctx.avals_in[-1]
+    inner = ctx.replace(avals_in=[aval], avals_out=[aval])
+    (out,) = mlir.lower_fun(position, multiple_results=False)(inner, rank)
+    return out
+
+
 def _lower_fun(fn, ctx, x, w_ops, rank, call):
     """mlir.lower_fun of fn(x, w, rank) on the primitive's operands, w rebuilt from its
     operands (one array, or a pre-quantized weight's leaves)."""
@@ -281,21 +301,26 @@ def register(spec) -> None:
     def rule(ctx, x, *operands, call, platform):
         w_ops, rank = operands[:-1], operands[-1]  # the weight's leaves (one array, or q and scale)
         plan = call.plan
-        if platform != call.platform:  # lowered for another platform than it was traced on
-            problem = _lowered_problem(spec, ctx, call, platform)
-            # Lowered for a GPU on a host without one (export): plan for the GPU the built-in
-            # tables describe (Hopper).
+        problem = _lowered_problem(spec, ctx, call, platform)
+        if problem != call.problem:
+            # Planned again for the operands lowered here: another platform than traced (export),
+            # a manual region's shard of the rows (a partially manual shard_map: traced with the
+            # automatic axes' whole batch), a vmapped batch. Lowered for a GPU on a host without
+            # one (export): planned for the GPU the built-in tables describe (Hopper).
             on_hopper = platform == "cuda" and not _plan.local_gpus()
-            plan = _plan.plan(problem, call.impl, call.config, backward=call.backward, on_hopper=on_hopper)
+            plan = _plan.plan(problem, call.impl, call.config, backward=call.planned_as_backward, on_hopper=on_hopper)
         groups = None
         if plan.fused:
             groups, reason = _topology(ctx, platform, call)
             plan = _plan.for_topology(plan, spec.name, reason, call.forced)
             if not plan.fused:
                 _log_once(reason)
-        _explain.amend(call.plan, plan)
+        # What explain reports: the plan lowered here, on the operands lowered here where they
+        # differ from the traced ones (once per call site: a manual region's nested call says it)
+        replanned = problem if problem != call.problem else None
         twin = lambda x, w, rank: spec.twin(x, w, call)  # noqa: E731
         if not plan.fused:
+            _explain.amend(call.plan, plan, replanned)
             return _lower_fun(twin, ctx, x, w_ops, rank, call)
         auto = _automatic_axes(ctx)
         if auto:
@@ -305,18 +330,18 @@ def register(spec) -> None:
                 if call.forced:
                     raise
                 _log_once(str(err))  # impl="auto": the twin serves any layout
-                _explain.amend(call.plan, _plan.Plan("twin", str(err), "the manual region's layout"))
+                _explain.amend(call.plan, _plan.Plan("twin", str(err), "the manual region's layout"), replanned)
                 return _lower_fun(twin, ctx, x, w_ops, rank, call)
+        _explain.amend(call.plan, plan, replanned)
 
-        # The rank operand (lax.axis_index) is cross-checked by the CPU handlers only.
+        # The rank operand (lax.axis_index), made the device's place in the table, is
+        # cross-checked by the CPU handlers only.
         pass_rank = platform == "cpu"
+        if pass_rank:
+            rank = _mesh_position(ctx, rank, call)
         if plan.path == "latency":
             return _lower_latency(spec, ctx, x, w_ops, rank, call, groups, pass_rank)
         if call.fp8 is not None:  # (every pre-quantized weight's call: it comes with a recipe)
-            lowered = _plan.for_lowered_shape(plan, _lowered_problem(spec, ctx, call, platform))
-            if lowered is not plan:
-                _explain.amend(call.plan, lowered)
-                return _lower_latency(spec, ctx, x, w_ops, rank, call, groups, pass_rank)
             return _lower_fp8_fused(spec, ctx, x, w_ops, rank, call, groups, pass_rank, plan.path)
         (w,) = w_ops
         rows = int(np.prod(ctx.avals_in[0].shape[:-1]))

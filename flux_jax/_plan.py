@@ -168,23 +168,31 @@ def _fp8_unavailable_on_hopper(p: Problem) -> str | None:
     return None
 
 
+def fp8_overlap_unavailable(p: Problem) -> str | None:
+    """Why the FP8 overlap kernels do not serve this call, or None where they do: a GEMM of
+    ag_matmul, matmul_rs or matmul_ar (matmul_rs's kernel, then an all_gather: the two-shot) with
+    rows in e4m3 (the forward) or e5m2 (the backward's dy; the weight is e4m3 in both), a bfloat16
+    output, per-rank K a multiple of 16 and N of 8 (the CUDA instances' alignment; the CPU backend
+    follows it), rows divisible by tp for the GEMM-first ops (each rank sums one chunk of them)."""
+    if p.op not in ("ag_matmul", "matmul_rs", "matmul_ar"):
+        return f"{p.op} has no FP8 overlap kernel"
+    if p.fp8 not in ("float8_e4m3fn", "float8_e5m2"):
+        return f"they take e4m3 or e5m2 rows, not {p.fp8}"
+    if np.dtype(p.dtype) != _BF16:
+        return f"they write bfloat16, not {np.dtype(p.dtype).name}"
+    if p.k % 16 or p.n % 8:
+        return f"they need per-rank K a multiple of 16 and N of 8, not K={p.k}, N={p.n}"
+    if p.op != "ag_matmul" and p.rows % p.tp:
+        return f"{p.op} needs rows divisible by tp={p.tp} there (each rank sums one chunk), not {p.rows} rows"
+    return None
+
+
 def fp8_overlap_supported(p: Problem) -> bool:
-    """Whether the FP8 overlap kernels serve this call: a GEMM of ag_matmul, matmul_rs or matmul_ar
-    (matmul_rs's kernel, then an all_gather: the two-shot) with rows in e4m3 (the forward) or e5m2
-    (the backward's dy; the weight is e4m3 in both), a bfloat16 output, per-rank K a multiple of 16
-    and N of 8 (the CUDA instances' alignment; the CPU backend follows it), rows divisible by tp for
-    the GEMM-first ops (each rank sums one chunk of them)."""
-    return (
-        p.op in ("ag_matmul", "matmul_rs", "matmul_ar")
-        and p.fp8 in ("float8_e4m3fn", "float8_e5m2")
-        and np.dtype(p.dtype) == _BF16
-        and p.k % 16 == 0
-        and p.n % 8 == 0
-        and (p.op == "ag_matmul" or p.rows % p.tp == 0)
-    )
+    """Whether the FP8 overlap kernels serve this call (`fp8_overlap_unavailable`)."""
+    return fp8_overlap_unavailable(p) is None
 
 
-def _plan_fp8(p: Problem, config: Config, must_fuse: bool, on_hopper: bool = False) -> Plan:
+def _plan_fp8(p: Problem, config: Config, must_fuse: bool, on_hopper: bool = False, sms: int | None = None) -> Plan:
     """FP8 calls (available kernels): Config.fused_path where set; else a tuning table's measured
     choice (forward calls, e4m3 rows and bfloat16 x: the tables' dtype "float8_e4m3fn"); else the
     FP8 overlap kernel or the latency composition where they must fuse, and the twin where not."""
@@ -212,8 +220,9 @@ def _plan_fp8(p: Problem, config: Config, must_fuse: bool, on_hopper: bool = Fal
     if config.fused_path == "overlap":
         if overlap_ok:
             return Plan("overlap", f'Config.fused_path="overlap": {overlap}', "config")
-        return Plan("latency", f"the FP8 overlap kernel does not serve this call: {latency}", "config")
-    tuned = _tuning.lookup(p, config.tuning, on_hopper=on_hopper) if p.tp > 1 else None
+        why = fp8_overlap_unavailable(p)
+        return Plan("latency", f"the FP8 overlap kernels do not serve this call ({why}): {latency}", "config")
+    tuned = _tuning.lookup(p, config.tuning, on_hopper=on_hopper, sms=sms) if p.tp > 1 else None
     if tuned is not None and (tuned.path != "twin" or not must_fuse):
         return _fp8_tuned(p, tuned.path, tuned.reason, tuned.source, overlap, latency)
     if tuned is not None and tuned.fused is not None:  # must fuse where the table chose the twin
@@ -249,7 +258,11 @@ def _fp8_tuned(p: Problem, path: str, why: str, source: str, overlap: str, laten
     if path == "twin":
         return Plan("twin", why, source)
     if path == "overlap" and not fp8_overlap_supported(p):
-        return Plan("latency", f"{why}; the FP8 overlap kernel does not serve this call: {latency}", source)
+        return Plan(
+            "latency",
+            f"{why}; the FP8 overlap kernels do not serve this call ({fp8_overlap_unavailable(p)}): {latency}",
+            source,
+        )
     if path == "decode" and not fp8_decode_supported(p):
         return Plan("latency", f"{why}; the FP8 decode kernels do not serve this call: {latency}", source)
     what = {"overlap": overlap, "latency": latency, "decode": "the FP8 decode kernel (e4m3 rows, bfloat16 out)"}
@@ -360,16 +373,20 @@ def composed_overlap(op: str, rows: int, tp: int, platform: str) -> bool:
     )
 
 
-def plan(p: Problem, impl: str, config: Config, *, backward: bool = False, on_hopper: bool = False) -> Plan:
+def plan(
+    p: Problem, impl: str, config: Config, *, backward: bool = False, on_hopper: bool = False, sms: int | None = None
+) -> Plan:
     """The plan for one call (`_decide`), naming matmul_ar's two-shot overlap where it applies."""
-    decided = _decide(p, impl, config, backward=backward, on_hopper=on_hopper)
+    decided = _decide(p, impl, config, backward=backward, on_hopper=on_hopper, sms=sms)
     if decided.path == "overlap" and not p.fp8 and composed_overlap(p.op, p.rows, p.tp, p.platform):
         two_shot = "two-shot: matmul_rs's overlapped GEMM + reduce-scatter, then our all_gather"
         return Plan(decided.path, f"{decided.reason}; {two_shot}", decided.decided_by)
     return decided
 
 
-def _decide(p: Problem, impl: str, config: Config, *, backward: bool = False, on_hopper: bool = False) -> Plan:
+def _decide(
+    p: Problem, impl: str, config: Config, *, backward: bool = False, on_hopper: bool = False, sms: int | None = None
+) -> Plan:
     """The plan for one call.
 
     impl="xla" is the twin; impl="fused" is a fused path or FusedUnavailableError; impl="auto"
@@ -377,7 +394,7 @@ def _decide(p: Problem, impl: str, config: Config, *, backward: bool = False, on
     tp=1, where there is no communication to overlap).
     `backward=True` plans the paired op of a fused op's backward pass: a fused path wherever one
     can run. `on_hopper=True` plans as on a Hopper GPU with a CUDA build, whatever this process
-    has (explain_auto).
+    has (explain_auto); `sms`: that GPU's SM count (explain_auto's gpu=), else this process's GPU's.
     """
     if config.debug_drop_rank >= p.tp:
         raise ValueError(
@@ -394,13 +411,13 @@ def _decide(p: Problem, impl: str, config: Config, *, backward: bool = False, on
         return Plan("twin", reason, "kernels")
     must_fuse = impl == "fused" or backward
     if p.fp8:
-        return _plan_fp8(p, config, must_fuse, on_hopper)
+        return _plan_fp8(p, config, must_fuse, on_hopper, sms)
     if config.fused_path != "auto":
         path, why = _feasible(p, config.fused_path)
         return Plan(path, why or f'Config.fused_path="{config.fused_path}"', "config")
     if p.tp == 1 and not must_fuse:
         return _single_device(p)
-    tuned = _tuning.lookup(p, config.tuning, on_hopper=on_hopper)
+    tuned = _tuning.lookup(p, config.tuning, on_hopper=on_hopper, sms=sms)
     if tuned is None:
         if p.platform == "cpu" and not on_hopper:
             if must_fuse:
@@ -417,19 +434,6 @@ def _decide(p: Problem, impl: str, config: Config, *, backward: bool = False, on
         choice, why = tuned.fused or _default_fused(p), f'impl="fused" ({why})'
     path, adjusted = _feasible(p, choice)
     return Plan(path, adjusted or why, tuned.source)
-
-
-def for_lowered_shape(plan: Plan, p: Problem) -> Plan:
-    """The plan on the operands being lowered. A manual region over other mesh axes may leave an
-    op fewer rows than traced (matmul_ar's may split its rows), which tp may then not divide: the
-    FP8 two-shot sums one chunk of rows per rank, so such a call takes the latency path."""
-    if p.fp8 is not None and plan.path == "overlap" and not fp8_overlap_supported(p):
-        return Plan(
-            "latency",
-            f"the FP8 two-shot needs rows divisible by tp; the manual region leaves {p.rows} rows per shard",
-            "the manual region's layout",
-        )
-    return plan
 
 
 def for_topology(plan: Plan, op: str, reason: str | None, forced: bool) -> Plan:

@@ -388,6 +388,14 @@ def test_explain_auto_names_the_choice_and_the_reason():
         flux_jax.explain_auto("ag_matmul", 4096, 8192, 8192, 2, fp8="yes")
 
 
+def test_explain_auto_plans_the_path_for_the_gpu_it_is_given():
+    """gpu=(SMs, GB/s) scales the built-in table's shape classes to that GPU's SMs, as impl="auto"
+    does on it (an H100 PCIe's 114 SMs: fewer row tiles to hide the transfer under)."""
+    shape = ("ag_matmul", 2048, 4096, 6144, 2)
+    assert "fused, overlap path" in flux_jax.explain_auto(*shape, gpu=(132, 4800))
+    assert "fused, latency path" in flux_jax.explain_auto(*shape, gpu=(114, 2000))
+
+
 @pytest.mark.skipif(
     not hasattr(_native.extension(), "cuda_auto_gemm_plan"), reason="the GEMM rule is in CUDA builds only"
 )

@@ -157,3 +157,33 @@ def test_exported_program_on_its_devices_in_another_order_fails_at_once_naming_t
         assert time.monotonic() - start < 10  # the exported calls' timeout is Config's default, 60 s
     finally:
         flux_jax.reset()
+
+
+@pytest.mark.parametrize("order", [(0, 5, 2, 7, 4, 1, 6, 3), (4, 5, 6, 7, 0, 1, 2, 3)])
+def test_exported_program_on_regrouped_devices_fails_naming_the_group(order):
+    """On a (dp, tp) mesh every device may keep its tp rank while the TP groups change (device 5
+    now sits in dp row 0): its lax.axis_index over dp disagrees with the group the table puts it
+    in, so the call fails naming the device and both groups, never mixing two batches' rows."""
+    dp = 2
+    specs = (P("dp", "tp", None), P(None, "tp"))
+
+    def body(x, w):  # this dp row's rows of this tp rank
+        return flux_jax.ag_matmul(x[0], w, axis_name="tp", impl="fused")[None]
+
+    def fn(mesh):
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P("dp", None, "tp")))
+
+    rng = np.random.default_rng()
+    x, w = random_array(rng, (dp, S, D), jnp.float32), random_array(rng, (D, F), jnp.float32)
+    ref = np.einsum("bsd,df->bsf", to64(x), to64(w))
+    exported_on = cpu_mesh((dp, TP), ("dp", "tp"), AxisType.Auto)
+    exported = export.export(fn(exported_on), disabled_checks=flux_jax.export_disabled_checks())(x, w)
+    flux_jax.reset()
+    try:
+        same = _run_restored(exported, exported_on, specs, x, w)
+        np.testing.assert_allclose(to64(same), ref, rtol=1e-5, atol=1e-5)
+        regrouped = cpu_mesh((dp, TP), ("dp", "tp"), AxisType.Auto, order)
+        with pytest.raises(Exception, match=r"puts device \d in TP group \d but the mesh table has it in TP group \d"):
+            jax.block_until_ready(_run_restored(exported, regrouped, specs, x, w))
+    finally:
+        flux_jax.reset()

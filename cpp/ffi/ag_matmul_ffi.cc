@@ -45,13 +45,13 @@ Status MakeParams(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::RemainingArgs& scales
   return AgMatmulCanImplement(*p, group);
 }
 
-// `host_rank` is lax.axis_index, cross-checked against the mesh table: on CPU only. On GPU the
-// rank would live in device memory, so the GPU lowering does not pass it (computing it cost a
-// ~1 us convert kernel per call).
-Status Decode(Platform platform, int32_t device_ordinal, std::optional<int32_t> host_rank, ffi::AnyBuffer x,
+// `host_position` is the device's place in the mesh table by lax.axis_index (group * tp + rank),
+// cross-checked against the table: on CPU only. On GPU it would live in device memory, so the GPU
+// lowering does not pass it (computing it cost a ~1 us convert kernel per call).
+Status Decode(Platform platform, int32_t device_ordinal, std::optional<int32_t> host_position, ffi::AnyBuffer x,
               ffi::AnyBuffer w, ffi::RemainingArgs& scales, ffi::Result<ffi::AnyBuffer> out, ffi::RemainingRets& extra,
               const GemmAttrs& attrs, TpGroup* group, CommConfig* cfg, AgMatmulParams* p) {
-  FLUX_JAX_RETURN_IF_ERROR(DecodeGemm(attrs, platform, device_ordinal, host_rank, group, cfg));
+  FLUX_JAX_RETURN_IF_ERROR(DecodeGemm(attrs, platform, device_ordinal, host_position, group, cfg));
   return MakeParams(x, w, scales, out, extra, attrs, *group, p);
 }
 
@@ -88,7 +88,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FluxJaxAgMatmulCpu, flux_jax::ffi_adapter::AgMatmu
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()         // x [m_local, k]
                                   .Arg<ffi::AnyBuffer>()         // w [k, n] or [n, k]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // rank = lax.axis_index
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // position by lax.axis_index
                                   .RemainingArgs()               // FP8: row scales, column scales
                                   .Ret<ffi::AnyBuffer>()         // out [tp*m_local, n]
                                   .RemainingRets()               // gathered x, optional

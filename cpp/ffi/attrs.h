@@ -57,10 +57,11 @@ struct GemmAttrs {
 };
 
 // Fills `group` (which rank this device is, its peers) and `cfg` from the
-// attributes every custom call carries. `rank_operand` is lax.axis_index
-// where the host can read it (CPU), cross-checked against the device table.
+// attributes every custom call carries. `position_operand` is the device's
+// place in the device table by lax.axis_index (group * tp + rank), where the
+// host can read it (CPU), cross-checked against the table.
 template <typename Attrs>
-Status DecodeCommon(const Attrs& a, Platform platform, int32_t device_ordinal, std::optional<int32_t> rank_operand,
+Status DecodeCommon(const Attrs& a, Platform platform, int32_t device_ordinal, std::optional<int32_t> position_operand,
                     TpGroup* group, CommConfig* cfg) {
   if (a.tp_processes.size() != a.tp_devices.size()) {
     return Status::InvalidArgument("tp_processes and tp_devices differ in length");
@@ -71,11 +72,11 @@ Status DecodeCommon(const Attrs& a, Platform platform, int32_t device_ordinal, s
   cfg->drop_rank = a.drop_rank;
   cfg->poison_outputs = a.poison;
   return ResolveTpGroup(a.tp_devices.begin(), a.tp_processes.begin(), a.tp_devices.size(), a.tp_size, platform,
-                        device_ordinal, rank_operand, group);
+                        device_ordinal, position_operand, group);
 }
 
 inline Status DecodeGemm(const GemmAttrs& a, Platform platform, int32_t device_ordinal,
-                         std::optional<int32_t> rank_operand, TpGroup* group, CommConfig* cfg) {
+                         std::optional<int32_t> position_operand, TpGroup* group, CommConfig* cfg) {
   if (a.path != FusedPath::kOverlap && a.path != FusedPath::kDecode) {
     return Status::InvalidArgument("unknown fused path " + std::to_string(static_cast<int32_t>(a.path)));
   }
@@ -96,7 +97,7 @@ inline Status DecodeGemm(const GemmAttrs& a, Platform platform, int32_t device_o
   }
   cfg->tuning.gemm_kernel = a.gemm_kernel;
   cfg->tuning.gate_probe = a.gate_probe;
-  return DecodeCommon(a, platform, device_ordinal, rank_operand, group, cfg);
+  return DecodeCommon(a, platform, device_ordinal, position_operand, group, cfg);
 }
 
 }  // namespace flux_jax::ffi_adapter

@@ -70,13 +70,13 @@ ffi::Error RunCuda(void* stream, int32_t device_ordinal, ffi::AnyBuffer x, ffi::
 }
 
 // all_reduce: out has x's shape; every rank gets the rank-ordered sum.
-Status DecodeAllReduce(Platform platform, int32_t device_ordinal, std::optional<int32_t> host_rank, ffi::AnyBuffer x,
-                       ffi::Result<ffi::AnyBuffer> out, const CollectiveAttrs& attrs, TpGroup* group_out,
-                       CommConfig* cfg_out, CollectiveParams* p_out) {
+Status DecodeAllReduce(Platform platform, int32_t device_ordinal, std::optional<int32_t> host_position,
+                       ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out, const CollectiveAttrs& attrs,
+                       TpGroup* group_out, CommConfig* cfg_out, CollectiveParams* p_out) {
   TpGroup& group = *group_out;
   CommConfig& cfg = *cfg_out;
   CollectiveParams& p = *p_out;
-  Status s = DecodeCommon(attrs, platform, device_ordinal, host_rank, &group, &cfg);
+  Status s = DecodeCommon(attrs, platform, device_ordinal, host_position, &group, &cfg);
   Folded xf;
   if (s.ok()) s = Fold(x, "all_reduce", &xf);
   if (s.ok()) s = ToDType(x.element_type(), "all_reduce", &p.dtype);
@@ -120,13 +120,13 @@ ffi::Error RunAllReduceCudaHandler(void* stream, int32_t device_ordinal, ffi::An
 namespace ffi = xla::ffi;
 using flux_jax::ffi_adapter::Collective;
 
-// CPU: x, rank (= lax.axis_index, cross-checked); CUDA: x only (see ag_matmul_ffi.cc).
-#define FLUX_JAX_CPU_COLLECTIVE_BINDING()                         \
-  ffi::Ffi::Bind()                                                \
-      .Ctx<ffi::DeviceOrdinal>()                                  \
-      .Arg<ffi::AnyBuffer>()        /* x */                       \
-      .Arg<ffi::Buffer<ffi::S32>>() /* rank = lax.axis_index */   \
-      .Ret<ffi::AnyBuffer>()        /* gathered / reduced rows */ \
+// CPU: x, position (by lax.axis_index, cross-checked); CUDA: x only (see ag_matmul_ffi.cc).
+#define FLUX_JAX_CPU_COLLECTIVE_BINDING()                            \
+  ffi::Ffi::Bind()                                                   \
+      .Ctx<ffi::DeviceOrdinal>()                                     \
+      .Arg<ffi::AnyBuffer>()        /* x */                          \
+      .Arg<ffi::Buffer<ffi::S32>>() /* position by lax.axis_index */ \
+      .Ret<ffi::AnyBuffer>()        /* gathered / reduced rows */    \
       .Attrs<flux_jax::ffi_adapter::CollectiveAttrs>()
 #define FLUX_JAX_CUDA_COLLECTIVE_BINDING()                 \
   ffi::Ffi::Bind()                                         \

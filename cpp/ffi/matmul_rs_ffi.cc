@@ -34,11 +34,11 @@ Status MakeParams(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::RemainingArgs& scales
   return CheckElements("matmul_rs out", out->element_count(), p->m / group.size * p->n);
 }
 
-// `host_rank` on CPU only (see ag_matmul_ffi.cc).
-Status Decode(Platform platform, int32_t device_ordinal, std::optional<int32_t> host_rank, ffi::AnyBuffer x,
+// `host_position` on CPU only (see ag_matmul_ffi.cc).
+Status Decode(Platform platform, int32_t device_ordinal, std::optional<int32_t> host_position, ffi::AnyBuffer x,
               ffi::AnyBuffer w, ffi::RemainingArgs& scales, ffi::Result<ffi::AnyBuffer> out, const GemmAttrs& attrs,
               TpGroup* group, CommConfig* cfg, MatmulRsParams* p) {
-  FLUX_JAX_RETURN_IF_ERROR(DecodeGemm(attrs, platform, device_ordinal, host_rank, group, cfg));
+  FLUX_JAX_RETURN_IF_ERROR(DecodeGemm(attrs, platform, device_ordinal, host_position, group, cfg));
   return MakeParams(x, w, scales, out, attrs, *group, p);
 }
 
@@ -72,7 +72,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FluxJaxMatmulRsCpu, flux_jax::ffi_adapter::MatmulR
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()         // x [m, k_local]
                                   .Arg<ffi::AnyBuffer>()         // w [k_local, n] or [n, k_local]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // rank = lax.axis_index
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // position by lax.axis_index
                                   .RemainingArgs()               // FP8: row scales, column scales
                                   .Ret<ffi::AnyBuffer>()         // out [m/tp, n]
                                   .Attrs<flux_jax::ffi_adapter::GemmAttrs>());

@@ -138,13 +138,14 @@ def _tables(explicit: str | None, platform: str, local: LocalDevice | None) -> l
     return tables
 
 
-def lookup(problem, explicit: str | None, *, on_hopper: bool = False) -> Decision | None:
+def lookup(problem, explicit: str | None, *, on_hopper: bool = False, sms: int | None = None) -> Decision | None:
     """What the tuning tables say about `problem` (a flux_jax/_plan.Problem), or None when no
     table covers it. Only flux_jax/_plan.py calls this.
 
     `explicit`: Config.tuning. CPU calls consult only an explicit table (its "cpu" entries);
     GPU calls the explicit table, this GPU kind's table in the user cache, then the built-in
-    one. `on_hopper` (explain_auto): a GPU call even in a process without GPUs.
+    one. `on_hopper` (explain_auto): a GPU call even in a process without GPUs; `sms`
+    (explain_auto's gpu=): the SM count the shape classes are scaled to, instead of this GPU's.
     """
     platform = "gpu" if on_hopper or problem.platform in ("cuda", "gpu") else problem.platform
     if platform not in ("gpu", "cpu"):
@@ -160,8 +161,8 @@ def lookup(problem, explicit: str | None, *, on_hopper: bool = False) -> Decisio
             if not entries:
                 continue
             device = table.devices[entries[0].device_kind]
-            sms = local.sms if local is not None and platform == "gpu" else None
-            query = shape_class(problem.op, problem.rows, problem.k, problem.n, dtype, problem.tp, device, sms)
+            gpu_sms = sms if sms is not None else local.sms if local is not None and platform == "gpu" else None
+            query = shape_class(problem.op, problem.rows, problem.k, problem.n, dtype, problem.tp, device, gpu_sms)
             decision = _decide(table, entries, query)
             if decision is not None:
                 return decision

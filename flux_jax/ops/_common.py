@@ -34,6 +34,7 @@ def plan_call(spec: OpSpec, x_front, w, info: AxisInfo, impl: str, fp8=None, **p
         get_gpu_tuning(),
         platform=info.platform,
         fp8=fp8,
+        problem=problem,
         **params,
     )
 
@@ -65,4 +66,6 @@ def backward_call(spec: OpSpec, dy, w, call: Call) -> Call:
         platform=call.platform,
         return_gathered=spec.name == "ag_matmul",
         fp8=call.fp8,
+        problem=problem,
+        planned_as_backward=True,
     )

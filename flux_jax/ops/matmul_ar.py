@@ -249,6 +249,7 @@ def _backward_call(x, w, info, impl: str, recipe) -> Call | None:
         get_gpu_tuning(),
         platform=info.platform,
         fp8=recipe,
+        problem=problem,
     )
 
 

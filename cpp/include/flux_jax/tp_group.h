@@ -16,9 +16,12 @@
 namespace flux_jax {
 
 // `devices` holds global device ids and `processes` their process indices (the
-// same layout). `rank_operand` is the value of lax.axis_index, or nullopt when
-// it cannot be read on the host (GPU: it lives in device memory).
+// same layout). `position_operand` is the device's place in that table by the
+// program's lax.axis_index, g * tp + r (g: the index over the mesh's other
+// axes, r: over the TP axes), or nullopt when it cannot be read on the host
+// (GPU: it lives in device memory).
 Status ResolveTpGroup(const int64_t* devices, const int64_t* processes, size_t table_size, int64_t tp_size,
-                      Platform platform, int32_t device_ordinal, std::optional<int32_t> rank_operand, TpGroup* group);
+                      Platform platform, int32_t device_ordinal, std::optional<int32_t> position_operand,
+                      TpGroup* group);
 
 }  // namespace flux_jax

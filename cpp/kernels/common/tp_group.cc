@@ -17,7 +17,8 @@ std::string TpGroup::Describe() const {
 }
 
 Status ResolveTpGroup(const int64_t* table, const int64_t* processes, size_t table_size, int64_t tp_size,
-                      Platform platform, int32_t device_ordinal, std::optional<int32_t> rank_operand, TpGroup* group) {
+                      Platform platform, int32_t device_ordinal, std::optional<int32_t> position_operand,
+                      TpGroup* group) {
   if (tp_size < 1 || tp_size > 64) {
     return Status::InvalidArgument("tp_size must be in [1, 64], got " + std::to_string(tp_size));
   }
@@ -55,10 +56,17 @@ Status ResolveTpGroup(const int64_t* table, const int64_t* processes, size_t tab
       group->cross_process = true;
     }
   }
-  if (rank_operand.has_value() && *rank_operand != group->rank) {
-    return Status::InvalidArgument("lax.axis_index says rank " + std::to_string(*rank_operand) + " but device " +
-                                   std::to_string(my_id) + " sits at rank " + std::to_string(group->rank) + " of " +
-                                   group->Describe() + " in the mesh table");
+  if (position_operand.has_value() && *position_operand != found) {
+    const int64_t rank = *position_operand % tp_size, group_index = *position_operand / tp_size;
+    if (rank != group->rank) {
+      return Status::InvalidArgument("lax.axis_index says rank " + std::to_string(rank) + " but device " +
+                                     std::to_string(my_id) + " sits at rank " + std::to_string(group->rank) + " of " +
+                                     group->Describe() + " in the mesh table");
+    }
+    return Status::InvalidArgument("lax.axis_index over the other mesh axes puts device " + std::to_string(my_id) +
+                                   " in TP group " + std::to_string(group_index) + " but the mesh table has it in " +
+                                   group->Describe() +
+                                   ": the program runs on its devices grouped otherwise than it was lowered for");
   }
   return Status::Ok();
 }
