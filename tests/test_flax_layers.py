@@ -706,3 +706,39 @@ def test_tp_axis_tuple_errors_name_the_axes():
         GPT(_gpt_config("fused", tp_axis=("tpa", "tpb"), gspmd=True, fsdp_axis="tpb"), mesh=mesh, rngs=nnx.Rngs(0))
     # a 1-tuple is the axis's own name
     assert GPTConfig(vocab_size=VOCAB, tp_axis=("tp",)).tp_axis == "tp"
+
+
+@pytest.mark.parametrize("placed", [P("dp"), P("dp", "tp"), P()])
+def test_partially_manual_sharded_call_places_arguments_over_the_manual_axes(placed):
+    """sharded_call(axis_names={"tp"}) on an Explicit mesh: x placed otherwise than in_specs
+    over tp (here split over dp alone, or nowhere) is resharded over tp and keeps its dp split,
+    so the gradient type-checks (it failed inside JAX, naming cotangent types) and matches the
+    reference."""
+    mesh = mesh_of("dp2xtp4")
+    layer = ColumnParallelLinear(HIDDEN, FFN, mesh=mesh, impl="fused", seq_axis=1, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(layer)
+    rng = np.random.default_rng()
+    x = jax.device_put(rng.standard_normal((BATCH, SEQ, HIDDEN)).astype(np.float32), jax.NamedSharding(mesh, placed))
+    kernel = np.asarray(params["kernel"][...], np.float64)
+
+    def loss(params, x):
+        out = sharded_call(
+            nnx.merge(graphdef, params),
+            lambda m, x: m(x),
+            x,
+            mesh=mesh,
+            in_specs=(P(None, "tp", None),),
+            out_specs=P(None, None, "tp"),
+            axis_names={"tp"},
+        )
+        return jnp.sum(jnp.tanh(out)), out
+
+    with jax.set_mesh(mesh):
+        (_, out), (dparams, dx) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
+    x64 = np.asarray(x, np.float64)
+    y64 = x64 @ kernel
+    np.testing.assert_allclose(np.asarray(out, np.float64), y64, rtol=1e-5, atol=1e-5)
+    dy = 1 - np.tanh(y64) ** 2
+    np.testing.assert_allclose(np.asarray(dx, np.float64), dy @ kernel.T, rtol=1e-4, atol=1e-4)
+    dkernel = np.einsum("bsk,bsn->kn", x64, dy)
+    np.testing.assert_allclose(np.asarray(dparams["kernel"][...], np.float64), dkernel, rtol=1e-4, atol=1e-3)

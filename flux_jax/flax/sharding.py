@@ -64,15 +64,37 @@ def place(x: jax.Array, mesh: jax.sharding.Mesh, spec: P) -> jax.Array:
     return x
 
 
+def _names(entry) -> tuple:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _entry(names: tuple):
+    return None if not names else names[0] if len(names) == 1 else names
+
+
+def place_manual(x: jax.Array, mesh: jax.sharding.Mesh, spec: P, axis_names) -> jax.Array:
+    """For a shard_map over `axis_names` only: on Explicit meshes, reshard `x` so that it splits
+    over those axes as `spec` says, keeping its sharding over the other (automatic) axes."""
+    if not any(t == AxisType.Explicit for t in mesh.axis_types):
+        return x
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    current = getattr(sharding, "spec", None) or P()
+    if getattr(getattr(sharding, "mesh", None), "axis_names", None) != mesh.axis_names:
+        current = P()  # not on this mesh yet (a host array)
+    at = lambda p, d: _names(p[d]) if d < len(p) else ()  # noqa: E731
+    dims = [
+        _entry(
+            tuple(a for a in at(current, d) if a not in axis_names) + tuple(a for a in at(spec, d) if a in axis_names)
+        )
+        for d in range(len(jax.typeof(x).shape))
+    ]
+    return jax.sharding.reshard(x, NamedSharding(mesh, P(*dims)))
+
+
 def manual_spec(spec: P, axis_names) -> P:
     """`spec` with only the entries on `axis_names` (the axes a partially manual shard_map maps)."""
 
-    def keep(entry):
-        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        kept = tuple(a for a in names if a in axis_names)
-        return None if not kept else kept[0] if len(kept) == 1 else kept
-
-    return P(*(keep(e) for e in spec))
+    return P(*(_entry(tuple(a for a in _names(e) if a in axis_names)) for e in spec))
 
 
 def sharded_call(
@@ -92,8 +114,9 @@ def sharded_call(
         (nnx.with_partitioning); inside `fn` it holds this rank's shards.
       fn: per-shard code, e.g. `lambda layer, x: layer(x)`.
       *args: global arrays, one per entry of `in_specs`. On meshes with Explicit axes the
-        arguments and the parameters are resharded to their specs first.
-      mesh: the device mesh; every axis is mapped (the fused kernels need that).
+        arguments and the parameters are resharded to their specs first (with `axis_names`:
+        over those axes, keeping their sharding over the others).
+      mesh: the device mesh; every axis is mapped unless `axis_names` says otherwise.
       in_specs, out_specs: PartitionSpecs of the arguments and results, as for jax.shard_map.
       axis_names: map only these axes (e.g. {"tp"}); the others stay automatic: the arguments
         keep their sharding over them, and the parameters' annotations on them (FSDP) are left
@@ -120,7 +143,8 @@ def sharded_call(
         mapped = jax.shard_map(
             per_shard, mesh=mesh, in_specs=(state_specs, *in_specs), out_specs=out_specs, axis_names=axis_names
         )
-        return mapped(state, *args)
+        state = jax.tree.map(lambda a, s: place_manual(a, mesh, s, axis_names), state, state_specs)
+        return mapped(state, *(place_manual(a, mesh, s, axis_names) for a, s in zip(args, in_specs)))
     mapped = jax.shard_map(per_shard, mesh=mesh, in_specs=(state_specs, *in_specs), out_specs=out_specs)
     # The parameters too: values put back by hand (nnx.update with host or one-device arrays, a
     # checkpoint read without shardings) lose their annotation's placement on Explicit meshes.
