@@ -96,11 +96,12 @@ def explain(fn, *args, **kwargs) -> Explanation:
 
     Every call site traced is listed, also one whose result XLA then drops as dead code (the
     forward of a loss whose gradient does not need it). The plans are taken while `fn` is
-    traced and amended where the lowering runs another one
-    (the twin where the mesh rules the fused kernels out, the latency path where a manual region
-    leaves rows the two-shot cannot split). JAX does not trace again a function it traced before
-    with the same argument types, so this clears JAX's caches first (`jax.clear_caches()`):
-    functions that ran before compile again on their next call.
+    traced and amended where the lowering runs another one (the twin where the mesh rules the
+    fused kernels out) or plans again for the rows it lowers (a vmapped batch; the rows are then
+    the batch's). A call site traced once and lowered at two shapes (a jitted helper called with
+    and without vmap) is listed once, with the batch's rows. JAX does not trace again a function
+    it traced before with the same argument types, so this clears JAX's caches first
+    (`jax.clear_caches()`): functions that ran before compile again on their next call.
 
     Example:
       print(flux_jax.explain(train_step, state, batch))

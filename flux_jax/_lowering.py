@@ -30,7 +30,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from flux_jax import _distributed, _explain, _ipc, _plan
+from flux_jax import _distributed, _explain, _ipc, _plan, _region
 from flux_jax._config import GEMM_KERNELS
 from flux_jax._errors import FusedUnavailableError
 from flux_jax._validation import axis_tuple, platform_name
@@ -174,18 +174,9 @@ def _lower_in_manual_region(spec, ctx, x, w_ops, rank, call, groups, auto):
 
     context = ctx.module_context.axis_context
     sizes = dict(zip(context.mesh.axis_names, context.mesh.axis_sizes))
-    split = int(np.prod([sizes[a] for a in auto]))
     x_aval = ctx.avals_in[0]
-    explicit = _explicit_spec(x_aval, auto, spec.name, rows_free=spec.replicated)
-    if explicit is not None:
-        x_spec = explicit
-    else:
-        dims = [None] * len(x_aval.shape)
-        for d in range(0 if spec.replicated else 1, len(x_aval.shape) - 1):
-            if x_aval.shape[d] % split == 0:
-                dims[d] = auto if len(auto) > 1 else auto[0]
-                break
-        x_spec = P(*dims)
+    spec_of_x = getattr(getattr(x_aval, "sharding", None), "spec", None)
+    x_spec = _region.x_spec(x_aval.shape, spec_of_x, auto, sizes, spec.name, spec.replicated)
     out_specs = tuple(P(*x_spec[:-1], None) for _ in ctx.avals_out)
     ids = tuple(int(d.id) for d in groups.ravel())
     procs = tuple(int(d.process_index) for d in groups.ravel())
@@ -203,37 +194,6 @@ def _lower_in_manual_region(spec, ctx, x, w_ops, rank, call, groups, auto):
         check_vma=False,
     )
     return mlir.lower_fun(region, multiple_results=True)(ctx, x, *operands)
-
-
-def _explicit_spec(aval, auto, op: str, rows_free: bool):
-    """x's partition spec over the automatic axes when they are Explicit (it is part of x's type
-    and must be kept), or None. K cannot be split, nor the gathered / scattered rows (dimension 0)
-    unless `rows_free` (matmul_ar: no rows cross ranks)."""
-    from jax.sharding import PartitionSpec as P
-
-    sharding = getattr(aval, "sharding", None)
-    spec = getattr(sharding, "spec", None)
-    if spec is None:
-        return None
-    dims = list(spec) + [None] * (len(aval.shape) - len(spec))
-
-    def names(entry):
-        return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
-
-    if not any(a in names(e) for e in dims for a in auto):
-        return None
-    if names(dims[-1]):
-        raise FusedUnavailableError(
-            f"flux_jax.{op}: x is sharded {spec} over the automatic mesh axes {auto} on its "
-            "contraction dimension; the fused ops split only its row (batch) dimensions over them"
-        )
-    if names(dims[0]) and not rows_free:
-        raise FusedUnavailableError(
-            f"flux_jax.{op}: x (its gathered / scattered dimension moved first: {spec}) is sharded "
-            f"over the automatic mesh axes {auto} on the dimension it gathers / scatters over the TP "
-            "axis; the fused op splits only the other row (batch) dimensions over them"
-        )
-    return P(*[tuple(a for a in names(e) if a in auto) or None for e in dims])
 
 
 def _callsite(ctx, op: str, avals, detail: str, call) -> int:
@@ -302,11 +262,12 @@ def register(spec) -> None:
         w_ops, rank = operands[:-1], operands[-1]  # the weight's leaves (one array, or q and scale)
         plan = call.plan
         problem = _lowered_problem(spec, ctx, call, platform)
-        if problem != call.problem:
+        auto = _automatic_axes(ctx)
+        if problem != call.problem and not auto:
             # Planned again for the operands lowered here: another platform than traced (export),
-            # a manual region's shard of the rows (a partially manual shard_map: traced with the
-            # automatic axes' whole batch), a vmapped batch. Lowered for a GPU on a host without
-            # one (export): planned for the GPU the built-in tables describe (Hopper).
+            # a vmapped batch of rows. Lowered for a GPU on a host without one (export): planned
+            # for the GPU the built-in tables describe (Hopper). Around a nested manual region
+            # (`auto`) the operands are the whole batch: the call inside plans for its shard.
             on_hopper = platform == "cuda" and not _plan.local_gpus()
             plan = _plan.plan(problem, call.impl, call.config, backward=call.planned_as_backward, on_hopper=on_hopper)
         groups = None
@@ -317,12 +278,11 @@ def register(spec) -> None:
                 _log_once(reason)
         # What explain reports: the plan lowered here, on the operands lowered here where they
         # differ from the traced ones (once per call site: a manual region's nested call says it)
-        replanned = problem if problem != call.problem else None
+        replanned = problem if problem != call.problem and not auto else None
         twin = lambda x, w, rank: spec.twin(x, w, call)  # noqa: E731
         if not plan.fused:
             _explain.amend(call.plan, plan, replanned)
             return _lower_fun(twin, ctx, x, w_ops, rank, call)
-        auto = _automatic_axes(ctx)
         if auto:
             try:
                 return _lower_in_manual_region(spec, ctx, x, w_ops, rank, call, groups, auto)

@@ -742,3 +742,31 @@ def test_partially_manual_sharded_call_places_arguments_over_the_manual_axes(pla
     np.testing.assert_allclose(np.asarray(dx, np.float64), dy @ kernel.T, rtol=1e-4, atol=1e-4)
     dkernel = np.einsum("bsk,bsn->kn", x64, dy)
     np.testing.assert_allclose(np.asarray(dparams["kernel"][...], np.float64), dkernel, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("placed", [P(None, ("tp", "dp")), P(None, "dp")])
+def test_partially_manual_sharded_call_keeps_the_manual_axes_first_on_a_shared_dimension(placed):
+    """A dimension split over a manual and an automatic axis: a shard_map over the manual one types
+    it manual-first ((tp, dp)); the placement keeps that order, or the gradient fails in JAX."""
+    mesh = mesh_of("dp2xtp4")
+    layer = ColumnParallelLinear(HIDDEN, FFN, mesh=mesh, rngs=nnx.Rngs(0))
+    x = jax.device_put(
+        np.random.default_rng().standard_normal((BATCH, SEQ, HIDDEN)).astype(np.float32),
+        jax.NamedSharding(mesh, placed),
+    )
+
+    def loss(x):
+        out = sharded_call(
+            layer,
+            lambda m, x: jnp.sin(x),
+            x,
+            mesh=mesh,
+            in_specs=(P(None, "tp"),),
+            out_specs=P(None, "tp"),
+            axis_names={"tp"},
+        )
+        return jnp.sum(out)
+
+    with jax.set_mesh(mesh):
+        dx = jax.jit(jax.grad(loss))(x)
+    np.testing.assert_allclose(np.asarray(dx), np.cos(np.asarray(x)), rtol=1e-6, atol=1e-6)

@@ -866,22 +866,35 @@ def test_fp8_shape_classes_and_function_shapes():
 def _rows_table(tmp_path, tp, k, n, small, large, small_path, large_path):
     """A CPU table for ag_matmul (float32): `small` rows -> `small_path`, `large` -> `large_path`."""
     entries = [
-        _table.make_entry(_cpu_device(), 8, tp, "float32", "ag_matmul", rows, k, n, {path: 1.5}, path=path)
+        _table.make_entry(
+            _cpu_device(),
+            8,
+            tp,
+            "float32",
+            "ag_matmul",
+            rows,
+            k,
+            n,
+            {"overlap": 0.9} if path == "twin" else {path: 1.5},
+            path=path,
+        )
         for rows, path in ((small, small_path), (large, large_path))
     ]
     return _write(tmp_path, entries)
 
 
-@pytest.mark.parametrize("layout", ["manual region over dp", "vmap over x"])
+@pytest.mark.parametrize(
+    "layout", ["manual region over dp", "manual region, the twin for the whole batch", "vmap over x"]
+)
 def test_auto_plans_for_the_rows_each_device_runs(tmp_path, layout):
     """A partially manual shard_map traces the automatic axes' whole batch, and vmap traces one
-    example; the device runs a shard of the batch, or every example in one call. The lowering
-    plans again for the rows it lowers: the table's entry for those rows decides (explain names
-    them), and the result is right."""
+    example; the device runs a shard of the batch, or every example in one call. The call is
+    planned for the rows the device runs (the region's shard when traced, the vmapped batch when
+    lowered): the table's entry for those rows decides, explain names them, the result is right."""
     tp, dp, batch, seq, k, f = 4, 2, 4, 64, 32, 64
     rng = np.random.default_rng()
     w = random_array(rng, (k, f), jnp.float32)
-    if layout == "manual region over dp":
+    if layout.startswith("manual region"):
         mesh = jax.make_mesh((dp, tp), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2)
         fn = jax.shard_map(
             lambda x, w: flux_jax.ag_matmul(x, w, axis_name="tp", axis=1),
@@ -892,7 +905,8 @@ def test_auto_plans_for_the_rows_each_device_runs(tmp_path, layout):
         )
         x = jax.device_put(random_array(rng, (batch, seq, k), jnp.float32), jax.NamedSharding(mesh, P("dp", "tp")))
         traced, runs = batch * seq, batch * seq // dp
-        table = _rows_table(tmp_path, tp, k, f // tp, runs, traced, "latency", "overlap")
+        whole = "twin" if "twin" in layout else "overlap"
+        table = _rows_table(tmp_path, tp, k, f // tp, runs, traced, "latency", whole)
     else:
         mesh = cpu_mesh((tp,), ("tp",), AxisType.Auto)
         one = functools.partial(flux_jax.ag_matmul, axis_name="tp")
@@ -908,8 +922,10 @@ def test_auto_plans_for_the_rows_each_device_runs(tmp_path, layout):
     with flux_jax.config(tuning=table):
         explained = flux_jax.explain(fn, x, w)
         y = jax.jit(fn)(x, w)
+        lowered = jax.jit(fn).lower(x, w).as_text()
+    assert "custom_call @flux_jax_" in lowered  # fused (the twin is XLA's collectives alone)
     (site,) = explained
     assert site.problem.rows == runs, str(explained)
-    assert site.plan.path == ("latency" if layout == "manual region over dp" else "overlap"), str(explained)
+    assert site.plan.path == ("latency" if layout.startswith("manual region") else "overlap"), str(explained)
     ref = np.einsum("bsk,kn->bsn", to64(x), to64(w))
     np.testing.assert_allclose(to64(y), ref, rtol=1e-5, atol=1e-5 * np.max(np.abs(ref)))

@@ -74,7 +74,8 @@ def _entry(names: tuple):
 
 def place_manual(x: jax.Array, mesh: jax.sharding.Mesh, spec: P, axis_names) -> jax.Array:
     """For a shard_map over `axis_names` only: on Explicit meshes, reshard `x` so that it splits
-    over those axes as `spec` says, keeping its sharding over the other (automatic) axes."""
+    over those axes as `spec` says, keeping its sharding over the other (automatic) axes. On a
+    dimension split over both, the manual axes come first, as such a shard_map types it."""
     if not any(t == AxisType.Explicit for t in mesh.axis_types):
         return x
     sharding = getattr(jax.typeof(x), "sharding", None)
@@ -84,7 +85,7 @@ def place_manual(x: jax.Array, mesh: jax.sharding.Mesh, spec: P, axis_names) -> 
     at = lambda p, d: _names(p[d]) if d < len(p) else ()  # noqa: E731
     dims = [
         _entry(
-            tuple(a for a in at(current, d) if a not in axis_names) + tuple(a for a in at(spec, d) if a in axis_names)
+            tuple(a for a in at(spec, d) if a in axis_names) + tuple(a for a in at(current, d) if a not in axis_names)
         )
         for d in range(len(jax.typeof(x).shape))
     ]

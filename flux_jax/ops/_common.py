@@ -4,19 +4,42 @@ from __future__ import annotations
 
 import logging
 
-from flux_jax import _explain, _plan
+import jax
+
+from flux_jax import _explain, _plan, _region
 from flux_jax._config import get_config, get_gpu_tuning
+from flux_jax._errors import FusedUnavailableError
 from flux_jax._validation import AxisInfo
 from flux_jax.ops._spec import Call, OpSpec, unify_varying
 
 logger = logging.getLogger("flux_jax")
 
 
+def device_shape(spec: OpSpec, x) -> tuple:
+    """x's shape where the kernel runs: in a shard_map that leaves mesh axes automatic, the
+    lowering's nested manual region splits x over them (flux_jax/_region.py), so a call is
+    planned for one device's shard, not the automatic axes' whole batch."""
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = frozenset(getattr(mesh, "manual_axes", ()))
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    auto = tuple(a for a in mesh.axis_names if a not in manual)
+    if not any(sizes[a] > 1 for a in auto):
+        return tuple(x.shape)
+    spec_of_x = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+    try:
+        split = _region.x_spec(x.shape, spec_of_x, auto, sizes, spec.name, spec.replicated)
+    except FusedUnavailableError:
+        return tuple(x.shape)  # the lowering raises it (impl="fused") or takes the twin
+    return _region.shard_shape(x.shape, split, sizes)
+
+
 def plan_call(spec: OpSpec, x_front, w, info: AxisInfo, impl: str, fp8=None, **params) -> Call | None:
     """The Call for a fused run of `spec` on x (the split dimension first), or None for the twin
     (`fp8`: the FP8 recipe, or None)."""
     fp8_format = None if fp8 is None else fp8.x_dtype(False).name
-    problem = spec.problem(x_front.shape, w.shape, x_front.dtype, info.tp_size, info.platform, False, fp8_format)
+    problem = spec.problem(
+        device_shape(spec, x_front), w.shape, x_front.dtype, info.tp_size, info.platform, False, fp8_format
+    )
     config = get_config()
     plan = _plan.plan(problem, impl, config)
     logger.debug("flux_jax.%s: %s -> %s", spec.name, problem.describe(), plan.describe())
@@ -50,7 +73,7 @@ def backward_call(spec: OpSpec, dy, w, call: Call) -> Call:
     transposed, a fused path wherever one can run (impl="fused" stays strict)."""
     transpose_w = not call.transpose_w
     fp8_format = None if call.fp8 is None else call.fp8.x_dtype(True).name
-    problem = spec.problem(dy.shape, w.shape, dy.dtype, call.tp, call.platform, transpose_w, fp8_format)
+    problem = spec.problem(device_shape(spec, dy), w.shape, dy.dtype, call.tp, call.platform, transpose_w, fp8_format)
     plan = _plan.plan(problem, "fused" if call.forced else "auto", call.config, backward=True)
     logger.debug("flux_jax.%s (backward): %s -> %s", spec.name, problem.describe(), plan.describe())
     _explain.record(spec.name, problem, plan, backward=True)

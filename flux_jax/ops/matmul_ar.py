@@ -229,7 +229,7 @@ def column_matmul(x, w, *, axis_name: str | tuple[str, ...], impl: str = "auto",
 
 def _backward_call(x, w, info, impl: str, recipe) -> Call | None:
     """The Call of the backward's matmul_ar(dy, w^T), planned now; None for the twin."""
-    dy_shape = (*x.shape[:-1], w.shape[1])
+    dy_shape = (*_common.device_shape(SPEC, x)[:-1], w.shape[1])
     fp8_format = None if recipe is None else recipe.x_dtype(True).name
     problem = SPEC.problem(dy_shape, w.shape, x.dtype, info.tp_size, info.platform, True, fp8_format)
     config = get_config()

@@ -1,0 +1,54 @@
+"""How a fused call splits x over the mesh axes a partially manual shard_map leaves automatic.
+
+The lowering runs the custom call in a nested manual region over those axes (flux_jax/_lowering.py,
+docs/design.md "Inside existing models"); the ops plan each call for the shard of x a device runs
+there, so both ask this module which dimensions of x the automatic axes split.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from flux_jax._errors import FusedUnavailableError
+
+
+def _names(entry) -> tuple:
+    return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+
+
+def x_spec(shape, sharding_spec, auto: tuple, sizes: dict, op: str, rows_free: bool) -> P:
+    """x's partition spec over the automatic axes `auto` (`sizes`: every mesh axis's size).
+
+    Explicit axes: the split x's type holds (`sharding_spec`), which must be kept; K cannot be
+    split, nor the gathered / scattered rows (dimension 0) unless `rows_free` (matmul_ar: no rows
+    cross ranks). Else the first middle dimension (any row dimension if `rows_free`) that the
+    axes' devices split evenly (a batch); x is replicated over them if none does.
+    """
+    dims = list(sharding_spec or ()) + [None] * (len(shape) - len(sharding_spec or ()))
+    if any(a in _names(e) for e in dims for a in auto):
+        if _names(dims[-1]):
+            raise FusedUnavailableError(
+                f"flux_jax.{op}: x is sharded {sharding_spec} over the automatic mesh axes {auto} on its "
+                "contraction dimension; the fused ops split only its row (batch) dimensions over them"
+            )
+        if _names(dims[0]) and not rows_free:
+            raise FusedUnavailableError(
+                f"flux_jax.{op}: x (its gathered / scattered dimension moved first: {sharding_spec}) is "
+                f"sharded over the automatic mesh axes {auto} on the dimension it gathers / scatters over "
+                "the TP axis; the fused op splits only the other row (batch) dimensions over them"
+            )
+        return P(*[tuple(a for a in _names(e) if a in auto) or None for e in dims])
+    split = int(np.prod([sizes[a] for a in auto]))
+    out = [None] * len(shape)
+    for d in range(0 if rows_free else 1, len(shape) - 1):
+        if shape[d] % split == 0:
+            out[d] = auto if len(auto) > 1 else auto[0]
+            break
+    return P(*out)
+
+
+def shard_shape(shape, spec: P, sizes: dict) -> tuple:
+    """The shape of one device's shard of an array of `shape` split as `spec`."""
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    return tuple(n // int(np.prod([sizes[a] for a in _names(e)])) for n, e in zip(shape, entries))
