@@ -29,6 +29,7 @@ import jax
 import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
+from jax.sharding import AxisType
 
 from flux_jax import _distributed, _explain, _ipc, _plan, _region
 from flux_jax._config import GEMM_KERNELS
@@ -176,7 +177,10 @@ def _lower_in_manual_region(spec, ctx, x, w_ops, rank, call, groups, auto):
     sizes = dict(zip(context.mesh.axis_names, context.mesh.axis_sizes))
     x_aval = ctx.avals_in[0]
     spec_of_x = getattr(getattr(x_aval, "sharding", None), "spec", None)
-    x_spec = _region.x_spec(x_aval.shape, spec_of_x, auto, sizes, spec.name, spec.replicated)
+    explicit = any(
+        t == AxisType.Explicit for a, t in zip(context.mesh.axis_names, context.mesh.axis_types) if a in auto
+    )
+    x_spec = _region.x_spec(x_aval.shape, spec_of_x, auto, sizes, spec.name, spec.replicated, explicit)
     out_specs = tuple(P(*x_spec[:-1], None) for _ in ctx.avals_out)
     ids = tuple(int(d.id) for d in groups.ravel())
     procs = tuple(int(d.process_index) for d in groups.ravel())

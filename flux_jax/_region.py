@@ -17,16 +17,17 @@ def _names(entry) -> tuple:
     return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
 
 
-def x_spec(shape, sharding_spec, auto: tuple, sizes: dict, op: str, rows_free: bool) -> P:
+def x_spec(shape, sharding_spec, auto: tuple, sizes: dict, op: str, rows_free: bool, explicit: bool) -> P:
     """x's partition spec over the automatic axes `auto` (`sizes`: every mesh axis's size).
 
-    Explicit axes: the split x's type holds (`sharding_spec`), which must be kept; K cannot be
-    split, nor the gathered / scattered rows (dimension 0) unless `rows_free` (matmul_ar: no rows
-    cross ranks). Else the first middle dimension (any row dimension if `rows_free`) that the
-    axes' devices split evenly (a batch); x is replicated over them if none does.
+    Explicit axes (`explicit`: any of `auto` is): the split x's type holds (`sharding_spec`, none
+    over them: replicated), which must be kept; K cannot be split, nor the gathered / scattered
+    rows (dimension 0) unless `rows_free` (matmul_ar: no rows cross ranks). Auto axes: the first
+    middle dimension (any row dimension if `rows_free`) that the axes' devices split evenly (a
+    batch); x is replicated over them if none does.
     """
     dims = list(sharding_spec or ()) + [None] * (len(shape) - len(sharding_spec or ()))
-    if any(a in _names(e) for e in dims for a in auto):
+    if explicit or any(a in _names(e) for e in dims for a in auto):
         if _names(dims[-1]):
             raise FusedUnavailableError(
                 f"flux_jax.{op}: x is sharded {sharding_spec} over the automatic mesh axes {auto} on its "

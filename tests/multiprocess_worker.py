@@ -129,7 +129,9 @@ elif scenario == "cross_host":  # host ids differ: fused primitive -> twin with 
 
     def not_forced(x, w):  # what impl="auto" emits where it picks the fused kernel (GPU)
         plan = _plan.Plan("overlap", "what auto plans on GPU", "test")
-        call = Call("tp", 8, False, "auto", False, plan, flux_jax.get_config(), _config.get_gpu_tuning())
+        problem = REGISTRY["ag_matmul"].problem(x.shape, w.shape, x.dtype, 8, "cpu", False)
+        cfg, tuning = flux_jax.get_config(), _config.get_gpu_tuning()
+        call = Call("tp", 8, False, "auto", False, plan, cfg, tuning, problem=problem)
         x, w = unify_varying("tp", x, w)
         return REGISTRY["ag_matmul"].core(x, w, call)[0]
 

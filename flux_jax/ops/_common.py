@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 import jax
+from jax.sharding import AxisType
 
 from flux_jax import _explain, _plan, _region
 from flux_jax._config import get_config, get_gpu_tuning
@@ -27,7 +28,8 @@ def device_shape(spec: OpSpec, x) -> tuple:
         return tuple(x.shape)
     spec_of_x = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
     try:
-        split = _region.x_spec(x.shape, spec_of_x, auto, sizes, spec.name, spec.replicated)
+        explicit = any(t == AxisType.Explicit for a, t in zip(mesh.axis_names, mesh.axis_types) if a in auto)
+        split = _region.x_spec(x.shape, spec_of_x, auto, sizes, spec.name, spec.replicated, explicit)
     except FusedUnavailableError:
         return tuple(x.shape)  # the lowering raises it (impl="fused") or takes the twin
     return _region.shard_shape(x.shape, split, sizes)
