@@ -58,8 +58,8 @@ def record(op: str, problem: _plan.Problem, plan: _plan.Plan, backward: bool) ->
 
 def amend(planned: _plan.Plan, lowered: _plan.Plan, problem: _plan.Problem | None = None) -> None:
     """Called by the lowering where it runs another plan than the one traced (the mesh rules the
-    fused kernels out, a manual region's layout, rows a shard no longer divides), or plans for
-    other operands (`problem`: a manual region's shard, a vmapped batch)."""
+    fused kernels out, a manual region's layout), or plans for other operands (`problem`: a
+    vmapped batch, another platform)."""
     amendments = getattr(_local, "amendments", None)
     if amendments is not None and (lowered != planned or problem is not None):
         amendments.append((planned, lowered, problem))

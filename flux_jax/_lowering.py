@@ -384,8 +384,8 @@ def _lower_per_platform(spec, ctx, operands, call, platforms):
 
 
 def _lowered_problem(spec, ctx, call, platform: str):
-    """The planner's view of the call on the operands being lowered (inside a manual region over
-    other mesh axes, x's shard: fewer rows than at trace time)."""
+    """The planner's view of the call on the operands being lowered (inside the nested manual
+    region, x's shard; under vmap, the whole batch)."""
     x_aval, w_aval = ctx.avals_in[0], _weight_of(call, ctx.avals_in[1:-1])
     return spec.problem(x_aval.shape, w_aval.shape, x_aval.dtype, call.tp, platform, call.transpose_w, call.fp8_format)
 

@@ -381,7 +381,7 @@ def check_weight(op: str, w) -> None:
 def scaled_dot(xq, x_scale, wq, w_scale, transpose_w: bool, out_dtype):
     """(xq * x_scale) @ op(wq * w_scale) in `out_dtype`: the GEMM on the FP8 operands with float32
     accumulation, the scales after (row scales [rows, ..., 1], column scales [n] or []). The
-    weight's scale multiplies first, as in the CUDA kernels' epilogue (fp8_scale_epilogue.cuh), so
+    weight's scale multiplies first, as in the overlap GEMM's epilogue (fp8_scale_epilogue.cuh), so
     the two round alike and huge rows (|x| near float32's limit) do not overflow in between."""
     dims = (((xq.ndim - 1,), (1 if transpose_w else 0,)), ((), ()))
     acc = lax.dot_general(xq, wq, dims, preferred_element_type=jnp.float32)

@@ -60,10 +60,10 @@ class Call:
     # Set by the lowering under a multi-platform jax.export: the platform ("cpu" or "cuda") of
     # the lax.platform_dependent branch this call was bound in.
     lowering_platform: str | None = None
-    # What `plan` was made for: the planner's view of the traced operands, and whether it was
-    # planned as a fused op's backward (a fused path wherever one runs). The lowering plans again
-    # where the operands it lowers differ (another platform, a manual region's shard of the
-    # rows, a vmapped batch of them).
+    # What `plan` was made for: the planner's view of the traced operands (per device: in a
+    # partially manual shard_map, the nested region's shard, ops/_common.device_shape), and
+    # whether it was planned as a fused op's backward (a fused path wherever one runs). The
+    # lowering plans again where the operands it lowers differ (another platform, a vmapped batch).
     problem: Problem | None = None
     planned_as_backward: bool = False
 
