@@ -29,7 +29,6 @@ import jax
 import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
-from jax.sharding import AxisType
 
 from flux_jax import _distributed, _explain, _ipc, _plan, _region
 from flux_jax._config import GEMM_KERNELS
@@ -173,14 +172,10 @@ def _lower_in_manual_region(spec, ctx, x, w_ops, rank, call, groups, auto):
     """
     from jax.sharding import PartitionSpec as P
 
-    context = ctx.module_context.axis_context
-    sizes = dict(zip(context.mesh.axis_names, context.mesh.axis_sizes))
     x_aval = ctx.avals_in[0]
     spec_of_x = getattr(getattr(x_aval, "sharding", None), "spec", None)
-    explicit = any(
-        t == AxisType.Explicit for a, t in zip(context.mesh.axis_names, context.mesh.axis_types) if a in auto
-    )
-    x_spec = _region.x_spec(x_aval.shape, spec_of_x, auto, sizes, spec.name, spec.replicated, explicit)
+    mesh = ctx.module_context.axis_context.mesh
+    x_spec = _region.x_spec(x_aval.shape, spec_of_x, auto, mesh, spec.name, spec.replicated)
     out_specs = tuple(P(*x_spec[:-1], None) for _ in ctx.avals_out)
     ids = tuple(int(d.id) for d in groups.ravel())
     procs = tuple(int(d.process_index) for d in groups.ravel())
@@ -267,11 +262,14 @@ def register(spec) -> None:
         plan = call.plan
         problem = _lowered_problem(spec, ctx, call, platform)
         auto = _automatic_axes(ctx)
-        if problem != call.problem and not auto:
+        # Around a nested manual region (`auto`) the operands are the whole batch: the call inside
+        # plans for its shard. What explain reports: the plan lowered here, and the operands where
+        # it planned again for them.
+        replanned = problem if problem != call.problem and not auto else None
+        if replanned is not None:
             # Planned again for the operands lowered here: another platform than traced (export),
             # a vmapped batch of rows. Lowered for a GPU on a host without one (export): planned
-            # for the GPU the built-in tables describe (Hopper). Around a nested manual region
-            # (`auto`) the operands are the whole batch: the call inside plans for its shard.
+            # for the GPU the built-in tables describe (Hopper).
             on_hopper = platform == "cuda" and not _plan.local_gpus()
             plan = _plan.plan(problem, call.impl, call.config, backward=call.planned_as_backward, on_hopper=on_hopper)
         groups = None
@@ -280,9 +278,6 @@ def register(spec) -> None:
             plan = _plan.for_topology(plan, spec.name, reason, call.forced)
             if not plan.fused:
                 _log_once(reason)
-        # What explain reports: the plan lowered here, on the operands lowered here where they
-        # differ from the traced ones (once per call site: a manual region's nested call says it)
-        replanned = problem if problem != call.problem and not auto else None
         twin = lambda x, w, rank: spec.twin(x, w, call)  # noqa: E731
         if not plan.fused:
             _explain.amend(call.plan, plan, replanned)

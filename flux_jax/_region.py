@@ -8,24 +8,24 @@ there, so both ask this module which dimensions of x the automatic axes split.
 from __future__ import annotations
 
 import numpy as np
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from flux_jax._errors import FusedUnavailableError
+from flux_jax._validation import entry_axes as _names
 
 
-def _names(entry) -> tuple:
-    return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+def x_spec(shape, sharding_spec, auto: tuple, mesh, op: str, rows_free: bool) -> P:
+    """x's partition spec over the automatic axes `auto` of `mesh` (concrete or abstract).
 
-
-def x_spec(shape, sharding_spec, auto: tuple, sizes: dict, op: str, rows_free: bool, explicit: bool) -> P:
-    """x's partition spec over the automatic axes `auto` (`sizes`: every mesh axis's size).
-
-    Explicit axes (`explicit`: any of `auto` is): the split x's type holds (`sharding_spec`, none
-    over them: replicated), which must be kept; K cannot be split, nor the gathered / scattered
-    rows (dimension 0) unless `rows_free` (matmul_ar: no rows cross ranks). Auto axes: the first
-    middle dimension (any row dimension if `rows_free`) that the axes' devices split evenly (a
-    batch); x is replicated over them if none does.
+    Explicit axes: the split x's type holds (`sharding_spec`, none over them: replicated), which
+    must be kept; K cannot be split, nor the gathered / scattered rows (dimension 0) unless
+    `rows_free` (matmul_ar: no rows cross ranks). Auto axes: the first middle dimension (any row
+    dimension if `rows_free`) that the axes' devices split evenly (a batch); x is replicated over
+    them if none does.
     """
+    types = dict(zip(mesh.axis_names, mesh.axis_types))
+    explicit = any(types[a] == AxisType.Explicit for a in auto)
     dims = list(sharding_spec or ()) + [None] * (len(shape) - len(sharding_spec or ()))
     if explicit or any(a in _names(e) for e in dims for a in auto):
         if _names(dims[-1]):
@@ -40,6 +40,7 @@ def x_spec(shape, sharding_spec, auto: tuple, sizes: dict, op: str, rows_free: b
                 "the TP axis; the fused op splits only the other row (batch) dimensions over them"
             )
         return P(*[tuple(a for a in _names(e) if a in auto) or None for e in dims])
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
     split = int(np.prod([sizes[a] for a in auto]))
     out = [None] * len(shape)
     for d in range(0 if rows_free else 1, len(shape) - 1):
@@ -49,7 +50,8 @@ def x_spec(shape, sharding_spec, auto: tuple, sizes: dict, op: str, rows_free: b
     return P(*out)
 
 
-def shard_shape(shape, spec: P, sizes: dict) -> tuple:
-    """The shape of one device's shard of an array of `shape` split as `spec`."""
+def shard_shape(shape, spec: P, mesh) -> tuple:
+    """The shape of one device's shard of an array of `shape` split as `spec` over `mesh`."""
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
     entries = list(spec) + [None] * (len(shape) - len(spec))
     return tuple(n // int(np.prod([sizes[a] for a in _names(e)])) for n, e in zip(shape, entries))

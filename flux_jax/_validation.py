@@ -41,6 +41,11 @@ def axis_tuple(axis_name) -> tuple[str, ...]:
     return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
 
 
+def entry_axes(entry) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry: () for None, ("dp",) for "dp", a tuple's names."""
+    return () if entry is None else axis_tuple(entry)
+
+
 def axis_set(axis_name) -> frozenset[str]:
     """The mesh axes of a TP axis name, as a set (to add to or take from a manual-axis type)."""
     return frozenset(axis_tuple(axis_name))

@@ -66,8 +66,7 @@ def _place(x, mesh, spec):
         return x
 
     def keep(entry):
-        names = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
-        kept = tuple(a for a in names if a in explicit)
+        kept = tuple(a for a in _validation.entry_axes(entry) if a in explicit)
         return kept[0] if len(kept) == 1 else (kept or None)
 
     return jax.sharding.reshard(x, NamedSharding(mesh, P(*(keep(e) for e in spec))))

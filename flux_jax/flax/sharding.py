@@ -18,6 +18,7 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from flux_jax._validation import entry_axes as _names
 from flux_jax._validation import parse_axis_name
 
 
@@ -62,10 +63,6 @@ def place(x: jax.Array, mesh: jax.sharding.Mesh, spec: P) -> jax.Array:
     if any(t == AxisType.Explicit for t in mesh.axis_types):
         return jax.sharding.reshard(x, NamedSharding(mesh, spec))
     return x
-
-
-def _names(entry) -> tuple:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _entry(names: tuple):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 
 import jax
-from jax.sharding import AxisType
 
 from flux_jax import _explain, _plan, _region
 from flux_jax._config import get_config, get_gpu_tuning
@@ -28,11 +27,10 @@ def device_shape(spec: OpSpec, x) -> tuple:
         return tuple(x.shape)
     spec_of_x = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
     try:
-        explicit = any(t == AxisType.Explicit for a, t in zip(mesh.axis_names, mesh.axis_types) if a in auto)
-        split = _region.x_spec(x.shape, spec_of_x, auto, sizes, spec.name, spec.replicated, explicit)
+        split = _region.x_spec(x.shape, spec_of_x, auto, mesh, spec.name, spec.replicated)
     except FusedUnavailableError:
         return tuple(x.shape)  # the lowering raises it (impl="fused") or takes the twin
-    return _region.shard_shape(x.shape, split, sizes)
+    return _region.shard_shape(x.shape, split, mesh)
 
 
 def plan_call(spec: OpSpec, x_front, w, info: AxisInfo, impl: str, fp8=None, **params) -> Call | None:
