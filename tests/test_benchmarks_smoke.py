@@ -138,13 +138,18 @@ def test_preheat_runs_the_long_loop_for_the_requested_time(monkeypatch):
 
 
 @pytest.mark.parametrize("op", ["ag", "rs", "ar"])
-def test_grad_mode_times_the_training_step_and_checks_dx(op):
-    """--grad: every step returns dx = ct @ w^T (every op), checked against a float32 reference."""
+def test_grad_mode_times_the_training_step_and_checks_dx(op, monkeypatch):
+    """--grad: every step returns dx = ct @ w^T (every op), checked against a float32 reference.
+    Each sample reads a fixed 0.1 ms per call: loops this small can drown in a busy host's noise
+    (T(n2) - T(n1) <= 0), and the loop timing has tests of its own."""
     import jax
     import numpy as np
 
     from benchmarks import variants
     from benchmarks.data import case_rng, make_xw, random_normal, rel_max_err
+    from benchmarks.timing import LoopTimer
+
+    monkeypatch.setattr(LoopTimer, "sample", lambda self: 1e-4)
 
     case = Case(op, 32, 48, 96, 8, "bfloat16", "grad test")
     names = ["flux_fused", "xla_shard_map", "pallas_mgpu", "gemm_only", "comm_only"]
@@ -162,7 +167,8 @@ def test_grad_mode_times_the_training_step_and_checks_dx(op):
         assert by[name]["status"] == "ok" and by[name]["pass"] == "fwd+bwd", by[name]
         assert by[name]["max_rel_err"] < 2e-2
     # TFLOP/s count three GEMMs of the op's size
-    assert by["gemm_only"]["tflops"] == pytest.approx(3 * case.flops_per_gpu / (by["gemm_only"]["ms"] * 1e9))
+    assert by["gemm_only"]["ms"] == pytest.approx(0.1)
+    assert by["gemm_only"]["tflops"] == pytest.approx(3 * case.flops_per_gpu / (0.1 * 1e9))
 
     # The reference itself against float32 numpy, and the checks reject a wrong dx.
     mesh, auto_mesh = variants.make_meshes(case.tp)
