@@ -9,6 +9,12 @@ fully manual shard_map. Every other platform gets lax's collective unchanged: on
 at trace time; on a CPU mesh (which may be exported for GPUs) or one that names no platform,
 through lax.platform_dependent, which lowers only the branch of the lowering's platform.
 all_gather is here for its transpose: a bfloat16 all_gather's gradient is such a psum_scatter.
+
+A second workaround, every platform: in a shard_map that leaves an Explicit mesh axis automatic
+(dp around a manual tp), JAX 0.11-0.12 cannot type psum_scatter, nor all_gather's transpose
+("Length of sharding.spec ... must be equal to aval's ndim (0)"). There both run in a nested
+manual region over those axes, each device on its own block, as the fused ops' lowering does
+(a dimension the collective gathers or scatters is first unsplit over them).
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 
 def psum(a, axis_name):
@@ -27,14 +35,34 @@ def psum(a, axis_name):
 
 def psum_scatter(a, axis_name, scatter_dimension: int = 0):
     """lax.psum_scatter(a, axis_name, scatter_dimension=scatter_dimension, tiled=True)."""
-    return _reduced(lambda v: lax.psum_scatter(v, axis_name, scatter_dimension=scatter_dimension, tiled=True), a)
+
+    def scatter(v):
+        return _reduced(lambda u: lax.psum_scatter(u, axis_name, scatter_dimension=scatter_dimension, tiled=True), v)
+
+    return _per_explicit_block(scatter, a, scatter_dimension)
 
 
 def all_gather(a, axis_name, axis: int = 0):
     """lax.all_gather(a, axis_name, axis=axis, tiled=True); its transpose is psum_scatter above."""
     if a.dtype != jnp.bfloat16:
-        return lax.all_gather(a, axis_name, axis=axis, tiled=True)
-    return _bf16_all_gather(a, axis_name, axis)
+        return _per_explicit_block(lambda v: lax.all_gather(v, axis_name, axis=axis, tiled=True), a, axis)
+    return _per_explicit_block(lambda v: _bf16_all_gather(v, axis_name, axis), a, axis)
+
+
+def _per_explicit_block(collective, a, dim: int):
+    """collective(a), in a nested manual region over the Explicit mesh axes left automatic (if
+    any), with `dim` (the gathered / scattered dimension) unsplit over them first."""
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = frozenset(getattr(mesh, "manual_axes", ()))
+    explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit and n not in manual}
+    if not explicit:
+        return collective(a)
+    spec = list(jax.typeof(a).sharding.spec)
+    spec += [None] * (a.ndim - len(spec))
+    if spec[dim] is not None:
+        spec[dim] = None
+        a = jax.sharding.reshard(a, P(*spec))
+    return jax.shard_map(collective, out_specs=P(*spec), axis_names=explicit)(a)
 
 
 def _reduced(reduce, a):

@@ -7,6 +7,7 @@ there, so both ask this module which dimensions of x the automatic axes split.
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
@@ -55,3 +56,18 @@ def shard_shape(shape, spec: P, mesh) -> tuple:
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
     entries = list(spec) + [None] * (len(shape) - len(spec))
     return tuple(n // int(np.prod([sizes[a] for a in _names(e)])) for n, e in zip(shape, entries))
+
+
+def whole_weight(w):
+    """`w` (an array or a pre-quantized weight's leaves) unsplit over the Explicit mesh axes its
+    type splits (FSDP parameters in a shard_map that leaves those axes automatic): the GEMM needs
+    this rank's whole weight, and with Explicit axes nothing gathers it implicitly. The gradient
+    comes back split as w was (reshard's transpose)."""
+
+    def gather(leaf):
+        spec = getattr(getattr(jax.typeof(leaf), "sharding", None), "spec", None)
+        if spec is None or not any(entry is not None for entry in spec):
+            return leaf
+        return jax.sharding.reshard(leaf, P(*[None] * leaf.ndim))
+
+    return jax.tree.map(gather, w)

@@ -98,11 +98,8 @@ def _column_matmul_bwd(axis_name, recipe, residuals, dy):
     dx = jnp.dot(dy, w.T) if recipe is None else _local_fp8(dy, w, recipe, True, True)
     if axis_set(axis_name) <= _varying(w):  # types checked (w was cast to vary over the axis)
         dx = _lc.psum(dx, axis_name)
-    if isinstance(w, _fp8.Fp8Weight):  # frozen: a zero cotangent
-        return _typed_like(dx, _varying(x)), None
-    lead = tuple(range(x.ndim - 1))
-    dw = lax.dot_general(x, dy, ((lead, lead), ((), ())))
-    return _typed_like(dx, _varying(x)), _typed_like(dw.astype(w.dtype), _varying(w))
+    dw = _autodiff.weight_grad(x, dy, w, False)  # None (a zero cotangent) for a frozen Fp8Weight
+    return _typed_like(dx, _varying(x)), None if dw is None else _typed_like(dw, _varying(w))
 
 
 def _typed_like(a, axes: frozenset):

@@ -770,3 +770,70 @@ def test_partially_manual_sharded_call_keeps_the_manual_axes_first_on_a_shared_d
     with jax.set_mesh(mesh):
         dx = jax.jit(jax.grad(loss))(x)
     np.testing.assert_allclose(np.asarray(dx), np.cos(np.asarray(x)), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "layer_cls, sequence_parallel, impl, placed",
+    [
+        (ColumnParallelLinear, True, "fused", P("fsdp")),
+        (ColumnParallelLinear, True, "xla", P()),
+        (ColumnParallelLinear, False, "fused", P()),
+        (ColumnParallelLinear, False, "xla", P("fsdp")),
+        (RowParallelLinear, True, "fused", P()),
+        (RowParallelLinear, True, "xla", P("fsdp")),
+        (RowParallelLinear, False, "fused", P("fsdp")),
+        (RowParallelLinear, False, "xla", P()),
+    ],
+)
+def test_fsdp_kernels_on_explicit_automatic_axes(layer_cls, sequence_parallel, impl, placed):
+    """sharded_call(axis_names={"tp"}) on an Explicit (fsdp, tp) mesh with fsdp_axis kernels:
+    each op gathers its weight over fsdp (nothing does it implicitly there) and the kernel's
+    gradient comes back split as the kernel is; the twin's collectives run there too (JAX could
+    not type psum_scatter, nor all_gather's transpose). Forward and both gradients against
+    float64."""
+    mesh = mesh_of("fsdp2xtp4")
+    column = layer_cls is ColumnParallelLinear
+    d_in, d_out = (HIDDEN, FFN) if column else (FFN, HIDDEN)
+    layer = layer_cls(
+        d_in,
+        d_out,
+        mesh=mesh,
+        impl=impl,
+        seq_axis=1,
+        fsdp_axis="fsdp",
+        sequence_parallel=sequence_parallel,
+        rngs=nnx.Rngs(0),
+    )
+    if column:
+        in_spec, out_spec = (P(None, "tp") if sequence_parallel else P()), P(None, None, "tp")
+    else:
+        in_spec, out_spec = P(None, None, "tp"), (P(None, "tp") if sequence_parallel else P())
+    graphdef, params = nnx.split(layer)
+    kernel_spec = params["kernel"][...].sharding.spec
+    assert "fsdp" in tuple(kernel_spec)
+    x = np.random.default_rng().standard_normal((2 * BATCH, SEQ, d_in)).astype(np.float32)
+    x = jax.device_put(x, jax.NamedSharding(mesh, placed))
+    kernel = np.asarray(params["kernel"][...], np.float64)
+
+    def loss(params, x):
+        out = sharded_call(
+            nnx.merge(graphdef, params),
+            lambda m, x: m(x),
+            x,
+            mesh=mesh,
+            in_specs=(in_spec,),
+            out_specs=out_spec,
+            axis_names={"tp"},
+        )
+        return jnp.sum(jnp.tanh(out)), out
+
+    with jax.set_mesh(mesh):
+        (_, out), (dparams, dx) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
+    x64 = np.asarray(x, np.float64)
+    y64 = x64 @ kernel
+    dy = 1 - np.tanh(y64) ** 2
+    assert_close(out, y64, "y")
+    assert_close(dx, dy @ kernel.T, "dx")
+    dkernel = dparams["kernel"][...]
+    assert dkernel.sharding.spec == kernel_spec
+    assert_close(dkernel, np.einsum("bsk,bsn->kn", x64, dy), "dkernel")

@@ -16,8 +16,9 @@ activations [B, S, ...] (the gather / scatter runs over dimension 1).
 `tp_axis` names the TP mesh axis, or is a tuple of mesh axes forming one TP axis (ranks
 row-major in the order named, as the ops read it); the kernels' TP dimension is annotated with it.
 
-`fsdp_axis` (inside a GSPMD model only) also shards each kernel's hidden (non-TP) dimension over
-that mesh axis: the partitioner gathers it before the TP region and reduce-scatters its gradient.
+`fsdp_axis` (in a shard_map that maps only the TP axis, as a GSPMD model's) also shards each
+kernel's hidden (non-TP) dimension over that mesh axis: with Auto axes the partitioner gathers it
+before the TP region, with Explicit axes the op does; either reduce-scatters its gradient.
 
 A column layer followed by a row layer is one Megatron block: the sequence is
 gathered inside the first GEMM and scattered again inside the second

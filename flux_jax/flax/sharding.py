@@ -117,8 +117,9 @@ def sharded_call(
       mesh: the device mesh; every axis is mapped unless `axis_names` says otherwise.
       in_specs, out_specs: PartitionSpecs of the arguments and results, as for jax.shard_map.
       axis_names: map only these axes (e.g. {"tp"}); the others stay automatic: the arguments
-        keep their sharding over them, and the parameters' annotations on them (FSDP) are left
-        to the partitioner, which gathers those parameters for the region. Trace under
+        keep their sharding over them, and so do the parameters annotated over them (FSDP):
+        the partitioner gathers them for the region on Auto axes, the flux_jax ops gather their
+        weight on Explicit ones (its gradient comes back split). Trace under
         `jax.set_mesh(mesh)` (nested manual regions need the concrete mesh).
 
     Works under jax.jit / nnx.jit and jax.grad / nnx.grad: parameters that are

@@ -9,7 +9,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from flux_jax import _autodiff, _validation, twins
+from flux_jax import _autodiff, _region, _validation, twins
 from flux_jax import _lax_collectives as _lc
 from flux_jax import fp8 as _fp8
 from flux_jax.ops import _common
@@ -162,6 +162,7 @@ def ag_matmul(
     recipe = _fp8.resolve(NAME, fp8, w)
     axis = _validation.check_dimension(NAME, x, axis, "axis")
     info = _validation.check_axis(NAME, axis_name)
+    w = _region.whole_weight(w)  # FSDP weights on Explicit automatic axes
     x_front = jnp.moveaxis(x, axis, 0)
     call = _common.plan_call(SPEC, x_front, w, info, impl, fp8=recipe, return_gathered=return_gathered)
     if call is None:

@@ -28,7 +28,7 @@ import math
 
 import jax.numpy as jnp
 
-from flux_jax import _autodiff, _explain, _plan, _validation, twins
+from flux_jax import _autodiff, _explain, _plan, _region, _validation, twins
 from flux_jax import _lax_collectives as _lc
 from flux_jax import fp8 as _fp8
 from flux_jax._config import get_config, get_gpu_tuning
@@ -174,6 +174,7 @@ def matmul_ar(x, w, *, axis_name: str | tuple[str, ...], impl: str = "auto", fp8
     _validation.check_operands(NAME, x, w)
     recipe = _fp8.resolve(NAME, fp8, w)
     info = _validation.check_axis(NAME, axis_name)
+    w = _region.whole_weight(w)  # FSDP weights on Explicit automatic axes
     call = _common.plan_call(SPEC, x, w, info, impl, fp8=recipe)
     if call is None:
         return twins.matmul_ar_xla(x, w, axis_name=info.axis_name, fp8=recipe)
@@ -215,6 +216,7 @@ def column_matmul(x, w, *, axis_name: str | tuple[str, ...], impl: str = "auto",
     _validation.check_operands("column_matmul", x, w)
     recipe = _fp8.resolve("column_matmul", fp8, w)
     info = _validation.check_axis("column_matmul", axis_name)
+    w = _region.whole_weight(w)  # FSDP weights on Explicit automatic axes
     _validation.check_replicated("column_matmul", x, info.axis_name)
     call = _backward_call(x, w, info, impl, recipe)
     if call is None:

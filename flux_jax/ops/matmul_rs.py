@@ -6,7 +6,7 @@ import math
 
 import jax.numpy as jnp
 
-from flux_jax import _autodiff, _validation, twins
+from flux_jax import _autodiff, _region, _validation, twins
 from flux_jax import _lax_collectives as _lc
 from flux_jax import fp8 as _fp8
 from flux_jax.ops import _common
@@ -97,6 +97,7 @@ def matmul_rs(x, w, *, axis_name: str | tuple[str, ...], scatter_dimension: int 
     recipe = _fp8.resolve(NAME, fp8, w)
     dim = _validation.check_dimension(NAME, x, scatter_dimension, "scatter_dimension")
     info = _validation.check_axis(NAME, axis_name)
+    w = _region.whole_weight(w)  # FSDP weights on Explicit automatic axes
     _validation.check_divisible(NAME, x, dim, info.tp_size, axis_name)
     x_front = jnp.moveaxis(x, dim, 0)
     call = _common.plan_call(SPEC, x_front, w, info, impl, fp8=recipe)
