@@ -10,11 +10,12 @@ at trace time; on a CPU mesh (which may be exported for GPUs) or one that names 
 through lax.platform_dependent, which lowers only the branch of the lowering's platform.
 all_gather is here for its transpose: a bfloat16 all_gather's gradient is such a psum_scatter.
 
-A second workaround, every platform: in a shard_map that leaves an Explicit mesh axis automatic
-(dp around a manual tp), JAX 0.11-0.12 cannot type psum_scatter, nor all_gather's transpose
-("Length of sharding.spec ... must be equal to aval's ndim (0)"). There both run in a nested
-manual region over those axes, each device on its own block, as the fused ops' lowering does
-(a dimension the collective gathers or scatters is first unsplit over them).
+A second workaround, every platform, JAX 0.11 only: in a shard_map that leaves only Explicit mesh
+axes automatic (dp around a manual tp), JAX 0.11 cannot type psum_scatter, nor all_gather's
+transpose ("Length of sharding.spec ... must be equal to aval's ndim (0)"; 0.12 can). There
+psum_scatter runs in a nested manual region over those axes, each device on its own block, as the
+fused ops' lowering does (the scattered dimension first unsplit over them), and all_gather's
+transpose is that psum_scatter.
 """
 
 from __future__ import annotations
@@ -24,8 +25,11 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src import config as jax_config  # private: whether the enclosing shard_map checks types
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
+
+_TYPES_REDUCE_SCATTER = jax.__version_info__ >= (0, 12)
 
 
 def psum(a, axis_name):
@@ -44,25 +48,43 @@ def psum_scatter(a, axis_name, scatter_dimension: int = 0):
 
 def all_gather(a, axis_name, axis: int = 0):
     """lax.all_gather(a, axis_name, axis=axis, tiled=True); its transpose is psum_scatter above."""
-    if a.dtype != jnp.bfloat16:
-        return _per_explicit_block(lambda v: lax.all_gather(v, axis_name, axis=axis, tiled=True), a, axis)
-    return _per_explicit_block(lambda v: _bf16_all_gather(v, axis_name, axis), a, axis)
+    blocks = _explicit_blocks()
+    if a.dtype != jnp.bfloat16 and not blocks:
+        return lax.all_gather(a, axis_name, axis=axis, tiled=True)
+    return _all_gather(_unsplit(a, axis)[0] if blocks else a, axis_name, axis)
+
+
+def _explicit_blocks() -> frozenset:
+    """The automatic mesh axes psum_scatter runs per block of (none: lax's own runs)."""
+    if _TYPES_REDUCE_SCATTER or not jax_config._check_vma.value:  # no check_vma: lax's own types
+        return frozenset()
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = frozenset(getattr(mesh, "manual_axes", ()))
+    types = {n: t for n, t in zip(mesh.axis_names, mesh.axis_types) if n not in manual}
+    if not types or any(t != AxisType.Explicit for t in types.values()):
+        return frozenset()  # (a nested region beside Auto axes aborts XLA 0.11: left to lax)
+    return frozenset(types)
+
+
+def _unsplit(a, dim: int):
+    """`a` with dimension `dim` unsplit over the Explicit axes (the others as they were), and
+    that spec."""
+    spec = list(jax.typeof(a).sharding.spec)
+    spec += [None] * (a.ndim - len(spec))
+    if spec[dim] is None:
+        return a, P(*spec)
+    spec[dim] = None
+    return jax.sharding.reshard(a, P(*spec)), P(*spec)
 
 
 def _per_explicit_block(collective, a, dim: int):
-    """collective(a), in a nested manual region over the Explicit mesh axes left automatic (if
-    any), with `dim` (the gathered / scattered dimension) unsplit over them first."""
-    mesh = jax.sharding.get_abstract_mesh()
-    manual = frozenset(getattr(mesh, "manual_axes", ()))
-    explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit and n not in manual}
-    if not explicit:
+    """collective(a), in a nested manual region over _explicit_blocks() (if any), with `dim`
+    (the scattered dimension) unsplit over them first."""
+    axes = _explicit_blocks()
+    if not axes:
         return collective(a)
-    spec = list(jax.typeof(a).sharding.spec)
-    spec += [None] * (a.ndim - len(spec))
-    if spec[dim] is not None:
-        spec[dim] = None
-        a = jax.sharding.reshard(a, P(*spec))
-    return jax.shard_map(collective, out_specs=P(*spec), axis_names=explicit)(a)
+    whole, spec = _unsplit(a, dim)
+    return jax.shard_map(collective, out_specs=spec, axis_names=set(axes))(whole)
 
 
 def _reduced(reduce, a):
@@ -86,16 +108,17 @@ def _mesh_platform() -> str | None:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _bf16_all_gather(a, axis_name, axis):
+def _all_gather(a, axis_name, axis):
+    """lax.all_gather whose transpose is psum_scatter above (bfloat16; Explicit blocks)."""
     return lax.all_gather(a, axis_name, axis=axis, tiled=True)
 
 
-def _bf16_all_gather_fwd(a, axis_name, axis):
-    return _bf16_all_gather(a, axis_name, axis), None
+def _all_gather_fwd(a, axis_name, axis):
+    return _all_gather(a, axis_name, axis), None
 
 
-def _bf16_all_gather_bwd(axis_name, axis, _, dy):
+def _all_gather_bwd(axis_name, axis, _, dy):
     return (psum_scatter(dy, axis_name, axis),)
 
 
-_bf16_all_gather.defvjp(_bf16_all_gather_fwd, _bf16_all_gather_bwd)
+_all_gather.defvjp(_all_gather_fwd, _all_gather_bwd)

@@ -131,6 +131,29 @@ def test_partially_manual_region_on_a_dp_tp_mesh(op, axis_type):
         np.testing.assert_allclose(np.asarray(dw), np.einsum("bsd,bsn->dn", to64(x), ct64), rtol=1e-4, atol=1e-4)
 
 
+def test_twin_under_vmap_over_a_dimension_split_over_explicit_dp():
+    """jax.vmap inside shard_map(axis_names={"tp"}), the mapped dimension split over an Explicit
+    dp: the twin's all-gather stays lax's own (a nested region per dp block, which JAX 0.11's
+    reduce-scatter takes, cannot be built under that vmap), and matches the fused op and
+    float64."""
+    mesh = cpu_mesh((2, 4), ("dp", "tp"), AxisType.Explicit)
+    rng = np.random.default_rng()
+    x = rng.standard_normal((2, 2, 8, 16)).astype(np.float32)  # [experts, batch, seq, hidden]
+    w = rng.standard_normal((16, 16)).astype(np.float32)
+    xs = jax.device_put(x, NamedSharding(mesh, P("dp", None, "tp")))
+    ws = jax.device_put(w, NamedSharding(mesh, P(None, "tp")))
+
+    def fn(impl):
+        body = lambda a, b: jax.vmap(_ag_block(impl, 1), in_axes=(0, None))(a, b)  # noqa: E731
+        in_specs = (P(None, None, "tp"), P(None, "tp"))
+        return jax.jit(jax.shard_map(body, in_specs=in_specs, out_specs=P(None, None, None, "tp"), axis_names={"tp"}))
+
+    with jax.set_mesh(mesh):
+        twin, fused = fn("xla")(xs, ws), fn("fused")(xs, ws)
+    np.testing.assert_allclose(np.asarray(twin), np.einsum("ebsd,dn->ebsn", to64(x), to64(w)), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(fused), np.asarray(twin), rtol=2e-5, atol=2e-5)
+
+
 def test_partially_manual_region_on_a_dp_fsdp_tp_mesh_auto_may_fuse():
     mesh = cpu_mesh((2, 1, 4), ("dp", "fsdp", "tp"), AxisType.Auto)
     x, w, _ = _data()

@@ -18,7 +18,8 @@ row-major in the order named, as the ops read it); the kernels' TP dimension is 
 
 `fsdp_axis` (in a shard_map that maps only the TP axis, as a GSPMD model's) also shards each
 kernel's hidden (non-TP) dimension over that mesh axis: with Auto axes the partitioner gathers it
-before the TP region, with Explicit axes the op does; either reduce-scatters its gradient.
+before the TP region, with Explicit axes the op does; the gradient comes back summed over the
+data-parallel axes and split as the kernel is.
 
 A column layer followed by a row layer is one Megatron block: the sequence is
 gathered inside the first GEMM and scattered again inside the second
