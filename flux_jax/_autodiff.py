@@ -16,6 +16,7 @@ from __future__ import annotations
 import jax
 from jax import lax
 
+from flux_jax import _region
 from flux_jax.fp8 import Fp8Weight
 
 
@@ -35,9 +36,9 @@ def weight_grad(a, dy, w, transpose_w: bool):
     if isinstance(w, Fp8Weight):
         return None
     lead = tuple(range(a.ndim - 1))
-    spec = getattr(getattr(jax.typeof(a), "sharding", None), "spec", None)
+    spec = _region.type_spec(jax.typeof(a))
     out_sharding = None
-    if spec is not None and any(entry is not None for entry in tuple(spec)[: a.ndim - 1]):
+    if spec is not None and any(entry is not None for entry in spec[: a.ndim - 1]):
         out_sharding = jax.typeof(w).sharding
     if transpose_w:
         dw = lax.dot_general(dy, a, ((lead, lead), ((), ())), out_sharding=out_sharding)

@@ -29,6 +29,8 @@ from jax._src import config as jax_config  # private: whether the enclosing shar
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
+from flux_jax import _region
+
 _TYPES_REDUCE_SCATTER = jax.__version_info__ >= (0, 12)
 
 
@@ -69,8 +71,7 @@ def _explicit_blocks() -> frozenset:
 def _unsplit(a, dim: int):
     """`a` with dimension `dim` unsplit over the Explicit axes (the others as they were), and
     that spec."""
-    spec = list(jax.typeof(a).sharding.spec)
-    spec += [None] * (a.ndim - len(spec))
+    spec = _region.type_spec(jax.typeof(a))
     if spec[dim] is None:
         return a, P(*spec)
     spec[dim] = None

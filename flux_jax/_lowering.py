@@ -173,9 +173,8 @@ def _lower_in_manual_region(spec, ctx, x, w_ops, rank, call, groups, auto):
     from jax.sharding import PartitionSpec as P
 
     x_aval = ctx.avals_in[0]
-    spec_of_x = getattr(getattr(x_aval, "sharding", None), "spec", None)
     mesh = ctx.module_context.axis_context.mesh
-    x_spec = _region.x_spec(x_aval.shape, spec_of_x, auto, mesh, spec.name, spec.replicated)
+    x_spec = _region.x_spec(x_aval.shape, _region.type_spec(x_aval), auto, mesh, spec.name, spec.replicated)
     out_specs = tuple(P(*x_spec[:-1], None) for _ in ctx.avals_out)
     ids = tuple(int(d.id) for d in groups.ravel())
     procs = tuple(int(d.process_index) for d in groups.ravel())

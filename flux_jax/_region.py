@@ -16,27 +16,35 @@ from flux_jax._errors import FusedUnavailableError
 from flux_jax._validation import entry_axes as _names
 
 
+def type_spec(aval) -> list | None:
+    """The PartitionSpec entries of `aval`'s type (jax.typeof of an array), one per dimension
+    (Explicit mesh axes only; Auto and manual ones are not part of a type), or None where the
+    type carries no sharding."""
+    spec = getattr(getattr(aval, "sharding", None), "spec", None)
+    return None if spec is None else list(spec) + [None] * (len(aval.shape) - len(spec))
+
+
 def x_spec(shape, sharding_spec, auto: tuple, mesh, op: str, rows_free: bool) -> P:
     """x's partition spec over the automatic axes `auto` of `mesh` (concrete or abstract).
 
-    Explicit axes: the split x's type holds (`sharding_spec`, none over them: replicated), which
-    must be kept; K cannot be split, nor the gathered / scattered rows (dimension 0) unless
-    `rows_free` (matmul_ar: no rows cross ranks). Auto axes: the first middle dimension (any row
-    dimension if `rows_free`) that the axes' devices split evenly (a batch); x is replicated over
-    them if none does.
+    Explicit axes: the split x's type holds (`sharding_spec`, type_spec's entries; None: no
+    split), which must be kept; K cannot be split, nor the gathered / scattered rows (dimension
+    0) unless `rows_free` (matmul_ar: no rows cross ranks). Auto axes: the first middle dimension
+    (any row dimension if `rows_free`) that the axes' devices split evenly (a batch); x is
+    replicated over them if none does.
     """
     types = dict(zip(mesh.axis_names, mesh.axis_types))
     explicit = any(types[a] == AxisType.Explicit for a in auto)
-    dims = list(sharding_spec or ()) + [None] * (len(shape) - len(sharding_spec or ()))
+    dims = sharding_spec or [None] * len(shape)
     if explicit or any(a in _names(e) for e in dims for a in auto):
         if _names(dims[-1]):
             raise FusedUnavailableError(
-                f"flux_jax.{op}: x is sharded {sharding_spec} over the automatic mesh axes {auto} on its "
+                f"flux_jax.{op}: x is sharded {P(*dims)} over the automatic mesh axes {auto} on its "
                 "contraction dimension; the fused ops split only its row (batch) dimensions over them"
             )
         if _names(dims[0]) and not rows_free:
             raise FusedUnavailableError(
-                f"flux_jax.{op}: x (its gathered / scattered dimension moved first: {sharding_spec}) is "
+                f"flux_jax.{op}: x (its gathered / scattered dimension moved first: {P(*dims)}) is "
                 f"sharded over the automatic mesh axes {auto} on the dimension it gathers / scatters over "
                 "the TP axis; the fused op splits only the other row (batch) dimensions over them"
             )
@@ -65,7 +73,7 @@ def whole_weight(w):
     comes back split as w was (reshard's transpose)."""
 
     def gather(leaf):
-        spec = getattr(getattr(jax.typeof(leaf), "sharding", None), "spec", None)
+        spec = type_spec(jax.typeof(leaf))
         if spec is None or not any(entry is not None for entry in spec):
             return leaf
         return jax.sharding.reshard(leaf, P(*[None] * leaf.ndim))

@@ -46,6 +46,11 @@ def entry_axes(entry) -> tuple[str, ...]:
     return () if entry is None else axis_tuple(entry)
 
 
+def spec_entry(names: tuple[str, ...]):
+    """One PartitionSpec entry for mesh axes `names`: None for (), "dp" for ("dp",), else the tuple."""
+    return None if not names else names[0] if len(names) == 1 else names
+
+
 def axis_set(axis_name) -> frozenset[str]:
     """The mesh axes of a TP axis name, as a set (to add to or take from a manual-axis type)."""
     return frozenset(axis_tuple(axis_name))

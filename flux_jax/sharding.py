@@ -66,8 +66,7 @@ def _place(x, mesh, spec):
         return x
 
     def keep(entry):
-        kept = tuple(a for a in _validation.entry_axes(entry) if a in explicit)
-        return kept[0] if len(kept) == 1 else (kept or None)
+        return _validation.spec_entry(tuple(a for a in _validation.entry_axes(entry) if a in explicit))
 
     return jax.sharding.reshard(x, NamedSharding(mesh, P(*(keep(e) for e in spec))))
 

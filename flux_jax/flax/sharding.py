@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from flux_jax._validation import entry_axes as _names
 from flux_jax._validation import parse_axis_name
+from flux_jax._validation import spec_entry as _entry
 
 
 def tp_axis_names(tp_axis) -> tuple[str, ...]:
@@ -63,10 +64,6 @@ def place(x: jax.Array, mesh: jax.sharding.Mesh, spec: P) -> jax.Array:
     if any(t == AxisType.Explicit for t in mesh.axis_types):
         return jax.sharding.reshard(x, NamedSharding(mesh, spec))
     return x
-
-
-def _entry(names: tuple):
-    return None if not names else names[0] if len(names) == 1 else names
 
 
 def place_manual(x: jax.Array, mesh: jax.sharding.Mesh, spec: P, axis_names) -> jax.Array:

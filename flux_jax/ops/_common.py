@@ -25,9 +25,8 @@ def device_shape(spec: OpSpec, x) -> tuple:
     auto = tuple(a for a in mesh.axis_names if a not in manual)
     if not any(sizes[a] > 1 for a in auto):
         return tuple(x.shape)
-    spec_of_x = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
     try:
-        split = _region.x_spec(x.shape, spec_of_x, auto, mesh, spec.name, spec.replicated)
+        split = _region.x_spec(x.shape, _region.type_spec(jax.typeof(x)), auto, mesh, spec.name, spec.replicated)
     except FusedUnavailableError:
         return tuple(x.shape)  # the lowering raises it (impl="fused") or takes the twin
     return _region.shard_shape(x.shape, split, mesh)
